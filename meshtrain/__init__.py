@@ -1,0 +1,1 @@
+"""meshtrain: LLM training on one six-axis JAX device mesh."""

@@ -1,0 +1,34 @@
+"""meshtrain: 5D-parallel LLM training with JAX on one named device mesh."""
+
+from setuptools import find_packages, setup
+
+# Versions tested together on Python 3.11 (CPU) and CUDA 12 GPUs.
+INSTALL_REQUIRES = [
+    "jax==0.10.2",
+    "jaxlib==0.10.2",
+    "flax==0.12.8",
+    "optax==0.2.8",
+    "orbax-checkpoint==0.12.8",
+    "chex==0.1.92",
+    "ml-collections==1.1.0",
+    "tensorflow-datasets==4.9.10",
+    "grain==0.2.18",
+    "array-record==0.8.6",
+    "absl-py>=2.1",
+    "numpy>=1.26",
+]
+
+EXTRAS = {
+    "test": ["pytest==9.0.3", "pytest-xdist==3.8.0"],
+    "gpu": ["jax[cuda12]==0.10.2"],
+}
+
+setup(
+    name="meshtrain",
+    version="0.1.0",
+    description="LLM training on one six-axis JAX device mesh (data, fsdp, tensor, sequence, expert, stage).",
+    packages=find_packages(include=["meshtrain", "meshtrain.*"]),
+    python_requires=">=3.11",
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+)
