@@ -1,0 +1,281 @@
+"""The config schema, its defaults and its validation: the one place that says what a run may be.
+
+Every field has a default here; `configs/*.py` override a few and the command line
+overrides any (`--config.mesh.tensor=2`). `validate` runs before anything is traced or
+compiled and raises one `ValueError` naming the key, the value and the rule it broke.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import ml_collections
+
+MESH_AXES = ("data", "fsdp", "tensor", "sequence", "expert", "stage")
+DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "selective", "full", "offload")
+ATTENTION_IMPLS = ("xla", "ring", "pallas")
+PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """Every key a run understands, with its default."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.steps = 100
+    c.workdir = "runs/default"
+    c.cpu_devices = 8  # fake this many devices when the platform is CPU (0: leave JAX's default)
+    c.log_every = 10
+    c.eval_every = 0  # 0: no evaluation
+    c.eval_batches = 4
+    c.explain = False  # print the parameter sharding table and exit
+
+    c.mesh = ml_collections.ConfigDict()
+    for axis in MESH_AXES:  # one may be -1: filled with the remaining devices
+        setattr(c.mesh, axis, 1)
+    c.mesh.data = -1
+    for axis in MESH_AXES:  # cross-node (DCN) part of each axis; the product is the node count
+        setattr(c.mesh, f"dcn_{axis}", 1)
+
+    c.distributed = ml_collections.ConfigDict()
+    c.distributed.coordinator_address = ""  # "host:port"; empty: auto-detect (SLURM, cloud) or single process
+    c.distributed.num_processes = 0
+    c.distributed.process_id = -1
+
+    c.model = ml_collections.ConfigDict()
+    c.model.vocab_size = 512
+    c.model.d_model = 128
+    c.model.n_layers = 4
+    c.model.n_heads = 8
+    c.model.n_kv_heads = 4
+    c.model.head_dim = 16
+    c.model.mlp_dim = 384
+    c.model.rope_theta = 10000.0
+    c.model.norm_eps = 1e-5
+    c.model.tie_embeddings = False
+    c.model.init_std = 0.02
+    c.model.dtype = "bfloat16"  # compute dtype
+    c.model.param_dtype = "float32"  # storage dtype of parameters and optimizer state
+    c.model.sequence_parallel = False  # Megatron SP: norm/residual regions split over `tensor`
+    c.model.fused_norm = False  # Pallas RMSNorm
+    c.model.fused_loss = False  # Pallas output projection + cross-entropy
+    # Mixture of experts (num_experts == 0: dense model).
+    c.model.num_experts = 0
+    c.model.experts_per_token = 2
+    c.model.moe_every = 1
+    c.model.capacity_factor = 1.25
+    c.model.moe_dropless = False
+    c.model.moe_mlp_dim = 0  # 0: same as mlp_dim
+    c.model.shared_expert = False
+    c.model.aux_loss_weight = 0.01
+    c.model.router_z_loss_weight = 0.001
+
+    c.attention = ml_collections.ConfigDict()
+    c.attention.impl = "xla"
+    c.attention.zigzag = True  # ring attention: zig-zag load balancing of the causal work
+
+    c.remat = ml_collections.ConfigDict()
+    c.remat.policy = "selective"
+
+    c.train = ml_collections.ConfigDict()
+    c.train.batch_size = 16  # global rows per optimizer step
+    c.train.seq_len = 128
+    c.train.grad_accum_steps = 1  # micro-batches per step
+    c.train.zero_stage = 1
+    c.train.learning_rate = 3e-3
+    c.train.warmup_steps = 10
+    c.train.min_lr_ratio = 0.1
+    c.train.weight_decay = 0.1
+    c.train.b1 = 0.9
+    c.train.b2 = 0.95
+    c.train.eps = 1e-8
+    c.train.grad_clip = 1.0  # global-norm clip; 0 disables
+    c.train.skip_nonfinite = False
+
+    c.data = ml_collections.ConfigDict()
+    c.data.source = "synthetic"
+    c.data.files = ""
+    c.data.tokenizer = "bytes"
+    c.data.data_dir = ""
+    c.data.text_field = "text"
+    c.data.cross_document_attention = False
+    c.data.prefetch = 2
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every = 0  # 0: only at the end
+    c.checkpoint.keep = 2
+    c.checkpoint.async_save = True
+    c.checkpoint.restore_from = ""
+
+    c.pipeline = ml_collections.ConfigDict()
+    c.pipeline.schedule = "gpipe"
+    c.pipeline.microbatches = 4
+    c.pipeline.repeats = 1
+    return c
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation. Each rule raises ConfigError(key, value, rule); all run before tracing.
+# ---------------------------------------------------------------------------------------------
+
+
+class ConfigError(ValueError):
+    """A config value broke a rule. The message names the key, the value and the rule."""
+
+    def __init__(self, key: str, value, rule: str):
+        self.key, self.value, self.rule = key, value, rule
+        super().__init__(f"config.{key}={value!r}: {rule}")
+
+
+def _require(ok: bool, key: str, value, rule: str) -> None:
+    if not ok:
+        raise ConfigError(key, value, rule)
+
+
+def mesh_shape(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
+    """The six axis sizes with a -1 filled in; raises ConfigError if they cannot fill `num_devices`."""
+    sizes = {axis: int(config.mesh[axis]) for axis in MESH_AXES}
+    fill = [axis for axis, size in sizes.items() if size == -1]
+    _require(len(fill) <= 1, f"mesh.{fill[-1] if fill else ''}", -1,
+             f"at most one mesh axis may be -1 (fill); got -1 for {fill}")
+    for axis, size in sizes.items():
+        _require(size == -1 or size >= 1, f"mesh.{axis}", size, "mesh axis sizes must be >= 1 (or -1 to fill)")
+    known = math.prod(size for size in sizes.values() if size != -1)
+    if fill:
+        _require(num_devices % known == 0, f"mesh.{fill[0]}", -1,
+                 f"cannot fill: the other axes multiply to {known}, which does not divide {num_devices} devices")
+        sizes[fill[0]] = num_devices // known
+    product = math.prod(sizes.values())
+    _require(product == num_devices, "mesh", dict(sizes),
+             f"the mesh axes multiply to {product} but there are {num_devices} devices")
+    for axis in MESH_AXES:
+        dcn = int(config.mesh[f"dcn_{axis}"])
+        _require(dcn >= 1 and sizes[axis] % dcn == 0, f"mesh.dcn_{axis}", dcn,
+                 f"the cross-node part must be >= 1 and divide mesh.{axis}={sizes[axis]}")
+    return sizes
+
+
+def data_parallel_size(sizes: dict[str, int]) -> int:
+    """Number of ways the batch is split: data x fsdp x expert (expert splits the batch outside MoE)."""
+    return sizes["data"] * sizes["fsdp"] * sizes["expert"]
+
+
+def _divides(key: str, value: int, what: str, by: int, by_name: str) -> None:
+    _require(value % by == 0, key, value, f"{what} must be divisible by {by_name}={by}")
+
+
+def _validate_choices(config) -> None:
+    for key, choices in (("model.dtype", DTYPES), ("model.param_dtype", DTYPES),
+                         ("remat.policy", REMAT_POLICIES), ("attention.impl", ATTENTION_IMPLS),
+                         ("pipeline.schedule", PIPELINE_SCHEDULES)):
+        section, name = key.split(".")
+        value = config[section][name]
+        _require(value in choices, key, value, f"must be one of {choices}")
+    _require(config.train.zero_stage in (0, 1, 2, 3), "train.zero_stage", config.train.zero_stage,
+             "must be 0, 1, 2 or 3")
+
+
+def _validate_positive(config) -> None:
+    positive = ("model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
+                "model.head_dim", "model.mlp_dim", "train.batch_size", "train.seq_len",
+                "train.grad_accum_steps", "steps", "log_every", "checkpoint.keep",
+                "pipeline.microbatches", "pipeline.repeats")
+    for key in positive:
+        value = config
+        for part in key.split("."):
+            value = value[part]
+        _require(isinstance(value, int) and value >= 1, key, value, "must be a positive integer")
+    for key in ("eval_every", "checkpoint.every", "cpu_devices", "model.num_experts", "model.moe_mlp_dim"):
+        value = config
+        for part in key.split("."):
+            value = value[part]
+        _require(isinstance(value, int) and value >= 0, key, value, "must be a non-negative integer")
+    for key in ("train.learning_rate", "model.norm_eps", "model.rope_theta", "model.init_std"):
+        section, name = key.split(".")
+        _require(config[section][name] > 0, key, config[section][name], "must be > 0")
+    _require(0.0 <= config.train.min_lr_ratio <= 1.0, "train.min_lr_ratio", config.train.min_lr_ratio,
+             "must be in [0, 1]")
+    _require(config.train.warmup_steps >= 0, "train.warmup_steps", config.train.warmup_steps, "must be >= 0")
+
+
+def _validate_shapes(config, sizes: dict[str, int]) -> None:
+    m, t = config.model, config.train
+    _divides("model.n_heads", m.n_heads, "query heads", m.n_kv_heads, "model.n_kv_heads")
+    _divides("model.n_heads", m.n_heads, "query heads", sizes["tensor"], "mesh.tensor")
+    _divides("model.n_kv_heads", m.n_kv_heads, "KV heads", sizes["tensor"], "mesh.tensor")
+    _divides("model.mlp_dim", m.mlp_dim, "the MLP width", sizes["tensor"], "mesh.tensor")
+    _divides("model.vocab_size", m.vocab_size, "the vocabulary", sizes["tensor"], "mesh.tensor")
+    if config.train.zero_stage > 0:  # ZeRO shards the `embed` dimension of parameter-sized state over fsdp
+        _divides("model.d_model", m.d_model, "d_model (sharded by ZeRO)", sizes["fsdp"], "mesh.fsdp")
+    _divides("model.n_layers", m.n_layers, "layers", sizes["stage"], "mesh.stage")
+    _divides("train.seq_len", t.seq_len, "the sequence length", sizes["sequence"], "mesh.sequence")
+    if m.sequence_parallel:
+        _divides("train.seq_len", t.seq_len, "the sequence length (model.sequence_parallel)",
+                 sizes["sequence"] * sizes["tensor"], "mesh.sequence*mesh.tensor")
+    dp = data_parallel_size(sizes)
+    _divides("train.batch_size", t.batch_size, "the global batch (micro-batch x accumulation x data-parallel)",
+             t.grad_accum_steps * dp, f"train.grad_accum_steps*mesh.(data*fsdp*expert)={t.grad_accum_steps}*{dp}")
+
+
+# Validators of the parallelism modules, registered by those modules (ring attention, pipeline,
+# MoE, data): each takes (config, mesh sizes) and raises ConfigError.
+EXTRA_VALIDATORS: list[Callable] = []
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
+    """Checks every rule; returns the resolved mesh shape. Raises ConfigError (a ValueError)."""
+    _validate_choices(config)
+    _validate_positive(config)
+    sizes = mesh_shape(config, num_devices)
+    _validate_shapes(config, sizes)
+    for validator in EXTRA_VALIDATORS:
+        validator(config, sizes)
+    return sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The model's hyper-parameters as a hashable value (a static argument of traced code)."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    sequence_parallel: bool = False
+    remat_policy: str = "none"
+    attention_impl: str = "xla"
+    fused_norm: bool = False
+    fused_loss: bool = False
+    num_experts: int = 0
+    experts_per_token: int = 2
+    moe_every: int = 1
+    capacity_factor: float = 1.25
+    moe_dropless: bool = False
+    moe_mlp_dim: int = 0
+    shared_expert: bool = False
+
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict) -> ModelConfig:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in config.model.items() if k in fields}
+        return cls(**values, remat_policy=config.remat.policy, attention_impl=config.attention.impl)
+
+    def num_params(self) -> int:
+        """Exact parameter count of the dense model (embedding, layers, final norm, head)."""
+        d, h, k, hd = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim
+        attn = d * h * hd + 2 * d * k * hd + h * hd * d
+        mlp = 3 * d * self.mlp_dim
+        layer = attn + mlp + 2 * d
+        head = 0 if self.tie_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.n_layers * layer + d + head
