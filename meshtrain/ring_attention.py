@@ -1,0 +1,430 @@
+"""Context parallelism: ring attention over the `sequence` mesh axis, zig-zag balanced.
+
+Playbook, "Context Parallelism", "Discovering Ring Attention" and "Zig-Zag Ring
+Attention – A Balanced Compute Implementation". The sequence is split over the N
+devices of `axis_name`; every device keeps its queries while the key/value blocks
+(and their segment ids) travel around the ring with `lax.ppermute`: N steps, N - 1
+transfers, the next transfer issued before the current block is computed so the
+two can overlap. Block results are merged with an online log-sum-exp softmax, the
+idea flash attention uses inside one device.
+
+Zig-zag layout: the sequence is cut into 2N chunks and device i holds chunks i and
+2N - 1 - i, so every device owns as many early as late tokens and does the same
+causal work. The permutation is applied once to the data (tokens, positions,
+labels, segment ids: `zigzag_permutation`), never per layer; inside, causality is
+decided by each token's global index, rebuilt from the device index and the layout.
+
+Backward (`jax.custom_vjp`): a second ring in which dK/dV accumulate while they
+travel with their K/V block and arrive home after one more hop, so the residuals
+are only the local q, k, v, out and lse: O(local block), never O(full sequence).
+
+Shapes below: B batch, T global length, L = T / N local length, H query heads,
+K key/value heads (H % K == 0, grouped-query attention), D head dim,
+G = H / K queries per key/value head. A comment such as `# [B, L_seq, H, D]` says
+the length axis is split over `sequence` (global T, local L).
+
+Pluggable block computation (`block_fn`). The local block is computed by
+`forward(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
+sm_scale) -> (out, lse)` with q [B, Lq, H, D], k/v [B, Lk, K, D], segment ids
+[B, Lq] / [B, Lk] int32, positions (global token indices) [B, Lq] / [B, Lk] int32,
+out [B, Lq, H, D] (normalised within the block) and lse [B, H, Lq] float32
+(-inf where a row sees nothing in the block). A query attends to a key iff the
+segment ids are equal and kv_position <= q_position. This is the signature of
+`meshtrain.pallas_kernels.flash_attention.flash_attention_with_lse` (plus
+`sm_scale`), so the kernel plugs in directly. Pass either such a callable (its
+backward is then derived with `jax.vjp` from the cotangents of out and lse, so it
+must be differentiable in both) or a `BlockAttention(forward, backward)` whose
+`backward(q, k, v, out, lse, dout, *, <same keywords>) -> (dq, dk, dv)` takes the
+*global* out / lse / dout of the query rows (the flash-attention backward kernel
+computes exactly the block's share of the gradient from those).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+Array = jax.Array
+BlockForward = Callable[..., tuple[Array, Array]]
+BlockBackward = Callable[..., tuple[Array, Array, Array]]
+
+
+class BlockAttention(NamedTuple):
+    """A local block attention: forward -> (out, lse); optional explicit backward."""
+
+    forward: BlockForward
+    backward: BlockBackward | None = None
+
+
+# ----------------------------------------------------------------------------
+# Layout: zig-zag permutation and global token indices.
+
+
+def zigzag_permutation(seq_len: int, n: int) -> np.ndarray:
+    """Token order of the zig-zag layout for `n` devices: `x_zigzag = x[:, perm]`.
+
+    The sequence is cut into 2n chunks; after sharding the permuted sequence over n
+    devices, device i holds chunks i and 2n - 1 - i (playbook, "Zig-Zag Ring Attention").
+
+    Args:
+      seq_len: global sequence length T; must be divisible by 2 * n.
+      n: number of devices on the sequence axis.
+
+    Returns:
+      int64 array of shape [seq_len], a permutation of range(seq_len).
+    """
+    if n < 1:
+        raise ValueError(f"n={n} must be >= 1 (size of the sequence mesh axis).")
+    if seq_len % (2 * n):
+        raise ValueError(
+            f"seq_len={seq_len} must be divisible by 2 * n = {2 * n} for the zig-zag layout."
+        )
+    c = seq_len // (2 * n)
+    chunks = np.arange(seq_len).reshape(2 * n, c)
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
+
+
+def inverse_permutation(perm: np.ndarray) -> np.ndarray:
+    """The permutation that undoes `perm`: `x[:, perm][:, inverse_permutation(perm)] == x`."""
+    perm = np.asarray(perm)
+    inv = np.empty_like(perm)
+    inv[perm] = np.arange(perm.size, dtype=perm.dtype)
+    return inv
+
+
+def _global_positions(device: Array | int, n: int, local_len: int, zigzag: bool) -> Array:
+    """Global token indices [L] of the block owned by `device` on the ring."""
+    if not zigzag:
+        return device * local_len + jnp.arange(local_len, dtype=jnp.int32)
+    c = local_len // 2
+    r = jnp.arange(c, dtype=jnp.int32)
+    return jnp.concatenate([device * c + r, (2 * n - 1 - device) * c + r])
+
+
+def causal_pairs_per_device(seq_len: int, n: int, zigzag: bool) -> np.ndarray:
+    """Unmasked (query, key) pairs of causal attention each device owns: the work balance.
+
+    Counts pairs with key index <= query index for the queries a device holds (one
+    document per row). With zig-zag every entry is equal; the contiguous layout gives
+    device i about (2i + 1) / N^2 of the total.
+    """
+    perm = zigzag_permutation(seq_len, n) if zigzag else np.arange(seq_len)
+    return (perm.reshape(n, -1) + 1).sum(axis=1)
+
+
+# ----------------------------------------------------------------------------
+# Local block attention in jnp (the default block_fn) and its backward.
+
+
+def _block_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions) -> Array:
+    """[B, Lq, Lk] bool: same document and key not in the query's future."""
+    same_doc = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+    causal = kv_positions[:, None, :] <= q_positions[:, :, None]
+    return same_doc & causal
+
+
+def _scores(q, k, sm_scale) -> Array:
+    """[B, K, G, Lq, Lk] float32 scaled scores; q [B, Lq, H, D], k [B, Lk, K, D]."""
+    b, lq, h, d = q.shape
+    kh = k.shape[2]
+    q_g = q.reshape(b, lq, kh, h // kh, d).astype(jnp.float32)
+    return jnp.einsum("bqkgd,bskd->bkgqs", q_g, k.astype(jnp.float32)) * sm_scale
+
+
+def block_attention_forward(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    q_segment_ids: Array,
+    kv_segment_ids: Array,
+    q_positions: Array,
+    kv_positions: Array,
+    sm_scale: float,
+) -> tuple[Array, Array]:
+    """Masked softmax attention of one block: (out [B, Lq, H, D] f32, lse [B, H, Lq] f32).
+
+    Rows that see no key in the block get out = 0 and lse = -inf, without NaNs in
+    values or gradients (the max is stop-gradient'ed and the log guarded).
+    """
+    b, lq, h, d = q.shape
+    kh = k.shape[2]
+    mask = _block_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+    s = jnp.where(mask[:, None, None], _scores(q, k, sm_scale), -jnp.inf)  # [B,K,G,Lq,Lk]
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    p = jnp.exp(s - m)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    l_safe = jnp.where(l > 0, l, 1.0)
+    o = jnp.einsum("bkgqs,bskd->bqkgd", p / l_safe, v.astype(jnp.float32))
+    lse = jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf)[..., 0]  # [B,K,G,Lq]
+    return o.reshape(b, lq, h, d), lse.reshape(b, h, lq)
+
+
+def block_attention_backward(
+    q: Array,
+    k: Array,
+    v: Array,
+    out: Array,
+    lse: Array,
+    dout: Array,
+    *,
+    q_segment_ids: Array,
+    kv_segment_ids: Array,
+    q_positions: Array,
+    kv_positions: Array,
+    sm_scale: float,
+) -> tuple[Array, Array, Array]:
+    """This block's share of (dq, dk, dv) given the rows' global out, lse and dout (f32).
+
+    Flash-attention backward: P = exp(S - lse) with the global lse,
+    dS = P * (dO V^T - rowsum(dO * O)).
+    """
+    b, lq, h, d = q.shape
+    kh = k.shape[2]
+    g = h // kh
+    mask = _block_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+    lse_g = lse.reshape(b, kh, g, lq)[..., None]
+    p = jnp.where(mask[:, None, None], jnp.exp(_scores(q, k, sm_scale) - lse_g), 0.0)
+    do_g = dout.reshape(b, lq, kh, g, d).astype(jnp.float32)
+    delta = jnp.einsum("bqkgd,bqkgd->bkgq", do_g, out.reshape(b, lq, kh, g, d).astype(jnp.float32))
+    dv = jnp.einsum("bkgqs,bqkgd->bskd", p, do_g)
+    dp = jnp.einsum("bqkgd,bskd->bkgqs", do_g, v.astype(jnp.float32))
+    ds = p * (dp - delta[..., None]) * sm_scale
+    dq = jnp.einsum("bkgqs,bskd->bqkgd", ds, k.astype(jnp.float32)).reshape(b, lq, h, d)
+    dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, q.reshape(b, lq, kh, g, d).astype(jnp.float32))
+    return dq, dk, dv
+
+
+JNP_BLOCK_ATTENTION = BlockAttention(block_attention_forward, block_attention_backward)
+
+
+def _backward_from_vjp(forward: BlockForward) -> BlockBackward:
+    """A block backward derived from a differentiable forward (out, lse) with jax.vjp.
+
+    With w = exp(lse_b - lse) the block's weight in the merged output
+    O = sum_b w_b O_b: dO_b = w_b dO and dlse_b = w_b * rowsum(dO * (O_b - O)).
+    """
+
+    def backward(q, k, v, out, lse, dout, **masks):
+        (o_b, lse_b), vjp = jax.vjp(lambda q_, k_, v_: forward(q_, k_, v_, **masks), q, k, v)
+        w = jnp.exp(lse_b.astype(jnp.float32) - lse)  # [B, H, Lq]; 0 where lse_b = -inf
+        w_t = jnp.swapaxes(w, 1, 2)[..., None]  # [B, Lq, H, 1]
+        do_b = w_t * dout
+        delta_b = jnp.sum(dout * (o_b.astype(jnp.float32) - out), axis=-1)  # [B, Lq, H]
+        dlse_b = w * jnp.swapaxes(delta_b, 1, 2)
+        return vjp((do_b.astype(o_b.dtype), dlse_b.astype(lse_b.dtype)))
+
+    return backward
+
+
+def _resolve_block_fn(block_fn: BlockForward | BlockAttention | None) -> BlockAttention:
+    if block_fn is None:
+        return JNP_BLOCK_ATTENTION
+    if isinstance(block_fn, BlockAttention):
+        if block_fn.backward is None:
+            return BlockAttention(block_fn.forward, _backward_from_vjp(block_fn.forward))
+        return block_fn
+    if callable(block_fn):
+        return BlockAttention(block_fn, _backward_from_vjp(block_fn))
+    raise ValueError(f"block_fn={block_fn!r} must be None, a callable or a BlockAttention.")
+
+
+# ----------------------------------------------------------------------------
+# The ring (runs inside shard_map, manual over `axis_name` only).
+
+
+def _merge(out, lse, o_b, lse_b):
+    """Online softmax: merge block (o_b, lse_b) into the running (out, lse); -inf safe."""
+    m = jnp.maximum(lse, lse_b)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w, w_b = jnp.exp(lse - m), jnp.exp(lse_b - m)  # [B, H, L]
+    tot = w + w_b
+    tot_safe = jnp.where(tot > 0, tot, 1.0)
+    to_rows = lambda x: jnp.swapaxes(x, 1, 2)[..., None]  # noqa: E731  [B,H,L] -> [B,L,H,1]
+    out = (to_rows(w) * out + to_rows(w_b) * o_b) / to_rows(tot_safe)
+    lse = jnp.where(tot > 0, m + jnp.log(tot_safe), -jnp.inf)
+    return out, lse
+
+
+def _make_local_attention(n: int, axis_name: str, zigzag: bool, sm_scale: float, block: BlockAttention):
+    """The per-device attention (custom_vjp) over local blocks [B, L_seq, ...]."""
+    perm = [(i, (i + 1) % n) for i in range(n)]
+
+    def shift(x):
+        return lax.ppermute(x, axis_name, perm)
+
+    def masks(seg_q, seg_kv, idx, step, b, local_len):
+        src = (idx - step) % n  # the device whose K/V block is here at this step
+        pos_q = _global_positions(idx, n, local_len, zigzag)
+        pos_kv = _global_positions(src, n, local_len, zigzag)
+        return dict(
+            q_segment_ids=seg_q,
+            kv_segment_ids=seg_kv,
+            q_positions=jnp.broadcast_to(pos_q, (b, local_len)),
+            kv_positions=jnp.broadcast_to(pos_kv, (b, local_len)),
+            sm_scale=sm_scale,
+        )
+
+    def forward(q, k, v, seg):
+        # q: [B, L_seq, H, D]; k, v: [B, L_seq, K, D]; seg: [B, L_seq]
+        idx = lax.axis_index(axis_name)
+        b, local_len = seg.shape
+        kv = (k, v, seg)
+        out = lse = None
+        for step in range(n):
+            nxt = shift(kv) if step < n - 1 else None  # issued before this block's compute
+            kw = masks(seg, kv[2], idx, step, b, local_len)
+            o_b, lse_b = block.forward(q, kv[0], kv[1], **kw)
+            o_b, lse_b = o_b.astype(jnp.float32), lse_b.astype(jnp.float32)
+            out, lse = (o_b, lse_b) if out is None else _merge(out, lse, o_b, lse_b)
+            kv = nxt
+        return out, lse  # [B, L_seq, H, D] f32, [B, H, L_seq] f32
+
+    @jax.custom_vjp
+    def attention(q, k, v, seg):
+        return forward(q, k, v, seg)[0].astype(q.dtype)
+
+    def attention_fwd(q, k, v, seg):
+        out, lse = forward(q, k, v, seg)
+        out = out.astype(q.dtype)
+        return out, (q, k, v, seg, out, lse)  # O(local block) residuals
+
+    def attention_bwd(res, dout):
+        q, k, v, seg, out, lse = res
+        idx = lax.axis_index(axis_name)
+        b, local_len = seg.shape
+        out_f, dout_f = out.astype(jnp.float32), dout.astype(jnp.float32)
+        kv = (k, v, seg)
+        dq = dkv = None
+        for step in range(n):
+            nxt = shift(kv) if step < n - 1 else None
+            kw = masks(seg, kv[2], idx, step, b, local_len)
+            dq_b, dk_b, dv_b = block.backward(q, kv[0], kv[1], out_f, lse, dout_f, **kw)
+            dq = dq_b if dq is None else dq + dq_b
+            dkv = (dk_b, dv_b) if dkv is None else (dkv[0] + dk_b, dkv[1] + dv_b)
+            # dK/dV travel with their block; after the last step one more hop takes
+            # them home (N transfers of dK/dV, N - 1 of K/V).
+            dkv = shift(dkv) if n > 1 else dkv
+            kv = nxt
+        return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
+
+    attention.defvjp(attention_fwd, attention_bwd)
+    return attention
+
+
+# ----------------------------------------------------------------------------
+# Public entry points.
+
+
+def ring_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    segment_ids: Array,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: str = "sequence",
+    zigzag: bool = True,
+    sm_scale: float | None = None,
+    block_fn: BlockForward | BlockAttention | None = None,
+) -> Array:
+    """Causal, document-masked, grouped-query ring attention over the `axis_name` ring.
+
+    Playbook, "Discovering Ring Attention" / "Zig-Zag Ring Attention". Only
+    `axis_name` is manual inside the `shard_map`; batch (data / fsdp) and heads
+    (tensor) stay under the automatic partitioner and compose.
+
+    Args:
+      q: [B, T_seq, H, D] queries (global array, T sharded over `axis_name`).
+      k: [B, T_seq, K, D] keys, H % K == 0; K heads travel (no per-query-head copies).
+      v: [B, T_seq, K, D] values.
+      segment_ids: [B, T_seq] int32; tokens attend only within equal ids.
+      mesh: the device mesh holding `axis_name`.
+      axis_name: the context-parallel mesh axis.
+      zigzag: True when the token order of all inputs is already
+        `x[:, zigzag_permutation(T, N)]`; False for the natural (contiguous) order.
+        Causality always follows the global token index of that layout.
+      sm_scale: softmax scale; defaults to 1 / sqrt(D).
+      block_fn: the local block computation (see the module docstring); None = jnp.
+
+    Returns:
+      [B, T_seq, H, D] attention output in the input token order, dtype of q.
+    """
+    n = mesh.shape[axis_name]
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+        raise ValueError(
+            f"q.shape={q.shape}, k.shape={k.shape}, v.shape={v.shape}: expected q [B, T, H, D] "
+            "and k, v [B, T, K, D] of equal shape."
+        )
+    b, t, h, d = q.shape
+    if k.shape[:2] != (b, t) or k.shape[3] != d or h % k.shape[2]:
+        raise ValueError(
+            f"k.shape={k.shape} does not match q.shape={q.shape}: need the same B, T, D and "
+            "H divisible by K (grouped-query attention)."
+        )
+    if segment_ids.shape != (b, t):
+        raise ValueError(f"segment_ids.shape={segment_ids.shape} must be [B, T] = {(b, t)}.")
+    chunks = 2 * n if zigzag else n
+    if t % chunks:
+        raise ValueError(
+            f"sequence length T={t} must be divisible by {'2 * ' if zigzag else ''}"
+            f"mesh.{axis_name}={n} (= {chunks}) for ring attention (zigzag={zigzag})."
+        )
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    local = _make_local_attention(n, axis_name, zigzag, scale, _resolve_block_fn(block_fn))
+    x_spec, seg_spec = P(None, axis_name, None, None), P(None, axis_name)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(x_spec, x_spec, x_spec, seg_spec),
+        out_specs=x_spec,
+        axis_names={axis_name},
+        check_vma=True,
+    )(q, k, v, segment_ids.astype(jnp.int32))
+
+
+def dense_attention_reference(
+    q: Array, k: Array, v: Array, segment_ids: Array, sm_scale: float | None = None
+) -> Array:
+    """Dense causal + document-masked GQA attention in natural token order (the reference).
+
+    q [B, T, H, D], k / v [B, T, K, D], segment_ids [B, T] -> [B, T, H, D].
+    """
+    b, t, h, d = q.shape
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    g = h // k.shape[2]
+    k_h, v_h = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)  # head j uses kv head j // g
+    s = jnp.einsum("bqhd,bshd->bhqs", q, k_h) * scale
+    pos = jnp.arange(t)
+    mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (pos[None, :] <= pos[:, None])
+    p = jax.nn.softmax(jnp.where(mask[:, None], s, -jnp.inf), axis=-1)
+    return jnp.einsum("bhqs,bshd->bqhd", p, v_h)
+
+
+def validate_config(config: Any) -> None:
+    """Checks `train.seq_len` against the ring: divisible by 2 * `mesh.sequence`.
+
+    Zig-zag cuts the sequence into 2 * mesh.sequence equal chunks. `mesh.sequence`
+    = -1 ("fill") is resolved later and skipped here.
+
+    Raises:
+      ValueError: naming `train.seq_len`, its value and the rule.
+    """
+    seq_len, n = int(config.train.seq_len), int(config.mesh.sequence)
+    if n == -1:
+        return
+    if n < 1:
+        raise ValueError(f"mesh.sequence={n} must be >= 1 or -1 (fill).")
+    if seq_len % (2 * n):
+        raise ValueError(
+            f"train.seq_len={seq_len} must be divisible by 2 * mesh.sequence = {2 * n} "
+            "(ring attention cuts the sequence into 2 * mesh.sequence zig-zag chunks)."
+        )
