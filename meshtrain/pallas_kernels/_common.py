@@ -1,0 +1,55 @@
+"""Helpers shared by the Pallas kernels: backend choice and block-size fitting."""
+
+from __future__ import annotations
+
+import jax
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """`None` means interpret mode on CPU and compiled Triton anywhere else."""
+    if interpret is None:
+        return jax.default_backend() == "cpu"
+    return bool(interpret)
+
+
+def is_power_of_two(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def floor_power_of_two(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def fit_block(
+    name: str,
+    requested: int,
+    dim: int,
+    dim_name: str,
+    *,
+    minimum: int,
+    user_given: bool,
+) -> int:
+    """Returns the power-of-two block size for `dim`, clamped to it.
+
+    A block chosen by default is halved until it divides `dim`; a block given by
+    the caller is only clamped, and must then divide `dim`.
+
+    Raises:
+        ValueError: the block is not a power of two, is below `minimum`, or does
+            not divide `dim`.
+    """
+    if not is_power_of_two(requested) or requested < minimum:
+        raise ValueError(
+            f"{name}={requested} must be a power of two >= {minimum} "
+            "(Triton tiles are powers of two and tl.dot needs 16)"
+        )
+    block = min(requested, floor_power_of_two(dim))
+    if not user_given:
+        while block > minimum and dim % block:
+            block //= 2
+    if block < minimum or dim % block:
+        raise ValueError(
+            f"{dim_name}={dim} must be a multiple of {name}={block}, a power of "
+            f"two >= {minimum}; pad the input or pass other block sizes"
+        )
+    return block

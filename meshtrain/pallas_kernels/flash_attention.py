@@ -1,0 +1,497 @@
+"""Flash attention in Pallas (Triton on GPU, interpret mode on CPU).
+
+Playbook, "Flash Attention 1-3": the [L, L] score matrix is never written to
+memory. The forward kernel walks K/V tiles with an online softmax and keeps the
+running max, the running sum and the output tile in fast memory; it writes the
+output and the log-sum-exp (lse). The backward pass recomputes the probabilities
+from the lse: one kernel accumulates dQ over K/V tiles, another accumulates dK/dV
+over Q tiles and over the query heads that share the K/V head (grouped-query
+attention without copying K/V). Inputs may be bf16; all accumulation is fp32
+("Mixed Precision Training").
+
+Masks: `causal` keeps keys with kv_position <= q_position (positions default to
+0..L-1 for both sides); segment ids keep keys of the same document. A query row
+that sees no key at all gets out = 0 and lse = -inf; its gradients are 0 and
+finite. The lse output is differentiable, so ring attention (playbook, "Context
+Parallelism") can combine the partial results of its ring steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from meshtrain.pallas_kernels._common import fit_block, is_power_of_two, resolve_interpret
+
+_INIT_MAX = -1e30  # finite start of the running max: rows without keys stay finite.
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T
+_TN = (((0,), (0,)), ((), ()))  # a.T @ b
+_NN = (((1,), (0,)), ((), ()))  # a @ b
+
+
+def _dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashBlockSizes:
+    """Tile sizes (powers of two >= 16) of the forward and the backward kernels.
+
+    Attributes:
+        block_q: query rows per forward program.
+        block_kv: key rows per step of the forward loop.
+        block_q_bwd: query rows per tile in both backward kernels.
+        block_kv_bwd: key rows per tile in both backward kernels.
+    """
+
+    block_q: int = 128
+    block_kv: int = 128
+    block_q_bwd: int = 64
+    block_kv_bwd: int = 64
+
+    def fit(self, len_q: int, len_kv: int, *, user_given: bool) -> FlashBlockSizes:
+        """Clamps every block to its length (halving defaults until they divide it)."""
+        fit = functools.partial(fit_block, minimum=16, user_given=user_given)
+        return FlashBlockSizes(
+            block_q=fit("block_q", self.block_q, len_q, "q length"),
+            block_kv=fit("block_kv", self.block_kv, len_kv, "kv length"),
+            block_q_bwd=fit("block_q_bwd", self.block_q_bwd, len_q, "q length"),
+            block_kv_bwd=fit("block_kv_bwd", self.block_kv_bwd, len_kv, "kv length"),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    causal: bool
+    sm_scale: float
+    blocks: FlashBlockSizes
+    interpret: bool
+    has_segments: bool
+    has_positions: bool  # explicit positions given (else 0..L-1, which allows tile skipping)
+
+
+def _split_refs(refs, cfg: _Config):
+    """Unpacks (q, k, v, [q_seg, kv_seg], [q_pos, kv_pos], *rest) kernel refs."""
+    q_ref, k_ref, v_ref, *rest = refs
+    segs = (rest.pop(0), rest.pop(0)) if cfg.has_segments else None
+    pos = (rest.pop(0), rest.pop(0)) if cfg.has_positions else None
+    return q_ref, k_ref, v_ref, segs, pos, rest
+
+
+def _mask(cfg: _Config, q_pos, kv_pos, q_seg, kv_seg):
+    """[bq, bk] boolean mask of allowed (query, key) pairs, or None when all are."""
+    mask = None
+    if cfg.causal:
+        mask = kv_pos[None, :] <= q_pos[:, None]
+    if cfg.has_segments:
+        same = q_seg[:, None] == kv_seg[None, :]
+        mask = same if mask is None else jnp.logical_and(mask, same)
+    return mask
+
+
+def _scores(cfg, q, k, q_pos, kv_pos, q_seg, kv_seg):
+    s = _dot(q, k, _NT) * cfg.sm_scale
+    mask = _mask(cfg, q_pos, kv_pos, q_seg, kv_seg)
+    return s if mask is None else jnp.where(mask, s, -jnp.inf)
+
+
+def _positions(cfg, pos_ref, index, start, size):
+    if cfg.has_positions:
+        return pos_ref[index]
+    return start + lax.broadcasted_iota(jnp.int32, (size,), 0)
+
+
+def _forward_kernel(*refs, cfg: _Config, len_kv: int):
+    q_ref, k_ref, v_ref, segs, pos, (o_ref, lse_ref) = _split_refs(refs, cfg)
+    bq, bk = cfg.blocks.block_q, cfg.blocks.block_kv
+    i = pl.program_id(2)
+    q = q_ref[...]  # [bq, D]
+    q_pos = _positions(cfg, pos and pos[0], slice(None), i * bq, bq)
+    q_seg = segs[0][...] if segs else None
+
+    def body(j, carry):
+        acc, m, l = carry
+        ks = pl.ds(j * bk, bk)
+        kv_pos = _positions(cfg, pos and pos[1], ks, j * bk, bk)
+        kv_seg = segs[1][ks] if segs else None
+        s = _scores(cfg, q, k_ref[ks, :], q_pos, kv_pos, q_seg, kv_seg)  # [bq, bk]
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])  # masked scores are -inf: p = 0
+        l = alpha * l + jnp.sum(p, axis=1)
+        v = v_ref[ks, :]
+        acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v, _NN)
+        return acc, m_new, l
+
+    num_kv = len_kv // bk
+    if cfg.causal and not cfg.has_positions:  # tiles right of the diagonal are all masked
+        num_kv = jnp.minimum(lax.div((i + 1) * bq + bk - 1, bk), num_kv)
+    init = (
+        jnp.zeros(q.shape, jnp.float32),
+        jnp.full((bq,), _INIT_MAX, jnp.float32),
+        jnp.zeros((bq,), jnp.float32),
+    )
+    acc, m, l = lax.fori_loop(0, num_kv, body, init)
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
+
+
+def _dq_kernel(*refs, cfg: _Config, len_kv: int):
+    q_ref, k_ref, v_ref, segs, pos, rest = _split_refs(refs, cfg)
+    do_ref, lse_ref, delta_ref, dq_ref = rest
+    bq, bk = cfg.blocks.block_q_bwd, cfg.blocks.block_kv_bwd
+    i = pl.program_id(2)
+    q, do = q_ref[...], do_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
+    q_pos = _positions(cfg, pos and pos[0], slice(None), i * bq, bq)
+    q_seg = segs[0][...] if segs else None
+
+    def body(j, dq):
+        ks = pl.ds(j * bk, bk)
+        k, v = k_ref[ks, :], v_ref[ks, :]
+        kv_pos = _positions(cfg, pos and pos[1], ks, j * bk, bk)
+        kv_seg = segs[1][ks] if segs else None
+        p = jnp.exp(_scores(cfg, q, k, q_pos, kv_pos, q_seg, kv_seg) - lse[:, None])
+        ds = p * (_dot(do, v, _NT) - delta[:, None])
+        return dq + _dot(ds.astype(k.dtype), k, _NN)
+
+    num_kv = len_kv // bk
+    if cfg.causal and not cfg.has_positions:
+        num_kv = jnp.minimum(lax.div((i + 1) * bq + bk - 1, bk), num_kv)
+    dq = lax.fori_loop(0, num_kv, body, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = (dq * cfg.sm_scale).astype(dq_ref.dtype)
+
+
+def _dkdv_kernel(*refs, cfg: _Config, len_q: int, group: int):
+    q_ref, k_ref, v_ref, segs, pos, rest = _split_refs(refs, cfg)
+    do_ref, lse_ref, delta_ref, dk_ref, dv_ref = rest
+    bq, bk = cfg.blocks.block_q_bwd, cfg.blocks.block_kv_bwd
+    j = pl.program_id(2)
+    k, v = k_ref[...], v_ref[...]  # [bk, D]
+    kv_pos = _positions(cfg, pos and pos[1], slice(None), j * bk, bk)
+    kv_seg = segs[1][...] if segs else None
+    first_q = lax.div(j * bk, bq) if cfg.causal and not cfg.has_positions else 0
+
+    def q_tile(i, carry, g):
+        dk, dv = carry
+        qs = pl.ds(i * bq, bq)
+        q, do = q_ref[qs, g, :], do_ref[qs, g, :]
+        q_pos = _positions(cfg, pos and pos[0], qs, i * bq, bq)
+        q_seg = segs[0][qs] if segs else None
+        s = _scores(cfg, q, k, q_pos, kv_pos, q_seg, kv_seg)
+        p = jnp.exp(s - lse_ref[g, qs][:, None])  # [bq, bk]
+        dv = dv + _dot(p.astype(do.dtype), do, _TN)
+        ds = p * (_dot(do, v, _NT) - delta_ref[g, qs][:, None])
+        dk = dk + _dot(ds.astype(q.dtype), q, _TN)
+        return dk, dv
+
+    def head(g, carry):  # the query heads that read this K/V head
+        return lax.fori_loop(first_q, len_q // bq, functools.partial(q_tile, g=g), carry)
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+    dk_ref[...] = (dk * cfg.sm_scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _side_inputs(cfg, q_seg, kv_seg, q_pos, kv_pos, q_spec, kv_spec):
+    """Segment / position operands and their BlockSpecs, in kernel order."""
+    args, specs = [], []
+    if cfg.has_segments:
+        args += [q_seg, kv_seg]
+        specs += [q_spec, kv_spec]
+    if cfg.has_positions:
+        args += [q_pos, kv_pos]
+        specs += [q_spec, kv_spec]
+    return args, specs
+
+
+def _params(head_dim: int):
+    return plgpu.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+
+
+def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
+    b, len_q, h, d = q.shape
+    len_kv, kh = k.shape[1], k.shape[2]
+    group, bq = h // kh, cfg.blocks.block_q
+    side, side_specs = _side_inputs(
+        cfg, q_seg, kv_seg, q_pos, kv_pos,
+        pl.BlockSpec((None, bq), lambda b_, h_, i: (b_, i)),
+        pl.BlockSpec((None, len_kv), lambda b_, h_, i: (b_, 0)),
+    )
+    kv_spec = pl.BlockSpec((None, len_kv, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0))
+    q_spec = pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0))
+    return pl.pallas_call(
+        functools.partial(_forward_kernel, cfg=cfg, len_kv=len_kv),
+        grid=(b, h, len_q // bq),
+        in_specs=[q_spec, kv_spec, kv_spec, *side_specs],
+        out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda b_, h_, i: (b_, h_, i))],
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((b, h, len_q), jnp.float32),
+        ],
+        compiler_params=_params(d),
+        interpret=cfg.interpret,
+        name="flash_attention_forward",
+    )(q, k, v, *side)
+
+
+def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do, dlse):
+    b, len_q, h, d = q.shape
+    len_kv, kh = k.shape[1], k.shape[2]
+    group = h // kh
+    bq, bk = cfg.blocks.block_q_bwd, cfg.blocks.block_kv_bwd
+    # d lse / d s = p, so the lse cotangent folds into delta = rowsum(dO * O) - dlse.
+    delta = jnp.einsum("blhd,blhd->bhl", do.astype(jnp.float32), out.astype(jnp.float32))
+    delta = delta - dlse
+    lse = jnp.where(jnp.isneginf(lse), 0.0, lse)  # rows without keys: all p are exp(-inf) = 0
+    do = do.astype(q.dtype)
+
+    side, side_specs = _side_inputs(
+        cfg, q_seg, kv_seg, q_pos, kv_pos,
+        pl.BlockSpec((None, bq), lambda b_, h_, i: (b_, i)),
+        pl.BlockSpec((None, len_kv), lambda b_, h_, i: (b_, 0)),
+    )
+    q_spec = pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0))
+    kv_spec = pl.BlockSpec((None, len_kv, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0))
+    row_spec = pl.BlockSpec((None, None, bq), lambda b_, h_, i: (b_, h_, i))
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, cfg=cfg, len_kv=len_kv),
+        grid=(b, h, len_q // bq),
+        in_specs=[q_spec, kv_spec, kv_spec, *side_specs, q_spec, row_spec, row_spec],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=_params(d),
+        interpret=cfg.interpret,
+        name="flash_attention_dq",
+    )(q, k, v, *side, do, lse, delta)
+
+    side, side_specs = _side_inputs(
+        cfg, q_seg, kv_seg, q_pos, kv_pos,
+        pl.BlockSpec((None, len_q), lambda b_, g_, j: (b_, 0)),
+        pl.BlockSpec((None, bk), lambda b_, g_, j: (b_, j)),
+    )
+    q_group_spec = pl.BlockSpec((None, len_q, group, d), lambda b_, g_, j: (b_, 0, g_, 0))
+    kv_tile_spec = pl.BlockSpec((None, bk, None, d), lambda b_, g_, j: (b_, j, g_, 0))
+    rows_spec = pl.BlockSpec((None, group, len_q), lambda b_, g_, j: (b_, g_, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, cfg=cfg, len_q=len_q, group=group),
+        grid=(b, kh, len_kv // bk),
+        in_specs=[q_group_spec, kv_tile_spec, kv_tile_spec, *side_specs,
+                  q_group_spec, rows_spec, rows_spec],
+        out_specs=[kv_tile_spec, kv_tile_spec],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=_params(d),
+        interpret=cfg.interpret,
+        name="flash_attention_dkdv",
+    )(q, k, v, *side, do, lse, delta)
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
+    return _forward(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos)
+
+
+def _flash_fwd(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
+    out, lse = _forward(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos)
+    return (out, lse), (q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse)
+
+
+def _flash_bwd(cfg, residuals, cotangents):
+    q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse = residuals
+    do, dlse = cotangents
+    dq, dk, dv = _backward(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do, dlse)
+    return dq, dk, dv, None, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _check_ids(name: str, ids, batch: int, length: int):
+    if ids is None:
+        return None
+    ids = jnp.asarray(ids)
+    if ids.shape != (batch, length) or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(
+            f"{name} must be an integer array of shape {(batch, length)} "
+            f"[batch, length], got {ids.dtype}{list(ids.shape)}"
+        )
+    return ids.astype(jnp.int32)
+
+
+def _validate(q, k, v, segment_ids, q_segment_ids, kv_segment_ids, q_positions, kv_positions):
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+        raise ValueError(
+            "q must be [batch, length, heads, head_dim] and k, v the same "
+            f"[batch, length, kv_heads, head_dim]; got q{list(q.shape)}, k{list(k.shape)}, "
+            f"v{list(v.shape)}"
+        )
+    b, _, h, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k batch/head_dim {k.shape[0]}/{k.shape[3]} must equal q's {b}/{d}")
+    if h % k.shape[2]:
+        raise ValueError(f"q heads ({h}) must be a multiple of kv heads ({k.shape[2]}) for GQA")
+    if not is_power_of_two(d) or d < 16:
+        raise ValueError(f"head_dim={d} must be a power of two >= 16 (Triton tile rule)")
+    if not all(jnp.issubdtype(x.dtype, jnp.floating) for x in (q, k, v)):
+        raise ValueError(f"q, k, v must be floating point, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if segment_ids is not None and (q_segment_ids is not None or kv_segment_ids is not None):
+        raise ValueError("pass segment_ids or q_segment_ids/kv_segment_ids, not both")
+    if segment_ids is not None:
+        q_segment_ids = kv_segment_ids = segment_ids
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+    if (q_positions is None) != (kv_positions is None):
+        raise ValueError("q_positions and kv_positions must be given together")
+    len_q, len_kv = q.shape[1], k.shape[1]
+    return (
+        _check_ids("q_segment_ids", q_segment_ids, b, len_q),
+        _check_ids("kv_segment_ids", kv_segment_ids, b, len_kv),
+        _check_ids("q_positions", q_positions, b, len_q),
+        _check_ids("kv_positions", kv_positions, b, len_kv),
+    )
+
+
+def flash_attention_with_lse(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    segment_ids: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    q_positions: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
+    sm_scale: float | None = None,
+    block_sizes: FlashBlockSizes | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Attention output and log-sum-exp, both differentiable.
+
+    Args:
+        q: [B, Lq, H, D] queries.
+        k: [B, Lk, K, D] keys, H % K == 0 (each K/V head serves H // K query heads).
+        v: [B, Lk, K, D] values.
+        causal: keep keys with kv_position <= q_position.
+        segment_ids: [B, L] ids for both sides (self-attention, Lq == Lk).
+        q_segment_ids: [B, Lq] query ids, with `kv_segment_ids` [B, Lk] (ring steps).
+        kv_segment_ids: see `q_segment_ids`.
+        q_positions: [B, Lq] global token indices for the causal mask, with
+            `kv_positions` [B, Lk]; default 0..L-1 on both sides.
+        kv_positions: see `q_positions`.
+        sm_scale: score scale, default 1/sqrt(D).
+        block_sizes: tile sizes; default chosen per shape.
+        interpret: Pallas interpret mode; None = on CPU only.
+
+    Returns:
+        out [B, Lq, H, D] in q.dtype and lse [B, H, Lq] float32, the natural-log
+        log-sum-exp of the scaled, masked scores. Rows without any visible key
+        give out = 0 and lse = -inf.
+
+    Raises:
+        ValueError: for shapes, dtypes or block sizes the kernels do not support.
+    """
+    ids = _validate(q, k, v, segment_ids, q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+    q_seg, kv_seg, q_pos, kv_pos = ids
+    user_given = block_sizes is not None
+    blocks = (block_sizes or FlashBlockSizes()).fit(q.shape[1], k.shape[1], user_given=user_given)
+    has_positions = causal and q_pos is not None
+    cfg = _Config(
+        causal=bool(causal),
+        sm_scale=float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])),
+        blocks=blocks,
+        interpret=resolve_interpret(interpret),
+        has_segments=q_seg is not None,
+        has_positions=has_positions,
+    )
+    if not has_positions:
+        q_pos = kv_pos = None
+    return _flash(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos)
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    segment_ids: jax.Array | None = None,
+    sm_scale: float | None = None,
+    block_sizes: FlashBlockSizes | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Self-attention output [B, L, H, D]; see `flash_attention_with_lse`."""
+    out, _ = flash_attention_with_lse(
+        q, k, v, causal=causal, segment_ids=segment_ids, sm_scale=sm_scale,
+        block_sizes=block_sizes, interpret=interpret,
+    )
+    return out
+
+
+def flash_attention_with_lse_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    segment_ids: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    q_positions: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
+    sm_scale: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Pure-jnp (out, lse) with the semantics of `flash_attention_with_lse`, in fp32."""
+    q_seg, kv_seg, q_pos, kv_pos = _validate(
+        q, k, v, segment_ids, q_segment_ids, kv_segment_ids, q_positions, kv_positions
+    )
+    b, len_q, h, d = q.shape
+    len_kv, kh = k.shape[1], k.shape[2]
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    qf = q.astype(jnp.float32).reshape(b, len_q, kh, h // kh, d)
+    s = jnp.einsum("bqkgd,bskd->bkgqs", qf, k.astype(jnp.float32)) * scale
+    mask = jnp.ones((b, 1, 1, len_q, len_kv), bool)
+    if causal:
+        if q_pos is None:
+            q_pos = jnp.broadcast_to(jnp.arange(len_q), (b, len_q))
+            kv_pos = jnp.broadcast_to(jnp.arange(len_kv), (b, len_kv))
+        mask &= (kv_pos[:, None, :] <= q_pos[:, :, None])[:, None, None]
+    if q_seg is not None:
+        mask &= (q_seg[:, :, None] == kv_seg[:, None, :])[:, None, None]
+    s = jnp.where(mask, s, -jnp.inf)
+    m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", p / l_safe, v.astype(jnp.float32))
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))[..., 0]
+    return out.reshape(b, len_q, h, d).astype(q.dtype), lse.reshape(b, h, len_q)
+
+
+def flash_attention_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    segment_ids: jax.Array | None = None,
+    sm_scale: float | None = None,
+) -> jax.Array:
+    """Pure-jnp attention output with the semantics of `flash_attention`."""
+    out, _ = flash_attention_with_lse_reference(
+        q, k, v, causal=causal, segment_ids=segment_ids, sm_scale=sm_scale
+    )
+    return out
