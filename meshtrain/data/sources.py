@@ -1,0 +1,198 @@
+"""Real-data sources: TFDS datasets -> token stream -> packed, shuffled rows.
+
+The layout is Megatron-LM's GPT dataset (playbook, data section; Shoeybi et al. 2019): the
+documents of a split are tokenized once into one flat token array plus document offsets
+(cached beside the TFDS dataset), laid end to end in an order shuffled from the seed, and
+cut into windows of `seq_len + 1` tokens every `seq_len` tokens. A document longer than
+`seq_len` spans several windows (split, never dropped); the tail shorter than one window is
+left out of each epoch. grain shuffles the windows, reseeded every epoch, so global row `i`
+is `windows[shuffle_epoch(i)]`: a pure function of (seed, i), which is what makes resume
+exact on any topology.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import grain
+import numpy as np
+import tensorflow_datasets as tfds
+import tqdm
+
+from meshtrain import config as config_lib
+from meshtrain.data import corpus, tokenizers
+from meshtrain.data.text_files import TextFiles
+
+_SPLIT_IDS = {"train": 0, "validation": 1}
+CACHE_DIR = "meshtrain_tokens"
+
+
+@functools.lru_cache(maxsize=8)
+def tokenizer_for(spec: str):
+    """The tokenizer named by `config.data.tokenizer` (loaded once per process)."""
+    return tokenizers.load_tokenizer(spec)
+
+
+def data_dir(config) -> str:
+    """`config.data.data_dir`, else TFDS's default directory."""
+    return os.path.expanduser(config.data.data_dir or os.environ.get("TFDS_DATA_DIR", "~/tensorflow_datasets"))
+
+
+def text_files_builder(config) -> TextFiles:
+    files = corpus.expand_files(config.data.files)
+    name = corpus.corpus_name(config.data.files, files, config.data.text_field)
+    return TextFiles(files=files, name=name, text_field=config.data.text_field, data_dir=data_dir(config))
+
+
+def builder(config, prepare_if_missing: bool = True):
+    """The TFDS builder of `config.data.source`, prepared (text_files) or checked (tfds:<name>)."""
+    source = config.data.source
+    if source == "text_files":
+        result = text_files_builder(config)
+        if not result.is_prepared():
+            if not prepare_if_missing:
+                raise ValueError(f"config.data.source='text_files': not prepared in {result.data_dir}")
+            result.download_and_prepare()
+            result.write_read_stats()
+        return result
+    name = source.removeprefix("tfds:")
+    directory = data_dir(config)
+    try:
+        result = tfds.builder(name, data_dir=directory)
+    except tfds.core.registered.DatasetNotFoundError as error:
+        raise ValueError(f"config.data.source={source!r}: no TFDS dataset {name!r} is registered or prepared in "
+                         f"config.data.data_dir={directory!r}") from error
+    if not result.is_prepared():
+        raise ValueError(f"config.data.source={source!r}: the dataset is not prepared; searched {result.data_dir} "
+                         f"(config.data.data_dir={directory!r}); prepare it with tfds build first")
+    return result
+
+
+def _tfds_split(result, split: str) -> str:
+    splits = set(result.info.splits.keys())
+    if split in splits:
+        return split
+    if split == "validation" and "test" in splits:
+        return "test"
+    raise ValueError(f"split={split!r}: dataset {result.name} has splits {sorted(splits)}")
+
+
+def _document_tokens(text, tokenizer) -> np.ndarray:
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", errors="replace")
+    framed = [tokenizer.encode(str(text))]
+    if tokenizer.bos_id is not None:
+        framed.insert(0, np.asarray([tokenizer.bos_id], np.int32))
+    if tokenizer.eos_id is not None:
+        framed.append(np.asarray([tokenizer.eos_id], np.int32))
+    return np.concatenate(framed)
+
+
+def token_cache(result, split: str, config, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, doc_starts) of a split: built once, then memory-mapped from the cache directory."""
+    tokenizer = tokenizer_for(config.data.tokenizer)
+    tfds_split = _tfds_split(result, split)
+    directory = os.path.join(result.data_dir, CACHE_DIR)
+    stem = os.path.join(directory, f"{tokenizer.name}.{config.data.text_field}.{tfds_split}")
+    if not os.path.exists(stem + ".starts.npy"):
+        source = result.as_data_source(split=tfds_split)
+        field = config.data.text_field
+        pieces, lengths = [], []
+        for i in tqdm.trange(len(source), desc=f"tokenizing {tfds_split}", disable=not progress):
+            example = source[i]
+            if field not in example:
+                raise ValueError(f"config.data.text_field={field!r}: the examples of {result.name} have fields "
+                                 f"{sorted(example)}")
+            pieces.append(_document_tokens(example[field], tokenizer))
+            lengths.append(len(pieces[-1]))
+        dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+        tokens = np.concatenate(pieces).astype(dtype) if pieces else np.zeros(0, dtype)
+        starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
+        os.makedirs(directory, exist_ok=True)
+        for suffix, array in ((".tokens.npy", tokens), (".starts.npy", starts)):  # starts last: marks complete
+            tmp = f"{stem}{suffix}.{os.getpid()}.tmp.npy"
+            np.save(tmp, array)
+            os.replace(tmp, stem + suffix)
+    return np.load(stem + ".tokens.npy", mmap_mode="r"), np.load(stem + ".starts.npy")
+
+
+class PackedRows:
+    """Global row i -> (tokens, doc_ids) of a window of `seq_len + 1` tokens of the shuffled stream."""
+
+    def __init__(self, tokens: np.ndarray, doc_starts: np.ndarray, seq_len: int, seed: int, split: str,
+                 name: str = "dataset"):
+        self.tokens, self.doc_starts, self.seq_len = tokens, np.asarray(doc_starts, np.int64), int(seq_len)
+        num_docs = len(self.doc_starts) - 1
+        seeds = np.random.SeedSequence([int(seed), _SPLIT_IDS[split]]).generate_state(2)
+        self.order = np.random.default_rng(seeds[0]).permutation(num_docs)  # stream position -> document
+        lengths = np.diff(self.doc_starts)[self.order]
+        self.stream_starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        total = int(self.stream_starts[-1])
+        self.num_windows = (total - 1) // self.seq_len if total > 0 else 0
+        if self.num_windows < 1:
+            raise ValueError(f"{name} split {split!r}: {num_docs} documents, {total} tokens: fewer than "
+                             f"train.seq_len+1={self.seq_len + 1}, so not one row can be made")
+        self._windows = grain.MapDataset.range(self.num_windows).shuffle(seed=int(seeds[1] % 2**31)).repeat(None)
+
+    def __len__(self) -> int:
+        return 2**62
+
+    def __getitem__(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        start = int(self._windows[int(row)]) * self.seq_len
+        stop = start + self.seq_len + 1
+        first = int(np.searchsorted(self.stream_starts, start, side="right")) - 1
+        last = int(np.searchsorted(self.stream_starts, stop, side="left"))
+        tokens, doc_ids = [], []
+        for position in range(first, last):
+            lo = max(start, self.stream_starts[position]) - self.stream_starts[position]
+            hi = min(stop, self.stream_starts[position + 1]) - self.stream_starts[position]
+            offset = self.doc_starts[self.order[position]]
+            tokens.append(np.asarray(self.tokens[offset + lo:offset + hi], np.int32))
+            doc_ids.append(np.full(hi - lo, position + 1, np.int32))
+        return np.concatenate(tokens), np.concatenate(doc_ids)
+
+
+def open_rows(config, split: str) -> PackedRows:
+    """The packed rows of `split` of `config.data.source`, preparing a text_files dataset if missing."""
+    result = builder(config)
+    tokens, starts = token_cache(result, split, config)
+    return PackedRows(tokens, starts, config.train.seq_len, config.seed, split, name=result.name)
+
+
+def prepare(config, progress: bool = True) -> dict:
+    """Builds the dataset and its token caches; returns the sizes (documents, tokens, rows) per split."""
+    result = builder(config)
+    summary = {"data_dir": str(result.data_dir), "splits": {}}
+    if isinstance(result, TextFiles):
+        summary["read_stats"] = result.load_read_stats()
+    for split in _SPLIT_IDS:
+        _, starts = token_cache(result, split, config, progress=progress)
+        summary["splits"][split] = {"documents": len(starts) - 1, "tokens": int(starts[-1]),
+                                    "rows": max(0, (int(starts[-1]) - 1) // config.train.seq_len)}
+    return summary
+
+
+def validate_config(config) -> None:
+    """Tokenizer, vocabulary, file glob and dataset rules of real-data sources. Raises ConfigError."""
+    try:
+        tokenizer = tokenizer_for(config.data.tokenizer)
+    except ValueError as error:
+        raise config_lib.ConfigError("data.tokenizer", config.data.tokenizer, str(error)) from error
+    if config.model.vocab_size < tokenizer.vocab_size:
+        raise config_lib.ConfigError(
+            "model.vocab_size", config.model.vocab_size,
+            f"must be >= the vocabulary of config.data.tokenizer={config.data.tokenizer!r} ({tokenizer.vocab_size})")
+    source = config.data.source
+    if source == "text_files":
+        try:
+            corpus.expand_files(config.data.files)
+        except ValueError as error:
+            raise config_lib.ConfigError("data.files", config.data.files, "the glob matches no files") from error
+        return
+    if source == "tfds:":
+        raise config_lib.ConfigError("data.source", source, "'tfds:' must be followed by a dataset name")
+    try:
+        builder(config, prepare_if_missing=False)
+    except ValueError as error:
+        raise config_lib.ConfigError("data.source", source, str(error)) from error

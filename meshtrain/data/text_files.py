@@ -1,0 +1,77 @@
+"""The `text_files` TFDS builder: local text files -> an array_record dataset, no TensorFlow.
+
+Each document goes to `validation` when a hash of its text falls in the first
+`VALIDATION_PERCENT` percent, otherwise to `train`: the split is deterministic and does not
+depend on file order. The builder config name identifies the file set (`corpus.corpus_name`),
+so a changed glob or a changed file builds a new dataset beside the old one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import ClassVar
+
+import tensorflow_datasets as tfds
+from tensorflow_datasets.core import utils as tfds_utils
+
+from meshtrain.data import corpus
+
+VALIDATION_PERCENT = 5
+STATS_FILE = "meshtrain_read_stats.json"
+
+
+def split_of(text: str) -> str:
+    """'validation' for a fixed ~VALIDATION_PERCENT% of documents (by content hash), else 'train'."""
+    bucket = int.from_bytes(hashlib.sha256(text.encode("utf-8", errors="replace")).digest()[:8], "little") % 100
+    return "validation" if bucket < VALIDATION_PERCENT else "train"
+
+
+class TextFiles(tfds.core.GeneratorBasedBuilder):
+    """Documents of a list of local files (see `corpus.read_documents`), stored as array_record."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES: ClassVar[dict[str, str]] = {"1.0.0": "Text documents of local files, split by content hash."}
+
+    @tfds_utils.classproperty
+    @classmethod
+    def code_path(cls) -> None:
+        # No checksums file or resources live beside this builder; locating its code would
+        # import `importlib_resources`, which a TFDS install without TensorFlow may lack.
+        return None
+
+    def __init__(self, *, files: list[str], name: str, text_field: str = "text", **kwargs):
+        self._files = list(files)
+        self._text_field = text_field
+        self.read_stats = corpus.ReadStats()
+        super().__init__(config=tfds.core.BuilderConfig(name=name), file_format="array_record", **kwargs)
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description="Documents of local text files (plain, .jsonl, .gz).",
+            features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
+        )
+
+    def _split_generators(self, dl_manager):
+        del dl_manager
+        return {split: self._generate_examples(split) for split in ("train", "validation")}
+
+    def _generate_examples(self, split: str):
+        stats = corpus.ReadStats() if split != "train" else self.read_stats  # count each file once
+        for key, text in corpus.read_documents(self._files, self._text_field, stats):
+            if split_of(text) == split:
+                yield key, {"text": text}
+
+    def write_read_stats(self) -> None:
+        """Stores what reading met (non-UTF-8 and unreadable files) beside the dataset."""
+        with open(os.path.join(self.data_dir, STATS_FILE), "w") as f:
+            json.dump(self.read_stats.__dict__, f)
+
+    def load_read_stats(self) -> dict:
+        path = os.path.join(self.data_dir, STATS_FILE)
+        if not os.path.exists(path):
+            return {}
+        with open(path) as f:
+            return json.load(f)

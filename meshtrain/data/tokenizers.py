@@ -1,0 +1,118 @@
+"""Tokenizers: bytes by default (no files needed), a Hugging Face tokenizer.json or a
+sentencepiece model by path.
+
+Every tokenizer exposes `vocab_size`, `bos_id`, `eos_id`, `pad_id`, `name` (a stable id for
+caches) and `encode(text) -> np.ndarray[int32]` without special tokens; documents are framed
+as BOS + tokens + EOS by the pipeline. `model.vocab_size` must be at least `vocab_size`; it
+is usually padded up so that it divides the mesh (`padded_vocab_size`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+
+from meshtrain.data import packing
+
+
+class ByteTokenizer:
+    """UTF-8 bytes shifted past the special ids: PAD=0, BOS=1, EOS=2, byte b -> b + 3."""
+
+    pad_id, bos_id, eos_id = packing.PAD_ID, packing.BOS_ID, packing.EOS_ID
+    offset = 3
+    vocab_size = 256 + offset
+    name = "bytes"
+
+    def encode(self, text: str) -> np.ndarray:
+        raw = np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8)
+        return raw.astype(np.int32) + self.offset
+
+    def decode(self, ids) -> str:
+        ids = np.asarray(ids)
+        raw = (ids[ids >= self.offset] - self.offset).astype(np.uint8).tobytes()
+        return raw.decode("utf-8", errors="replace")
+
+
+def _file_id(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:12]
+
+
+class HuggingFaceTokenizer:
+    """A `tokenizer.json` read with the `tokenizers` package."""
+
+    _BOS = ("<|begin_of_text|>", "<s>", "<bos>", "[CLS]")
+    _EOS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[SEP]")
+    _PAD = ("<pad>", "[PAD]", "<|finetune_right_pad_id|>")
+
+    def __init__(self, path: str):
+        try:
+            import tokenizers
+        except ImportError as error:
+            raise ValueError(f"config.data.tokenizer={path!r}: reading a tokenizer.json needs the 'tokenizers' "
+                             "package (pip install tokenizers)") from error
+        self._tok = tokenizers.Tokenizer.from_file(path)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.bos_id = self._find(self._BOS)
+        self.eos_id = self._find(self._EOS)
+        pad = self._find(self._PAD)
+        self.pad_id = packing.PAD_ID if pad is None else pad
+        self.name = f"hf-{_file_id(path)}"
+
+    def _find(self, candidates) -> int | None:
+        for token in candidates:
+            index = self._tok.token_to_id(token)
+            if index is not None:
+                return index
+        return None
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
+class SentencePieceTokenizer:
+    """A sentencepiece `.model` file read with the `sentencepiece` package."""
+
+    def __init__(self, path: str):
+        try:
+            import sentencepiece
+        except ImportError as error:
+            raise ValueError(f"config.data.tokenizer={path!r}: reading a sentencepiece model needs the "
+                             "'sentencepiece' package (pip install sentencepiece)") from error
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        self.vocab_size = int(self._sp.get_piece_size())
+        self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
+        self.eos_id = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
+        self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else packing.PAD_ID
+        self.name = f"sp-{_file_id(path)}"
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._sp.encode(text), dtype=np.int32)
+
+    def decode(self, ids) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+def load_tokenizer(spec: str):
+    """`"bytes"`, a path to a `tokenizer.json`, or a path to a sentencepiece `.model` file."""
+    if spec == "bytes":
+        return ByteTokenizer()
+    if not os.path.isfile(spec):
+        raise ValueError(f"config.data.tokenizer={spec!r}: must be 'bytes' or the path of an existing "
+                         "tokenizer.json or sentencepiece .model file")
+    if spec.endswith(".json"):
+        return HuggingFaceTokenizer(spec)
+    if spec.endswith(".model"):
+        return SentencePieceTokenizer(spec)
+    raise ValueError(f"config.data.tokenizer={spec!r}: a tokenizer file must end in .json (Hugging Face) or "
+                     ".model (sentencepiece)")
+
+
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that holds `vocab_size` ids (so the vocab divides the mesh)."""
+    return -(-int(vocab_size) // int(multiple)) * int(multiple)
