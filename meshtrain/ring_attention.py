@@ -155,7 +155,6 @@ def block_attention_forward(
     values or gradients (the max is stop-gradient'ed and the log guarded).
     """
     b, lq, h, d = q.shape
-    kh = k.shape[2]
     mask = _block_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions)
     s = jnp.where(mask[:, None, None], _scores(q, k, sm_scale), -jnp.inf)  # [B,K,G,Lq,Lk]
     m = jnp.max(s, axis=-1, keepdims=True)
@@ -216,8 +215,7 @@ def _backward_from_vjp(forward: BlockForward) -> BlockBackward:
     def backward(q, k, v, out, lse, dout, **masks):
         (o_b, lse_b), vjp = jax.vjp(lambda q_, k_, v_: forward(q_, k_, v_, **masks), q, k, v)
         w = jnp.exp(lse_b.astype(jnp.float32) - lse)  # [B, H, Lq]; 0 where lse_b = -inf
-        w_t = jnp.swapaxes(w, 1, 2)[..., None]  # [B, Lq, H, 1]
-        do_b = w_t * dout
+        do_b = _to_rows(w) * dout
         delta_b = jnp.sum(dout * (o_b.astype(jnp.float32) - out), axis=-1)  # [B, Lq, H]
         dlse_b = w * jnp.swapaxes(delta_b, 1, 2)
         return vjp((do_b.astype(o_b.dtype), dlse_b.astype(lse_b.dtype)))
@@ -241,6 +239,11 @@ def _resolve_block_fn(block_fn: BlockForward | BlockAttention | None) -> BlockAt
 # The ring (runs inside shard_map, manual over `axis_name` only).
 
 
+def _to_rows(x: Array) -> Array:
+    """[B, H, L] -> [B, L, H, 1], to scale outputs row by row."""
+    return jnp.swapaxes(x, 1, 2)[..., None]
+
+
 def _merge(out, lse, o_b, lse_b):
     """Online softmax: merge block (o_b, lse_b) into the running (out, lse); -inf safe."""
     m = jnp.maximum(lse, lse_b)
@@ -248,42 +251,126 @@ def _merge(out, lse, o_b, lse_b):
     w, w_b = jnp.exp(lse - m), jnp.exp(lse_b - m)  # [B, H, L]
     tot = w + w_b
     tot_safe = jnp.where(tot > 0, tot, 1.0)
-    to_rows = lambda x: jnp.swapaxes(x, 1, 2)[..., None]  # noqa: E731  [B,H,L] -> [B,L,H,1]
-    out = (to_rows(w) * out + to_rows(w_b) * o_b) / to_rows(tot_safe)
+    out = (_to_rows(w) * out + _to_rows(w_b) * o_b) / _to_rows(tot_safe)
     lse = jnp.where(tot > 0, m + jnp.log(tot_safe), -jnp.inf)
     return out, lse
 
 
-def _make_local_attention(n: int, axis_name: str, zigzag: bool, sm_scale: float, block: BlockAttention):
-    """The per-device attention (custom_vjp) over local blocks [B, L_seq, ...]."""
+def _q_rows(kw: dict, lo: int, hi: int) -> dict:
+    """Block keywords restricted to query rows [lo, hi)."""
+    return {
+        **kw,
+        "q_segment_ids": kw["q_segment_ids"][:, lo:hi],
+        "q_positions": kw["q_positions"][:, lo:hi],
+    }
+
+
+def _kv_rows(kw: dict, lo: int, hi: int) -> dict:
+    """Block keywords restricted to key/value rows [lo, hi)."""
+    return {
+        **kw,
+        "kv_segment_ids": kw["kv_segment_ids"][:, lo:hi],
+        "kv_positions": kw["kv_positions"][:, lo:hi],
+    }
+
+
+def _pad_rows(x: Array, axis: int, before: int, after: int, value: float = 0.0) -> Array:
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (before, after)
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _make_local_attention(
+    n: int, axis_name: str, zigzag: bool, sm_scale: float, block: BlockAttention
+):
+    """The per-device attention (custom_vjp) over local blocks [B, L_seq, ...].
+
+    Work skipping by layout, decided per step from the device index `idx` and the
+    owner `src` of the K/V block at hand (masks by global position stay on, so the
+    skipping changes cost, never results):
+      * step 0 (src == idx): the diagonal block, causal inside.
+      * zig-zag, src < idx: every local query sees the block's early chunk and none
+        of its late chunk -> queries [2c] x keys [:c].
+      * zig-zag, src > idx: only the local late chunk sees the block, all of it ->
+        queries [c:] x keys [2c]. Either way half a block: equal work on all devices.
+      * contiguous, src > idx: the block is entirely in the future -> skipped.
+    """
     perm = [(i, (i + 1) % n) for i in range(n)]
 
     def shift(x):
         return lax.ppermute(x, axis_name, perm)
 
-    def masks(seg_q, seg_kv, idx, step, b, local_len):
-        src = (idx - step) % n  # the device whose K/V block is here at this step
+    def masks(seg_q, seg_kv, idx, src):
+        b, local_len = seg_q.shape
         pos_q = _global_positions(idx, n, local_len, zigzag)
         pos_kv = _global_positions(src, n, local_len, zigzag)
-        return dict(
-            q_segment_ids=seg_q,
-            kv_segment_ids=seg_kv,
-            q_positions=jnp.broadcast_to(pos_q, (b, local_len)),
-            kv_positions=jnp.broadcast_to(pos_kv, (b, local_len)),
-            sm_scale=sm_scale,
-        )
+        return {
+            "q_segment_ids": seg_q,
+            "kv_segment_ids": seg_kv,
+            "q_positions": jnp.broadcast_to(pos_q, (b, local_len)),
+            "kv_positions": jnp.broadcast_to(pos_kv, (b, local_len)),
+            "sm_scale": sm_scale,
+        }
+
+    def varying_zeros(shape, value=0.0):
+        return lax.pcast(jnp.full(shape, value, jnp.float32), (axis_name,), to="varying")
+
+    def block_fwd(q, k, v, kw):
+        o, lse = block.forward(q, k, v, **kw)
+        return o.astype(jnp.float32), lse.astype(jnp.float32)
+
+    def block_bwd(q, k, v, out, lse, dout, kw):
+        return tuple(g.astype(jnp.float32) for g in block.backward(q, k, v, out, lse, dout, **kw))
+
+    def step_forward(q, k, v, kw, idx, src, step):
+        if step == 0:
+            return block_fwd(q, k, v, kw)
+        if not zigzag:
+            o0 = varying_zeros(q.shape)
+            lse0 = varying_zeros((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf)
+            return lax.cond(src < idx, lambda: block_fwd(q, k, v, kw), lambda: (o0, lse0))
+        c = q.shape[1] // 2
+
+        def early():
+            return block_fwd(q, k[:, :c], v[:, :c], _kv_rows(kw, 0, c))
+
+        def late():
+            o, lse = block_fwd(q[:, c:], k, v, _q_rows(kw, c, 2 * c))
+            return _pad_rows(o, 1, c, 0), _pad_rows(lse, 2, c, 0, -jnp.inf)
+
+        return lax.cond(src < idx, early, late)
+
+    def step_backward(q, k, v, out, lse, dout, kw, idx, src, step):
+        if step == 0:
+            return block_bwd(q, k, v, out, lse, dout, kw)
+        if not zigzag:
+            zeros = tuple(varying_zeros(x.shape) for x in (q, k, v))
+            return lax.cond(
+                src < idx, lambda: block_bwd(q, k, v, out, lse, dout, kw), lambda: zeros
+            )
+        c = q.shape[1] // 2
+
+        def early():
+            dq, dk, dv = block_bwd(q, k[:, :c], v[:, :c], out, lse, dout, _kv_rows(kw, 0, c))
+            return dq, _pad_rows(dk, 1, 0, c), _pad_rows(dv, 1, 0, c)
+
+        def late():
+            rows = (q[:, c:], k, v, out[:, c:], lse[:, :, c:], dout[:, c:])
+            dq, dk, dv = block_bwd(*rows, _q_rows(kw, c, 2 * c))
+            return _pad_rows(dq, 1, c, 0), dk, dv
+
+        return lax.cond(src < idx, early, late)
 
     def forward(q, k, v, seg):
         # q: [B, L_seq, H, D]; k, v: [B, L_seq, K, D]; seg: [B, L_seq]
         idx = lax.axis_index(axis_name)
-        b, local_len = seg.shape
         kv = (k, v, seg)
         out = lse = None
         for step in range(n):
             nxt = shift(kv) if step < n - 1 else None  # issued before this block's compute
-            kw = masks(seg, kv[2], idx, step, b, local_len)
-            o_b, lse_b = block.forward(q, kv[0], kv[1], **kw)
-            o_b, lse_b = o_b.astype(jnp.float32), lse_b.astype(jnp.float32)
+            src = (idx - step) % n  # the device whose K/V block is here
+            kw = masks(seg, kv[2], idx, src)
+            o_b, lse_b = step_forward(q, kv[0], kv[1], kw, idx, src, step)
             out, lse = (o_b, lse_b) if out is None else _merge(out, lse, o_b, lse_b)
             kv = nxt
         return out, lse  # [B, L_seq, H, D] f32, [B, H, L_seq] f32
@@ -300,14 +387,14 @@ def _make_local_attention(n: int, axis_name: str, zigzag: bool, sm_scale: float,
     def attention_bwd(res, dout):
         q, k, v, seg, out, lse = res
         idx = lax.axis_index(axis_name)
-        b, local_len = seg.shape
         out_f, dout_f = out.astype(jnp.float32), dout.astype(jnp.float32)
         kv = (k, v, seg)
         dq = dkv = None
         for step in range(n):
             nxt = shift(kv) if step < n - 1 else None
-            kw = masks(seg, kv[2], idx, step, b, local_len)
-            dq_b, dk_b, dv_b = block.backward(q, kv[0], kv[1], out_f, lse, dout_f, **kw)
+            src = (idx - step) % n
+            kw = masks(seg, kv[2], idx, src)
+            dq_b, dk_b, dv_b = step_backward(q, kv[0], kv[1], out_f, lse, dout_f, kw, idx, src, step)
             dq = dq_b if dq is None else dq + dq_b
             dkv = (dk_b, dv_b) if dkv is None else (dkv[0] + dk_b, dkv[1] + dv_b)
             # dK/dV travel with their block; after the last step one more hop takes
@@ -398,7 +485,7 @@ def dense_attention_reference(
 
     q [B, T, H, D], k / v [B, T, K, D], segment_ids [B, T] -> [B, T, H, D].
     """
-    b, t, h, d = q.shape
+    t, h, d = q.shape[1:]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     g = h // k.shape[2]
     k_h, v_h = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)  # head j uses kv head j // g
