@@ -23,6 +23,8 @@ import os
 import sysconfig
 from collections.abc import Iterator
 
+from meshtrain.config import ConfigError
+
 DEFAULT_CORPUS_BYTES = 4 * 2**20
 DEFAULT_MAX_FILE_BYTES = 128 * 2**10
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -71,7 +73,7 @@ def expand_files(pattern: str) -> list[str]:
         return default_corpus_files()
     files = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
     if not files:
-        raise ValueError(f"config.data.files={pattern!r}: the glob matches no files")
+        raise ConfigError("data.files", pattern, "the glob matches no files")
     return files
 
 

@@ -52,7 +52,7 @@ def builder(config, prepare_if_missing: bool = True):
         result = text_files_builder(config)
         if not result.is_prepared():
             if not prepare_if_missing:
-                raise ValueError(f"config.data.source='text_files': not prepared in {result.data_dir}")
+                raise config_lib.ConfigError("data.source", source, f"not prepared in {result.data_dir}")
             result.download_and_prepare()
             result.write_read_stats()
         return result
@@ -61,11 +61,11 @@ def builder(config, prepare_if_missing: bool = True):
     try:
         result = tfds.builder(name, data_dir=directory)
     except tfds.core.registered.DatasetNotFoundError as error:
-        raise ValueError(f"config.data.source={source!r}: no TFDS dataset {name!r} is registered or prepared in "
-                         f"config.data.data_dir={directory!r}") from error
+        raise config_lib.ConfigError("data.source", source, f"no TFDS dataset {name!r} is registered or prepared "
+                                     f"in config.data.data_dir={directory!r}") from error
     if not result.is_prepared():
-        raise ValueError(f"config.data.source={source!r}: the dataset is not prepared; searched {result.data_dir} "
-                         f"(config.data.data_dir={directory!r}); prepare it with tfds build first")
+        raise config_lib.ConfigError("data.source", source, f"the dataset is not prepared; searched "
+                                     f"{result.data_dir} (config.data.data_dir={directory!r}); build it with tfds first")
     return result
 
 
@@ -175,24 +175,15 @@ def prepare(config, progress: bool = True) -> dict:
 
 def validate_config(config) -> None:
     """Tokenizer, vocabulary, file glob and dataset rules of real-data sources. Raises ConfigError."""
-    try:
-        tokenizer = tokenizer_for(config.data.tokenizer)
-    except ValueError as error:
-        raise config_lib.ConfigError("data.tokenizer", config.data.tokenizer, str(error)) from error
+    tokenizer = tokenizer_for(config.data.tokenizer)
     if config.model.vocab_size < tokenizer.vocab_size:
         raise config_lib.ConfigError(
             "model.vocab_size", config.model.vocab_size,
             f"must be >= the vocabulary of config.data.tokenizer={config.data.tokenizer!r} ({tokenizer.vocab_size})")
     source = config.data.source
     if source == "text_files":
-        try:
-            corpus.expand_files(config.data.files)
-        except ValueError as error:
-            raise config_lib.ConfigError("data.files", config.data.files, "the glob matches no files") from error
+        corpus.expand_files(config.data.files)
         return
     if source == "tfds:":
         raise config_lib.ConfigError("data.source", source, "'tfds:' must be followed by a dataset name")
-    try:
-        builder(config, prepare_if_missing=False)
-    except ValueError as error:
-        raise config_lib.ConfigError("data.source", source, str(error)) from error
+    builder(config, prepare_if_missing=False)

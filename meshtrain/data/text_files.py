@@ -3,7 +3,8 @@
 Each document goes to `validation` when a hash of its text falls in the first
 `VALIDATION_PERCENT` percent, otherwise to `train`: the split is deterministic and does not
 depend on file order. The builder config name identifies the file set (`corpus.corpus_name`),
-so a changed glob or a changed file builds a new dataset beside the old one.
+so a changed glob or a changed file builds a new dataset beside the old one. The class is not
+registered with TFDS: a prepared dataset also reads back as `tfds:text_files/<config name>`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def split_of(text: str) -> str:
     return "validation" if bucket < VALIDATION_PERCENT else "train"
 
 
-class TextFiles(tfds.core.GeneratorBasedBuilder):
+class TextFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     """Documents of a list of local files (see `corpus.read_documents`), stored as array_record."""
 
     VERSION = tfds.core.Version("1.0.0")

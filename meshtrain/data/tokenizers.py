@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 
+from meshtrain.config import ConfigError
 from meshtrain.data import packing
 
 
@@ -51,7 +52,7 @@ class HuggingFaceTokenizer:
         try:
             import tokenizers
         except ImportError as error:
-            raise ValueError(f"config.data.tokenizer={path!r}: reading a tokenizer.json needs the 'tokenizers' "
+            raise ConfigError("data.tokenizer", path, "reading a tokenizer.json needs the 'tokenizers' "
                              "package (pip install tokenizers)") from error
         self._tok = tokenizers.Tokenizer.from_file(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -82,7 +83,7 @@ class SentencePieceTokenizer:
         try:
             import sentencepiece
         except ImportError as error:
-            raise ValueError(f"config.data.tokenizer={path!r}: reading a sentencepiece model needs the "
+            raise ConfigError("data.tokenizer", path, "reading a sentencepiece model needs the "
                              "'sentencepiece' package (pip install sentencepiece)") from error
         self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
         self.vocab_size = int(self._sp.get_piece_size())
@@ -103,13 +104,13 @@ def load_tokenizer(spec: str):
     if spec == "bytes":
         return ByteTokenizer()
     if not os.path.isfile(spec):
-        raise ValueError(f"config.data.tokenizer={spec!r}: must be 'bytes' or the path of an existing "
+        raise ConfigError("data.tokenizer", spec, "must be 'bytes' or the path of an existing "
                          "tokenizer.json or sentencepiece .model file")
     if spec.endswith(".json"):
         return HuggingFaceTokenizer(spec)
     if spec.endswith(".model"):
         return SentencePieceTokenizer(spec)
-    raise ValueError(f"config.data.tokenizer={spec!r}: a tokenizer file must end in .json (Hugging Face) or "
+    raise ConfigError("data.tokenizer", spec, "a tokenizer file must end in .json (Hugging Face) or "
                      ".model (sentencepiece)")
 
 
