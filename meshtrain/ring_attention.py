@@ -296,9 +296,17 @@ def _make_local_attention(
       * contiguous, src > idx: the block is entirely in the future -> skipped.
     """
     perm = [(i, (i + 1) % n) for i in range(n)]
+    # The backward ring turns the other way. Turning the same way, its K/V transfers
+    # would be the forward's ops on the same operands, and XLA merges them (CSE): all
+    # N - 1 received blocks would then stay alive from the forward to the backward,
+    # O(full sequence) per device instead of O(local block).
+    perm_back = [(j, i) for i, j in perm]
 
     def shift(x):
         return lax.ppermute(x, axis_name, perm)
+
+    def shift_back(x):
+        return lax.ppermute(x, axis_name, perm_back)
 
     def masks(seg_q, seg_kv, idx, src):
         b, local_len = seg_q.shape
@@ -391,15 +399,15 @@ def _make_local_attention(
         kv = (k, v, seg)
         dq = dkv = None
         for step in range(n):
-            nxt = shift(kv) if step < n - 1 else None
-            src = (idx - step) % n
+            nxt = shift_back(kv) if step < n - 1 else None
+            src = (idx + step) % n
             kw = masks(seg, kv[2], idx, src)
             dq_b, dk_b, dv_b = step_backward(q, kv[0], kv[1], out_f, lse, dout_f, kw, idx, src, step)
             dq = dq_b if dq is None else dq + dq_b
             dkv = (dk_b, dv_b) if dkv is None else (dkv[0] + dk_b, dkv[1] + dv_b)
             # dK/dV travel with their block; after the last step one more hop takes
             # them home (N transfers of dK/dV, N - 1 of K/V).
-            dkv = shift(dkv) if n > 1 else dkv
+            dkv = shift_back(dkv) if n > 1 else dkv
             kv = nxt
         return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
 
