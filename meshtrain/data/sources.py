@@ -75,7 +75,8 @@ def _tfds_split(result, split: str) -> str:
         return split
     if split == "validation" and "test" in splits:
         return "test"
-    raise ValueError(f"split={split!r}: dataset {result.name} has splits {sorted(splits)}")
+    raise ValueError(f"split={split!r}: dataset {result.name} ({result.data_dir}) has only the splits "
+                     f"{sorted(splits)}; a text_files corpus of one document has no validation split")
 
 
 def _document_tokens(text, tokenizer) -> np.ndarray:
@@ -167,6 +168,8 @@ def prepare(config, progress: bool = True) -> dict:
     if isinstance(result, TextFiles):
         summary["read_stats"] = result.load_read_stats()
     for split in _SPLIT_IDS:
+        if split == "validation" and not set(result.info.splits.keys()) & {"validation", "test"}:
+            continue
         _, starts = token_cache(result, split, config, progress=progress)
         summary["splits"][split] = {"documents": len(starts) - 1, "tokens": int(starts[-1]),
                                     "rows": max(0, (int(starts[-1]) - 1) // config.train.seq_len)}

@@ -2,7 +2,9 @@
 
 Each document goes to `validation` when a hash of its text falls in the first
 `VALIDATION_PERCENT` percent, otherwise to `train`: the split is deterministic and does not
-depend on file order. The builder config name identifies the file set (`corpus.corpus_name`),
+depend on file order. A small corpus whose hashes give no validation document gives it the
+document of smallest hash (with two documents or more); a corpus of one document has no
+validation split. The builder config name identifies the file set (`corpus.corpus_name`),
 so a changed glob or a changed file builds a new dataset beside the old one. The class is not
 registered with TFDS: a prepared dataset also reads back as `tfds:text_files/<config name>`.
 """
@@ -23,10 +25,13 @@ VALIDATION_PERCENT = 5
 STATS_FILE = "meshtrain_read_stats.json"
 
 
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8", errors="replace")).digest()[:8], "little")
+
+
 def split_of(text: str) -> str:
     """'validation' for a fixed ~VALIDATION_PERCENT% of documents (by content hash), else 'train'."""
-    bucket = int.from_bytes(hashlib.sha256(text.encode("utf-8", errors="replace")).digest()[:8], "little") % 100
-    return "validation" if bucket < VALIDATION_PERCENT else "train"
+    return "validation" if _hash(text) % 100 < VALIDATION_PERCENT else "train"
 
 
 class TextFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
@@ -57,12 +62,24 @@ class TextFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
     def _split_generators(self, dl_manager):
         del dl_manager
-        return {split: self._generate_examples(split) for split in ("train", "validation")}
+        hashes = {key: _hash(text) for key, text in corpus.read_documents(self._files, self._text_field,
+                                                                           self.read_stats)}
+        if not hashes:
+            raise ValueError(f"config.data.files: the {len(self._files)} files hold no document "
+                             f"({self.read_stats.unreadable_files} unreadable, e.g. {self.read_stats.examples})")
+        validation = {key for key, h in hashes.items() if h % 100 < VALIDATION_PERCENT}
+        if not validation and len(hashes) > 1:
+            validation = {min(hashes, key=hashes.get)}
+        if len(validation) == len(hashes):
+            validation = set()
+        generators = {"train": self._generate_examples(validation, keep=False)}
+        if validation:
+            generators["validation"] = self._generate_examples(validation, keep=True)
+        return generators
 
-    def _generate_examples(self, split: str):
-        stats = corpus.ReadStats() if split != "train" else self.read_stats  # count each file once
-        for key, text in corpus.read_documents(self._files, self._text_field, stats):
-            if split_of(text) == split:
+    def _generate_examples(self, validation: set[str], keep: bool):
+        for key, text in corpus.read_documents(self._files, self._text_field, corpus.ReadStats()):
+            if (key in validation) == keep:
                 yield key, {"text": text}
 
     def write_read_stats(self) -> None:

@@ -1,0 +1,164 @@
+"""Real-data sources: the text_files TFDS builder, tokenizers, the default corpus and bad input."""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from meshtrain import config as config_lib
+from meshtrain import data
+from meshtrain.data import corpus, sources, text_files, tokenizers
+
+NAMES = ("data", "stage", "fsdp", "expert", "sequence", "tensor")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mesh8():
+    return jax.make_mesh((8, 1, 1, 1, 1, 1), NAMES, axis_types=(jax.sharding.AxisType.Auto,) * 6)
+
+
+def text_config(tmp_path, files="", seq_len=32, batch_size=8):
+    c = config_lib.default_config()
+    c.data.source, c.data.files, c.data.data_dir = "text_files", files, str(tmp_path / "tfds")
+    c.train.seq_len, c.train.batch_size = seq_len, batch_size
+    return c
+
+
+def write_corpus(root):
+    """Train-split documents in three formats, one non-UTF-8 file and one broken .gz file."""
+    root.mkdir(parents=True, exist_ok=True)
+    docs = [f"document {i}: " + "lorem ipsum dolor " * (3 + i) for i in range(40)]
+    docs = [d for d in docs if text_files.split_of(d) == "train"]
+    held_out = next(t for t in (f"held out {i}" for i in range(1000)) if text_files.split_of(t) == "validation")
+    (root / "long.txt").write_text("L" + "x" * 500 + "Z")
+    (root / "a.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs[:20]) + "\nnot json\n")
+    with gzip.open(root / "b.jsonl.gz", "wt") as f:
+        f.write("\n".join(json.dumps({"text": d}) for d in docs[20:]))
+    (root / "held_out.txt").write_text(held_out)
+    (root / "latin1.txt").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    (root / "broken.txt.gz").write_bytes(b"this is not gzip")
+    return docs
+
+
+def test_text_files_builder_reads_all_formats_and_counts_bad_input(tmp_path):
+    docs = write_corpus(tmp_path / "corpus")
+    config = text_config(tmp_path, files=str(tmp_path / "corpus" / "*"))
+    config_lib.validate(config, 8)
+    summary = sources.prepare(config, progress=False)
+    stats = summary["read_stats"]
+    assert stats["files"] == 5 and stats["unreadable_files"] == 1 and stats["non_utf8_files"] == 1
+    assert stats["bad_json_lines"] == 1
+    train = summary["splits"]["train"]
+    tok = tokenizers.ByteTokenizer()
+    texts = [*docs, "L" + "x" * 500 + "Z", "caf\ufffd cr\ufffdme", "held out"]
+    assert train["documents"] + summary["splits"]["validation"]["documents"] == len(texts)
+    result = sources.builder(config)
+    tokens, starts = sources.token_cache(result, "train", config)
+    stored = {tok.decode(tokens[starts[i]:starts[i + 1]]) for i in range(len(starts) - 1)}
+    assert set(docs) | {"L" + "x" * 500 + "Z"} <= stored  # nothing dropped, the long document whole
+    assert train["tokens"] == int(starts[-1]) and train["rows"] == (train["tokens"] - 1) // 32
+
+
+def test_long_document_is_split_across_rows(tmp_path):
+    write_corpus(tmp_path / "corpus")
+    config = text_config(tmp_path, files=str(tmp_path / "corpus" / "long.txt"), seq_len=32, batch_size=8)
+    rows = sources.open_rows(config, "train")
+    assert rows.num_windows == (502 + 2 - 1) // 32  # BOS + 502 bytes + EOS
+    it = data.make_iterator(config, mesh8())
+    batches = [np.asarray(next(it)["inputs"]) for _ in range(2)]
+    it.close()
+    text = "".join(tokenizers.ByteTokenizer().decode(r) for r in np.concatenate(batches)[: rows.num_windows])
+    assert sorted(text) == sorted(("L" + "x" * 500 + "Z")[: len(text)])  # all rows come from it
+    with pytest.raises(ValueError, match="one document has no validation split"):
+        data.make_iterator(config, mesh8(), split="validation")
+
+
+def test_empty_glob_is_a_config_error(tmp_path):
+    config = text_config(tmp_path, files=str(tmp_path / "nothing" / "*.txt"))
+    with pytest.raises(config_lib.ConfigError, match="data.files.*matches no files"):
+        config_lib.validate(config, 8)
+
+
+def test_unknown_source_and_small_vocab_are_config_errors(tmp_path):
+    config = text_config(tmp_path)
+    config.data.source = "parquet"
+    with pytest.raises(config_lib.ConfigError, match="data.source='parquet'"):
+        config_lib.validate(config, 8)
+    config = text_config(tmp_path)
+    config.model.vocab_size = 256
+    with pytest.raises(config_lib.ConfigError, match=r"model.vocab_size=256.*data.tokenizer='bytes'.*\(259\)"):
+        config_lib.validate(config, 8)
+
+
+def test_tokenizer_errors_name_the_key(tmp_path, monkeypatch):
+    config = text_config(tmp_path)
+    config.data.tokenizer = str(tmp_path / "missing.json")
+    with pytest.raises(config_lib.ConfigError, match="data.tokenizer"):
+        config_lib.validate(config, 8)
+    path = tmp_path / "tokenizer.json"
+    path.write_text("{}")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if the package were not installed
+    with pytest.raises(config_lib.ConfigError, match="'tokenizers' package"):
+        tokenizers.load_tokenizer(str(path))
+    monkeypatch.setitem(sys.modules, "sentencepiece", None)
+    (tmp_path / "sp.model").write_bytes(b"")
+    with pytest.raises(config_lib.ConfigError, match="'sentencepiece' package"):
+        tokenizers.load_tokenizer(str(tmp_path / "sp.model"))
+
+
+def test_tfds_name_not_prepared_names_the_directory(tmp_path):
+    config = text_config(tmp_path)
+    for name in ("mnist", "no_such_dataset_here"):
+        config.data.source = f"tfds:{name}"
+        with pytest.raises(config_lib.ConfigError, match=str(tmp_path / "tfds")):
+            config_lib.validate(config, 8)
+
+
+def test_prepared_text_files_reads_back_through_tfds_name(tmp_path):
+    write_corpus(tmp_path / "corpus")
+    config = text_config(tmp_path, files=str(tmp_path / "corpus" / "*.jsonl*"))
+    config_lib.validate(config, 8)
+    direct = data.make_iterator(config, mesh8())
+    want = np.asarray(next(direct)["inputs"])
+    direct.close()
+    config.data.source = f"tfds:text_files/{sources.builder(config).builder_config.name}"
+    config_lib.validate(config, 8)
+    named = data.make_iterator(config, mesh8())
+    np.testing.assert_array_equal(np.asarray(next(named)["inputs"]), want)
+    named.close()
+
+
+def test_default_corpus_is_capped_stdlib_source(tmp_path):
+    files = corpus.default_corpus_files()
+    assert files == sorted(files) and all(f.endswith(".py") and "site-packages" not in f for f in files)
+    assert sum(os.path.getsize(f) for f in files) <= corpus.DEFAULT_CORPUS_BYTES
+    config = text_config(tmp_path, seq_len=128)
+    it = data.make_iterator(config, mesh8(), split="validation")
+    batch = {k: np.asarray(v) for k, v in next(it).items()}
+    it.close()
+    text = "".join(tokenizers.ByteTokenizer().decode(r) for r in batch["inputs"])
+    assert any(word in text for word in ("def ", "import ", "return ", "self."))
+    assert batch["loss_mask"].mean() > 0.95  # packed: almost no target is masked
+
+
+def test_prepare_command_prints_sizes(tmp_path):
+    write_corpus(tmp_path / "corpus")
+    config_file = tmp_path / "cfg.py"
+    config_file.write_text("from meshtrain import config\n\ndef get_config():\n    c = config.default_config()\n"
+                           "    c.data.source = 'text_files'\n    return c\n")
+    command = [sys.executable, "-m", "meshtrain.data.prepare", f"--config={config_file}",
+               f"--config.data.files={tmp_path / 'corpus' / '*.jsonl*'}",
+               f"--config.data.data_dir={tmp_path / 'tfds'}"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["splits"]["train"]["documents"] > 0 and "rows of 128 tokens" in out.stdout
+    bad = subprocess.run([*command[:-2], "--config.data.files=/no/such/dir/*"], check=False, capture_output=True,
+                         text=True, timeout=120, cwd=REPO, env=env)
+    assert bad.returncode != 0 and "config.data.files='/no/such/dir/*': the glob matches no files" in bad.stderr
