@@ -78,6 +78,11 @@ def test_long_document_is_split_across_rows(tmp_path):
         data.make_iterator(config, mesh8(), split="validation")
 
 
+def test_unigram_entropy():
+    np.testing.assert_allclose(sources.unigram_entropy(np.array([3, 3, 4, 4, 5, 5, 6, 6])), np.log(4), rtol=1e-6)
+    assert sources.unigram_entropy(np.array([7, 7, 7])) == 0.0
+
+
 def test_empty_glob_is_a_config_error(tmp_path):
     config = text_config(tmp_path, files=str(tmp_path / "nothing" / "*.txt"))
     with pytest.raises(config_lib.ConfigError, match="data.files.*matches no files"):
@@ -159,6 +164,7 @@ def test_prepare_command_prints_sizes(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["splits"]["train"]["documents"] > 0 and "rows of 128 tokens" in out.stdout
+    assert 0.0 < summary["splits"]["train"]["unigram_entropy_nats"] < np.log(259)
     bad = subprocess.run([*command[:-2], "--config.data.files=/no/such/dir/*"], check=False, capture_output=True,
                          text=True, timeout=120, cwd=REPO, env=env)
     assert bad.returncode != 0 and "config.data.files='/no/such/dir/*': the glob matches no files" in bad.stderr

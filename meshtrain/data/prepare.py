@@ -36,7 +36,8 @@ def main(argv) -> None:
         sys.exit(f"error: {error}")
     for split, sizes in summary.get("splits", {}).items():
         print(f"{split:>10}: {sizes['documents']:,} documents, {sizes['tokens']:,} tokens, "
-              f"{sizes['rows']:,} rows of {_CONFIG.value.train.seq_len} tokens")
+              f"{sizes['rows']:,} rows of {_CONFIG.value.train.seq_len} tokens, unigram entropy "
+              f"{sizes['unigram_entropy_nats']:.3f} nats/token")
     stats = summary.get("read_stats") or {}
     if stats:
         print(f"     files: {stats['files']:,} read, {stats['non_utf8_files']} not UTF-8 (decoded with "

@@ -53,8 +53,13 @@ def builder(config, prepare_if_missing: bool = True):
         if not result.is_prepared():
             if not prepare_if_missing:
                 raise config_lib.ConfigError("data.source", source, f"not prepared in {result.data_dir}")
-            result.download_and_prepare()
-            result.write_read_stats()
+            try:
+                result.download_and_prepare()
+                result.write_read_stats()
+            except OSError:  # another process sharing data_dir may have finished first
+                result = text_files_builder(config)
+                if not result.is_prepared():
+                    raise
         return result
     name = source.removeprefix("tfds:")
     directory = data_dir(config)
@@ -170,10 +175,18 @@ def prepare(config, progress: bool = True) -> dict:
     for split in _SPLIT_IDS:
         if split == "validation" and not set(result.info.splits.keys()) & {"validation", "test"}:
             continue
-        _, starts = token_cache(result, split, config, progress=progress)
+        tokens, starts = token_cache(result, split, config, progress=progress)
         summary["splits"][split] = {"documents": len(starts) - 1, "tokens": int(starts[-1]),
-                                    "rows": max(0, (int(starts[-1]) - 1) // config.train.seq_len)}
+                                    "rows": max(0, (int(starts[-1]) - 1) // config.train.seq_len),
+                                    "unigram_entropy_nats": unigram_entropy(tokens)}
     return summary
+
+
+def unigram_entropy(tokens: np.ndarray) -> float:
+    """Entropy (nats) of the token frequencies: the loss of the best model that ignores context."""
+    counts = np.bincount(np.asarray(tokens, np.int64))
+    p = counts[counts > 0] / max(1, counts.sum())
+    return float(-(p * np.log(p)).sum())
 
 
 def validate_config(config) -> None:
