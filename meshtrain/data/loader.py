@@ -1,7 +1,7 @@
 """Global batches from random-access rows: grain reading, prefetch, exact resume.
 
-Playbook, "Data Parallelism": each data-parallel rank consumes its own slice of the global
-batch. Here the slice belongs to a *process*: a process reads only the rows its devices
+Playbook, "Data Parallelism" and "Revisit global batch size": each data-parallel rank
+consumes its own slice of the global batch (gbs = mbs x grad_acc x dp). Here the slice belongs to a *process*: a process reads only the rows its devices
 hold under the batch sharding `P(('data', 'fsdp', 'expert'), 'sequence')`, and
 `jax.make_array_from_process_local_data` joins the slices into one global array.
 

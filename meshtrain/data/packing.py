@@ -1,10 +1,12 @@
 """Packing: documents laid end to end in fixed-length rows, with document masks.
 
-Playbook, "Context Parallelism" and the data sections: a row of `seq_len` tokens holds
-several documents back to back; `segment_ids` tell attention which tokens may see each
-other (never across a document unless `data.cross_document_attention`), `positions`
-restart at 0 for each document so RoPE sees every document as if it were alone, and
-`loss_mask` drops the targets that would cross a document boundary or fall on padding.
+Playbook, "First Steps: Training on one GPU" (batch size in tokens = rows x seq_len) and
+"Context Parallelism" (the sequence axis that these fields are later laid out along, e.g.
+in the "Zig-Zag Ring Attention" order). A row of `seq_len` tokens holds several documents
+back to back; `segment_ids` tell attention which tokens may see each other (never across a
+document unless `data.cross_document_attention`), `positions` restart at 0 for each
+document so RoPE sees every document as if it were alone, and `loss_mask` drops the targets
+that would cross a document boundary or fall on padding.
 
 A row is built from a window of `seq_len + 1` stream tokens and their document ids: the
 extra token is the target of the last input. A document that continues from the previous

@@ -1,9 +1,9 @@
 """Real-data sources: TFDS datasets -> token stream -> packed, shuffled rows.
 
-The layout is Megatron-LM's GPT dataset (playbook, data section; Shoeybi et al. 2019): the
-documents of a split are tokenized once into one flat token array plus document offsets
-(cached beside the TFDS dataset), laid end to end in an order shuffled from the seed, and
-cut into windows of `seq_len + 1` tokens every `seq_len` tokens. A document longer than
+The layout is Megatron-LM's GPT dataset (Shoeybi et al. 2019, the codebase the playbook's
+"Tensor Parallelism" section builds on): the documents of a split are tokenized once into one
+flat token array plus document offsets (cached beside the TFDS dataset), laid end to end in
+an order shuffled from the seed, and cut into windows of `seq_len + 1` tokens every `seq_len` tokens. A document longer than
 `seq_len` spans several windows (split, never dropped); the tail shorter than one window is
 left out of each epoch. grain shuffles the windows, reseeded every epoch, so global row `i`
 is `windows[shuffle_epoch(i)]`: a pure function of (seed, i), which is what makes resume
