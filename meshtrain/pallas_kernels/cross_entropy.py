@@ -212,7 +212,7 @@ def fused_cross_entropy(
     *,
     block_sizes: CrossEntropyBlockSizes | None = None,
     interpret: bool | None = None,
-) -> tuple[jax.Array, jax.Array]:
+) -> jax.Array:
     """Masked sum of token cross-entropies of softmax(hidden @ w_out).
 
     The trainer divides by a global token count, so the sum (not the mean) is
@@ -227,7 +227,7 @@ def fused_cross_entropy(
         interpret: Pallas interpret mode; None = on CPU only.
 
     Returns:
-        (loss_sum, count): float32 scalars, sum(mask * token_loss) and sum(mask).
+        float32 scalar sum(mask * token_loss); the token count is sum(mask).
 
     Raises:
         ValueError: for shapes, dtypes or block sizes the kernels do not support.
@@ -241,16 +241,16 @@ def fused_cross_entropy(
     w = _pad(_pad(w_out, 0, blocks.block_d), 1, blocks.block_v)
     labels_p = _pad(labels.astype(jnp.int32), 0, blocks.block_n)
     mask_p = _pad(mask, 0, blocks.block_n)  # padded tokens weigh 0
-    return _loss_sum(cfg, h, w, labels_p, mask_p), jnp.sum(mask)
+    return _loss_sum(cfg, h, w, labels_p, mask_p)
 
 
 def fused_cross_entropy_reference(
     hidden: jax.Array, w_out: jax.Array, labels: jax.Array, mask: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Pure-jnp (loss_sum, count) with full fp32 logits, for tests."""
+) -> jax.Array:
+    """Pure-jnp sum(mask * token cross-entropy) with full fp32 logits, for tests."""
     _validate(hidden, w_out, labels, mask)
     logits = jnp.dot(hidden.astype(jnp.float32), w_out.astype(jnp.float32))
     lse = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.take_along_axis(logits, labels[:, None].astype(jnp.int32), axis=-1)[:, 0]
     mask = mask.astype(jnp.float32)
-    return jnp.sum(mask * (lse - target)), jnp.sum(mask)
+    return jnp.sum(mask * (lse - target))
