@@ -11,8 +11,8 @@ from meshtrain.pallas_kernels import (
     fused_cross_entropy_reference,
 )
 
-F32_TOL = dict(rtol=1e-5, atol=1e-5)
-BF16_TOL = dict(rtol=2e-2, atol=2e-2)
+F32_TOL = {"rtol": 1e-5, "atol": 1e-5}
+BF16_TOL = {"rtol": 2e-2, "atol": 2e-2}
 
 
 def _inputs(n, d, v, dtype, bool_mask):
@@ -26,7 +26,9 @@ def _inputs(n, d, v, dtype, bool_mask):
 
 
 def _value_and_grads(fn, hidden, w_out, labels, mask, **kw):
-    run = jax.value_and_grad(lambda h, w, m: fn(h, w, labels, m, **kw), argnums=(0, 1, 2))
+    run = jax.value_and_grad(
+        lambda h, w, m: fn(h, w, labels, m, **kw), argnums=(0, 1, 2)
+    )
     loss, grads = jax.jit(run)(hidden, w_out, mask.astype(jnp.float32))
     return (loss, *grads)
 
@@ -36,22 +38,39 @@ def _value_and_grads(fn, hidden, w_out, labels, mask, **kw):
     [
         (128, 64, 512, jnp.float32, True, None),
         (100, 48, 300, jnp.float32, False, None),  # every dimension padded to its tile
-        (64, 64, 256, jnp.float32, False, CrossEntropyBlockSizes(block_n=16, block_v=32, block_d=16)),
+        (
+            64,
+            64,
+            256,
+            jnp.float32,
+            False,
+            CrossEntropyBlockSizes(block_n=16, block_v=32, block_d=16),
+        ),
         (128, 64, 256, jnp.bfloat16, True, None),
     ],
 )
 def test_matches_reference(n, d, v, dtype, bool_mask, blocks):
     hidden, w_out, labels, mask = _inputs(n, d, v, dtype, bool_mask)
-    got = _value_and_grads(fused_cross_entropy, hidden, w_out, labels, mask,
-                           block_sizes=blocks, interpret=True)
+    got = _value_and_grads(
+        fused_cross_entropy,
+        hidden,
+        w_out,
+        labels,
+        mask,
+        block_sizes=blocks,
+        interpret=True,
+    )
     want = _value_and_grads(fused_cross_entropy_reference, hidden, w_out, labels, mask)
-    assert got[0].dtype == jnp.float32 and got[1].dtype == dtype and got[2].dtype == dtype
+    assert (
+        got[0].dtype == jnp.float32 and got[1].dtype == dtype and got[2].dtype == dtype
+    )
     tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
     # The loss is a sum over tokens: compare it per token.
     np.testing.assert_allclose(got[0] / n, want[0] / n, **tol)
     for name, a, b in zip(("d_hidden", "d_w_out", "d_mask"), got[1:], want[1:]):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                   err_msg=name, **tol)
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name, **tol
+        )
 
 
 @pytest.mark.parametrize(
@@ -60,25 +79,45 @@ def test_matches_reference(n, d, v, dtype, bool_mask, blocks):
         (((8, 64), (32, 128), (8,), (8,)), None, "hidden must be"),
         (((8, 64), (64, 128), (8, 1), (8,)), None, "labels must be"),
         (((8, 64), (64, 128), (8,), (4,)), None, "mask must be"),
-        (((8, 64), (64, 128), (8,), (8,)), CrossEntropyBlockSizes(block_v=100), "block_v=100"),
-        (((8, 64), (64, 128), (8,), (8,)), CrossEntropyBlockSizes(block_d=8), "block_d=8"),
+        (
+            ((8, 64), (64, 128), (8,), (8,)),
+            CrossEntropyBlockSizes(block_v=100),
+            "block_v=100",
+        ),
+        (
+            ((8, 64), (64, 128), (8,), (8,)),
+            CrossEntropyBlockSizes(block_d=8),
+            "block_d=8",
+        ),
     ],
 )
 def test_invalid_inputs_raise_wrapper_error(shapes, blocks, match):
     h, w, labels, mask = shapes
     with pytest.raises(ValueError, match=match):
-        fused_cross_entropy(jnp.zeros(h), jnp.zeros(w), jnp.zeros(labels, jnp.int32),
-                            jnp.ones(mask), block_sizes=blocks, interpret=False)
+        fused_cross_entropy(
+            jnp.zeros(h),
+            jnp.zeros(w),
+            jnp.zeros(labels, jnp.int32),
+            jnp.ones(mask),
+            block_sizes=blocks,
+            interpret=False,
+        )
 
 
 def test_lowers_to_triton_without_full_logits():
     """llama3_8b head: 8192 tokens, d_model 4096, vocab 128256, bf16; lowering only."""
     n, d, v = 8192, 4096, 128256
-    args = (jax.ShapeDtypeStruct((n, d), jnp.bfloat16), jax.ShapeDtypeStruct((d, v), jnp.bfloat16),
-            jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.float32))
+    args = (
+        jax.ShapeDtypeStruct((n, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((d, v), jnp.bfloat16),
+        jax.ShapeDtypeStruct((n,), jnp.int32),
+        jax.ShapeDtypeStruct((n,), jnp.float32),
+    )
     fwd = lambda h, w, y, m: fused_cross_entropy(h, w, y, m, interpret=False)
     bwd = jax.grad(fwd, argnums=(0, 1))
     for f in (fwd, bwd):
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "xla.gpu.triton" in text
-        assert f"{n}x{v}" not in text  # no [tokens, vocab] buffer anywhere in the program
+        assert (
+            f"{n}x{v}" not in text
+        )  # no [tokens, vocab] buffer anywhere in the program

@@ -14,8 +14,8 @@ from meshtrain.pallas_kernels import (
 )
 from meshtrain.pallas_kernels._common import resolve_interpret
 
-F32_TOL = dict(rtol=1e-5, atol=1e-5)
-BF16_TOL = dict(rtol=2e-2, atol=2e-2)
+F32_TOL = {"rtol": 1e-5, "atol": 1e-5}
+BF16_TOL = {"rtol": 2e-2, "atol": 2e-2}
 
 
 def _inputs(b, lq, lk, h, kh, d, dtype, seed=0):
@@ -68,18 +68,29 @@ GRID = [
 @pytest.mark.parametrize("b,length,h,kh,d,causal,segments", GRID)
 def test_matches_reference_float32(b, length, h, kh, d, causal, segments):
     q, k, v, d_out, d_lse = _inputs(b, length, length, h, kh, d, jnp.float32)
-    kw = dict(causal=causal, segment_ids=_segments(b, length, 1) if segments else None)
-    got = _value_and_grads(flash_attention_with_lse, q, k, v, d_out, d_lse, interpret=True, **kw)
-    want = _value_and_grads(flash_attention_with_lse_reference, q, k, v, d_out, d_lse, **kw)
+    kw = {
+        "causal": causal,
+        "segment_ids": _segments(b, length, 1) if segments else None,
+    }
+    got = _value_and_grads(
+        flash_attention_with_lse, q, k, v, d_out, d_lse, interpret=True, **kw
+    )
+    want = _value_and_grads(
+        flash_attention_with_lse_reference, q, k, v, d_out, d_lse, **kw
+    )
     _assert_close(got, want, F32_TOL)
 
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_matches_reference_bfloat16(causal):
     q, k, v, d_out, d_lse = _inputs(1, 256, 256, 8, 2, 64, jnp.bfloat16, seed=3)
-    kw = dict(causal=causal, segment_ids=_segments(1, 256, 2))
-    got = _value_and_grads(flash_attention_with_lse, q, k, v, d_out, d_lse, interpret=True, **kw)
-    want = _value_and_grads(flash_attention_with_lse_reference, q, k, v, d_out, d_lse, **kw)
+    kw = {"causal": causal, "segment_ids": _segments(1, 256, 2)}
+    got = _value_and_grads(
+        flash_attention_with_lse, q, k, v, d_out, d_lse, interpret=True, **kw
+    )
+    want = _value_and_grads(
+        flash_attention_with_lse_reference, q, k, v, d_out, d_lse, **kw
+    )
     assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32
     assert got[2].dtype == got[3].dtype == jnp.bfloat16
     _assert_close(got, want, BF16_TOL)
@@ -91,13 +102,24 @@ def test_ring_step_block_with_offsets_and_empty_rows():
     q, k, v, d_out, d_lse = _inputs(b, lq, lk, 4, 2, 64, jnp.float32, seed=5)
     q_pos = jnp.broadcast_to(256 + jnp.arange(lq), (b, lq)).astype(jnp.int32)
     kv_pos = jnp.broadcast_to(200 + jnp.arange(lk), (b, lk)).astype(jnp.int32)
-    q_seg = jnp.broadcast_to(jnp.where(jnp.arange(lq) < 40, 7, 8), (b, lq)).astype(jnp.int32)
+    q_seg = jnp.broadcast_to(jnp.where(jnp.arange(lq) < 40, 7, 8), (b, lq)).astype(
+        jnp.int32
+    )
     q_seg = q_seg.at[1, :16].set(99)  # a document with no keys in this block
     kv_seg = jnp.full((b, lk), 8, jnp.int32)
-    kw = dict(causal=True, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-              q_positions=q_pos, kv_positions=kv_pos)
-    got = _value_and_grads(flash_attention_with_lse, q, k, v, d_out, d_lse, interpret=True, **kw)
-    want = _value_and_grads(flash_attention_with_lse_reference, q, k, v, d_out, d_lse, **kw)
+    kw = {
+        "causal": True,
+        "q_segment_ids": q_seg,
+        "kv_segment_ids": kv_seg,
+        "q_positions": q_pos,
+        "kv_positions": kv_pos,
+    }
+    got = _value_and_grads(
+        flash_attention_with_lse, q, k, v, d_out, d_lse, interpret=True, **kw
+    )
+    want = _value_and_grads(
+        flash_attention_with_lse_reference, q, k, v, d_out, d_lse, **kw
+    )
     _assert_close(got, want, F32_TOL)
     out, lse, dq = got[0], got[1], got[2]
     empty = q_seg != 8
@@ -116,13 +138,16 @@ def test_flash_attention_output_only_and_block_override():
     loss = lambda fn, **kw: lambda q: jnp.sum(jnp.sin(fn(q, k, v, **kw)))
     np.testing.assert_allclose(
         jax.grad(loss(flash_attention, block_sizes=blocks, interpret=True))(q),
-        jax.grad(loss(flash_attention_reference))(q), **F32_TOL,
+        jax.grad(loss(flash_attention_reference))(q),
+        **F32_TOL,
     )
 
 
 def test_default_blocks_fit_the_shape():
     fitted = FlashBlockSizes().fit(96, 48, user_given=False)
-    assert fitted == FlashBlockSizes(block_q=32, block_kv=16, block_q_bwd=32, block_kv_bwd=16)
+    assert fitted == FlashBlockSizes(
+        block_q=32, block_kv=16, block_q_bwd=32, block_kv_bwd=16
+    )
     assert resolve_interpret(None) is (jax.default_backend() == "cpu")
 
 
@@ -132,11 +157,24 @@ def test_default_blocks_fit_the_shape():
         ((1, 128, 6, 64), (1, 128, 4, 64), {}, "multiple of kv heads"),
         ((1, 128, 4, 48), (1, 128, 4, 48), {}, "head_dim=48"),
         ((1, 100, 4, 64), (1, 100, 4, 64), {}, "q length=100"),
-        ((1, 128, 4, 64), (1, 128, 4, 64), {"block_sizes": FlashBlockSizes(block_q=96)}, "block_q=96"),
-        ((1, 128, 4, 64), (1, 128, 4, 64),
-         {"block_sizes": FlashBlockSizes(block_kv=256, block_kv_bwd=64)}, None),
-        ((1, 128, 4, 64), (1, 128, 4, 64), {"segment_ids": jnp.zeros((1, 64), jnp.int32)},
-         "q_segment_ids"),
+        (
+            (1, 128, 4, 64),
+            (1, 128, 4, 64),
+            {"block_sizes": FlashBlockSizes(block_q=96)},
+            "block_q=96",
+        ),
+        (
+            (1, 128, 4, 64),
+            (1, 128, 4, 64),
+            {"block_sizes": FlashBlockSizes(block_kv=256, block_kv_bwd=64)},
+            None,
+        ),
+        (
+            (1, 128, 4, 64),
+            (1, 128, 4, 64),
+            {"segment_ids": jnp.zeros((1, 64), jnp.int32)},
+            "q_segment_ids",
+        ),
     ],
 )
 def test_invalid_shapes_raise_wrapper_error(q_shape, kv_shape, kw, match):
@@ -155,8 +193,10 @@ LOWERING = [
     (1, 8192, 8192, 32, 8, 128, jnp.bfloat16, "plain"),
     (1, 8192, 8192, 32, 8, 128, jnp.bfloat16, "segments"),
     (1, 4096, 8192, 32, 8, 128, jnp.bfloat16, "ring"),
-    *[(b, n, n, h, kh, d, jnp.float32, "segments" if s else "plain")
-      for b, n, h, kh, d, _, s in GRID],
+    *[
+        (b, n, n, h, kh, d, jnp.float32, "segments" if s else "plain")
+        for b, n, h, kh, d, _, s in GRID
+    ],
 ]
 
 
@@ -164,20 +204,30 @@ LOWERING = [
 def test_lowers_to_triton_forward_and_backward(b, lq, lk, h, kh, d, dtype, mode):
     q = jax.ShapeDtypeStruct((b, lq, h, d), dtype)
     kv = jax.ShapeDtypeStruct((b, lk, kh, d), dtype)
-    ids_q, ids_kv = jax.ShapeDtypeStruct((b, lq), jnp.int32), jax.ShapeDtypeStruct((b, lk), jnp.int32)
+    ids_q, ids_kv = (
+        jax.ShapeDtypeStruct((b, lq), jnp.int32),
+        jax.ShapeDtypeStruct((b, lk), jnp.int32),
+    )
 
     def fwd(q, k, v, iq, ikv):
         kw = {}
         if mode != "plain":
-            kw = dict(q_segment_ids=iq, kv_segment_ids=ikv)
+            kw = {"q_segment_ids": iq, "kv_segment_ids": ikv}
         if mode == "ring":
             kw.update(q_positions=iq, kv_positions=ikv)
         return flash_attention_with_lse(q, k, v, causal=True, interpret=False, **kw)
 
     def loss(q, k, v, iq, ikv):
         out, lse = fwd(q, k, v, iq, ikv)
-        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(
+            jnp.where(jnp.isfinite(lse), lse, 0.0)
+        )
 
     for f in (fwd, jax.grad(loss, argnums=(0, 1, 2))):
-        text = jax.jit(f).trace(q, kv, kv, ids_q, ids_kv).lower(lowering_platforms=("cuda",)).as_text()
+        text = (
+            jax.jit(f)
+            .trace(q, kv, kv, ids_q, ids_kv)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
         assert "xla.gpu.triton" in text

@@ -7,8 +7,8 @@ import pytest
 
 from meshtrain.pallas_kernels import RMSNormBlockSizes, rms_norm, rms_norm_reference
 
-F32_TOL = dict(rtol=1e-5, atol=1e-5)
-BF16_TOL = dict(rtol=2e-2, atol=2e-2)
+F32_TOL = {"rtol": 1e-5, "atol": 1e-5}
+BF16_TOL = {"rtol": 2e-2, "atol": 2e-2}
 
 
 def _value_and_grads(fn, x, w, dy, **kw):
@@ -38,8 +38,9 @@ def test_matches_reference(shape, dtype, blocks):
     assert got[0].dtype == dtype and got[1].dtype == dtype and got[2].dtype == w.dtype
     tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
     for name, a, b in zip(("y", "dx", "dweight"), got, want):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                   err_msg=name, **tol)
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name, **tol
+        )
 
 
 def test_default_blocks_depend_on_width():
@@ -53,9 +54,18 @@ def test_default_blocks_depend_on_width():
     [
         ((4, 64), (32,), {"eps": 1e-6}, "weight shape"),
         ((4, 64), (64,), {"eps": 0.0}, "eps=0.0"),
-        ((12, 64), (64,), {"eps": 1e-6, "block_sizes": RMSNormBlockSizes(block_rows=8)}, "rows=12"),
-        ((12, 64), (64,), {"eps": 1e-6, "block_sizes": RMSNormBlockSizes(block_rows=3)},
-         "block_rows=3"),
+        (
+            (12, 64),
+            (64,),
+            {"eps": 1e-6, "block_sizes": RMSNormBlockSizes(block_rows=8)},
+            "rows=12",
+        ),
+        (
+            (12, 64),
+            (64,),
+            {"eps": 1e-6, "block_sizes": RMSNormBlockSizes(block_rows=3)},
+            "block_rows=3",
+        ),
     ],
 )
 def test_invalid_inputs_raise_wrapper_error(x_shape, w_shape, kw, match):
@@ -64,7 +74,9 @@ def test_invalid_inputs_raise_wrapper_error(x_shape, w_shape, kw, match):
         rms_norm(x, w, interpret=False, **kw)
 
 
-@pytest.mark.parametrize("shape", [(1, 8192, 4096), (2, 128, 96)])  # llama3_8b; padded width
+@pytest.mark.parametrize(
+    "shape", [(1, 8192, 4096), (2, 128, 96)]
+)  # llama3_8b; padded width
 def test_lowers_to_triton_forward_and_backward(shape):
     x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     w = jax.ShapeDtypeStruct(shape[-1:], jnp.float32)

@@ -17,7 +17,11 @@ from meshtrain.pallas_kernels.flash_attention import (
     flash_attention_with_lse,
     flash_attention_with_lse_reference,
 )
-from meshtrain.pallas_kernels.rms_norm import RMSNormBlockSizes, rms_norm, rms_norm_reference
+from meshtrain.pallas_kernels.rms_norm import (
+    RMSNormBlockSizes,
+    rms_norm,
+    rms_norm_reference,
+)
 
 __all__ = [
     "CrossEntropyBlockSizes",

@@ -23,7 +23,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from meshtrain.pallas_kernels._common import floor_power_of_two, is_power_of_two, resolve_interpret
+from meshtrain.pallas_kernels._common import (
+    floor_power_of_two,
+    is_power_of_two,
+    resolve_interpret,
+)
 
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -53,11 +57,14 @@ class CrossEntropyBlockSizes:
     def fit(self, n: int, v: int, d: int) -> CrossEntropyBlockSizes:
         def one(name, block, dim):
             if not is_power_of_two(block) or block < 16:
-                raise ValueError(f"{name}={block} must be a power of two >= 16 (Triton tile rule)")
+                raise ValueError(
+                    f"{name}={block} must be a power of two >= 16 (Triton tile rule)"
+                )
             return min(block, max(16, floor_power_of_two(dim)))
 
         return CrossEntropyBlockSizes(
-            one("block_n", self.block_n, n), one("block_v", self.block_v, v),
+            one("block_n", self.block_n, n),
+            one("block_v", self.block_v, v),
             one("block_d", self.block_d, d),
         )
 
@@ -77,7 +84,9 @@ def _logits_tile(h_ref, w_ref, cfg: _Config):
         ds = pl.ds(t * bd, bd)
         return acc + _dot(h_ref[:, ds], w_ref[ds, :], _NN)
 
-    logits = lax.fori_loop(0, h_ref.shape[1] // bd, body, jnp.zeros((bn, bv), jnp.float32))
+    logits = lax.fori_loop(
+        0, h_ref.shape[1] // bd, body, jnp.zeros((bn, bv), jnp.float32)
+    )
     cols = pl.program_id(1) * bv + lax.broadcasted_iota(jnp.int32, (bv,), 0)
     if cfg.vocab % bv:  # padded vocabulary: padding columns never win
         logits = jnp.where(cols[None, :] < cfg.vocab, logits, -jnp.inf)
@@ -92,12 +101,25 @@ def _forward_kernel(h_ref, w_ref, labels_ref, lse_ref, target_ref, *, cfg: _Conf
     target_ref[...] = jnp.sum(jnp.where(hit, logits, 0.0), axis=1)
 
 
-def _backward_kernel(h_ref, w_ref, labels_ref, lse_ref, scale_ref, _dh0, _dw0, dh_ref, dw_ref,
-                     *, cfg: _Config):
+def _backward_kernel(
+    h_ref,
+    w_ref,
+    labels_ref,
+    lse_ref,
+    scale_ref,
+    _dh0,
+    _dw0,
+    dh_ref,
+    dw_ref,
+    *,
+    cfg: _Config,
+):
     logits, cols = _logits_tile(h_ref, w_ref, cfg)
     p = jnp.exp(logits - lse_ref[...][:, None])
     hit = cols[None, :] == labels_ref[...][:, None]
-    dlogits = ((p - hit.astype(jnp.float32)) * scale_ref[...][:, None]).astype(h_ref.dtype)
+    dlogits = ((p - hit.astype(jnp.float32)) * scale_ref[...][:, None]).astype(
+        h_ref.dtype
+    )
     bd = cfg.blocks.block_d
 
     def body(t, carry):
@@ -155,7 +177,15 @@ def _backward(cfg: _Config, h, w, labels, lse, scale):
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=cfg.interpret,
         name="cross_entropy_backward",
-    )(h, w, labels, lse, scale, jnp.zeros(h.shape, jnp.float32), jnp.zeros(w.shape, jnp.float32))
+    )(
+        h,
+        w,
+        labels,
+        lse,
+        scale,
+        jnp.zeros(h.shape, jnp.float32),
+        jnp.zeros(w.shape, jnp.float32),
+    )
     return dh, dw
 
 
@@ -188,11 +218,18 @@ def _validate(hidden, w_out, labels, mask):
         )
     n = hidden.shape[0]
     if labels.shape != (n,) or not jnp.issubdtype(labels.dtype, jnp.integer):
-        raise ValueError(f"labels must be integer [{n}], got {labels.dtype}{list(labels.shape)}")
+        raise ValueError(
+            f"labels must be integer [{n}], got {labels.dtype}{list(labels.shape)}"
+        )
     if mask.shape != (n,):
         raise ValueError(f"mask must be [{n}] (float or bool), got {list(mask.shape)}")
-    if not (jnp.issubdtype(hidden.dtype, jnp.floating) and jnp.issubdtype(w_out.dtype, jnp.floating)):
-        raise ValueError(f"hidden and w_out must be floating point, got {hidden.dtype}, {w_out.dtype}")
+    if not (
+        jnp.issubdtype(hidden.dtype, jnp.floating)
+        and jnp.issubdtype(w_out.dtype, jnp.floating)
+    ):
+        raise ValueError(
+            f"hidden and w_out must be floating point, got {hidden.dtype}, {w_out.dtype}"
+        )
 
 
 def _pad(x, axis: int, multiple: int):
@@ -251,6 +288,8 @@ def fused_cross_entropy_reference(
     _validate(hidden, w_out, labels, mask)
     logits = jnp.dot(hidden.astype(jnp.float32), w_out.astype(jnp.float32))
     lse = jax.nn.logsumexp(logits, axis=-1)
-    target = jnp.take_along_axis(logits, labels[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    target = jnp.take_along_axis(logits, labels[:, None].astype(jnp.int32), axis=-1)[
+        :, 0
+    ]
     mask = mask.astype(jnp.float32)
     return jnp.sum(mask * (lse - target))

@@ -28,7 +28,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from meshtrain.pallas_kernels._common import fit_block, is_power_of_two, resolve_interpret
+from meshtrain.pallas_kernels._common import (
+    fit_block,
+    is_power_of_two,
+    resolve_interpret,
+)
 
 _INIT_MAX = -1e30  # finite start of the running max: rows without keys stay finite.
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -74,7 +78,9 @@ class _Config:
     blocks: FlashBlockSizes
     interpret: bool
     has_segments: bool
-    has_positions: bool  # explicit positions given (else 0..L-1, which allows tile skipping)
+    has_positions: (
+        bool  # explicit positions given (else 0..L-1, which allows tile skipping)
+    )
 
 
 def _split_refs(refs, cfg: _Config):
@@ -131,7 +137,9 @@ def _forward_kernel(*refs, cfg: _Config, len_kv: int):
         return acc, m_new, l
 
     num_kv = len_kv // bk
-    if cfg.causal and not cfg.has_positions:  # tiles right of the diagonal are all masked
+    if (
+        cfg.causal and not cfg.has_positions
+    ):  # tiles right of the diagonal are all masked
         num_kv = jnp.minimum(lax.div((i + 1) * bq + bk - 1, bk), num_kv)
     init = (
         jnp.zeros(q.shape, jnp.float32),
@@ -195,7 +203,9 @@ def _dkdv_kernel(*refs, cfg: _Config, len_q: int, group: int):
         return dk, dv
 
     def head(g, carry):  # the query heads that read this K/V head
-        return lax.fori_loop(first_q, len_q // bq, functools.partial(q_tile, g=g), carry)
+        return lax.fori_loop(
+            first_q, len_q // bq, functools.partial(q_tile, g=g), carry
+        )
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
@@ -224,17 +234,26 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
     len_kv, kh = k.shape[1], k.shape[2]
     group, bq = h // kh, cfg.blocks.block_q
     side, side_specs = _side_inputs(
-        cfg, q_seg, kv_seg, q_pos, kv_pos,
+        cfg,
+        q_seg,
+        kv_seg,
+        q_pos,
+        kv_pos,
         pl.BlockSpec((None, bq), lambda b_, h_, i: (b_, i)),
         pl.BlockSpec((None, len_kv), lambda b_, h_, i: (b_, 0)),
     )
-    kv_spec = pl.BlockSpec((None, len_kv, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0))
+    kv_spec = pl.BlockSpec(
+        (None, len_kv, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0)
+    )
     q_spec = pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0))
     return pl.pallas_call(
         functools.partial(_forward_kernel, cfg=cfg, len_kv=len_kv),
         grid=(b, h, len_q // bq),
         in_specs=[q_spec, kv_spec, kv_spec, *side_specs],
-        out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda b_, h_, i: (b_, h_, i))],
+        out_specs=[
+            q_spec,
+            pl.BlockSpec((None, None, bq), lambda b_, h_, i: (b_, h_, i)),
+        ],
         out_shape=[
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((b, h, len_q), jnp.float32),
@@ -251,18 +270,28 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do,
     group = h // kh
     bq, bk = cfg.blocks.block_q_bwd, cfg.blocks.block_kv_bwd
     # d lse / d s = p, so the lse cotangent folds into delta = rowsum(dO * O) - dlse.
-    delta = jnp.einsum("blhd,blhd->bhl", do.astype(jnp.float32), out.astype(jnp.float32))
+    delta = jnp.einsum(
+        "blhd,blhd->bhl", do.astype(jnp.float32), out.astype(jnp.float32)
+    )
     delta = delta - dlse
-    lse = jnp.where(jnp.isneginf(lse), 0.0, lse)  # rows without keys: all p are exp(-inf) = 0
+    lse = jnp.where(
+        jnp.isneginf(lse), 0.0, lse
+    )  # rows without keys: all p are exp(-inf) = 0
     do = do.astype(q.dtype)
 
     side, side_specs = _side_inputs(
-        cfg, q_seg, kv_seg, q_pos, kv_pos,
+        cfg,
+        q_seg,
+        kv_seg,
+        q_pos,
+        kv_pos,
         pl.BlockSpec((None, bq), lambda b_, h_, i: (b_, i)),
         pl.BlockSpec((None, len_kv), lambda b_, h_, i: (b_, 0)),
     )
     q_spec = pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0))
-    kv_spec = pl.BlockSpec((None, len_kv, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0))
+    kv_spec = pl.BlockSpec(
+        (None, len_kv, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0)
+    )
     row_spec = pl.BlockSpec((None, None, bq), lambda b_, h_, i: (b_, h_, i))
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg, len_kv=len_kv),
@@ -276,20 +305,36 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do,
     )(q, k, v, *side, do, lse, delta)
 
     side, side_specs = _side_inputs(
-        cfg, q_seg, kv_seg, q_pos, kv_pos,
+        cfg,
+        q_seg,
+        kv_seg,
+        q_pos,
+        kv_pos,
         pl.BlockSpec((None, len_q), lambda b_, g_, j: (b_, 0)),
         pl.BlockSpec((None, bk), lambda b_, g_, j: (b_, j)),
     )
-    q_group_spec = pl.BlockSpec((None, len_q, group, d), lambda b_, g_, j: (b_, 0, g_, 0))
+    q_group_spec = pl.BlockSpec(
+        (None, len_q, group, d), lambda b_, g_, j: (b_, 0, g_, 0)
+    )
     kv_tile_spec = pl.BlockSpec((None, bk, None, d), lambda b_, g_, j: (b_, j, g_, 0))
     rows_spec = pl.BlockSpec((None, group, len_q), lambda b_, g_, j: (b_, g_, 0))
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, cfg=cfg, len_q=len_q, group=group),
         grid=(b, kh, len_kv // bk),
-        in_specs=[q_group_spec, kv_tile_spec, kv_tile_spec, *side_specs,
-                  q_group_spec, rows_spec, rows_spec],
+        in_specs=[
+            q_group_spec,
+            kv_tile_spec,
+            kv_tile_spec,
+            *side_specs,
+            q_group_spec,
+            rows_spec,
+            rows_spec,
+        ],
         out_specs=[kv_tile_spec, kv_tile_spec],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=[
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+        ],
         compiler_params=_params(d),
         interpret=cfg.interpret,
         name="flash_attention_dkdv",
@@ -310,7 +355,9 @@ def _flash_fwd(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
 def _flash_bwd(cfg, residuals, cotangents):
     q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse = residuals
     do, dlse = cotangents
-    dq, dk, dv = _backward(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do, dlse)
+    dq, dk, dv = _backward(
+        cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do, dlse
+    )
     return dq, dk, dv, None, None, None, None
 
 
@@ -329,7 +376,9 @@ def _check_ids(name: str, ids, batch: int, length: int):
     return ids.astype(jnp.int32)
 
 
-def _validate(q, k, v, segment_ids, q_segment_ids, kv_segment_ids, q_positions, kv_positions):
+def _validate(
+    q, k, v, segment_ids, q_segment_ids, kv_segment_ids, q_positions, kv_positions
+):
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
         raise ValueError(
             "q must be [batch, length, heads, head_dim] and k, v the same "
@@ -338,14 +387,24 @@ def _validate(q, k, v, segment_ids, q_segment_ids, kv_segment_ids, q_positions, 
         )
     b, _, h, d = q.shape
     if k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"k batch/head_dim {k.shape[0]}/{k.shape[3]} must equal q's {b}/{d}")
+        raise ValueError(
+            f"k batch/head_dim {k.shape[0]}/{k.shape[3]} must equal q's {b}/{d}"
+        )
     if h % k.shape[2]:
-        raise ValueError(f"q heads ({h}) must be a multiple of kv heads ({k.shape[2]}) for GQA")
+        raise ValueError(
+            f"q heads ({h}) must be a multiple of kv heads ({k.shape[2]}) for GQA"
+        )
     if not is_power_of_two(d) or d < 16:
-        raise ValueError(f"head_dim={d} must be a power of two >= 16 (Triton tile rule)")
+        raise ValueError(
+            f"head_dim={d} must be a power of two >= 16 (Triton tile rule)"
+        )
     if not all(jnp.issubdtype(x.dtype, jnp.floating) for x in (q, k, v)):
-        raise ValueError(f"q, k, v must be floating point, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if segment_ids is not None and (q_segment_ids is not None or kv_segment_ids is not None):
+        raise ValueError(
+            f"q, k, v must be floating point, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if segment_ids is not None and (
+        q_segment_ids is not None or kv_segment_ids is not None
+    ):
         raise ValueError("pass segment_ids or q_segment_ids/kv_segment_ids, not both")
     if segment_ids is not None:
         q_segment_ids = kv_segment_ids = segment_ids
@@ -402,14 +461,20 @@ def flash_attention_with_lse(
     Raises:
         ValueError: for shapes, dtypes or block sizes the kernels do not support.
     """
-    ids = _validate(q, k, v, segment_ids, q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+    ids = _validate(
+        q, k, v, segment_ids, q_segment_ids, kv_segment_ids, q_positions, kv_positions
+    )
     q_seg, kv_seg, q_pos, kv_pos = ids
     user_given = block_sizes is not None
-    blocks = (block_sizes or FlashBlockSizes()).fit(q.shape[1], k.shape[1], user_given=user_given)
+    blocks = (block_sizes or FlashBlockSizes()).fit(
+        q.shape[1], k.shape[1], user_given=user_given
+    )
     has_positions = causal and q_pos is not None
     cfg = _Config(
         causal=bool(causal),
-        sm_scale=float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])),
+        sm_scale=float(
+            sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        ),
         blocks=blocks,
         interpret=resolve_interpret(interpret),
         has_segments=q_seg is not None,
@@ -433,8 +498,14 @@ def flash_attention(
 ) -> jax.Array:
     """Self-attention output [B, L, H, D]; see `flash_attention_with_lse`."""
     out, _ = flash_attention_with_lse(
-        q, k, v, causal=causal, segment_ids=segment_ids, sm_scale=sm_scale,
-        block_sizes=block_sizes, interpret=interpret,
+        q,
+        k,
+        v,
+        causal=causal,
+        segment_ids=segment_ids,
+        sm_scale=sm_scale,
+        block_sizes=block_sizes,
+        interpret=interpret,
     )
     return out
 
