@@ -1,0 +1,103 @@
+"""The six-axis device mesh: axis names, construction, fake CPU devices, multi-process start.
+
+Playbook, "5D parallelism in a nutshell": every parallelism is one axis of one mesh.
+The devices are laid out outermost to innermost as data, stage, fsdp, expert, sequence,
+tensor, so that the axes with the heaviest traffic (tensor, sequence) are neighbours on
+the fastest links. Multi-node meshes split each axis into an in-node and a cross-node
+(DCN) part (`config.mesh.dcn_*`) so that `tensor` stays inside a node.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+
+import jax
+import ml_collections
+import numpy as np
+from jax.experimental import mesh_utils
+
+from meshtrain import config as config_lib
+
+log = logging.getLogger(__name__)
+
+
+class Axis(str, enum.Enum):
+    """Mesh axis names: the only place they are spelled."""
+
+    DATA = "data"
+    FSDP = "fsdp"
+    TENSOR = "tensor"
+    SEQUENCE = "sequence"
+    EXPERT = "expert"
+    STAGE = "stage"
+
+
+# Device order, outermost (slowest links) to innermost (fastest links).
+MESH_ORDER: tuple[str, ...] = (Axis.DATA.value, Axis.STAGE.value, Axis.FSDP.value,
+                               Axis.EXPERT.value, Axis.SEQUENCE.value, Axis.TENSOR.value)
+# Axes that split the batch (the data-parallel group, in the mesh order).
+BATCH_AXES: tuple[str, ...] = (Axis.DATA.value, Axis.FSDP.value, Axis.EXPERT.value)
+
+
+def fake_cpu_devices(count: int) -> None:
+    """Asks for `count` CPU devices; effective only before JAX initialises its backends."""
+    if count <= 0:
+        return
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        if jax.default_backend() == "cpu" and jax.device_count() != count:
+            log.warning("JAX already started with %d devices; config.cpu_devices=%d ignored",
+                        jax.device_count(), count)
+        return
+    jax.config.update("jax_num_cpu_devices", count)
+
+
+def maybe_initialize_distributed(config: ml_collections.ConfigDict) -> None:
+    """Starts `jax.distributed` when the config or the environment says the run is multi-process.
+
+    Explicit `config.distributed.*` values win; otherwise JAX's own cluster detection
+    (SLURM, Open MPI, cloud TPU/GPU launchers) is used when such an environment is present.
+    """
+    dist = config.distributed
+    from jax._src import distributed
+
+    if distributed.global_state.client is not None:
+        return  # already joined
+    if dist.coordinator_address:
+        jax.distributed.initialize(dist.coordinator_address, num_processes=dist.num_processes,
+                                   process_id=dist.process_id)
+    elif any(var in os.environ for var in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS")):
+        jax.distributed.initialize()
+
+
+def make_mesh(config: ml_collections.ConfigDict, devices: list | None = None) -> jax.sharding.Mesh:
+    """Builds the mesh from `config.mesh`, axes in MESH_ORDER, Auto axis types (logical-rule sharding).
+
+    Raises ConfigError if the axis sizes do not multiply to the device count.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = config_lib.mesh_shape(config, len(devices))
+    shape = tuple(sizes[name] for name in MESH_ORDER)
+    dcn = tuple(int(config.mesh[f"dcn_{name}"]) for name in MESH_ORDER)
+    if np.prod(dcn) > 1:
+        ici = tuple(s // d for s, d in zip(shape, dcn))
+        device_array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices,
+                                                             allow_split_physical_axes=True)
+    else:
+        device_array = mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
+    axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_ORDER)
+    return jax.sharding.Mesh(device_array, MESH_ORDER, axis_types=axis_types)
+
+
+def mesh_sizes(mesh: jax.sharding.Mesh) -> dict[str, int]:
+    """Axis name -> size."""
+    return dict(mesh.shape)
+
+
+def describe(mesh: jax.sharding.Mesh) -> str:
+    """One line: the non-trivial axes and the device count."""
+    parts = [f"{name}={size}" for name, size in mesh.shape.items() if size > 1] or ["single device"]
+    return f"mesh {', '.join(parts)} ({mesh.size} devices, {jax.process_count()} process(es))"

@@ -1,0 +1,232 @@
+"""The decoder: token embedding, RMSNorm, RoPE, grouped-query attention, SwiGLU MLP.
+
+Llama-style, in Flax linen. Every parameter and activation carries logical axis names
+only (`sharding_rules.RULES` maps them to mesh axes). The layers are stacked with
+`nn.scan` so compile time does not grow with depth, and each layer is rematerialised
+by a named policy (playbook, "Activation recomputation"):
+
+* none:      keep everything the backward pass needs.
+* selective: keep matmul outputs (projections, MLP), recompute the attention scores and
+             softmax: the playbook's selective recomputation.
+* full:      keep only each layer's input; recompute the layer in the backward pass.
+* offload:   like selective, but the kept matmul outputs live in host memory.
+
+Megatron sequence parallelism (`sequence_parallel`, playbook "Sequence Parallelism")
+keeps the residual stream and the norms split over the sequence along `tensor`; the
+partitioner turns the tensor-parallel all-reduces into all-gather + reduce-scatter.
+
+Shapes: B batch, T length, D d_model, H query heads, K KV heads, G = H/K, Dh head_dim,
+F mlp width, V vocabulary, L layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from meshtrain.config import ModelConfig
+from meshtrain.sharding_rules import Rules, constrain
+
+# attention_fn(q [B,T,H,Dh], k [B,T,K,Dh], v [B,T,K,Dh], segment_ids [B,T]) -> [B,T,H,Dh], causal.
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+REMAT_POLICIES = {
+    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+}
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """Causal attention with document masking, written as einsums for XLA.
+
+    Grouped-query attention shares each K/V head with G query heads without copying it.
+    Scores and softmax run in float32.
+    """
+    b, t, h, dh = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, h // kv, dh)  # [B,T,K,G,Dh]
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(dh)
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]  # [T,S]
+    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B,T,S]
+    mask = causal[None] & same_doc
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, dh)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (rotate-half layout), positions [B,T] restart per document."""
+    dh = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))  # [Dh/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B,T,Dh/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B,T,1,Dh]
+    x32 = x.astype(jnp.float32)
+    half = dh // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
+def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple[str, ...],
+           init=None) -> jax.Array:
+    cfg: ModelConfig = module.cfg
+    init = init or nn.initializers.normal(cfg.init_std)
+    return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.dtype(cfg.param_dtype))
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in float32."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = _param(self, "scale", (x.shape[-1],), ("embed",), nn.initializers.ones)
+        if self.cfg.fused_norm:
+            from meshtrain.pallas_kernels import rms_norm
+            return rms_norm(x, scale, eps=self.cfg.norm_eps)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.norm_eps)
+        return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention; heads split over `tensor` (Megatron column/row parallel)."""
+
+    cfg: ModelConfig
+    rules: Rules
+    attention_fn: AttentionFn
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        wq = _param(self, "wq", (d, h, dh), ("embed", "heads", "head_dim"))
+        wk = _param(self, "wk", (d, kv, dh), ("embed", "kv_heads", "head_dim"))
+        wv = _param(self, "wv", (d, kv, dh), ("embed", "kv_heads", "head_dim"))
+        wo = _param(self, "wo", (h, dh, d), ("heads", "head_dim", "embed"))
+        q = jnp.einsum("btd,dhk->bthk", x, wq.astype(dtype))
+        k = jnp.einsum("btd,dhk->bthk", x, wk.astype(dtype))
+        v = jnp.einsum("btd,dhk->bthk", x, wv.astype(dtype))
+        q = constrain(rope(q, positions, cfg.rope_theta), ("batch", "length", "act_heads", None), self.rules)
+        k = constrain(rope(k, positions, cfg.rope_theta), ("batch", "length", "act_kv_heads", None), self.rules)
+        v = constrain(v, ("batch", "length", "act_kv_heads", None), self.rules)
+        out = self.attention_fn(q, k, v, segment_ids)  # [B,T,H,Dh]
+        out = constrain(out, ("batch", "length", "act_heads", None), self.rules)
+        return jnp.einsum("bthk,hkd->btd", out, wo.astype(dtype))
+
+
+class Mlp(nn.Module):
+    """SwiGLU feed-forward: w_down(silu(x w_gate) * x w_up); F split over `tensor`."""
+
+    cfg: ModelConfig
+    rules: Rules
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        w_gate = _param(self, "w_gate", (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"))
+        w_up = _param(self, "w_up", (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"))
+        w_down = _param(self, "w_down", (cfg.mlp_dim, cfg.d_model), ("mlp", "embed"))
+        gate = jnp.einsum("btd,df->btf", x, w_gate.astype(dtype))
+        up = jnp.einsum("btd,df->btf", x, w_up.astype(dtype))
+        hidden = constrain(nn.silu(gate) * up, ("batch", "length", "act_mlp"), self.rules)
+        return jnp.einsum("btf,fd->btd", hidden, w_down.astype(dtype))
+
+
+def residual_names(cfg: ModelConfig) -> tuple[str, str, str]:
+    """Logical names of the residual stream: split over `tensor` too under sequence parallelism."""
+    return ("batch", "length_sp" if cfg.sequence_parallel else "length", "act_embed")
+
+
+class Block(nn.Module):
+    """Pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.)). One scan step."""
+
+    cfg: ModelConfig
+    rules: Rules
+    attention_fn: AttentionFn
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array):
+        names = residual_names(self.cfg)
+        attn = Attention(self.cfg, self.rules, self.attention_fn, name="attn")
+        h = x + constrain(attn(RMSNorm(self.cfg, name="attn_norm")(x), positions, segment_ids), names, self.rules)
+        out = h + constrain(Mlp(self.cfg, self.rules, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(h)),
+                            names, self.rules)
+        return constrain(out, names, self.rules), None
+
+
+def remat_block(cfg: ModelConfig) -> type[nn.Module]:
+    """The layer class, wrapped by the configured recomputation policy."""
+    if cfg.remat_policy == "none":
+        return Block
+    return nn.remat(Block, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
+
+
+class Transformer(nn.Module):
+    """Embedding -> L scanned layers -> final norm -> output head (optionally tied)."""
+
+    cfg: ModelConfig
+    rules: Rules
+    attention_fn: AttentionFn = xla_attention
+
+    def setup(self):
+        cfg = self.cfg
+        self.embedding = _param(self, "embedding", (cfg.vocab_size, cfg.d_model), ("embed_vocab", "embed"))
+        self.layers = nn.scan(
+            remat_block(cfg), variable_axes={"params": 0}, split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast), length=cfg.n_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )(cfg, self.rules, self.attention_fn, name="layers")
+        self.final_norm = RMSNorm(cfg, name="final_norm")
+        if not cfg.tie_embeddings:
+            self.head = _param(self, "head", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """Final-norm hidden states [B,T,D] in the compute dtype."""
+        dtype = jnp.dtype(self.cfg.dtype)
+        x = jnp.take(self.embedding.astype(dtype), tokens, axis=0)  # [B,T,D]
+        x = constrain(x, residual_names(self.cfg), self.rules)
+        x, _ = self.layers(x, positions, segment_ids)
+        return self.final_norm(x)
+
+    def head_weight(self) -> jax.Array:
+        """[D, V] output projection (the embedding's transpose when tied)."""
+        return self.embedding.T if self.cfg.tie_embeddings else self.head
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """float32 logits [B,T,V]."""
+        x = self.hidden(tokens, positions, segment_ids)
+        w_out = self.head_weight().astype(x.dtype)
+        logits = jnp.einsum("btd,dv->btv", x, w_out, preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "length", "act_vocab"), self.rules)
+
+    def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Sum over tokens of loss_mask * cross-entropy (float32), and auxiliary scalars."""
+        if self.cfg.fused_loss:
+            from meshtrain.pallas_kernels import fused_cross_entropy
+            x = self.hidden(batch["inputs"], batch["positions"], batch["segment_ids"])
+            d = x.shape[-1]
+            loss_sum = fused_cross_entropy(x.reshape(-1, d), self.head_weight().astype(x.dtype),
+                                           batch["targets"].reshape(-1), batch["loss_mask"].reshape(-1))
+            return loss_sum, {}
+        logits = self(batch["inputs"], batch["positions"], batch["segment_ids"])
+        return cross_entropy_sum(logits, batch["targets"], batch["loss_mask"]), {}
+
+
+def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
+    """sum(mask * (logsumexp(logits) - logits[target])); a one-hot keeps a split vocabulary split."""
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1)
+    return jnp.sum((log_z - target_logit) * mask.astype(jnp.float32))
+
+
+def dummy_batch(batch: int, seq_len: int) -> dict[str, jax.Array]:
+    """Zeros with the batch's shapes and dtypes: for `init` and `eval_shape`."""
+    ints = jnp.zeros((batch, seq_len), jnp.int32)
+    return {"inputs": ints, "targets": ints, "positions": ints, "segment_ids": ints + 1,
+            "loss_mask": jnp.ones((batch, seq_len), jnp.float32)}

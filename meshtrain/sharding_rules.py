@@ -1,0 +1,171 @@
+"""THE logical-axis -> mesh-axis table, its resolution to PartitionSpecs, and `explain`.
+
+The model names every dimension of every parameter and activation with a logical name
+("embed", "heads", "batch", ...). This file alone maps those names to mesh axes; XLA's
+partitioner then derives the collectives (playbook: "Tensor Parallelism", "ZeRO",
+"Sequence Parallelism"). Two mappings exist, as in the playbook's ZeRO section:
+
+* storage: how state rests between steps. The `fsdp` entries apply only to the state
+  that the ZeRO stage shards (optimizer state from stage 1, gradients from 2, parameters
+  from 3).
+* compute: how activations flow; they never mention `fsdp` on a feature dimension.
+
+Resolution skips a mesh axis an earlier dimension already uses, and refuses a dimension
+its axes do not divide: no silent replication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+from flax import linen as nn
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshtrain.mesh import Axis
+
+D, F, T, S, E, ST = (Axis.DATA.value, Axis.FSDP.value, Axis.TENSOR.value, Axis.SEQUENCE.value,
+                     Axis.EXPERT.value, Axis.STAGE.value)
+
+# logical name -> mesh axes, one entry per name.
+RULES: dict[str, tuple[str, ...]] = {
+    # activations (compute mapping)
+    "batch": (D, F, E),            # the data-parallel group splits the batch
+    "length": (S,),                # context parallelism splits the sequence
+    "length_sp": (S, T),           # Megatron sequence parallelism: norm/residual regions split over tensor too
+    "act_embed": (),               # the hidden dimension of activations is never split
+    "act_heads": (T,),
+    "act_kv_heads": (T,),
+    "act_mlp": (T,),
+    "act_vocab": (T,),
+    "act_expert": (E,),
+    # parameters (storage mapping; `fsdp` entries only where the ZeRO stage shards the state)
+    "embed": (F,),                 # ZeRO shards the model dimension of every weight
+    "heads": (T,),                 # Megatron: attention heads split over tensor
+    "kv_heads": (T,),
+    "head_dim": (),
+    "mlp": (T,),                   # Megatron: column-parallel up/gate, row-parallel down
+    "vocab": (T,),                 # output head split over the vocabulary
+    "embed_vocab": (),             # input embedding rows: kept whole (a gather on a split vocab rematerialises)
+    "layers": (ST,),               # pipeline stages own contiguous layers
+    "expert": (E,),
+    "stage": (ST,),
+    "repeat": (),
+    "norm": (),
+}
+
+
+class ShardingRuleError(ValueError):
+    """A dimension cannot be split the way the rules say."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """The table bound to a mesh shape, with ZeRO's `fsdp` switched on or off.
+
+    Hashable, so it can be a static attribute of a flax module.
+    """
+
+    mesh_shape: tuple[tuple[str, int], ...]
+    shard_fsdp: bool = True
+
+    @classmethod
+    def for_mesh(cls, mesh: jax.sharding.Mesh, shard_fsdp: bool = True) -> Rules:
+        return cls(tuple(mesh.shape.items()), shard_fsdp)
+
+    def without_fsdp(self) -> Rules:
+        return dataclasses.replace(self, shard_fsdp=False)
+
+    def with_manual(self, axes: tuple[str, ...]) -> Rules:
+        """The rules inside a `shard_map` manual over `axes`: those axes no longer appear in specs."""
+        return dataclasses.replace(self, mesh_shape=tuple((a, 1 if a in axes else n) for a, n in self.mesh_shape))
+
+    def mesh_axes(self, name: str | None) -> tuple[str, ...]:
+        if name is None:
+            return ()
+        if name not in RULES:
+            raise ShardingRuleError(f"unknown logical axis name {name!r}; known: {sorted(RULES)}")
+        return tuple(a for a in RULES[name] if self.shard_fsdp or a != F)
+
+    def spec(self, names: tuple[str | None, ...], shape: tuple[int, ...] | None = None,
+             what: str = "array") -> P:
+        """Logical names -> PartitionSpec. Skips axes used by an earlier dimension and size-1 axes.
+
+        With `shape`, a dimension its axes do not divide raises ShardingRuleError.
+        """
+        sizes = dict(self.mesh_shape)
+        used: set[str] = set()
+        out = []
+        for dim, name in enumerate(names):
+            axes = tuple(a for a in self.mesh_axes(name) if a not in used and sizes.get(a, 1) > 1)
+            used.update(axes)
+            if shape is not None and axes:
+                split = math.prod(sizes[a] for a in axes)
+                if shape[dim] % split:
+                    raise ShardingRuleError(
+                        f"{what}: dimension {dim} ({name!r}, size {shape[dim]}) is not divisible by mesh axes "
+                        f"{axes} of total size {split}; change the mesh or the model shape")
+            out.append(axes[0] if len(axes) == 1 else (axes or None))
+        while out and out[-1] is None:
+            out.pop()
+        return P(*out)
+
+
+def logical_names(boxed_tree):
+    """The logical names of each leaf of a tree of flax `LogicallyPartitioned` boxes (None: unnamed)."""
+    def names(leaf):
+        return tuple(leaf.names) if isinstance(leaf, nn.LogicallyPartitioned) else None
+    return jax.tree.map(names, boxed_tree, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+
+
+def tree_specs(abstract_tree, names_tree, rules: Rules):
+    """PartitionSpecs for a tree of arrays with a matching tree of logical names."""
+    def one(path, leaf, names):
+        if names is None or not getattr(leaf, "shape", ()):
+            return P()
+        return rules.spec(names, tuple(leaf.shape), what=jax.tree_util.keystr(path))
+    return jax.tree_util.tree_map_with_path(one, abstract_tree, names_tree,
+                                            is_leaf=lambda x: x is None)
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...], rules: Rules) -> jax.Array:
+    """Pins an activation to the compute mapping of its logical names (needs `jax.set_mesh`)."""
+    return jax.lax.with_sharding_constraint(x, rules.spec(names, x.shape, what="activation"))
+
+
+def named(mesh: jax.sharding.Mesh, specs):
+    """Tree of PartitionSpecs -> tree of NamedShardings on `mesh`."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def explain(abstract_state, names_tree, specs_tree, mesh: jax.sharding.Mesh) -> str:
+    """A table of every array of the state: logical names, PartitionSpec, global and per-device bytes."""
+    sizes = dict(mesh.shape)
+    rows = [("array", "shape", "logical", "spec", "global", "per device")]
+    total_global = total_device = 0
+    leaves = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
+    names = jax.tree.leaves(names_tree, is_leaf=lambda x: x is None or isinstance(x, tuple))
+    specs = jax.tree.leaves(specs_tree, is_leaf=lambda x: isinstance(x, P))
+    for (path, leaf), name, spec in zip(leaves, names, specs):
+        nbytes = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        split = 1
+        for entry in spec:
+            for axis in (entry if isinstance(entry, tuple) else (entry,)):
+                split *= sizes[axis] if axis else 1
+        total_global += nbytes
+        total_device += nbytes // split
+        rows.append((jax.tree_util.keystr(path), str(tuple(leaf.shape)), str(name or "-"), str(spec),
+                     _human(nbytes), _human(nbytes // split)))
+    rows.append(("total", "", "", "", _human(total_global), _human(total_device)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)

@@ -1,0 +1,252 @@
+"""Train state creation (already sharded), ZeRO placement, and the jitted train step.
+
+Playbook sections implemented here:
+
+* "Gradient accumulation": micro-batches run in a `lax.scan`, gradients accumulate in
+  float32, and the loss is normalised once by the number of valid tokens in the whole
+  global batch (all micro-batches, all data-parallel ranks), so 4 micro-batches of b
+  rows give the same update as 1 of 4b even with unequal padding.
+* "Data Parallelism" / "ZeRO": `train.zero_stage` chooses the storage sharding over
+  `fsdp`: 0 replicates everything, 1 shards the optimizer state, 2 also the gradients,
+  3 also the parameters. The partitioner derives the all-reduce / reduce-scatter /
+  all-gather pattern from those shardings.
+* "Mixed Precision Training": float32 master weights and optimizer state, compute in
+  `model.dtype` (bf16 by default).
+
+Shapes before bytes: `jax.eval_shape` gives the abstract state, the rules give its
+shardings, and `jax.jit(init, out_shardings=...)` creates it already sharded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import linen as nn
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshtrain import model as model_lib
+from meshtrain.mesh import BATCH_AXES
+from meshtrain.sharding_rules import Rules, named
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: dict
+    opt_state: optax.OptState
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """How each part of the state rests between steps (the storage mapping), by ZeRO stage."""
+
+    params: Rules
+    grads: Rules
+    opt_state: Rules
+
+    @classmethod
+    def for_zero_stage(cls, rules: Rules, zero_stage: int) -> Placement:
+        replicated = rules.without_fsdp()
+        return cls(params=rules if zero_stage >= 3 else replicated,
+                   grads=rules if zero_stage >= 2 else replicated,
+                   opt_state=rules if zero_stage >= 1 else replicated)
+
+
+def _is_box(x) -> bool:
+    return isinstance(x, nn.LogicallyPartitioned)
+
+
+def _boxed_specs(tree, rules: Rules):
+    """PartitionSpecs for a tree of (possibly) boxed arrays; unboxed leaves are replicated."""
+    def spec(x):
+        if _is_box(x):
+            return rules.spec(tuple(x.names), tuple(x.value.shape), what="/".join(map(str, x.names)))
+        return P()
+    return jax.tree.map(spec, tree, is_leaf=_is_box)
+
+
+class StateFactory:
+    """Abstract state, its shardings, and the sharded initialiser for one model + optimizer + mesh."""
+
+    def __init__(self, model: model_lib.Transformer, tx: optax.GradientTransformation,
+                 mesh: jax.sharding.Mesh, placement: Placement, batch_shape: tuple[int, int]):
+        self.model, self.tx, self.mesh, self.placement = model, tx, mesh, placement
+        self._batch_shape = batch_shape
+        with jax.set_mesh(mesh):
+            self.boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
+        self.specs = TrainState(
+            step=P(),
+            params=_boxed_specs(self.boxed.params, placement.params),
+            opt_state=_boxed_specs(self.boxed.opt_state, placement.opt_state))
+        self.shardings = named(mesh, self.specs)
+        self.grad_specs = _boxed_specs(self.boxed.params, placement.grads)
+        self.abstract = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            nn.unbox(self.boxed), self.shardings)
+
+    def _init_boxed(self, rng: jax.Array) -> TrainState:
+        batch = model_lib.dummy_batch(*self._batch_shape)
+        params = self.model.init(rng, batch["inputs"], batch["positions"], batch["segment_ids"])["params"]
+        # optax maps over the boxes, so the optimizer state keeps the parameters' logical names.
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params))
+
+    def create(self, seed: int) -> TrainState:
+        """The initial state, created directly in its shardings (nothing materialised whole)."""
+        init = jax.jit(lambda rng: nn.unbox(self._init_boxed(rng)), out_shardings=self.shardings)
+        with jax.set_mesh(self.mesh):
+            return init(jax.random.key(seed))
+
+
+def batch_spec() -> P:
+    """Compute sharding of a [B, T] batch: rows over the data-parallel group, length over `sequence`."""
+    return P(BATCH_AXES, "sequence")
+
+
+def _split_micro(x: jax.Array, accum: int) -> jax.Array:
+    """[B, ...] -> [accum, B/accum, ...] with micro-batch a = rows {j*accum + a}.
+
+    Each device keeps its own rows (the batch dimension stays sharded): no data moves.
+    """
+    b = x.shape[0]
+    return jnp.swapaxes(x.reshape(b // accum, accum, *x.shape[1:]), 0, 1)
+
+
+def _grads_one_pass(params, batch, model, total_tokens, accum_steps):
+    """((loss_sum, aux), grads) of one (micro-)batch; the loss is pre-divided by the global token count."""
+    def loss_fn(params, micro):
+        loss_sum, aux = model.apply({"params": params}, micro, method=model_lib.Transformer.loss)
+        return loss_sum / total_tokens + sum(aux.values()) / accum_steps, (loss_sum, aux)
+    (_, (loss_sum, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    return loss_sum, aux, grads
+
+
+def _accumulate_local(params, micro_batches, model, total_tokens, accum_steps, varying_axes=()):
+    """Scan over micro-batches summing float32 gradients; no collective over the batch axes inside."""
+    def accumulate(carry, micro):
+        grads_acc, loss_acc = carry
+        loss_sum, aux, grads = _grads_one_pass(params, micro, model, total_tokens, accum_steps)
+        grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
+        return (grads_acc, loss_acc + loss_sum), aux
+
+    carry = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), jnp.zeros((), jnp.float32))
+    if varying_axes:  # inside shard_map the accumulators differ per device
+        carry = jax.lax.pcast(carry, varying_axes, to="varying")
+    (grads, loss_sum), aux = jax.lax.scan(accumulate, carry, micro_batches)
+    return loss_sum, jax.tree.map(jnp.mean, aux), grads
+
+
+def _fsdp_dim(spec: P) -> int | None:
+    for dim, entry in enumerate(spec):
+        if entry == "fsdp" or (isinstance(entry, tuple) and "fsdp" in entry):
+            return dim
+    return None
+
+
+def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, manual_axes, grad_specs):
+    """Gradient accumulation (playbook "Gradient accumulation" + "Interplay with gradient accumulation").
+
+    The micro-batch loop runs inside a `jax.shard_map` that is manual over `manual_axes`, the
+    batch axes over which the parameters are replicated, so every device accumulates its own
+    local gradient and the data-parallel reduction happens once, after the loop: a psum over
+    `data` (and `fsdp` under ZeRO-0/1), a reduce-scatter over `fsdp` under ZeRO-2 (each device
+    keeps its gradient shard). The other axes (tensor, ZeRO-3 fsdp, expert...) stay automatic.
+    """
+    micro_batches = jax.tree.map(functools.partial(_split_micro, accum=accum_steps), batch)
+    if not manual_axes:
+        return _accumulate_local(params, micro_batches, model, total_tokens, accum_steps)
+    inner = model.clone(rules=model.rules.with_manual(manual_axes))
+    reduce_axes = tuple(a for a in manual_axes if a != "fsdp")
+    scatter_fsdp = "fsdp" in manual_axes
+
+    def local(params, micro_batches, total_tokens):
+        params = jax.lax.pcast(params, manual_axes, to="varying")  # each device differentiates its own copy
+        loss_sum, aux, grads = _accumulate_local(params, micro_batches, inner, total_tokens, accum_steps, manual_axes)
+
+        def reduce(g, spec):
+            dim = _fsdp_dim(spec) if scatter_fsdp else None
+            g = jax.lax.psum(g, reduce_axes) if reduce_axes else g
+            if scatter_fsdp:
+                g = (jax.lax.psum(g, "fsdp") if dim is None
+                     else jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dim, tiled=True))
+            return g
+        grads = jax.tree.map(reduce, grads, grad_specs, is_leaf=lambda x: isinstance(x, P))
+        return jax.lax.psum(loss_sum, manual_axes), jax.tree.map(lambda a: jax.lax.pmean(a, manual_axes), aux), grads
+
+    def manual_only(spec: P) -> P:
+        return P(*[("fsdp" if _fsdp_dim(P(e)) == 0 and scatter_fsdp else None) for e in spec])
+
+    grad_out_specs = jax.tree.map(manual_only, grad_specs, is_leaf=lambda x: isinstance(x, P))
+    batch_in = jax.tree.map(lambda _: P(None, manual_axes), micro_batches)
+    return jax.shard_map(
+        local, in_specs=(P(), batch_in, P()), out_specs=(P(), P(), grad_out_specs),
+        axis_names=set(manual_axes), check_vma=True,
+    )(params, micro_batches, total_tokens)
+
+
+def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_lib.Transformer,
+               tx: optax.GradientTransformation, schedule: optax.Schedule, grad_specs,
+               accum_steps: int, manual_axes: tuple[str, ...]) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step over the global batch [B, T]; returns the new state and scalar metrics."""
+    total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+    if accum_steps == 1:
+        loss_sum, aux, grads = _grads_one_pass(state.params, batch, model, total_tokens, 1)
+    else:
+        loss_sum, aux, grads = accumulate_gradients(
+            state.params, batch, model=model, total_tokens=total_tokens, accum_steps=accum_steps,
+            manual_axes=manual_axes, grad_specs=grad_specs)
+    grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, grad_specs)
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": loss_sum / total_tokens, "grad_norm": grad_norm,
+               "learning_rate": schedule(state.step), "tokens": total_tokens, **aux}
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def accumulation_manual_axes(mesh: jax.sharding.Mesh, zero_stage: int, moe: bool) -> tuple[str, ...]:
+    """Batch axes over which parameters are replicated: the micro-batch loop is manual over them.
+
+    Under ZeRO-3 none: the parameters are gathered and the gradients reduce-scattered for each
+    micro-batch anyway (playbook, "ZeRO-3"), and the partitioner rejects a loop manual over `data`
+    with fsdp-sharded parameters and tensor parallelism together.
+    """
+    if zero_stage >= 3:
+        return ()
+    axes = ["data", "fsdp"] + ([] if moe else ["expert"])
+    return tuple(a for a in axes if mesh.shape[a] > 1)
+
+
+def jit_train_step(factory: StateFactory, schedule: optax.Schedule, accum_steps: int,
+                   manual_axes: tuple[str, ...] = ()) -> Callable:
+    """The step jitted once: explicit in/out shardings, the state donated."""
+    step = functools.partial(train_step, model=factory.model, tx=factory.tx, schedule=schedule,
+                             grad_specs=factory.grad_specs, accum_steps=accum_steps, manual_axes=manual_axes)
+    batch_sharding = NamedSharding(factory.mesh, batch_spec())
+    replicated = NamedSharding(factory.mesh, P())
+    return jax.jit(step, in_shardings=(factory.shardings, batch_sharding),
+                   out_shardings=(factory.shardings, replicated), donate_argnums=0)
+
+
+def build(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
+          attention_fn: model_lib.AttentionFn | None = None):
+    """Model, optimizer, state factory and jitted step for a validated config on `mesh`."""
+    from meshtrain import optimizer as optimizer_lib
+    from meshtrain.config import ModelConfig
+
+    rules = Rules.for_mesh(mesh)
+    model = model_lib.Transformer(ModelConfig.from_config(config), rules,
+                                  attention_fn or model_lib.xla_attention)
+    tx = optimizer_lib.make_optimizer(config)
+    placement = Placement.for_zero_stage(rules, config.train.zero_stage)
+    micro = config.train.batch_size // config.train.grad_accum_steps
+    factory = StateFactory(model, tx, mesh, placement, (micro, config.train.seq_len))
+    schedule = optimizer_lib.learning_rate_schedule(config)
+    manual = accumulation_manual_axes(mesh, config.train.zero_stage, config.model.num_experts > 0)
+    return factory, jit_train_step(factory, schedule, config.train.grad_accum_steps, manual), schedule
