@@ -95,7 +95,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.skip_nonfinite = False
 
     c.data = ml_collections.ConfigDict()
-    c.data.source = "synthetic"
+    c.data.source = "text_files"
     c.data.files = ""
     c.data.tokenizer = "bytes"
     c.data.data_dir = ""

@@ -113,23 +113,6 @@ class Rules:
         return P(*out)
 
 
-def logical_names(boxed_tree):
-    """The logical names of each leaf of a tree of flax `LogicallyPartitioned` boxes (None: unnamed)."""
-    def names(leaf):
-        return tuple(leaf.names) if isinstance(leaf, nn.LogicallyPartitioned) else None
-    return jax.tree.map(names, boxed_tree, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
-
-
-def tree_specs(abstract_tree, names_tree, rules: Rules):
-    """PartitionSpecs for a tree of arrays with a matching tree of logical names."""
-    def one(path, leaf, names):
-        if names is None or not getattr(leaf, "shape", ()):
-            return P()
-        return rules.spec(names, tuple(leaf.shape), what=jax.tree_util.keystr(path))
-    return jax.tree_util.tree_map_with_path(one, abstract_tree, names_tree,
-                                            is_leaf=lambda x: x is None)
-
-
 def constrain(x: jax.Array, names: tuple[str | None, ...], rules: Rules) -> jax.Array:
     """Pins an activation to the compute mapping of its logical names (needs `jax.set_mesh`)."""
     return jax.lax.with_sharding_constraint(x, rules.spec(names, x.shape, what="activation"))
@@ -140,24 +123,30 @@ def named(mesh: jax.sharding.Mesh, specs):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def explain(abstract_state, names_tree, specs_tree, mesh: jax.sharding.Mesh) -> str:
-    """A table of every array of the state: logical names, PartitionSpec, global and per-device bytes."""
+def explain(boxed_state, specs_tree, mesh: jax.sharding.Mesh) -> str:
+    """A table of every array of the state: logical names, PartitionSpec, global and per-device bytes.
+
+    `boxed_state` is the abstract state with flax `LogicallyPartitioned` boxes (names), `specs_tree`
+    the matching tree of storage PartitionSpecs.
+    """
+    def is_box(x):
+        return isinstance(x, nn.LogicallyPartitioned)
+
     sizes = dict(mesh.shape)
     rows = [("array", "shape", "logical", "spec", "global", "per device")]
     total_global = total_device = 0
-    leaves = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
-    names = jax.tree.leaves(names_tree, is_leaf=lambda x: x is None or isinstance(x, tuple))
+    leaves = jax.tree_util.tree_flatten_with_path(boxed_state, is_leaf=is_box)[0]
     specs = jax.tree.leaves(specs_tree, is_leaf=lambda x: isinstance(x, P))
-    for (path, leaf), name, spec in zip(leaves, names, specs):
-        nbytes = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
-        split = 1
-        for entry in spec:
-            for axis in (entry if isinstance(entry, tuple) else (entry,)):
-                split *= sizes[axis] if axis else 1
+    for (path, leaf), spec in zip(leaves, specs, strict=True):
+        names = tuple(leaf.names) if is_box(leaf) else None
+        array = leaf.value if is_box(leaf) else leaf
+        nbytes = int(np.prod(array.shape)) * np.dtype(array.dtype).itemsize
+        split = math.prod(sizes[axis] for entry in spec if entry
+                          for axis in (entry if isinstance(entry, tuple) else (entry,)))
         total_global += nbytes
         total_device += nbytes // split
-        rows.append((jax.tree_util.keystr(path), str(tuple(leaf.shape)), str(name or "-"), str(spec),
-                     _human(nbytes), _human(nbytes // split)))
+        rows.append((jax.tree_util.keystr(path).replace(".value", ""), str(tuple(array.shape)),
+                     str(names or "-"), str(spec), _human(nbytes), _human(nbytes // split)))
     rows.append(("total", "", "", "", _human(total_global), _human(total_device)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

@@ -1,0 +1,104 @@
+"""Throughput, MFU and memory figures, the metrics.jsonl writer, and the terminal progress line.
+
+MFU follows the playbook ("Benchmarking thousands of configurations" and its appendix):
+model FLOPs per token = 6 N (forward + backward matmuls with N non-embedding-input
+parameters) + 12 L T d_attn (the attention scores and values, causal counted in full as
+the playbook does), divided by the peak dense bf16 FLOP/s of the device.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+
+from meshtrain.config import ModelConfig
+
+# Peak dense bf16 FLOP/s per device, by `device_kind` prefix. Unknown devices (CPU): MFU is null.
+PEAK_BF16_FLOPS = {
+    "NVIDIA H100": 989e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA B200": 2250e12,
+    "NVIDIA A100": 312e12,
+    "TPU v5p": 459e12,
+    "TPU v5 lite": 197e12,
+    "TPU v4": 275e12,
+}
+
+
+def device_peak_flops(device: jax.Device | None = None) -> float | None:
+    """The peak bf16 FLOP/s of `device` (default: the first), or None when it is not in the table."""
+    kind = (device or jax.devices()[0]).device_kind
+    for prefix, peak in PEAK_BF16_FLOPS.items():
+        if kind.startswith(prefix):
+            return peak
+    return None
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x (matmul parameters) + 12 x layers x seq_len x (heads x head_dim)."""
+    matmul_params = cfg.num_params() - cfg.vocab_size * cfg.d_model * (0 if cfg.tie_embeddings else 1)
+    return 6.0 * matmul_params + 12.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+
+
+def memory_stats() -> dict[str, float]:
+    """Bytes in use / peak on the first local device, when the backend reports them."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return {k: stats[k] for k in ("bytes_in_use", "peak_bytes_in_use") if k in stats}
+
+
+class MetricsWriter:
+    """Appends one JSON object per logged step to `<workdir>/metrics.jsonl` (process 0 only)."""
+
+    def __init__(self, workdir: str, enabled: bool = True):
+        self.enabled = enabled
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        if enabled:
+            os.makedirs(workdir, exist_ok=True)
+        self._file = open(self.path, "a") if enabled else None
+
+    def write(self, record: dict) -> None:
+        if self._file:
+            self._file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+            self._file = None
+
+
+def _jsonable(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "nan" / "inf": JSON has no literal for them
+    return value
+
+
+class Progress:
+    """A live single-line progress display with ETA, only when stdout is a terminal."""
+
+    def __init__(self, total_steps: int, start_step: int, enabled: bool = True):
+        self.total, self.start = total_steps, start_step
+        self.enabled = enabled and sys.stdout.isatty()
+        self.t0 = time.perf_counter()
+
+    def update(self, step: int, loss: float) -> None:
+        if not self.enabled:
+            return
+        done = step - self.start
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / max(done, 1) * (self.total - step)
+        width = 30
+        filled = int(width * step / max(self.total, 1))
+        sys.stdout.write(f"\r[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total} "
+                         f"loss {loss:.4f} eta {eta:6.1f}s")
+        sys.stdout.flush()
+
+    def clear(self) -> None:
+        if self.enabled:
+            sys.stdout.write("\r" + " " * 100 + "\r")
+            sys.stdout.flush()
