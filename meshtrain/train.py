@@ -14,14 +14,16 @@ import time
 import jax
 import ml_collections
 import numpy as np
-from absl import app, flags
+from absl import app
 from ml_collections import config_flags
 
-from meshtrain import config as config_lib
-from meshtrain import mesh as mesh_lib
-from meshtrain import metrics as metrics_lib
-from meshtrain import sharding_rules
-from meshtrain import train_step as train_step_lib
+from meshtrain import (
+    config as config_lib,
+    mesh as mesh_lib,
+    metrics as metrics_lib,
+    sharding_rules,
+    train_step as train_step_lib,
+)
 
 log = logging.getLogger("meshtrain")
 
