@@ -1,0 +1,231 @@
+"""Ring attention equals dense causal document-masked attention, value and gradient."""
+
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshtrain import ring_attention as ra
+
+AXES = ("data", "stage", "fsdp", "expert", "sequence", "tensor")
+B, D = 2, 8
+RTOL = 1e-5
+
+
+def make_mesh(sequence: int, data: int = 1, tensor: int = 1) -> jax.sharding.Mesh:
+    return jax.make_mesh(
+        (data, 1, 1, 1, sequence, tensor), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 6
+    )
+
+
+def make_inputs(t: int, h: int, kh: int, seed: int = 0, docs: np.ndarray | None = None):
+    """q [B,T,H,D], k/v [B,T,K,D], ct (output cotangent) and packed-document segment ids."""
+    kq, kk, kv, kc = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(kq, (B, t, h, D), jnp.float32)
+    k = jax.random.normal(kk, (B, t, kh, D), jnp.float32)
+    v = jax.random.normal(kv, (B, t, kh, D), jnp.float32)
+    ct = jax.random.normal(kc, (B, t, h, D), jnp.float32)
+    if docs is None:  # row 0: documents of random lengths; row 1: one document
+        cuts = np.sort(np.random.RandomState(seed).choice(np.arange(1, t), 3, replace=False))
+        docs = np.stack([np.searchsorted(cuts, np.arange(t), side="right"), np.zeros(t, int)])
+    return q, k, v, ct, jnp.asarray(docs, jnp.int32)
+
+
+def value_and_grads(attn, q, k, v, ct):
+    """(out, (dq, dk, dv)) of `attn` for the output cotangent ct, in one jit."""
+
+    def run(q, k, v, ct):
+        out, vjp = jax.vjp(attn, q, k, v)
+        return out, vjp(ct)
+
+    return jax.jit(run)(q, k, v, ct)
+
+
+def assert_close(actual, expected):
+    # atol: rounding errors of float32 sums scale with the magnitude of the summed
+    # terms, not with the (possibly cancelled, near-zero) result, so entries near 0
+    # need an absolute floor at the array's own scale: 1e-5 * max|expected|.
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        assert np.all(np.isfinite(np.asarray(a)))
+        chex.assert_trees_all_close(a, e, rtol=RTOL, atol=RTOL * float(jnp.max(jnp.abs(e))))
+
+
+def check_against_dense(mesh, t, h, kh, zigzag, shard=None, docs=None, block_fn=None):
+    """Ring attention on `mesh` (inputs in the layout's token order) vs the dense reference."""
+    q, k, v, ct, seg = make_inputs(t, h, kh, docs=docs)
+    n = mesh.shape["sequence"]
+    perm = ra.zigzag_permutation(t, n) if zigzag else np.arange(t)
+    inv = ra.inverse_permutation(perm)
+    with jax.set_mesh(mesh):
+        q_p, k_p, v_p, ct_p = (x[:, perm] for x in (q, k, v, ct))
+        seg_p = seg[:, perm]
+        if shard is not None:
+            q_p, k_p, v_p, ct_p = (jax.device_put(x, shard) for x in (q_p, k_p, v_p, ct_p))
+
+        def attn(q_, k_, v_):
+            return ra.ring_attention(
+                q_, k_, v_, seg_p, mesh=mesh, zigzag=zigzag, block_fn=block_fn
+            )
+
+        out, grads = value_and_grads(attn, q_p, k_p, v_p, ct_p)
+    ref_out, ref_grads = value_and_grads(
+        lambda q_, k_, v_: ra.dense_attention_reference(q_, k_, v_, seg), q, k, v, ct
+    )
+    assert_close((out[:, inv], *(g[:, inv] for g in grads)), (ref_out, *ref_grads))
+    return out
+
+
+@pytest.mark.parametrize("sequence", [2, 4, 8])
+@pytest.mark.parametrize("zigzag", [True, False])
+@pytest.mark.parametrize(("h", "kh"), [(4, 2), (4, 1)])
+def test_matches_dense(sequence, zigzag, h, kh):
+    check_against_dense(make_mesh(sequence), t=32, h=h, kh=kh, zigzag=zigzag)
+
+
+def test_matches_dense_on_data_sequence_tensor_mesh():
+    mesh = make_mesh(sequence=2, data=2, tensor=2)
+    shard = NamedSharding(mesh, P("data", "sequence", "tensor", None))
+    out = check_against_dense(mesh, t=32, h=4, kh=2, zigzag=True, shard=shard)
+    assert out.sharding.is_equivalent_to(shard, 4)
+
+
+def test_composes_without_extra_collectives_on_data_sequence_tensor_mesh():
+    """Batch over data and heads over tensor stay local: only the K/V ring moves."""
+    mesh = make_mesh(sequence=2, data=2, tensor=2)
+    shard = NamedSharding(mesh, P("data", "sequence", "tensor", None))
+    q, k, v, _, seg = make_inputs(32, 4, 2)
+    with jax.set_mesh(mesh):
+        q, k, v = (jax.device_put(x, shard) for x in (q, k, v))
+        seg = jax.device_put(seg, NamedSharding(mesh, P("data", "sequence")))
+        hlo = jax.jit(lambda *a: ra.ring_attention(*a, mesh=mesh)).lower(q, k, v, seg)
+        text = hlo.compile().as_text()
+    assert not re.search(r"all-gather|all-reduce|all-to-all|reduce-scatter", text)
+    assert "collective-permute(" in text
+
+
+def test_sequence_one_is_local_attention():
+    mesh = make_mesh(sequence=1, data=8)
+    for zigzag in (True, False):
+        check_against_dense(mesh, t=32, h=4, kh=2, zigzag=zigzag)
+    q, k, v, _, seg = make_inputs(32, 4, 2)
+    with jax.set_mesh(mesh):
+        text = jax.jit(lambda *a: ra.ring_attention(*a, mesh=mesh)).lower(q, k, v, seg)
+        assert "collective-permute" not in text.compile().as_text()
+
+
+def test_fully_masked_blocks_give_no_nans():
+    """Every zig-zag chunk its own document: all off-diagonal blocks are fully masked."""
+    t, n = 32, 4
+    docs = np.tile(np.arange(t) // (t // (2 * n)), (B, 1))
+    check_against_dense(make_mesh(n), t=t, h=4, kh=2, zigzag=True, docs=docs)
+    check_against_dense(make_mesh(n), t=t, h=4, kh=2, zigzag=False, docs=docs)
+
+
+def test_plain_callable_block_fn_uses_vjp_backward():
+    """A forward-only block_fn (like the Pallas kernel) gets its backward from jax.vjp."""
+    check_against_dense(
+        make_mesh(4), t=32, h=4, kh=2, zigzag=True, block_fn=ra.block_attention_forward
+    )
+
+
+def _moved(hlo_text: str) -> list[tuple[str, int]]:
+    """(dtype, elements) of every collective-permute payload in compiled HLO."""
+    moved = []
+    for line in hlo_text.splitlines():
+        if " collective-permute(" not in line or "=" not in line:
+            continue
+        result_type = line.split("=", 1)[1].split("collective-permute(")[0]
+        for dtype, dims in re.findall(r"([a-z]+\d+)\[([\d,]*)\]", result_type):
+            moved.append((dtype, int(np.prod([int(x) for x in dims.split(",") if x]))))
+    return moved
+
+
+@pytest.mark.parametrize("zigzag", [True, False])
+def test_ring_moves_n_minus_1_kv_blocks_forward(zigzag):
+    n, t, h, kh = 4, 64, 4, 2
+    mesh = make_mesh(n)
+    q, k, v, _, seg = make_inputs(t, h, kh)
+    block = B * (t // n) * kh * D  # elements of one local K (or V) block
+    with jax.set_mesh(mesh):
+
+        def attn(*args):
+            return ra.ring_attention(*args, mesh=mesh, zigzag=zigzag)
+
+        def loss(*args):
+            return jnp.sum(attn(*args))
+
+        fwd = _moved(jax.jit(attn).lower(q, k, v, seg).compile().as_text())
+        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v, seg).compile()
+        both = _moved(step.as_text())
+    kv_f32 = sum(e for dt, e in fwd if dt == "f32")
+    seg_s32 = sum(e for dt, e in fwd if dt == "s32")
+    # N - 1 transfers of one K and one V block (+ their segment ids), nothing else.
+    assert kv_f32 == (n - 1) * 2 * block
+    assert seg_s32 == (n - 1) * B * (t // n)
+    assert all(e <= 2 * block for dt, e in fwd if dt == "f32")
+    assert sum(1 for dt, _ in fwd if dt == "f32") in (n - 1, 2 * (n - 1))
+    # Forward + backward: K/V ring twice (N - 1 each) and dK/dV home in N hops.
+    assert sum(e for dt, e in both if dt == "f32") == (2 * (n - 1) + n) * 2 * block
+    assert sum(e for dt, e in both if dt == "s32") == 2 * (n - 1) * B * (t // n)
+
+
+def test_residuals_are_local_blocks():
+    """Saved for backward: local q, k, v, segment ids, out and lse; nothing O(T) or O(T^2)."""
+    n, t, h, kh = 4, 64, 4, 2
+    mesh = make_mesh(n)
+    q, k, v, _, seg = make_inputs(t, h, kh)
+    with jax.set_mesh(mesh):
+        shard = NamedSharding(mesh, P(None, "sequence"))
+        q, k, v, seg = (jax.device_put(x, shard) for x in (q, k, v, seg))
+
+        def residuals(q, k, v, seg):
+            return jax.vjp(lambda *x: ra.ring_attention(*x, seg, mesh=mesh), q, k, v)[1]
+
+        vjp = jax.jit(residuals)(q, k, v, seg)
+    per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(vjp))
+    local = t // n
+    expected = 4 * B * local * (2 * h * D + 2 * kh * D + 1 + h)  # q,out,k,v f32; seg i32; lse f32
+    assert per_device == expected
+
+
+def test_zigzag_permutation_layout():
+    perm = ra.zigzag_permutation(8, 2)
+    np.testing.assert_array_equal(perm, [0, 1, 6, 7, 2, 3, 4, 5])
+    x = np.arange(48).reshape(2, 24)
+    perm = ra.zigzag_permutation(24, 3)
+    np.testing.assert_array_equal(x[:, perm][:, ra.inverse_permutation(perm)], x)
+    with pytest.raises(ValueError, match=r"seq_len=20 must be divisible by 2 \* n = 8"):
+        ra.zigzag_permutation(20, 4)
+
+
+def test_zigzag_balances_causal_work():
+    zig = ra.causal_pairs_per_device(64, 4, zigzag=True)
+    contiguous = ra.causal_pairs_per_device(64, 4, zigzag=False)
+    assert zig.sum() == contiguous.sum() == 64 * 65 // 2
+    assert np.all(zig == zig[0])
+    np.testing.assert_array_equal(contiguous, [136, 392, 648, 904])  # 1 : 2.9 : 4.8 : 6.6
+
+
+def test_bad_inputs_raise():
+    mesh = make_mesh(4)
+    q, k, v, _, seg = make_inputs(20, 4, 2)
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"T=20 must be divisible by 2 \*"):
+        ra.ring_attention(q, k, v, seg, mesh=mesh)
+    q3, k3, v3, _, seg = make_inputs(32, 4, 3)
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="H divisible by K"):
+        ra.ring_attention(q3, k3, v3, seg, mesh=mesh)
+
+
+def test_validate_config():
+    config = ml_collections.ConfigDict({"train": {"seq_len": 100}, "mesh": {"sequence": 4}})
+    with pytest.raises(ValueError, match=r"train\.seq_len=100 .* 2 \* mesh\.sequence = 8"):
+        ra.validate_config(config)
+    config.train.seq_len = 128
+    ra.validate_config(config)
+    config.mesh.sequence, config.train.seq_len = -1, 97
+    ra.validate_config(config)  # "fill" is resolved later
