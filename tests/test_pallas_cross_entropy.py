@@ -26,9 +26,7 @@ def _inputs(n, d, v, dtype, bool_mask):
 
 
 def _value_and_grads(fn, hidden, w_out, labels, mask, **kw):
-    run = jax.value_and_grad(
-        lambda h, w, m: fn(h, w, labels, m, **kw), argnums=(0, 1, 2)
-    )
+    run = jax.value_and_grad(lambda h, w, m: fn(h, w, labels, m, **kw), argnums=(0, 1, 2))
     loss, grads = jax.jit(run)(hidden, w_out, mask.astype(jnp.float32))
     return (loss, *grads)
 
@@ -61,16 +59,12 @@ def test_matches_reference(n, d, v, dtype, bool_mask, blocks):
         interpret=True,
     )
     want = _value_and_grads(fused_cross_entropy_reference, hidden, w_out, labels, mask)
-    assert (
-        got[0].dtype == jnp.float32 and got[1].dtype == dtype and got[2].dtype == dtype
-    )
+    assert got[0].dtype == jnp.float32 and got[1].dtype == dtype and got[2].dtype == dtype
     tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
     # The loss is a sum over tokens: compare it per token.
     np.testing.assert_allclose(got[0] / n, want[0] / n, **tol)
-    for name, a, b in zip(("d_hidden", "d_w_out", "d_mask"), got[1:], want[1:]):
-        np.testing.assert_allclose(
-            np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name, **tol
-        )
+    for name, a, b in zip(("d_hidden", "d_w_out", "d_mask"), got[1:], want[1:], strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name, **tol)
 
 
 @pytest.mark.parametrize(
@@ -118,6 +112,4 @@ def test_lowers_to_triton_without_full_logits():
     for f in (fwd, bwd):
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "xla.gpu.triton" in text
-        assert (
-            f"{n}x{v}" not in text
-        )  # no [tokens, vocab] buffer anywhere in the program
+        assert f"{n}x{v}" not in text  # no [tokens, vocab] buffer anywhere in the program

@@ -46,11 +46,9 @@ def _value_and_grads(fn, q, k, v, d_out, d_lse, **kw):
 
 def _assert_close(got, want, tol):
     names = ("out", "lse", "dq", "dk", "dv")
-    for name, a, b in zip(names, got, want):
+    for name, a, b in zip(names, got, want, strict=True):
         assert bool(jnp.all(jnp.isfinite(a) | jnp.isneginf(b))), name
-        np.testing.assert_allclose(
-            np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name, **tol
-        )
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name, **tol)
 
 
 GRID = [
@@ -62,6 +60,7 @@ GRID = [
     (1, 256, 6, 2, 64, True, False),  # group of 3 query heads per K/V head
     (2, 128, 8, 2, 64, True, True),
     (1, 1024, 4, 1, 64, True, True),
+    (2, 128, 4, 2, 8, True, True),  # tiny model head_dim 8, zero-padded to 16
 ]
 
 
@@ -72,12 +71,8 @@ def test_matches_reference_float32(b, length, h, kh, d, causal, segments):
         "causal": causal,
         "segment_ids": _segments(b, length, 1) if segments else None,
     }
-    got = _value_and_grads(
-        flash_attention_with_lse, q, k, v, d_out, d_lse, interpret=True, **kw
-    )
-    want = _value_and_grads(
-        flash_attention_with_lse_reference, q, k, v, d_out, d_lse, **kw
-    )
+    got = _value_and_grads(flash_attention_with_lse, q, k, v, d_out, d_lse, interpret=True, **kw)
+    want = _value_and_grads(flash_attention_with_lse_reference, q, k, v, d_out, d_lse, **kw)
     _assert_close(got, want, F32_TOL)
 
 
@@ -85,12 +80,8 @@ def test_matches_reference_float32(b, length, h, kh, d, causal, segments):
 def test_matches_reference_bfloat16(causal):
     q, k, v, d_out, d_lse = _inputs(1, 256, 256, 8, 2, 64, jnp.bfloat16, seed=3)
     kw = {"causal": causal, "segment_ids": _segments(1, 256, 2)}
-    got = _value_and_grads(
-        flash_attention_with_lse, q, k, v, d_out, d_lse, interpret=True, **kw
-    )
-    want = _value_and_grads(
-        flash_attention_with_lse_reference, q, k, v, d_out, d_lse, **kw
-    )
+    got = _value_and_grads(flash_attention_with_lse, q, k, v, d_out, d_lse, interpret=True, **kw)
+    want = _value_and_grads(flash_attention_with_lse_reference, q, k, v, d_out, d_lse, **kw)
     assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32
     assert got[2].dtype == got[3].dtype == jnp.bfloat16
     _assert_close(got, want, BF16_TOL)
@@ -102,9 +93,7 @@ def test_ring_step_block_with_offsets_and_empty_rows():
     q, k, v, d_out, d_lse = _inputs(b, lq, lk, 4, 2, 64, jnp.float32, seed=5)
     q_pos = jnp.broadcast_to(256 + jnp.arange(lq), (b, lq)).astype(jnp.int32)
     kv_pos = jnp.broadcast_to(200 + jnp.arange(lk), (b, lk)).astype(jnp.int32)
-    q_seg = jnp.broadcast_to(jnp.where(jnp.arange(lq) < 40, 7, 8), (b, lq)).astype(
-        jnp.int32
-    )
+    q_seg = jnp.broadcast_to(jnp.where(jnp.arange(lq) < 40, 7, 8), (b, lq)).astype(jnp.int32)
     q_seg = q_seg.at[1, :16].set(99)  # a document with no keys in this block
     kv_seg = jnp.full((b, lk), 8, jnp.int32)
     kw = {
@@ -114,12 +103,8 @@ def test_ring_step_block_with_offsets_and_empty_rows():
         "q_positions": q_pos,
         "kv_positions": kv_pos,
     }
-    got = _value_and_grads(
-        flash_attention_with_lse, q, k, v, d_out, d_lse, interpret=True, **kw
-    )
-    want = _value_and_grads(
-        flash_attention_with_lse_reference, q, k, v, d_out, d_lse, **kw
-    )
+    got = _value_and_grads(flash_attention_with_lse, q, k, v, d_out, d_lse, interpret=True, **kw)
+    want = _value_and_grads(flash_attention_with_lse_reference, q, k, v, d_out, d_lse, **kw)
     _assert_close(got, want, F32_TOL)
     out, lse, dq = got[0], got[1], got[2]
     empty = q_seg != 8
@@ -145,9 +130,7 @@ def test_flash_attention_output_only_and_block_override():
 
 def test_default_blocks_fit_the_shape():
     fitted = FlashBlockSizes().fit(96, 48, user_given=False)
-    assert fitted == FlashBlockSizes(
-        block_q=32, block_kv=16, block_q_bwd=32, block_kv_bwd=16
-    )
+    assert fitted == FlashBlockSizes(block_q=32, block_kv=16, block_q_bwd=32, block_kv_bwd=16)
     assert resolve_interpret(None) is (jax.default_backend() == "cpu")
 
 
@@ -155,7 +138,7 @@ def test_default_blocks_fit_the_shape():
     "q_shape,kv_shape,kw,match",
     [
         ((1, 128, 6, 64), (1, 128, 4, 64), {}, "multiple of kv heads"),
-        ((1, 128, 4, 48), (1, 128, 4, 48), {}, "head_dim=48"),
+        ((1, 128, 4, 48), (1, 128, 4, 48), {}, None),  # head_dim padded to 64
         ((1, 100, 4, 64), (1, 100, 4, 64), {}, "q length=100"),
         (
             (1, 128, 4, 64),
@@ -181,7 +164,7 @@ def test_invalid_shapes_raise_wrapper_error(q_shape, kv_shape, kw, match):
     q = jax.ShapeDtypeStruct(q_shape, jnp.bfloat16)
     kv = jax.ShapeDtypeStruct(kv_shape, jnp.bfloat16)
     f = lambda q, k, v: flash_attention(q, k, v, interpret=False, **kw)
-    if match is None:  # a too-large block is clamped to the length and lowers
+    if match is None:  # clamped block / padded head_dim: lowers
         jax.jit(f).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
         return
     with pytest.raises(ValueError, match=match):
@@ -193,10 +176,7 @@ LOWERING = [
     (1, 8192, 8192, 32, 8, 128, jnp.bfloat16, "plain"),
     (1, 8192, 8192, 32, 8, 128, jnp.bfloat16, "segments"),
     (1, 4096, 8192, 32, 8, 128, jnp.bfloat16, "ring"),
-    *[
-        (b, n, n, h, kh, d, jnp.float32, "segments" if s else "plain")
-        for b, n, h, kh, d, _, s in GRID
-    ],
+    *[(b, n, n, h, kh, d, jnp.float32, "segments" if s else "plain") for b, n, h, kh, d, _, s in GRID],
 ]
 
 
@@ -219,15 +199,8 @@ def test_lowers_to_triton_forward_and_backward(b, lq, lk, h, kh, d, dtype, mode)
 
     def loss(q, k, v, iq, ikv):
         out, lse = fwd(q, k, v, iq, ikv)
-        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(
-            jnp.where(jnp.isfinite(lse), lse, 0.0)
-        )
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
     for f in (fwd, jax.grad(loss, argnums=(0, 1, 2))):
-        text = (
-            jax.jit(f)
-            .trace(q, kv, kv, ids_q, ids_kv)
-            .lower(lowering_platforms=("cuda",))
-            .as_text()
-        )
+        text = jax.jit(f).trace(q, kv, kv, ids_q, ids_kv).lower(lowering_platforms=("cuda",)).as_text()
         assert "xla.gpu.triton" in text

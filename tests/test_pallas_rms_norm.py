@@ -37,10 +37,8 @@ def test_matches_reference(shape, dtype, blocks):
     want = _value_and_grads(rms_norm_reference, x, w, dy)
     assert got[0].dtype == dtype and got[1].dtype == dtype and got[2].dtype == w.dtype
     tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
-    for name, a, b in zip(("y", "dx", "dweight"), got, want):
-        np.testing.assert_allclose(
-            np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name, **tol
-        )
+    for name, a, b in zip(("y", "dx", "dweight"), got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name, **tol)
 
 
 def test_default_blocks_depend_on_width():
@@ -74,9 +72,7 @@ def test_invalid_inputs_raise_wrapper_error(x_shape, w_shape, kw, match):
         rms_norm(x, w, interpret=False, **kw)
 
 
-@pytest.mark.parametrize(
-    "shape", [(1, 8192, 4096), (2, 128, 96)]
-)  # llama3_8b; padded width
+@pytest.mark.parametrize("shape", [(1, 8192, 4096), (2, 128, 96)])  # llama3_8b; padded width
 def test_lowers_to_triton_forward_and_backward(shape):
     x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     w = jax.ShapeDtypeStruct(shape[-1:], jnp.float32)

@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import ring_attention as ra
+from meshtrain.pallas_kernels.flash_attention import flash_attention_with_lse
 
 AXES = ("data", "stage", "fsdp", "expert", "sequence", "tensor")
 B, D = 2, 8
@@ -131,6 +132,11 @@ def test_plain_callable_block_fn_uses_vjp_backward():
     check_against_dense(
         make_mesh(4), t=32, h=4, kh=2, zigzag=True, block_fn=ra.block_attention_forward
     )
+
+
+def test_flash_kernel_block_fn():
+    """The Pallas flash kernel (interpret mode on CPU) plugs in as the block computation."""
+    check_against_dense(make_mesh(2), t=32, h=4, kh=2, zigzag=True, block_fn=flash_attention_with_lse)
 
 
 def _moved(hlo_text: str) -> list[tuple[str, int]]:

@@ -1,0 +1,71 @@
+"""Bad configs end with one ValueError naming the key, before anything compiles."""
+
+import subprocess
+import sys
+
+import pytest
+
+from meshtrain import config as config_lib
+from tests.utils import ROOT, tiny_config
+
+BAD = [
+    # (mesh, overrides, key named in the message)
+    ({"data": 3}, {}, "mesh"),                                    # product != device count
+    ({"data": -1, "fsdp": -1}, {}, "mesh."),                      # two fill axes
+    ({"data": 0}, {}, "mesh.data"),                               # non-positive axis
+    ({"tensor": 8}, {}, "model.n_kv_heads"),                      # 8 heads ok, 4 KV heads not divisible by 8
+    ({"tensor": 3, "data": -1}, {}, "mesh"),                      # 3 does not divide 8 devices
+    ({"stage": 8}, {}, "model.n_layers"),                         # 4 layers over 8 stages
+    ({"sequence": 8}, {"train.seq_len": 100}, "train.seq_len"),
+    ({"data": 8}, {"train.batch_size": 12}, "train.batch_size"),  # batch vs data parallel
+    ({"data": 4, "tensor": 2}, {"train.batch_size": 16, "train.grad_accum_steps": 8}, "train.batch_size"),
+    ({"tensor": 2}, {"model.vocab_size": 263}, "model.vocab_size"),
+    ({"tensor": 2}, {"model.mlp_dim": 191}, "model.mlp_dim"),
+    ({"fsdp": 8}, {"model.d_model": 60, "train.zero_stage": 3}, "model.d_model"),
+    ({}, {"model.n_heads": 6}, "model.n_heads"),                  # heads vs kv heads
+    ({}, {"train.zero_stage": 4}, "train.zero_stage"),
+    ({}, {"remat.policy": "most"}, "remat.policy"),
+    ({}, {"attention.impl": "flash"}, "attention.impl"),
+    ({}, {"model.dtype": "int8"}, "model.dtype"),
+    ({}, {"steps": 0}, "steps"),
+    ({}, {"train.learning_rate": -1.0}, "train.learning_rate"),
+    ({}, {"model.n_layers": -4}, "model.n_layers"),
+    ({"fsdp": 2, "tensor": 4}, {"model.sequence_parallel": True, "train.seq_len": 6}, "train.seq_len"),
+    ({"data": 2, "fsdp": 4}, {"mesh.dcn_data": 3}, "mesh.dcn_data"),
+]
+
+
+@pytest.mark.parametrize("mesh,overrides,key", BAD)
+def test_bad_config_names_the_key(mesh, overrides, key):
+    config = tiny_config({"data": -1, **mesh}, **overrides)
+    with pytest.raises(ValueError) as info:
+        config_lib.validate(config, 8)
+    assert f"config.{key}" in str(info.value), str(info.value)
+
+
+def test_good_meshes_validate():
+    """Every 8-device mesh with tensor <= 4 and stage <= 4 is valid for the tiny config."""
+    for mesh in ({"data": 8}, {"fsdp": 8}, {"tensor": 4, "data": 2}, {"stage": 4, "data": 2},
+                 {"sequence": 8}, {"expert": 8}, {"data": 2, "fsdp": 2, "tensor": 2}):
+        sizes = config_lib.validate(tiny_config(mesh), 8)
+        assert sizes["data"] * sizes["fsdp"] * sizes["tensor"] * sizes["sequence"] * sizes["expert"] \
+            * sizes["stage"] == 8
+
+
+def test_fill_axis():
+    sizes = config_lib.validate(tiny_config({"data": -1, "tensor": 2}), 8)
+    assert sizes["data"] == 4
+
+
+def test_cli_rejects_bad_value_and_unknown_key(tmp_path):
+    """One line naming the key, exit code 2, nothing compiled; unknown keys refused by the locked config."""
+    base = [sys.executable, "-m", "meshtrain.train", "--config", str(ROOT / "configs/tiny.py"),
+            f"--config.workdir={tmp_path}", "--config.data.source=synthetic"]
+    bad = subprocess.run(base + ["--config.mesh.tensor=3"], capture_output=True, text=True, timeout=120,
+                         env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    assert bad.returncode == 2
+    assert "config.mesh" in bad.stderr and "Traceback" not in bad.stderr
+    unknown = subprocess.run(base + ["--config.model.nonexistent=1"], capture_output=True, text=True, timeout=120,
+                             env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    assert unknown.returncode != 0 and "nonexistent" in unknown.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()

@@ -1,0 +1,42 @@
+"""Gradient accumulation (playbook, "Gradient accumulation"): the same update as one big batch."""
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from tests.hlo_utils import collectives_by_computation
+from tests.utils import run_steps, synthetic_batches, tiny_config
+
+
+@pytest.mark.parametrize("mesh", [{}, {"data": 2, "fsdp": 2}], ids=["1dev", "data2-fsdp2"])
+def test_four_micro_batches_equal_one_batch(mesh):
+    """4 micro-batches of b rows with unequal padding == 1 micro-batch of 4b (normalised by all tokens)."""
+    config = tiny_config(mesh, **{"train.batch_size": 16})
+    batches = synthetic_batches(config, 1, seed=3)
+    counts = batches[0]["loss_mask"].reshape(4, 4, -1).sum(axis=(0, 2))
+    assert len(set(counts.tolist())) > 1  # padding differs between micro-batches
+    one_losses, one_params, _ = run_steps(config, batches)
+    accum = tiny_config(mesh, **{"train.batch_size": 16, "train.grad_accum_steps": 4})
+    acc_losses, acc_params, _ = run_steps(accum, batches)
+    np.testing.assert_allclose(acc_losses, one_losses, rtol=1e-6)
+    chex.assert_trees_all_close(acc_params, one_params, rtol=1e-5, atol=1e-6)
+
+
+def test_no_gradient_collective_inside_micro_batch_loop():
+    """With data=8 the gradient all-reduce happens once, after the micro-batch loop."""
+    from meshtrain import mesh as mesh_lib, train_step as train_step_lib
+
+    config = tiny_config({"data": 8}, **{"train.batch_size": 32, "train.grad_accum_steps": 2})
+    mesh = mesh_lib.make_mesh(config)
+    factory, step_fn, _ = train_step_lib.build(config, mesh)
+    batch = {k: jax.ShapeDtypeStruct((32, 128), np.float32 if k == "loss_mask" else np.int32)
+             for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
+    with jax.set_mesh(mesh):
+        hlo = step_fn.lower(factory.abstract, batch).compile().as_text()
+    by_comp = collectives_by_computation(hlo)
+    in_loops = {name: ops for name, ops in by_comp.items() if name != "ENTRY" and ops}
+    assert not in_loops, in_loops
+    n_params = sum(x.size for x in jax.tree.leaves(factory.abstract.params))
+    reduced = sum(elems for kind, elems in by_comp["ENTRY"] if kind == "all-reduce")
+    assert n_params <= reduced <= n_params + 8  # every gradient once, plus scalars
