@@ -39,14 +39,10 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 def _attention_impls():
     def xla(q, k, v):
-        return jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, implementation="xla"
-        )
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
 
     def cudnn(q, k, v):
-        return jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, implementation="cudnn"
-        )
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
     return {
         "pallas_flash": lambda q, k, v: flash_attention(q, k, v, causal=True),
@@ -96,14 +92,10 @@ def bench_attention_gpu(lengths: list[int], iters: int) -> list[dict]:
                 try:
                     compiled = jax.jit(fn).lower(q, k, v).compile()
                     mem = compiled.memory_analysis()
-                    row["temp_mib"] = (
-                        round(mem.temp_size_in_bytes / 2**20, 1) if mem else None
-                    )
+                    row["temp_mib"] = round(mem.temp_size_in_bytes / 2**20, 1) if mem else None
                     seconds = _time(compiled, (q, k, v), iters)
                     row["ms"] = round(seconds * 1e3, 3)
-                    row["tflops"] = round(
-                        _attention_flops(length, backward) / seconds / 1e12, 1
-                    )
+                    row["tflops"] = round(_attention_flops(length, backward) / seconds / 1e12, 1)
                 except (
                     jax.errors.JaxRuntimeError,
                     RuntimeError,
@@ -136,13 +128,9 @@ def correctness() -> dict:
     labels = jax.random.randint(ks[1], (256,), 0, 1000)
     mask = jnp.ones((256,))
     return {
-        "flash_out_max_err": _max_err(
-            flash_attention(q, k, v), flash_attention_reference(q, k, v)
-        ),
-        "flash_grad_max_err": max(_max_err(a, b) for a, b in zip(grads, ref_grads)),
-        "rms_norm_max_err": _max_err(
-            rms_norm(x, w, eps=1e-6), rms_norm_reference(x, w, eps=1e-6)
-        ),
+        "flash_out_max_err": _max_err(flash_attention(q, k, v), flash_attention_reference(q, k, v)),
+        "flash_grad_max_err": max(_max_err(a, b) for a, b in zip(grads, ref_grads, strict=True)),
+        "rms_norm_max_err": _max_err(rms_norm(x, w, eps=1e-6), rms_norm_reference(x, w, eps=1e-6)),
         "cross_entropy_per_token_err": _max_err(
             fused_cross_entropy(h, w_out, labels, mask) / 256,
             fused_cross_entropy_reference(h, w_out, labels, mask) / 256,
@@ -169,9 +157,7 @@ def loss_memory(tokens: int = 2048, d_model: int = 256, vocab: int = 32768) -> d
     ):
         step = jax.grad(fn, argnums=(0, 1))
         mem = jax.jit(step).lower(*args).compile().memory_analysis()
-        out[f"{name}_temp_mib"] = (
-            round(mem.temp_size_in_bytes / 2**20, 1) if mem else None
-        )
+        out[f"{name}_temp_mib"] = round(mem.temp_size_in_bytes / 2**20, 1) if mem else None
     return out
 
 
@@ -190,9 +176,7 @@ def main(argv: list[str]) -> int:
         lengths = [int(n) for n in args.lengths.split(",")]
         result["attention"] = bench_attention_gpu(lengths, args.iters)
     else:
-        print(
-            "not a GPU: attention timings skipped (interpret mode measures nothing useful)"
-        )
+        print("not a GPU: attention timings skipped (interpret mode measures nothing useful)")
     print(json.dumps(result))
     return 0
 

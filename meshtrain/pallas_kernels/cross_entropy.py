@@ -57,9 +57,7 @@ class CrossEntropyBlockSizes:
     def fit(self, n: int, v: int, d: int) -> CrossEntropyBlockSizes:
         def one(name, block, dim):
             if not is_power_of_two(block) or block < 16:
-                raise ValueError(
-                    f"{name}={block} must be a power of two >= 16 (Triton tile rule)"
-                )
+                raise ValueError(f"{name}={block} must be a power of two >= 16 (Triton tile rule)")
             return min(block, max(16, floor_power_of_two(dim)))
 
         return CrossEntropyBlockSizes(
@@ -84,9 +82,7 @@ def _logits_tile(h_ref, w_ref, cfg: _Config):
         ds = pl.ds(t * bd, bd)
         return acc + _dot(h_ref[:, ds], w_ref[ds, :], _NN)
 
-    logits = lax.fori_loop(
-        0, h_ref.shape[1] // bd, body, jnp.zeros((bn, bv), jnp.float32)
-    )
+    logits = lax.fori_loop(0, h_ref.shape[1] // bd, body, jnp.zeros((bn, bv), jnp.float32))
     cols = pl.program_id(1) * bv + lax.broadcasted_iota(jnp.int32, (bv,), 0)
     if cfg.vocab % bv:  # padded vocabulary: padding columns never win
         logits = jnp.where(cols[None, :] < cfg.vocab, logits, -jnp.inf)
@@ -117,9 +113,7 @@ def _backward_kernel(
     logits, cols = _logits_tile(h_ref, w_ref, cfg)
     p = jnp.exp(logits - lse_ref[...][:, None])
     hit = cols[None, :] == labels_ref[...][:, None]
-    dlogits = ((p - hit.astype(jnp.float32)) * scale_ref[...][:, None]).astype(
-        h_ref.dtype
-    )
+    dlogits = ((p - hit.astype(jnp.float32)) * scale_ref[...][:, None]).astype(h_ref.dtype)
     bd = cfg.blocks.block_d
 
     def body(t, carry):
@@ -213,23 +207,15 @@ _loss_sum.defvjp(_loss_sum_fwd, _loss_sum_bwd)
 def _validate(hidden, w_out, labels, mask):
     if hidden.ndim != 2 or w_out.ndim != 2 or hidden.shape[1] != w_out.shape[0]:
         raise ValueError(
-            f"hidden must be [N, D] and w_out [D, V]; got hidden{list(hidden.shape)}, "
-            f"w_out{list(w_out.shape)}"
+            f"hidden must be [N, D] and w_out [D, V]; got hidden{list(hidden.shape)}, w_out{list(w_out.shape)}"
         )
     n = hidden.shape[0]
     if labels.shape != (n,) or not jnp.issubdtype(labels.dtype, jnp.integer):
-        raise ValueError(
-            f"labels must be integer [{n}], got {labels.dtype}{list(labels.shape)}"
-        )
+        raise ValueError(f"labels must be integer [{n}], got {labels.dtype}{list(labels.shape)}")
     if mask.shape != (n,):
         raise ValueError(f"mask must be [{n}] (float or bool), got {list(mask.shape)}")
-    if not (
-        jnp.issubdtype(hidden.dtype, jnp.floating)
-        and jnp.issubdtype(w_out.dtype, jnp.floating)
-    ):
-        raise ValueError(
-            f"hidden and w_out must be floating point, got {hidden.dtype}, {w_out.dtype}"
-        )
+    if not (jnp.issubdtype(hidden.dtype, jnp.floating) and jnp.issubdtype(w_out.dtype, jnp.floating)):
+        raise ValueError(f"hidden and w_out must be floating point, got {hidden.dtype}, {w_out.dtype}")
 
 
 def _pad(x, axis: int, multiple: int):
@@ -281,15 +267,11 @@ def fused_cross_entropy(
     return _loss_sum(cfg, h, w, labels_p, mask_p)
 
 
-def fused_cross_entropy_reference(
-    hidden: jax.Array, w_out: jax.Array, labels: jax.Array, mask: jax.Array
-) -> jax.Array:
+def fused_cross_entropy_reference(hidden: jax.Array, w_out: jax.Array, labels: jax.Array, mask: jax.Array) -> jax.Array:
     """Pure-jnp sum(mask * token cross-entropy) with full fp32 logits, for tests."""
     _validate(hidden, w_out, labels, mask)
     logits = jnp.dot(hidden.astype(jnp.float32), w_out.astype(jnp.float32))
     lse = jax.nn.logsumexp(logits, axis=-1)
-    target = jnp.take_along_axis(logits, labels[:, None].astype(jnp.int32), axis=-1)[
-        :, 0
-    ]
+    target = jnp.take_along_axis(logits, labels[:, None].astype(jnp.int32), axis=-1)[:, 0]
     mask = mask.astype(jnp.float32)
     return jnp.sum(mask * (lse - target))

@@ -30,6 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from meshtrain.pallas_kernels._common import (
     fit_block,
+    floor_power_of_two,
     is_power_of_two,
     resolve_interpret,
 )
@@ -78,9 +79,7 @@ class _Config:
     blocks: FlashBlockSizes
     interpret: bool
     has_segments: bool
-    has_positions: (
-        bool  # explicit positions given (else 0..L-1, which allows tile skipping)
-    )
+    has_positions: bool  # explicit positions given (else 0..L-1, which allows tile skipping)
 
 
 def _split_refs(refs, cfg: _Config):
@@ -123,7 +122,7 @@ def _forward_kernel(*refs, cfg: _Config, len_kv: int):
     q_seg = segs[0][...] if segs else None
 
     def body(j, carry):
-        acc, m, l = carry
+        acc, m, denom = carry
         ks = pl.ds(j * bk, bk)
         kv_pos = _positions(cfg, pos and pos[1], ks, j * bk, bk)
         kv_seg = segs[1][ks] if segs else None
@@ -131,26 +130,24 @@ def _forward_kernel(*refs, cfg: _Config, len_kv: int):
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])  # masked scores are -inf: p = 0
-        l = alpha * l + jnp.sum(p, axis=1)
+        denom = alpha * denom + jnp.sum(p, axis=1)
         v = v_ref[ks, :]
         acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v, _NN)
-        return acc, m_new, l
+        return acc, m_new, denom
 
     num_kv = len_kv // bk
-    if (
-        cfg.causal and not cfg.has_positions
-    ):  # tiles right of the diagonal are all masked
+    if cfg.causal and not cfg.has_positions:  # tiles right of the diagonal are all masked
         num_kv = jnp.minimum(lax.div((i + 1) * bq + bk - 1, bk), num_kv)
     init = (
         jnp.zeros(q.shape, jnp.float32),
         jnp.full((bq,), _INIT_MAX, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
-    acc, m, l = lax.fori_loop(0, num_kv, body, init)
-    empty = l == 0.0
-    l_safe = jnp.where(empty, 1.0, l)
-    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
+    acc, m, denom = lax.fori_loop(0, num_kv, body, init)
+    empty = denom == 0.0
+    denom_safe = jnp.where(empty, 1.0, denom)
+    o_ref[...] = (acc / denom_safe[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(denom_safe))
 
 
 def _dq_kernel(*refs, cfg: _Config, len_kv: int):
@@ -203,9 +200,7 @@ def _dkdv_kernel(*refs, cfg: _Config, len_q: int, group: int):
         return dk, dv
 
     def head(g, carry):  # the query heads that read this K/V head
-        return lax.fori_loop(
-            first_q, len_q // bq, functools.partial(q_tile, g=g), carry
-        )
+        return lax.fori_loop(first_q, len_q // bq, functools.partial(q_tile, g=g), carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
@@ -242,9 +237,7 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
         pl.BlockSpec((None, bq), lambda b_, h_, i: (b_, i)),
         pl.BlockSpec((None, len_kv), lambda b_, h_, i: (b_, 0)),
     )
-    kv_spec = pl.BlockSpec(
-        (None, len_kv, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0)
-    )
+    kv_spec = pl.BlockSpec((None, len_kv, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0))
     q_spec = pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0))
     return pl.pallas_call(
         functools.partial(_forward_kernel, cfg=cfg, len_kv=len_kv),
@@ -270,13 +263,9 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do,
     group = h // kh
     bq, bk = cfg.blocks.block_q_bwd, cfg.blocks.block_kv_bwd
     # d lse / d s = p, so the lse cotangent folds into delta = rowsum(dO * O) - dlse.
-    delta = jnp.einsum(
-        "blhd,blhd->bhl", do.astype(jnp.float32), out.astype(jnp.float32)
-    )
+    delta = jnp.einsum("blhd,blhd->bhl", do.astype(jnp.float32), out.astype(jnp.float32))
     delta = delta - dlse
-    lse = jnp.where(
-        jnp.isneginf(lse), 0.0, lse
-    )  # rows without keys: all p are exp(-inf) = 0
+    lse = jnp.where(jnp.isneginf(lse), 0.0, lse)  # rows without keys: all p are exp(-inf) = 0
     do = do.astype(q.dtype)
 
     side, side_specs = _side_inputs(
@@ -289,9 +278,7 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do,
         pl.BlockSpec((None, len_kv), lambda b_, h_, i: (b_, 0)),
     )
     q_spec = pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0))
-    kv_spec = pl.BlockSpec(
-        (None, len_kv, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0)
-    )
+    kv_spec = pl.BlockSpec((None, len_kv, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0))
     row_spec = pl.BlockSpec((None, None, bq), lambda b_, h_, i: (b_, h_, i))
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg, len_kv=len_kv),
@@ -313,9 +300,7 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do,
         pl.BlockSpec((None, len_q), lambda b_, g_, j: (b_, 0)),
         pl.BlockSpec((None, bk), lambda b_, g_, j: (b_, j)),
     )
-    q_group_spec = pl.BlockSpec(
-        (None, len_q, group, d), lambda b_, g_, j: (b_, 0, g_, 0)
-    )
+    q_group_spec = pl.BlockSpec((None, len_q, group, d), lambda b_, g_, j: (b_, 0, g_, 0))
     kv_tile_spec = pl.BlockSpec((None, bk, None, d), lambda b_, g_, j: (b_, j, g_, 0))
     rows_spec = pl.BlockSpec((None, group, len_q), lambda b_, g_, j: (b_, g_, 0))
     dk, dv = pl.pallas_call(
@@ -355,9 +340,7 @@ def _flash_fwd(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
 def _flash_bwd(cfg, residuals, cotangents):
     q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse = residuals
     do, dlse = cotangents
-    dq, dk, dv = _backward(
-        cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do, dlse
-    )
+    dq, dk, dv = _backward(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do, dlse)
     return dq, dk, dv, None, None, None, None
 
 
@@ -376,9 +359,7 @@ def _check_ids(name: str, ids, batch: int, length: int):
     return ids.astype(jnp.int32)
 
 
-def _validate(
-    q, k, v, segment_ids, q_segment_ids, kv_segment_ids, q_positions, kv_positions
-):
+def _validate(q, k, v, segment_ids, q_segment_ids, kv_segment_ids, q_positions, kv_positions):
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
         raise ValueError(
             "q must be [batch, length, heads, head_dim] and k, v the same "
@@ -387,24 +368,12 @@ def _validate(
         )
     b, _, h, d = q.shape
     if k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(
-            f"k batch/head_dim {k.shape[0]}/{k.shape[3]} must equal q's {b}/{d}"
-        )
+        raise ValueError(f"k batch/head_dim {k.shape[0]}/{k.shape[3]} must equal q's {b}/{d}")
     if h % k.shape[2]:
-        raise ValueError(
-            f"q heads ({h}) must be a multiple of kv heads ({k.shape[2]}) for GQA"
-        )
-    if not is_power_of_two(d) or d < 16:
-        raise ValueError(
-            f"head_dim={d} must be a power of two >= 16 (Triton tile rule)"
-        )
+        raise ValueError(f"q heads ({h}) must be a multiple of kv heads ({k.shape[2]}) for GQA")
     if not all(jnp.issubdtype(x.dtype, jnp.floating) for x in (q, k, v)):
-        raise ValueError(
-            f"q, k, v must be floating point, got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
-    if segment_ids is not None and (
-        q_segment_ids is not None or kv_segment_ids is not None
-    ):
+        raise ValueError(f"q, k, v must be floating point, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if segment_ids is not None and (q_segment_ids is not None or kv_segment_ids is not None):
         raise ValueError("pass segment_ids or q_segment_ids/kv_segment_ids, not both")
     if segment_ids is not None:
         q_segment_ids = kv_segment_ids = segment_ids
@@ -456,25 +425,20 @@ def flash_attention_with_lse(
     Returns:
         out [B, Lq, H, D] in q.dtype and lse [B, H, Lq] float32, the natural-log
         log-sum-exp of the scaled, masked scores. Rows without any visible key
-        give out = 0 and lse = -inf.
+        give out = 0 and lse = -inf. A head_dim that is not a power of two >= 16
+        is zero-padded to one for the kernels (a copy of q, k, v).
 
     Raises:
         ValueError: for shapes, dtypes or block sizes the kernels do not support.
     """
-    ids = _validate(
-        q, k, v, segment_ids, q_segment_ids, kv_segment_ids, q_positions, kv_positions
-    )
+    ids = _validate(q, k, v, segment_ids, q_segment_ids, kv_segment_ids, q_positions, kv_positions)
     q_seg, kv_seg, q_pos, kv_pos = ids
     user_given = block_sizes is not None
-    blocks = (block_sizes or FlashBlockSizes()).fit(
-        q.shape[1], k.shape[1], user_given=user_given
-    )
+    blocks = (block_sizes or FlashBlockSizes()).fit(q.shape[1], k.shape[1], user_given=user_given)
     has_positions = causal and q_pos is not None
     cfg = _Config(
         causal=bool(causal),
-        sm_scale=float(
-            sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        ),
+        sm_scale=float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])),
         blocks=blocks,
         interpret=resolve_interpret(interpret),
         has_segments=q_seg is not None,
@@ -482,7 +446,15 @@ def flash_attention_with_lse(
     )
     if not has_positions:
         q_pos = kv_pos = None
-    return _flash(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos)
+    head_dim = q.shape[-1]
+    padded = max(16, head_dim if is_power_of_two(head_dim) else 2 * floor_power_of_two(head_dim))
+    if padded == head_dim:
+        return _flash(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos)
+    # Triton tiles are powers of two and tl.dot needs 16: zero columns leave the
+    # scores unchanged and give zero output columns, which are sliced off.
+    q, k, v = (jnp.pad(x, ((0, 0),) * 3 + ((0, padded - head_dim),)) for x in (q, k, v))
+    out, lse = _flash(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos)
+    return out[..., :head_dim], lse
 
 
 def flash_attention(
@@ -544,11 +516,11 @@ def flash_attention_with_lse_reference(
     m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(s - m)
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    empty = l == 0.0
-    l_safe = jnp.where(empty, 1.0, l)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", p / l_safe, v.astype(jnp.float32))
-    lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))[..., 0]
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    empty = denom == 0.0
+    denom_safe = jnp.where(empty, 1.0, denom)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", p / denom_safe, v.astype(jnp.float32))
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(denom_safe))[..., 0]
     return out.reshape(b, len_q, h, d).astype(q.dtype), lse.reshape(b, h, len_q)
 
 
@@ -562,7 +534,5 @@ def flash_attention_reference(
     sm_scale: float | None = None,
 ) -> jax.Array:
     """Pure-jnp attention output with the semantics of `flash_attention`."""
-    out, _ = flash_attention_with_lse_reference(
-        q, k, v, causal=causal, segment_ids=segment_ids, sm_scale=sm_scale
-    )
+    out, _ = flash_attention_with_lse_reference(q, k, v, causal=causal, segment_ids=segment_ids, sm_scale=sm_scale)
     return out

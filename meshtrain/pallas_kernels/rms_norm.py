@@ -94,9 +94,7 @@ def _backward_kernel(x_ref, w_ref, dy_ref, dx_ref, dw_ref, *, cfg: _Config, tile
         g = dy * w[None, :]
         # d/dx of x * r(x): r * (g - x_hat * mean(g * x_hat)).
         proj = jnp.sum(g * x_hat, axis=1) / cfg.dim
-        dx_ref[rows, :] = (r[:, None] * (g - x_hat * proj[:, None])).astype(
-            dx_ref.dtype
-        )
+        dx_ref[rows, :] = (r[:, None] * (g - x_hat * proj[:, None])).astype(dx_ref.dtype)
         return dw + jnp.sum(dy * x_hat, axis=0)
 
     dw_ref[...] = lax.fori_loop(0, tiles, body, jnp.zeros(w.shape, jnp.float32))
@@ -188,9 +186,7 @@ def rms_norm(
         ValueError: weight is not [D], eps is not positive, or bad block sizes.
     """
     if x.ndim < 1 or weight.shape != x.shape[-1:]:
-        raise ValueError(
-            f"weight shape {list(weight.shape)} must be [{x.shape[-1:]}] (x's last dim)"
-        )
+        raise ValueError(f"weight shape {list(weight.shape)} must be [{x.shape[-1:]}] (x's last dim)")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"x must be floating point, got {x.dtype}")
     if not eps > 0:
@@ -199,12 +195,8 @@ def rms_norm(
     x2 = x.reshape(-1, dim)
     rows = x2.shape[0]
     user_given = block_sizes is not None
-    blocks = (block_sizes or RMSNormBlockSizes.for_shape(rows, dim)).fit(
-        rows, user_given=user_given
-    )
-    cfg = _Config(
-        eps=float(eps), dim=dim, blocks=blocks, interpret=resolve_interpret(interpret)
-    )
+    blocks = (block_sizes or RMSNormBlockSizes.for_shape(rows, dim)).fit(rows, user_given=user_given)
+    cfg = _Config(eps=float(eps), dim=dim, blocks=blocks, interpret=resolve_interpret(interpret))
     padded = dim if is_power_of_two(dim) else 2 * floor_power_of_two(dim)
     w = weight
     if padded != dim:
