@@ -36,7 +36,10 @@ backward is then derived with `jax.vjp` from the cotangents of out and lse, so i
 must be differentiable in both) or a `BlockAttention(forward, backward)` whose
 `backward(q, k, v, out, lse, dout, *, <same keywords>) -> (dq, dk, dv)` takes the
 *global* out / lse / dout of the query rows (the flash-attention backward kernel
-computes exactly the block's share of the gradient from those).
+computes exactly the block's share of the gradient from those). The built-in jnp
+block runs under `shard_map(check_vma=True)`; a given block_fn runs with
+check_vma=False, because a `pallas_call` does not declare how its outputs vary
+over the manual axis.
 """
 
 from __future__ import annotations
@@ -160,10 +163,10 @@ def block_attention_forward(
     m = jnp.max(s, axis=-1, keepdims=True)
     m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
     p = jnp.exp(s - m)
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    l_safe = jnp.where(l > 0, l, 1.0)
-    o = jnp.einsum("bkgqs,bskd->bqkgd", p / l_safe, v.astype(jnp.float32))
-    lse = jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf)[..., 0]  # [B,K,G,Lq]
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    denom_safe = jnp.where(denom > 0, denom, 1.0)
+    o = jnp.einsum("bkgqs,bskd->bqkgd", p / denom_safe, v.astype(jnp.float32))
+    lse = jnp.where(denom > 0, m + jnp.log(denom_safe), -jnp.inf)[..., 0]  # [B,K,G,Lq]
     return o.reshape(b, lq, h, d), lse.reshape(b, h, lq)
 
 
@@ -449,6 +452,7 @@ def ring_attention(
         Causality always follows the global token index of that layout.
       sm_scale: softmax scale; defaults to 1 / sqrt(D).
       block_fn: the local block computation (see the module docstring); None = jnp.
+        E.g. `pallas_kernels.flash_attention.flash_attention_with_lse` on GPU.
 
     Returns:
       [B, T_seq, H, D] attention output in the input token order, dtype of q.
@@ -482,7 +486,7 @@ def ring_attention(
         in_specs=(x_spec, x_spec, x_spec, seg_spec),
         out_specs=x_spec,
         axis_names={axis_name},
-        check_vma=True,
+        check_vma=block_fn is None,
     )(q, k, v, segment_ids.astype(jnp.int32))
 
 
