@@ -1,0 +1,161 @@
+"""Communication model per step: the collectives meshtrain's step runs, and the bytes per mesh axis.
+
+Playbook, appendix A0 (ring collectives) and A3 ("Math for Compute/Communication Overlap"),
+applied to meshtrain's implementation (`train_step.py`, `model.py`, `sharding_rules.py`):
+
+* batch axes (`data`, `fsdp`, `expert` for dense layers, and `sequence`, over which the
+  parameters are replicated): gradient all-reduce; under ZeRO-2/3 a reduce-scatter over
+  `fsdp` first, then the all-reduce of the shard over the other axes;
+* ZeRO-1/2: all-gather of the updated parameters over `fsdp`; ZeRO-3: all-gather of every
+  weight in the forward pass and of each rematerialised layer again in the backward pass,
+  per micro-batch (the playbook's 3 Psi against 2 Psi);
+* `tensor`: two all-reduces of the [t, D] residual per layer forward (attention and MLP
+  row-parallel outputs), their transposes backward; with sequence parallelism each becomes
+  reduce-scatter + all-gather;
+* `sequence`: ring attention passes the K/V block s-1 times per layer forward, and K/V plus
+  their gradients backward; `stage`: one activation forward and one gradient backward per
+  pipeline tick; `expert`: all-to-all dispatch and combine per MoE layer, forward and back.
+
+Bytes are what each device sends. A collective over several axes is attributed axis by axis
+as the hierarchical algorithm moves it (innermost, fastest axis first: reduce-scatter there,
+the reduced shard over the next axis, ...), so per-axis bytes add up to the flat ring's total.
+
+The playbook's A3 is corrected where its arithmetic is off: its data-parallel ratio
+t_comm / t_compute = num_params / (2 num_tokens) ... keeps a stray num_params (the parameters
+cancel: the ratio is (DP-1)/DP * peak_flops / (2 num_tokens peak_bw) in elements); ZeRO-3's
+"all-gather 16h^2/DP bytes per rank" and TP's "seq mbs h / TP bytes per rank" are what each
+rank *holds*: a ring all-gather sends (N-1)/N of the gathered buffer per rank, as the same
+section's own t_comm formulas use (and elements, times 2 for bf16 bytes).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+from meshtrain.mesh import MESH_ORDER
+from meshtrain.plan.memory import Run, dtype_bytes, local_size, param_table
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """What the compiler emits. GPU: reduce-scatters, summed input-gradients before one all-reduce.
+
+    The CPU backend (used by `--verify`) emits all-reduce + dynamic-slice for a reduce-scatter,
+    all-reduces each matmul's input-gradient separately, and runs bf16 collectives in float32.
+    """
+
+    name: str = "gpu"
+    reduce_scatter_as_all_reduce: bool = False
+    reassociate: bool = True
+    min_collective_bytes: int = 1
+
+
+GPU = Backend()
+CPU = Backend("cpu", reduce_scatter_as_all_reduce=True, reassociate=False, min_collective_bytes=4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Coll:
+    kind: str  # all-reduce | all-gather | reduce-scatter | all-to-all | collective-permute
+    full_bytes: float  # all-reduce/all-to-all: buffer; all-gather: output; reduce-scatter: input
+    axes: dict[str, int]
+    count: float
+    what: str
+
+
+def attribute(kind: str, full_bytes: float, axes: dict[str, int]) -> dict[str, float]:
+    """Bytes one device sends for a ring collective over `axes`, split per axis (innermost first)."""
+    if kind == "collective-permute":
+        return {a: full_bytes / len(axes) for a in axes}
+    factor = 2.0 if kind == "all-reduce" else 1.0
+    out, inner = {}, 1
+    for axis in sorted(axes, key=MESH_ORDER.index, reverse=True):
+        k = axes[axis]
+        out[axis] = factor * (k - 1) / k * full_bytes / inner
+        inner *= k
+    return out
+
+
+def _spec_axes(leaf, rules) -> set[str]:
+    spec = rules.spec(leaf.names, leaf.shape, what=leaf.path)
+    return {a for e in spec if e for a in ((e,) if isinstance(e, str) else e)}
+
+
+def _gradient_and_zero(run: Run, remat: str, backend: Backend) -> list[Coll]:
+    s, place = run.sizes, run.placement()
+    pb = max(dtype_bytes(run.model.param_dtype), backend.min_collective_bytes)
+    batch_axes = [a for a in ("data", "fsdp", "expert", "sequence") if s[a] > 1]
+    per_micro = run.grad_accum if run.zero_stage >= 3 else 1  # ZeRO-3 has no manual accumulation loop
+    out = []
+    for leaf in param_table(run.model):
+        full = local_size(leaf, place["compute"]) * pb
+        used = _spec_axes(leaf, place["compute"])
+        reduce = {a: s[a] for a in batch_axes if a not in used}
+        sharded = "fsdp" in reduce and "fsdp" in _spec_axes(leaf, place["grads"])
+        if sharded:
+            out.append(Coll("reduce-scatter", full, {"fsdp": s["fsdp"]}, per_micro, f"grad {leaf.path}"))
+            rest = {a: n for a, n in reduce.items() if a != "fsdp"}
+            if rest:
+                out.append(Coll("all-reduce", full / s["fsdp"], rest, per_micro, f"grad {leaf.path}"))
+        elif reduce:
+            out.append(Coll("all-reduce", full, reduce, per_micro, f"grad {leaf.path}"))
+        if s["fsdp"] > 1 and run.zero_stage in (1, 2) and "fsdp" in _spec_axes(leaf, place["optimizer"]):
+            out.append(Coll("all-gather", full, {"fsdp": s["fsdp"]}, 1, f"updated {leaf.path}"))
+        if s["fsdp"] > 1 and run.zero_stage >= 3 and "fsdp" in _spec_axes(leaf, place["params"]):
+            passes = 2 if (leaf.in_layers and remat != "none") else 1
+            out.append(Coll("all-gather", full, {"fsdp": s["fsdp"]}, passes * per_micro, f"gather {leaf.path}"))
+    return out
+
+
+def _activations(run: Run, remat: str, backend: Backend) -> list[Coll]:
+    s, m = run.sizes, run.model
+    a = max(dtype_bytes(m.dtype), backend.min_collective_bytes)
+    t = run.micro_tokens
+    layers = m.n_layers // s["stage"]
+    micro = run.grad_accum
+    x = t * m.d_model * a  # the [t, D] residual of one micro-batch on one device
+    out = []
+    if s["tensor"] > 1:
+        tp = {"tensor": s["tensor"]}
+        backward = 2 if backend.reassociate else 5  # q,k,v and gate,up input-gradients, summed or not
+        recompute = 2 if remat == "full" else 0
+        reductions = layers * (2 + backward + recompute) + 1  # + the vocabulary-split head's input-gradient
+        if m.sequence_parallel:
+            gathers = layers * (4 + (2 if remat != "none" else 0)) + 1
+            rs_kind = "all-reduce" if backend.reduce_scatter_as_all_reduce else "reduce-scatter"
+            out.append(Coll(rs_kind, x, tp, reductions * micro, "SP reduce-scatter"))
+            out.append(Coll("all-gather", x, tp, gathers * micro, "SP all-gather"))
+        else:
+            out.append(Coll("all-reduce", x, tp, reductions * micro, "TP all-reduce"))
+    if s["sequence"] > 1:
+        kv = 2 * t * (m.n_kv_heads // s["tensor"]) * m.head_dim * a
+        hops = (s["sequence"] - 1) * (3 + (1 if remat == "full" else 0))
+        out.append(Coll("collective-permute", kv, {"sequence": s["sequence"]}, layers * hops * micro, "ring K/V"))
+    if s["stage"] > 1:
+        ticks = run.microbatches * run.pipeline_repeats + s["stage"] - 1
+        xm = x * run.grad_accum // run.microbatches
+        out.append(Coll("collective-permute", xm, {"stage": s["stage"]}, 2 * ticks, "pipeline activations"))
+    if m.num_experts and s["expert"] > 1:
+        tokens = t * m.experts_per_token * (1.0 if m.moe_dropless else m.capacity_factor)
+        moe_layers = math.ceil(layers / m.moe_every)
+        out.append(Coll("all-to-all", tokens * m.d_model * a, {"expert": s["expert"]}, 4 * moe_layers * micro,
+                        "expert dispatch/combine"))
+    return out
+
+
+def step_collectives(run: Run, remat: str, backend: Backend = GPU) -> list[Coll]:
+    """Every collective of one optimizer step, with how many times it runs."""
+    colls = _gradient_and_zero(run, remat, backend) + _activations(run, remat, backend)
+    if backend.reduce_scatter_as_all_reduce:
+        colls = [dataclasses.replace(c, kind="all-reduce") if c.kind == "reduce-scatter" else c for c in colls]
+    return colls
+
+
+def bytes_by_axis(colls: list[Coll]) -> dict[str, float]:
+    total: dict[str, float] = collections.defaultdict(float)
+    for c in colls:
+        for axis, nbytes in attribute(c.kind, c.full_bytes, c.axes).items():
+            total[axis] += nbytes * c.count
+    return dict(total)

@@ -1,0 +1,181 @@
+"""Time model and mesh search: playbook, "Finding the Best Training Configuration".
+
+Step time = compute at a stated efficiency (recomputation included) + pipeline bubble +
+communication that does not hide behind compute. Gradient reductions and ZeRO gathers overlap
+with the backward / forward passes (prefetching, playbook "ZeRO-3"); ring attention overlaps
+with attention; tensor-parallel, pipeline and expert collectives sit on the critical path.
+An axis is in-node when it and every axis inside it (mesh order, innermost `tensor`) fit in
+`devices_per_node`; otherwise its collectives run at the network bandwidth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import ml_collections
+
+from meshtrain import config as config_lib, metrics
+from meshtrain.mesh import MESH_ORDER
+from meshtrain.plan import comm, memory
+from meshtrain.plan.hardware import Gpu
+from meshtrain.sharding_rules import ShardingRuleError
+
+EFFICIENCY = 0.5  # achieved / peak FLOP/s of the matmuls
+OVERLAPPED = ("data", "fsdp", "sequence")
+RECOMPUTE = {"none": 0.0, "selective": 0.0, "offload": 0.0, "full": 1.0}  # extra forward passes
+
+
+@dataclasses.dataclass
+class Estimate:
+    config: ml_collections.ConfigDict
+    run: memory.Run
+    remat: str
+    memory: dict[str, int]
+    comm_bytes: dict[str, float]
+    comm_seconds: dict[str, float]
+    compute_seconds: float
+    bubble_seconds: float
+    step_seconds: float
+    tokens_per_second: float
+    mfu: float
+    fits: bool
+    usable_bytes: int
+    limit: str = ""
+
+    def as_json(self) -> dict:
+        return {"num_params": memory.num_params(self.run.model), "mesh": dict(self.run.sizes),
+                "zero_stage": self.run.zero_stage, "remat": self.remat, "grad_accum_steps": self.run.grad_accum,
+                "micro_batch_per_device": self.run.batch_size // self.run.grad_accum // self.run.dp,
+                "memory_per_device_bytes": dict(self.memory),
+                "comm_bytes_per_step": {a: int(b) for a, b in self.comm_bytes.items()},
+                "exposed_comm_seconds": dict(self.comm_seconds), "compute_seconds": self.compute_seconds,
+                "bubble_seconds": self.bubble_seconds, "predicted_step_time_s": self.step_seconds,
+                "tokens_per_second": self.tokens_per_second, "predicted_mfu": self.mfu, "fits": self.fits,
+                "limit": self.limit}
+
+
+def in_node_axes(sizes: dict[str, int], devices_per_node: int) -> set[str]:
+    inside, product = set(), 1
+    for axis in reversed(MESH_ORDER):
+        product *= sizes[axis]
+        if product <= devices_per_node or sizes[axis] == 1:
+            inside.add(axis)
+    return inside
+
+
+def memory_breakdown(run: memory.Run, remat: str) -> dict[str, int]:
+    state = memory.state_memory(run)
+    act = memory.activation_memory(run, remat)
+    out = {**state, **act}
+    out["total"] = sum(out.values())
+    return out
+
+
+def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu, devices_per_node: int = 8,
+             efficiency: float = EFFICIENCY) -> Estimate:
+    """Memory, communication and time of the configured step on `gpu`s."""
+    run = memory.Run.from_config(config, sizes)
+    remat = config.remat.policy
+    mem = memory_breakdown(run, remat)
+    colls = comm.step_collectives(run, remat, comm.GPU)
+    per_axis = comm.bytes_by_axis(colls)
+    n = math.prod(sizes.values())
+    tokens = run.batch_size * run.seq_len
+    model_flops = metrics.flops_per_token(run.model, run.seq_len) * tokens
+    hardware_flops = model_flops * (1 + RECOMPUTE[remat] / 3)  # a forward pass is 1/3 of fwd + bwd
+    compute = hardware_flops / n / (gpu.peak_flops * efficiency)
+    inside = in_node_axes(sizes, devices_per_node)
+    exposed = {}
+    for axis, nbytes in per_axis.items():
+        seconds = nbytes / (gpu.nvlink_bandwidth if axis in inside else gpu.network_bandwidth)
+        exposed[axis] = max(0.0, seconds - compute) if axis in OVERLAPPED else seconds
+    bubble = 0.0
+    if sizes["stage"] > 1:
+        bubble = compute * (sizes["stage"] - 1) / (run.microbatches * run.pipeline_repeats)
+    step = compute + bubble + sum(exposed.values())
+    fits = mem["total"] <= gpu.usable_bytes
+    est = Estimate(config, run, remat, mem, per_axis, exposed, compute, bubble, step, tokens / step,
+                   model_flops / step / (n * gpu.peak_flops), fits, gpu.usable_bytes)
+    est.limit = binding_limit(est)
+    return est
+
+
+def binding_limit(est: Estimate) -> str:
+    """Why this candidate is not faster (or does not fit), in a few words."""
+    use = est.memory["total"] / est.usable_bytes
+    if not est.fits:
+        return f"memory: {use:.0%} of usable HBM"
+    costs = {"compute": est.compute_seconds, "pipeline bubble": est.bubble_seconds,
+             **{f"{a} comm": s for a, s in est.comm_seconds.items()}}
+    worst = max((k for k in costs if k != "compute"), key=costs.get, default=None)
+    if worst and costs[worst] > 0.05 * est.step_seconds:
+        return f"{worst} {costs[worst] / est.step_seconds:.0%} of step; memory {use:.0%}"
+    return f"compute-bound; memory {use:.0%}"
+
+
+def _factorizations(n: int, axes: list[str]):
+    if len(axes) == 1:
+        yield {axes[0]: n}
+        return
+    for d in (d for d in range(1, n + 1) if n % d == 0):
+        for rest in _factorizations(n // d, axes[1:]):
+            yield {axes[0]: d, **rest}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_configs(config: ml_collections.ConfigDict, num_devices: int, devices_per_node: int = 8):
+    """Valid (config, sizes) over meshes x ZeRO stage x remat policy x gradient accumulation."""
+    axes = ["data", "fsdp", "tensor", "sequence"] + (["expert"] if config.model.num_experts else [])
+    for mesh in _factorizations(num_devices, axes):
+        if mesh["tensor"] > devices_per_node:
+            continue
+        zeros = (0, 1, 2, 3) if mesh["fsdp"] > 1 else (0,)
+        dp = mesh["data"] * mesh["fsdp"] * mesh.get("expert", 1)
+        if config.train.batch_size % dp:
+            continue
+        per_rank = config.train.batch_size // dp
+        for zero, remat, accum in itertools.product(zeros, ("none", "selective", "full"), _divisors(per_rank)):
+            c = config.copy_and_resolve_references()
+            with c.unlocked():
+                for axis in config_lib.MESH_AXES:
+                    c.mesh[axis] = mesh.get(axis, 1)
+                    c.mesh[f"dcn_{axis}"] = 1
+                c.train.zero_stage, c.remat.policy, c.train.grad_accum_steps = zero, remat, accum
+                if mesh["sequence"] > 1:
+                    c.attention.impl = "ring"
+            try:
+                sizes = config_lib.validate(c, num_devices)
+                memory.state_memory(memory.Run.from_config(c, sizes))
+            except (ValueError, ShardingRuleError):
+                continue
+            yield c, sizes
+
+
+def search(config: ml_collections.ConfigDict, num_devices: int, gpu: Gpu, devices_per_node: int = 8,
+           efficiency: float = EFFICIENCY) -> list[Estimate]:
+    """Every valid candidate, fitting ones first, each group ranked by predicted MFU."""
+    out = [estimate(c, sizes, gpu, devices_per_node, efficiency)
+           for c, sizes in candidate_configs(config, num_devices, devices_per_node)]
+    out.sort(key=lambda e: (not e.fits, -e.mfu if e.fits else e.memory["total"]))
+    return out
+
+
+def no_fit_message(best: Estimate, gpu: Gpu, num_devices: int) -> str:
+    """What would have to change when nothing fits: the closest candidate and the shortfall."""
+    need = best.memory["total"]
+    state = best.memory["params"] + best.memory["grads"] + best.memory["optimizer"]
+    more = math.ceil(num_devices * state / max(gpu.usable_bytes - (need - state), 1)) \
+        if need - state < gpu.usable_bytes else None
+    mesh = ", ".join(f"{a}={n}" for a, n in best.run.sizes.items() if n > 1) or "single device"
+    tips = [f"a GPU with at least {need / 2**30:.1f} GiB usable",
+            "a smaller train.batch_size or train.seq_len (activations)"]
+    if more:
+        tips.insert(0, f"about {more} devices or more (ZeRO-3 shards the state further)")
+    return (f"no mesh of {num_devices} x {gpu.name} fits: the smallest candidate ({mesh}, ZeRO-{best.run.zero_stage}, "
+            f"remat={best.remat}, accumulation {best.run.grad_accum}) needs {need / 2**30:.1f} GiB per device, "
+            f"{gpu.usable_bytes / 2**30:.1f} GiB usable. It would take: " + "; or ".join(tips))

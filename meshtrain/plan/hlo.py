@@ -1,0 +1,218 @@
+"""Reading a compiled step's HLO: which collectives run, how often, over which mesh axes, moving what.
+
+Playbook, appendix A0 ("Parallel Programming Crash Course") and A3: a ring all-reduce of K
+bytes over n devices sends 2(n-1)/n K from each device, an all-gather (n-1)/n of its result,
+a reduce-scatter (n-1)/n of its input, an all-to-all (n-1)/n of its buffer, a point-to-point
+permute its whole buffer. `compiled.as_text()` lists every collective once per computation:
+a collective inside a `while` body runs `known_trip_count` times, so each computation is
+weighted by the product of the trip counts of the loops around it.
+
+Replica groups come in three spellings: explicit (`{{0,1},{2,3}}`), iota
+(`[4,2]<=[2,2,2]T(2,1,0)`) and mesh (`mesh['axis_0'=2,'axis_1'=4], device_ids=([2,4]T(1,0))
+{'axis_1'}`). Each is turned into groups of partition ids, the partition ids into mesh
+coordinates, and the coordinates that vary inside a group name the collective's mesh axes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+
+import numpy as np
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
+                "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
+_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+(" + "|".join(KINDS) + r")(-start)?\(")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*)?\{\s*$")
+_CALLEE = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+                   r"(?:\s*\{([^}]*)\})?")
+_EXPLICIT = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction: kind, result bytes, groups of partition ids, runs per step."""
+
+    kind: str
+    result_bytes: int
+    groups: tuple[tuple[int, ...], ...]
+    count: int
+    pairs: tuple[tuple[int, int], ...] = ()
+
+
+def _nbytes(shapes: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(shapes):
+        total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def _iota(dims: list[int], reshape: list[int], perm: list[int] | None) -> np.ndarray:
+    ids = np.arange(math.prod(reshape)).reshape(reshape)
+    if perm:
+        ids = ids.transpose(perm)
+    return ids.reshape(dims)
+
+
+def _groups(line: str, num_partitions: int) -> tuple[tuple[int, ...], ...]:
+    if m := _MESH.search(line):
+        axes = [(name.strip().strip("'"), int(size)) for name, size in
+                (part.split("=") for part in m.group(1).split(",") if part.strip())]
+        shape = [size for _, size in axes]
+        if m.group(2):
+            perm = [int(p) for p in m.group(3).split(",")] if m.group(3) else None
+            ids = _iota(shape, [int(d) for d in m.group(2).split(",")], perm)
+        else:
+            ids = np.arange(math.prod(shape)).reshape(shape)
+        chosen = {a.strip().strip("'") for a in (m.group(4) or "").split(",") if a.strip()}
+        if not m.group(4):  # no axis list: one group of all devices
+            chosen = {name for name, _ in axes}
+        keep = [i for i, (name, _) in enumerate(axes) if name in chosen]
+        rest = [i for i in range(len(axes)) if i not in keep]
+        moved = ids.transpose(rest + keep).reshape(-1, math.prod(shape[i] for i in keep) if keep else 1)
+        return tuple(tuple(int(x) for x in row) for row in moved)
+    if m := _IOTA.search(line):
+        perm = [int(p) for p in m.group(3).split(",")] if m.group(3) else None
+        ids = _iota([int(d) for d in m.group(1).split(",")], [int(d) for d in m.group(2).split(",")], perm)
+        return tuple(tuple(int(x) for x in row) for row in ids.reshape(ids.shape[0], -1))
+    if (m := _EXPLICIT.search(line)) and m.group(1):
+        return tuple(tuple(int(x) for x in g.split(",") if x) for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
+    return (tuple(range(num_partitions)),)  # empty replica_groups: everyone
+
+
+def _computations(hlo: str):
+    """name -> list of instruction lines, and the entry computation's name."""
+    comps: dict[str, list[str]] = {}
+    entry, name = None, None
+    for line in hlo.splitlines():
+        if name is None:
+            m = _HEADER.match(line)
+            if m and "=" not in line.split("(")[0]:
+                name = m.group(2)
+                comps[name] = []
+                if m.group(1):
+                    entry = name
+            continue
+        if line.startswith("}"):
+            name = None
+            continue
+        comps[name].append(line)
+    return comps, entry
+
+
+def _multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
+    """How many times each computation runs per call of the entry (while bodies x trip count)."""
+    mult: dict[str, int] = collections.defaultdict(int)
+    mult[entry] = 1
+    order, seen = [entry], {entry}
+    edges: dict[str, list[tuple[str, int]]] = {}
+    for name, lines in comps.items():
+        out = []
+        for line in lines:
+            callees = _CALLEE.findall(line)
+            if b := _BRANCHES.search(line):
+                callees += [c.strip().lstrip("%") for c in b.group(1).split(",")]
+            trip = 1
+            if " while(" in line and (t := _TRIP.search(line)):
+                trip = int(t.group(1))
+            out += [(c, trip) for c in callees if c in comps]
+        edges[name] = out
+    # computations form a DAG; visit callers before callees (Kahn order from the entry).
+    indegree: dict[str, int] = collections.defaultdict(int)
+    stack = [entry]
+    while stack:
+        node = stack.pop()
+        for callee, _ in edges.get(node, []):
+            indegree[callee] += 1
+            if callee not in seen:
+                seen.add(callee)
+                stack.append(callee)
+    ready, order = [entry], []
+    while ready:
+        node = ready.pop()
+        order.append(node)
+        for callee, trip in edges.get(node, []):
+            mult[callee] += mult[node] * trip
+            indegree[callee] -= 1
+            if indegree[callee] == 0:
+                ready.append(callee)
+    return mult
+
+
+def collectives(hlo: str, num_partitions: int) -> list[Collective]:
+    """Every collective in the compiled module with the number of times it runs per step."""
+    comps, entry = _computations(hlo)
+    mult = _multiplicities(comps, entry)
+    found = []
+    for name, lines in comps.items():
+        if not mult.get(name):
+            continue
+        for line in lines:
+            m = _OP.match(line)
+            if not m:
+                continue
+            kind, shapes = m.group(2), m.group(1)
+            if m.group(3) and shapes.startswith("("):  # async start: ((operands), result[, ctx]); keep the result
+                shapes = _async_result(shapes, kind)
+            pairs = ()
+            if kind == "collective-permute" and (p := _PAIRS.search(line)):
+                pairs = tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", p.group(1)))
+            found.append(Collective(kind, _nbytes(shapes), _groups(line, num_partitions), mult[name], pairs))
+    return found
+
+
+def _async_result(shapes: str, kind: str) -> str:
+    """The result part of an async-start tuple `((in...), out, ...)`: the second top-level element."""
+    depth, parts, start = 0, [], 1
+    for i, ch in enumerate(shapes):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if (ch == "," and depth == 1) or (depth == 0 and ch == ")"):
+            parts.append(shapes[start:i])
+            start = i + 1
+    return parts[1] if len(parts) > 1 else shapes
+
+
+def group_axes(group: tuple[int, ...], mesh_shape: dict[str, int]) -> dict[str, int]:
+    """The mesh axes along which the partitions of `group` differ (mesh order) -> how many values each takes."""
+    names = list(mesh_shape)
+    coords = np.array(np.unravel_index(np.array(group), tuple(mesh_shape.values()))).T  # [n, axes]
+    extents = {names[i]: len(set(coords[:, i])) for i in range(len(names))}
+    return {a: n for a, n in extents.items() if n > 1}
+
+
+def bytes_by_axis(found: list[Collective], mesh_shape: dict[str, int]) -> dict[str, float]:
+    """Bytes each device sends per step, attributed to mesh axes (see `attribute`)."""
+    from meshtrain.plan.comm import attribute
+
+    total: dict[str, float] = collections.defaultdict(float)
+    n_dev = math.prod(mesh_shape.values())
+    for c in found:
+        if c.kind == "collective-permute":
+            moving = [(s, t) for s, t in c.pairs if s != t]
+            if not moving:
+                continue
+            axes = sorted({a for s, t in moving for a in group_axes((s, t), mesh_shape)},
+                          key=list(mesh_shape).index)
+            share = c.result_bytes * len(moving) / n_dev * c.count
+            for axis in axes:  # a permute along several axes at once is rare; split it evenly
+                total[axis] += share / len(axes)
+            continue
+        group = c.groups[0]
+        if len(group) <= 1:
+            continue
+        full = c.result_bytes * len(group) if c.kind == "reduce-scatter" else c.result_bytes
+        for axis, nbytes in attribute(c.kind, full, group_axes(group, mesh_shape)).items():
+            total[axis] += nbytes * c.count
+    return dict(total)

@@ -1,0 +1,97 @@
+"""`--verify`: compile the configured step ahead of time and set the compiler's figures beside the model's.
+
+Nothing is allocated: the state is `factory.abstract` (ShapeDtypeStructs with shardings) and the
+batch is [B, T] ShapeDtypeStructs, so the real llama3_8b shapes compile on a laptop's fake CPU
+devices. `memory_analysis()` gives per-device argument / temporary bytes; the HLO gives the
+collectives (see `hlo.py`). The comparison uses the CPU backend's conventions (`comm.CPU`):
+all-reduce + dynamic-slice for reduce-scatter, float32 collectives, per-matmul input gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from jax.sharding import NamedSharding
+
+from meshtrain import mesh as mesh_lib, train_step
+from meshtrain.plan import comm, hlo, memory
+from meshtrain.plan.estimate import memory_breakdown
+
+BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
+
+
+@dataclasses.dataclass
+class Verification:
+    sizes: dict[str, int]
+    compile_seconds: float
+    compiler: dict[str, float]  # argument, state, temp, peak bytes per device
+    model: dict[str, float]
+    compiler_comm: dict[str, float]
+    model_comm: dict[str, float]
+
+    def as_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def table(self) -> str:
+        rows = [("per device", "model", "compiler", "model/compiler")]
+        for key in ("state", "temp", "peak"):
+            rows.append((f"{key} bytes", _h(self.model[key]), _h(self.compiler[key]),
+                         _ratio(self.model[key], self.compiler[key])))
+        for axis in sorted(set(self.model_comm) | set(self.compiler_comm)):
+            m, c = self.model_comm.get(axis, 0.0), self.compiler_comm.get(axis, 0.0)
+            rows.append((f"{axis} bytes sent/step", _h(m), _h(c), _ratio(m, c)))
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        return "\n".join(lines + [f"AOT compile: {self.compile_seconds:.1f} s on {math.prod(self.sizes.values())} "
+                                  "fake CPU devices"])
+
+
+def _h(n: float) -> str:
+    return f"{n / 2**30:.3f} GiB" if n >= 2**28 else f"{n / 2**20:.3f} MiB"
+
+
+def _ratio(m: float, c: float) -> str:
+    return f"{m / c:.3f}" if c else ("-" if not m else "inf")
+
+
+def batch_structs(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> dict:
+    sharding = NamedSharding(mesh, train_step.batch_spec())
+    shape = (config.train.batch_size, config.train.seq_len)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32, sharding=sharding)
+            for k in BATCH_KEYS}
+
+
+def compile_step(config: ml_collections.ConfigDict, devices: list | None = None):
+    """(compiled, mesh, seconds): the jitted step lowered from abstract inputs and compiled."""
+    mesh = mesh_lib.make_mesh(config, devices)
+    factory, step_fn, _ = train_step.build(config, mesh)
+    start = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = step_fn.lower(factory.abstract, batch_structs(config, mesh)).compile()
+    return compiled, mesh, time.perf_counter() - start
+
+
+def verify(config: ml_collections.ConfigDict, sizes: dict[str, int], devices: list | None = None) -> Verification:
+    """Compiles the configured step and compares memory and per-axis bytes with the model."""
+    compiled, mesh, seconds = compile_step(config, devices)
+    stats = compiled.memory_analysis()
+    batch_bytes = sum(math.prod(s.sharding.shard_shape(s.shape)) * 4 for s in batch_structs(config, mesh).values())
+    comp = {"argument": stats.argument_size_in_bytes, "state": stats.argument_size_in_bytes - batch_bytes,
+            "temp": stats.temp_size_in_bytes,
+            "peak": stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+            + stats.temp_size_in_bytes}
+    run = memory.Run.from_config(config, sizes)
+    mem = memory_breakdown(run, config.remat.policy)
+    state = mem["params"] + mem["optimizer"]
+    temp = mem["grads"] + mem["activations"] + mem["temporaries"]
+    model = {"state": state, "temp": temp, "peak": state + batch_bytes + temp}
+    found = hlo.collectives(compiled.as_text(), math.prod(sizes.values()))
+    mesh_shape = {a: mesh.shape[a] for a in mesh.axis_names}
+    compiler_comm = hlo.bytes_by_axis(found, mesh_shape)
+    model_comm = comm.bytes_by_axis(comm.step_collectives(run, config.remat.policy, comm.CPU))
+    return Verification(dict(sizes), seconds, comp, model, compiler_comm, model_comm)
