@@ -1,0 +1,264 @@
+"""Hugging Face import / export against `transformers` itself: logits, round trips, bad input.
+
+Random tiny Llama (GQA; untied and tied head) and Mixtral models are written with
+`save_pretrained` into temporary folders; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from jax.sharding import PartitionSpec as P
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from meshtrain import config as config_lib, hf, mesh as mesh_lib, model as model_lib
+from tests.utils import tiny_config
+
+VOCAB, SEQ = 96, 12
+LLAMA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, initializer_range=0.2, rms_norm_eps=1e-5, rope_theta=50000.0)
+MESHES = [None, {"fsdp": 4, "tensor": 2}]
+
+
+def _save(path, model_cls, config_cls, seed: int, dtype=torch.float32, **kwargs) -> str:
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs)).to(dtype).eval()
+    model.save_pretrained(path, max_shard_size="40KB")  # several shards + index
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("hf")
+    llama, mixtral = (transformers.LlamaForCausalLM, transformers.LlamaConfig), (
+        transformers.MixtralForCausalLM, transformers.MixtralConfig)
+    return {
+        "llama": _save(root / "llama", *llama, seed=0, **LLAMA),
+        "llama_tied": _save(root / "llama_tied", *llama, seed=1, tie_word_embeddings=True, **LLAMA),
+        "llama_bf16": _save(root / "llama_bf16", *llama, seed=2, dtype=torch.bfloat16, **LLAMA),
+        "mixtral": _save(root / "mixtral", *mixtral, seed=3, num_local_experts=4, num_experts_per_tok=2, **LLAMA),
+    }
+
+
+def _tokens(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, size=(4, SEQ))
+
+
+def _reference_logits(hf_dir: str, tokens: np.ndarray) -> np.ndarray:
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+def _mesh(sizes):
+    if sizes is None:
+        return None
+    config = tiny_config(sizes)
+    return mesh_lib.make_mesh(config, jax.devices()[:8])
+
+
+def _tensors(hf_dir: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for name in sorted(os.listdir(hf_dir)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(hf_dir, name), "pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=["1dev", "fsdp4_tensor2"])
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "mixtral"])
+def test_logits_equal_transformers(checkpoints, name, mesh):
+    tokens = _tokens()
+    expected = _reference_logits(checkpoints[name], tokens)
+    cfg, params = hf.load(checkpoints[name], _mesh(mesh))
+    assert cfg.n_kv_heads == 2 and cfg.n_heads == 4 and cfg.tie_embeddings == (name == "llama_tied")
+    assert cfg.num_experts == (4 if name == "mixtral" else 0)
+    got = np.asarray(model_lib.logits(cfg, params, tokens))
+    assert got.dtype == np.float32 and got.shape == (4, SEQ, VOCAB)
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+    assert np.abs(expected).max() > 1.0  # the comparison is not between near-zero logits
+
+
+def test_loads_straight_into_mesh_shardings(checkpoints):
+    mesh = _mesh({"fsdp": 4, "tensor": 2})
+    _, params = hf.load(checkpoints["llama"], mesh)
+    wq = params["layers"]["attn"]["wq"]  # [L, D_fsdp, H_tensor, Dh]
+    assert wq.sharding.spec == P(None, "fsdp", "tensor") and wq.sharding.mesh == mesh
+    assert params["head"].sharding.spec == P("fsdp", "tensor")
+    shard = wq.addressable_shards[0]
+    assert shard.data.shape == (2, 32 // 4, 4 // 2, 8)
+    # The shard holds exactly its block of the Hugging Face q_proj (rows = heads x Dh, cols = D).
+    q_proj = _tensors(checkpoints["llama"])["model.layers.1.self_attn.q_proj.weight"].numpy()
+    full = q_proj.T.reshape(32, 4, 8)
+    np.testing.assert_array_equal(np.asarray(shard.data)[1], full[shard.index[1:]])
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "llama_bf16", "mixtral"])
+def test_round_trip_is_bitwise_and_loads_in_transformers(checkpoints, name, tmp_path):
+    cfg, params = hf.load(checkpoints[name], _mesh({"fsdp": 4, "tensor": 2}))
+    out = str(tmp_path / "export")
+    hf.save(cfg, params, out, max_shard_bytes=20_000)
+    assert os.path.exists(os.path.join(out, hf.INDEX_FILE))
+    original, exported = _tensors(checkpoints[name]), _tensors(out)
+    assert sorted(original) == sorted(exported)
+    for key, tensor in original.items():
+        assert exported[key].dtype == tensor.dtype, key
+        assert torch.equal(exported[key].view(torch.uint8), tensor.view(torch.uint8)), key
+    tokens = _tokens(1)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(model).__name__ == hf.ARCHITECTURES["mixtral" if name == "mixtral" else "llama"]
+    with torch.no_grad():
+        got = model(torch.tensor(tokens)).logits.float().numpy()
+    np.testing.assert_array_equal(got, _reference_logits_dtype(checkpoints[name], tokens))
+
+
+def _reference_logits_dtype(hf_dir: str, tokens: np.ndarray) -> np.ndarray:
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.float().numpy()
+
+
+def test_single_file_export_and_bfloat16_cast(checkpoints, tmp_path):
+    cfg, params = hf.load(checkpoints["llama"])
+    out = str(tmp_path / "bf16")
+    hf.save(cfg, params, out, dtype="bfloat16")
+    assert sorted(os.listdir(out)) == ["config.json", hf.SINGLE_FILE]
+    tensors = _tensors(out)
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    cfg16, params16 = hf.load(out)
+    assert cfg16.param_dtype == "bfloat16"
+    np.testing.assert_array_equal(np.asarray(params16["embedding"]).astype(np.float32),
+                                  np.asarray(params["embedding"].astype("bfloat16")).astype(np.float32))
+
+
+def test_cli_import_and_export(checkpoints, tmp_path, capsys):
+    assert hf.main(["import", checkpoints["llama"]]) == 0
+    assert "['layers']['attn']['wq']" in capsys.readouterr().out
+    out = str(tmp_path / "cli")
+    assert hf.main(["export", checkpoints["llama"], out]) == 0
+    assert hf.main(["export", checkpoints["llama"], out]) == 2  # exists, no --overwrite
+    assert "exists" in capsys.readouterr().out
+    assert hf.main(["export", checkpoints["llama"], out, "--overwrite"]) == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: one clear error naming the key or the tensor.
+# ------------------------------------------------------------------------------------------------
+
+
+def _copy(src: str, dst, edit_config=None, edit_tensors=None) -> str:
+    os.makedirs(dst)
+    with open(os.path.join(src, "config.json")) as fh:
+        config = json.load(fh)
+    if edit_config:
+        edit_config(config)
+    with open(os.path.join(dst, "config.json"), "w") as fh:
+        json.dump(config, fh)
+    tensors = {k: v.contiguous() for k, v in _tensors(src).items()}
+    if edit_tensors:
+        edit_tensors(tensors)
+    save_file(tensors, os.path.join(dst, hf.SINGLE_FILE), metadata={"format": "pt"})
+    return str(dst)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("model_type", r"model_type='gpt2'"),
+    ("rope_scaling", r"rope_type='llama3'"),
+    ("bias", r"attention_bias=True"),
+    ("missing", r"tensor 'model.layers.1.mlp.up_proj.weight' is missing"),
+    ("shape", r"tensor 'model.layers.0.self_attn.k_proj.weight' has shape \(16, 32\); the config says \(32, 32\)"),
+    ("dtype", r"tensor 'model.norm.weight': dtype F64 is not supported"),
+    ("extra", r"model.layers.0.self_attn.q_proj.bias"),
+])
+def test_bad_checkpoints_name_the_key_or_tensor(checkpoints, tmp_path, case, match):
+    src = checkpoints["llama"]
+    edits = {
+        "model_type": dict(edit_config=lambda c: c.update(model_type="gpt2")),
+        "rope_scaling": dict(edit_config=lambda c: c.update(rope_parameters={"rope_type": "llama3", "factor": 8.0})),
+        "bias": dict(edit_config=lambda c: c.update(attention_bias=True)),
+        "missing": dict(edit_tensors=lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
+        "shape": dict(edit_config=lambda c: c.update(num_key_value_heads=4)),
+        "dtype": dict(edit_tensors=lambda t: t.update({"model.norm.weight": t["model.norm.weight"].double()})),
+        "extra": dict(edit_tensors=lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(32)})),
+    }[case]
+    bad = _copy(src, tmp_path / case, **edits)
+    with pytest.raises(hf.HFFormatError, match=match):
+        hf.load(bad)
+
+
+def test_no_safetensors_and_no_config(tmp_path):
+    with pytest.raises(hf.HFFormatError, match="no config.json"):
+        hf.load(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **LLAMA}))
+    with pytest.raises(hf.HFFormatError, match="neither model.safetensors.index.json nor model.safetensors"):
+        hf.load(str(tmp_path))
+
+
+def test_failed_export_leaves_nothing_that_looks_complete(checkpoints, tmp_path, monkeypatch):
+    cfg, params = hf.load(checkpoints["llama"])
+    calls = []
+
+    def fail_on_second_file(path, tensors, blocks):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real(path, tensors, blocks)
+
+    real = hf._write_safetensors
+    monkeypatch.setattr(hf, "_write_safetensors", fail_on_second_file)
+    out = tmp_path / "export"
+    with pytest.raises(OSError, match="disk full"):
+        hf.save(cfg, params, str(out), max_shard_bytes=20_000)
+    assert not out.exists()
+    assert os.listdir(tmp_path) == []  # the temporary folder is gone too
+    with pytest.raises(ValueError, match="dtype='float64'"):
+        hf.save(cfg, params, str(out), dtype="float64")
+
+
+# ------------------------------------------------------------------------------------------------
+# Training from Hugging Face weights (config.init.from_hf).
+# ------------------------------------------------------------------------------------------------
+
+
+def test_train_state_from_hf_gives_transformers_loss(checkpoints):
+    from meshtrain import train_step as train_step_lib
+
+    config = tiny_config({"fsdp": 4, "tensor": 2}, **{"init.from_hf": checkpoints["llama"],
+                                                      "train.batch_size": 4, "train.seq_len": SEQ})
+    changed = hf.apply_model_config(config)
+    assert changed["d_model"] == (64, 32) and config.model.vocab_size == VOCAB
+    config_lib.validate(config, 8)
+    mesh = mesh_lib.make_mesh(config, jax.devices()[:8])
+    factory, step_fn, _ = train_step_lib.build(config, mesh)
+    state = hf.initial_state(factory, checkpoints["llama"])
+    _, reference = hf.load(checkpoints["llama"])
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), state.params, reference)
+    tokens = np.random.default_rng(2).integers(0, VOCAB, size=(4, SEQ + 1))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "positions": np.broadcast_to(np.arange(SEQ, dtype=np.int32), (4, SEQ)).copy(),
+             "segment_ids": np.ones((4, SEQ), np.int32), "loss_mask": np.ones((4, SEQ), np.float32)}
+    batch = {k: np.asarray(v, np.float32 if k == "loss_mask" else np.int32) for k, v in batch.items()}
+    with jax.set_mesh(mesh):
+        _, metrics = step_fn(state, batch)
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints["llama"]).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor(tokens[:, :-1])).logits
+        expected = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
+                                                     torch.tensor(tokens[:, 1:]).reshape(-1)).item()
+    np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_from_hf_must_be_a_checkpoint_folder(tmp_path):
+    config = tiny_config(**{"init.from_hf": str(tmp_path)})
+    with pytest.raises(config_lib.ConfigError, match=r"config.init.from_hf=.*config.json"):
+        config_lib.validate(config, 1)
+    with pytest.raises(config_lib.ConfigError, match=r"config.init.from_hf"):
+        hf.apply_model_config(config)

@@ -1,0 +1,151 @@
+"""The planner's closed forms, parameter table, HLO reader and command line (no compilation)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jax
+import pytest
+from flax import linen as nn
+
+from meshtrain import config as config_lib, mesh as mesh_lib, model as model_lib, train_step
+from meshtrain.config import ModelConfig
+from meshtrain.plan import comm, estimate, hardware, hlo, memory
+from tests.utils import ROOT, load_config_file, tiny_config
+
+GB = 10**9
+
+
+@pytest.mark.parametrize("billions, plain, accum", [(1, 16, 20), (7, 112, 140), (70, 1120, 1400), (405, 6480, 8100)])
+def test_playbook_model_size_table(billions, plain, accum):
+    n = billions * 10**9
+    assert n * memory.playbook_bytes_per_param(False) / GB == plain
+    assert n * memory.playbook_bytes_per_param(True) / GB == accum
+
+
+@pytest.mark.parametrize("stage, gb", [(0, 112.0), (1, 29.31), (2, 15.53), (3, 1.75)])
+def test_playbook_zero_figures(stage, gb):
+    assert round(memory.playbook_zero_bytes(7e9, stage, 64) / GB, 2) == gb
+
+
+def test_playbook_gpt2_parameter_formula_and_gib_correction():
+    assert memory.playbook_gpt_params(768, 50257, 12) == 123_653_376
+    assert memory.playbook_gpt_params(768, 50257, 12, positions=1024) == 124_439_808  # GPT-2 small
+    assert round(140e9 / 2**30, 2) == 130.39  # the playbook prints "(=133GiB)"
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_param_table_matches_initialised_model(tie):
+    config = tiny_config({"fsdp": 2, "tensor": 2}, **{"model.tie_embeddings": tie})
+    cfg = ModelConfig.from_config(config)
+    mesh = mesh_lib.make_mesh(config, jax.devices()[:4])
+    model = model_lib.Transformer(cfg, train_step.Rules.for_mesh(mesh))
+    batch = model_lib.dummy_batch(2, 8)
+    with jax.set_mesh(mesh):
+        boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), batch["inputs"], batch["positions"],
+                                                  batch["segment_ids"]))["params"]
+    leaves = jax.tree_util.tree_flatten_with_path(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))[0]
+    actual = sorted(("/".join(k.key for k in path), tuple(box.value.shape), tuple(box.names)) for path, box in leaves)
+    table = [(leaf.path, leaf.shape, leaf.names) for leaf in memory.param_table(cfg)]
+    assert table == actual
+    assert memory.num_params(cfg) == cfg.num_params() == sum(jax.numpy.size(b.value) for _, b in leaves)
+
+
+def test_llama3_8b_parameter_count():
+    cfg = ModelConfig.from_config(load_config_file("llama3_8b"))
+    assert memory.num_params(cfg) == cfg.num_params() == 8_030_261_248
+
+
+def test_state_memory_follows_zero_placement():
+    config = tiny_config({"fsdp": 8})
+    n = memory.num_params(ModelConfig.from_config(config))
+    for stage, (p, g, o) in {0: (1, 1, 1), 1: (1, 1, 8), 2: (1, 8, 8), 3: (8, 8, 8)}.items():
+        with config.unlocked():
+            config.train.zero_stage = stage
+        state = memory.state_memory(memory.Run.from_config(config, config_lib.validate(config, 8)))
+        assert state == {"params": 4 * n // p, "grads": 4 * n // g, "optimizer": 8 * n // o + 12}
+
+
+def test_attribute_adds_up_to_the_flat_ring():
+    axes = {"data": 2, "fsdp": 4, "tensor": 2}
+    for kind, factor in (("all-reduce", 2.0), ("all-gather", 1.0), ("all-to-all", 1.0)):
+        split = comm.attribute(kind, 1600.0, axes)
+        assert sum(split.values()) == pytest.approx(factor * 15 / 16 * 1600.0, rel=1e-12)
+        assert split["tensor"] == pytest.approx(factor * 0.5 * 1600.0)  # innermost axis carries the whole buffer
+
+
+HLO = """HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ar = f32[8]{0} all-reduce(f32[8]{0} %x), channel_id=1, replica_groups=[4,2]<=[2,2,2]T(2,1,0), to_apply=%add
+  ROOT %t = (s32[], f32[8]) tuple(%i, %ar)
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[8]) -> f32[16] {
+  %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %ag = f32[16]{0} all-gather(f32[8]{0} %a), channel_id=2, replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_1'}, dimensions={0}
+  ROOT %cp = f32[16]{0} collective-permute(%ag), source_target_pairs={{0,1},{1,0},{2,3},{3,2},{4,5},{5,4},{6,7},{7,6}}
+}
+"""
+
+
+def test_hlo_reader_groups_trip_counts_and_axes():
+    found = hlo.collectives(HLO, 8)
+    by_kind = {c.kind: c for c in found}
+    assert by_kind["all-reduce"].count == 3 and by_kind["all-reduce"].result_bytes == 32
+    assert by_kind["all-reduce"].groups[0] == (0, 4)  # iota [4,2]<=[2,2,2]T(2,1,0)
+    assert by_kind["all-gather"].groups[0] == (0, 4)  # ids [[0,4],[1,5],...]: pairs along axis_1
+    mesh = {"data": 2, "fsdp": 2, "tensor": 2}
+    assert hlo.group_axes((0, 4), mesh) == {"data": 2}
+    sent = hlo.bytes_by_axis(found, mesh)
+    assert sent == {"data": pytest.approx(3 * 2 * 0.5 * 32 + 0.5 * 64), "tensor": pytest.approx(64.0)}
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshtrain.plan", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_search_llama3_8b_returns_only_fitting_meshes():
+    out = _plan("--config", "configs/llama3_8b.py", "--devices", "8", "--gpu", "h100", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["num_params"] == 8_030_261_248 and result["candidates"]
+    usable = hardware.GPUS["h100"].usable_bytes
+    for cand in result["candidates"]:
+        mem = cand["memory_per_device_bytes"]
+        assert cand["fits"] and mem["total"] <= usable
+        assert mem["total"] == sum(v for k, v in mem.items() if k != "total")
+    mfus = [c["predicted_mfu"] for c in result["candidates"]]
+    assert mfus == sorted(mfus, reverse=True)
+    for key in ("mesh", "comm_bytes_per_step", "predicted_step_time_s", "predicted_mfu"):
+        assert key in result
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--gpu", "h900", "--devices", "8"), "unknown GPU"),
+    (("--devices", "8", "--config.mesh.fsdp=4", "--config.mesh.data=1"), "multiply to 4 but there are 8 devices"),
+])
+def test_bad_input_is_one_clear_message(args, message):
+    out = _plan("--config", "configs/tiny.py", *args)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_nothing_fits_says_what_would_have_to_change():
+    out = _plan("--config", "configs/llama3_70b.py", "--devices", "2", "--gpu", "a100")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "no mesh of 2 x A100" in out.stderr and "It would take" in out.stderr and "devices" in out.stderr
+
+
+def test_in_node_axes_and_time_model():
+    sizes = {"data": 4, "stage": 1, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 8}
+    assert estimate.in_node_axes(sizes, 8) == {"tensor", "sequence", "expert", "stage"}
+    config = load_config_file("llama3_8b")
+    est = estimate.estimate(config, config_lib.validate(config, 64), hardware.get_gpu("h100"))
+    assert est.step_seconds >= est.compute_seconds > 0 and 0 < est.mfu <= estimate.EFFICIENCY

@@ -1,0 +1,39 @@
+"""The main job end to end: `python -m meshtrain.train --config configs/tiny.py`."""
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.utils import ROOT
+
+REQUIRED = {"step", "loss", "grad_norm", "learning_rate", "tokens_per_sec", "step_time_s", "mfu"}
+
+
+def _run(args, tmp_path, timeout=300):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, "-m", "meshtrain.train", "--config", str(ROOT / "configs/tiny.py"),
+                           f"--config.workdir={tmp_path}", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=tmp_path)
+
+
+def test_tiny_trains_end_to_end_on_default_corpus(tmp_path):
+    result = _run(["--config.steps=12", "--config.log_every=4", "--config.eval_every=12",
+                   "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 4, 8, 12]
+    assert all(REQUIRED <= set(r) for r in records)
+    assert records[0]["mfu"] is None  # CPU: peak FLOP/s unknown
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert "eval_loss" in records[-1]
+
+
+def test_explain_prints_table_and_exits(tmp_path):
+    result = _run(["--config.explain=True", "--config.mesh.fsdp=8", "--config.mesh.data=1",
+                   "--config.train.zero_stage=3"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "('layers', 'embed', 'heads', 'head_dim')" in result.stdout
+    assert "P(None, 'fsdp', None, None)" in result.stdout or "P(None, 'fsdp')" in result.stdout
+    assert not (tmp_path / "metrics.jsonl").exists()

@@ -1,0 +1,42 @@
+"""ZeRO (playbook, "ZeRO"): per-device state bytes fall as the stage says, read from the compiler."""
+
+import jax
+import numpy as np
+import pytest
+
+from meshtrain import mesh as mesh_lib, train_step as train_step_lib
+from tests.utils import tiny_config
+
+
+def _bytes(tree) -> int:
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _compiled(config):
+    mesh = mesh_lib.make_mesh(config)
+    factory, step_fn, _ = train_step_lib.build(config, mesh)
+    b, t = config.train.batch_size, config.train.seq_len
+    batch = {k: jax.ShapeDtypeStruct((b, t), np.float32 if k == "loss_mask" else np.int32)
+             for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
+    with jax.set_mesh(mesh):
+        compiled = step_fn.lower(factory.abstract, batch).compile()
+    return factory, compiled.memory_analysis(), _bytes(batch) // mesh.size
+
+
+@pytest.fixture(scope="module")
+def unsharded():
+    factory, _, _ = _compiled(tiny_config({"data": 8}, **{"train.zero_stage": 0}))
+    state = factory.abstract
+    return _bytes(state), _bytes(state.params), _bytes(state.opt_state)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_state_bytes_per_device(unsharded, stage):
+    total, params, opt = unsharded
+    factory, memory, batch_bytes = _compiled(tiny_config({"fsdp": 8}, **{"train.zero_stage": stage}))
+    state_bytes = memory.argument_size_in_bytes - batch_bytes
+    expected = {0: total, 1: params + opt / 8, 3: total / 8}[stage]
+    assert abs(state_bytes - expected) <= 0.05 * expected, (stage, state_bytes, expected)
+    if stage == 1:  # only the optimizer state is sharded
+        specs = jax.tree.leaves(factory.specs.params, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+        assert all("fsdp" not in str(s) for s in specs)
