@@ -1,0 +1,322 @@
+"""Mixture of experts: router, capacity and dropless dispatch, expert parallelism over `expert`.
+
+Playbook, "Expert parallelism": every expert's feed-forward is independent, so the experts
+are split over the `expert` mesh axis and each token's hidden state travels to the device
+that owns its expert and back. Outside the MoE layers `expert` is one more batch axis
+(the playbook's "EP combined with DP"), so the exchange is an all-to-all inside the group
+of devices that share a data shard's experts.
+
+The layer runs in one `jax.shard_map` that is manual over the batch axes (data, fsdp,
+expert; each device routes its own rows) and automatic over the others (`tensor` splits
+each expert's hidden width F Megatron-style, `sequence` the length). Per device:
+
+1. Router (float32): softmax over E experts, top-k, the k weights renormalised to sum to 1.
+2. Dispatch, one of
+   * capacity (GShard / Switch): every batch row is a group; expert e takes at most
+     C = min(T, ceil(capacity_factor * T * k / E)) of its tokens, first choices before
+     second choices, the rest are dropped (their MoE output is zero; the residual carries
+     them). Buffers [b, E, C, D] go to the experts with one `all_to_all` and come back
+     with another: 2 in the forward, 2 (their transposes) in the backward.
+   * dropless: assignments sorted by expert, each expert's tokens computed with one grouped
+     matmul (`jax.lax.ragged_dot`). Across `expert` the sorted tokens travel in a buffer per
+     destination sized for the worst case (XLA:CPU has no `ragged_all_to_all`), with the
+     per-expert counts all-gathered beside them.
+3. Combine: each token sums its k expert outputs times the router weights.
+
+Losses (each averaged over the MoE layers and weighted by the config):
+* load balancing (Switch Transformer, eq. 4): E * sum_e f_e * P_e, where f_e is the fraction
+  of the N*k token-to-expert assignments sent to e and P_e the mean router probability of e
+  over the N tokens; 1.0 when perfectly balanced.
+* router z-loss (ST-MoE): mean over tokens of logsumexp(router logits)^2.
+Both are taken over the whole global batch (sums psum-ed over the batch axes), so they do
+not depend on the mesh.
+
+Shapes: B batch rows (b per device), T length, D d_model, E experts (E_l = E / ep per
+device), k experts per token, C capacity, F expert hidden width, N = b * T tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import linen as nn
+from jax.sharding import PartitionSpec as P
+
+from meshtrain import config as config_lib
+from meshtrain.config import ConfigError, ModelConfig
+from meshtrain.sharding_rules import Rules, constrain
+
+STATS = ("balance", "z", "dropped")  # per-layer router statistics returned by `MoeMlp`
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation, registered with config.validate.
+# ---------------------------------------------------------------------------------------------
+
+
+def validate_moe(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
+    """The MoE rules: experts split evenly over `expert`, k <= E, whole groups of layers."""
+    m = config.model
+    if m.num_experts == 0:
+        return
+    if m.num_experts % sizes["expert"]:
+        raise ConfigError("model.num_experts", m.num_experts,
+                          f"the experts must be divisible by mesh.expert={sizes['expert']}")
+    if not 1 <= m.experts_per_token <= m.num_experts:
+        raise ConfigError("model.experts_per_token", m.experts_per_token,
+                          f"must be between 1 and model.num_experts={m.num_experts}")
+    if m.moe_every < 1 or m.n_layers % m.moe_every:
+        raise ConfigError("model.moe_every", m.moe_every,
+                          f"must be >= 1 and divide model.n_layers={m.n_layers}")
+    if not m.capacity_factor > 0:
+        raise ConfigError("model.capacity_factor", m.capacity_factor, "must be > 0")
+    width = expert_mlp_dim(ModelConfig.from_config(config))
+    if width % sizes["tensor"]:
+        raise ConfigError("model.moe_mlp_dim", m.moe_mlp_dim,
+                          f"the expert MLP width {width} must be divisible by mesh.tensor={sizes['tensor']}")
+    if sizes["stage"] > 1:
+        raise ConfigError("mesh.stage", sizes["stage"],
+                          "pipeline parallelism does not carry the MoE router losses yet; use mesh.stage=1")
+
+
+config_lib.EXTRA_VALIDATORS.append(validate_moe)
+
+
+def expert_mlp_dim(cfg: ModelConfig) -> int:
+    """F: each expert's hidden width (`moe_mlp_dim`, or `mlp_dim` when 0)."""
+    return cfg.moe_mlp_dim or cfg.mlp_dim
+
+
+def capacity(cfg: ModelConfig, seq_len: int) -> int:
+    """C: slots per expert per batch row, min(T, ceil(capacity_factor * T * k / E))."""
+    c = math.ceil(cfg.capacity_factor * seq_len * cfg.experts_per_token / cfg.num_experts)
+    return max(1, min(seq_len, c))
+
+
+# ---------------------------------------------------------------------------------------------
+# Router and its losses.
+# ---------------------------------------------------------------------------------------------
+
+
+def route(x: jax.Array, w_router: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """x [..., D] -> (logits [..., E], probs [..., E], weights [..., k], experts [..., k]), float32.
+
+    The weights are the top-k probabilities renormalised to sum to 1 (Mixtral).
+    """
+    logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), w_router.astype(jnp.float32))
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_p, experts = jax.lax.top_k(probs, k)
+    return logits, probs, top_p / jnp.sum(top_p, axis=-1, keepdims=True), experts
+
+
+def router_sums(logits: jax.Array, probs: jax.Array, experts: jax.Array) -> dict[str, jax.Array]:
+    """Additive statistics of a set of tokens (psum-able across devices)."""
+    e = probs.shape[-1]
+    return {"tokens": jnp.asarray(math.prod(probs.shape[:-1]), jnp.float32),
+            "assigned": jnp.sum(jax.nn.one_hot(experts, e, dtype=jnp.float32), axis=tuple(range(experts.ndim))),
+            "probs": jnp.sum(probs.reshape(-1, e), axis=0),
+            "z": jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)))}
+
+
+def load_balancing_loss(sums: dict[str, jax.Array]) -> jax.Array:
+    """Switch Transformer: E * sum_e f_e * P_e (f_e: share of assignments, P_e: mean probability)."""
+    e = sums["probs"].shape[0]
+    f = sums["assigned"] / jnp.sum(sums["assigned"])
+    p = sums["probs"] / sums["tokens"]
+    return e * jnp.sum(f * p)
+
+
+def z_loss(sums: dict[str, jax.Array]) -> jax.Array:
+    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2."""
+    return sums["z"] / sums["tokens"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert computation, dispatch and combine (per device, inside the shard_map).
+# ---------------------------------------------------------------------------------------------
+
+
+def _swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """Each expert's SwiGLU on its own slots: x [n, E_l, C, D] -> [n, E_l, C, D]."""
+    gate = jnp.einsum("necd,edf->necf", x, w_gate)
+    up = jnp.einsum("necd,edf->necf", x, w_up)
+    return jnp.einsum("necf,efd->necd", nn.silu(gate) * up, w_down)
+
+
+def _swiglu_grouped(x: jax.Array, group_sizes: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+    """Grouped SwiGLU: rows of x [M, D] sorted by expert, group_sizes [E_l]; rows past the groups give 0."""
+    gate = jax.lax.ragged_dot(x, w_gate, group_sizes)
+    up = jax.lax.ragged_dot(x, w_up, group_sizes)
+    return jax.lax.ragged_dot(nn.silu(gate) * up, w_down, group_sizes)
+
+
+def capacity_slots(experts: jax.Array, num_experts: int, cap: int) -> jax.Array:
+    """experts [b, T, k] -> slot [b, T, k] in [0, E*C]: e*C + position in e's queue, E*C if dropped.
+
+    Queues fill first choices (of all T tokens) before second choices (GShard).
+    """
+    b, t, k = experts.shape
+    order = jnp.swapaxes(experts, 1, 2).reshape(b, k * t)  # choice-major
+    onehot = jax.nn.one_hot(order, num_experts, dtype=jnp.int32)  # [b, kT, E]
+    position = jnp.sum((jnp.cumsum(onehot, axis=1) - 1) * onehot, axis=-1)  # [b, kT]
+    slot = jnp.where(position < cap, order * cap + position, num_experts * cap)
+    return jnp.swapaxes(slot.reshape(b, k, t), 1, 2)
+
+
+def _capacity_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, cap, axis, ep):
+    """Capacity dispatch -> all_to_all -> experts -> all_to_all -> combine. x [b, T, D]."""
+    b, t, d = x.shape
+    k = experts.shape[-1]
+    slots = num_experts * cap
+    slot = capacity_slots(experts, num_experts, cap)  # [b, T, k]
+
+    def scatter_row(xr, sr):  # [T, D], [T, k] -> [E*C, D]; dropped tokens land in the extra row
+        return jnp.zeros((slots + 1, d), x.dtype).at[sr.reshape(-1)].add(jnp.repeat(xr, k, axis=0))[:slots]
+
+    buf = jax.vmap(scatter_row)(x, slot).reshape(b, num_experts, cap, d)  # [b, E, C, D]
+    if ep > 1:  # expert e's slots to device e // E_l: [b, E, C, D] -> [ep*b, E_l, C, D]
+        buf = jax.lax.all_to_all(buf, axis, split_axis=1, concat_axis=0, tiled=True)
+    out = _swiglu_experts(buf, w_gate, w_up, w_down)
+    if ep > 1:  # back to the tokens' devices: [ep*b, E_l, C, D] -> [b, E, C, D]
+        out = jax.lax.all_to_all(out, axis, split_axis=0, concat_axis=1, tiled=True)
+    out = jnp.concatenate([out.reshape(b, slots, d), jnp.zeros((b, 1, d), out.dtype)], axis=1)
+    gathered = jax.vmap(lambda yr, sr: yr[sr])(out, slot)  # [b, T, k, D]
+    y = jnp.einsum("btkd,btk->btd", gathered, weights.astype(x.dtype))
+    return y, jnp.sum((slot == slots).astype(jnp.float32))
+
+
+def _dropless_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, axis, ep):
+    """Sort by expert -> (exchange) -> grouped matmuls -> (exchange) -> unsort, combine. x [b, T, D]."""
+    b, t, d = x.shape
+    k = experts.shape[-1]
+    n, a = b * t, b * t * k
+    flat = experts.reshape(a)  # assignment i: token i // k
+    order = jnp.argsort(flat, stable=True)
+    tokens = x.reshape(n, d)[order // k]  # [A, D] sorted by expert
+    counts = jnp.sum(jax.nn.one_hot(flat, num_experts, dtype=jnp.int32), axis=0)  # [E]
+    if ep == 1:
+        out = _swiglu_grouped(tokens, counts, w_gate, w_up, w_down)
+    else:
+        e_l = num_experts // ep
+        s = n * min(k, e_l)  # most assignments one device can send to another
+        dest = flat[order] // e_l
+        dest_counts = jnp.sum(counts.reshape(ep, e_l), axis=1)
+        send_slot = dest * s + jnp.arange(a) - (jnp.cumsum(dest_counts) - dest_counts)[dest]
+        send = jnp.zeros((ep * s, d), x.dtype).at[send_slot].set(tokens).reshape(ep, s, d)
+        recv = jax.lax.all_to_all(send, axis, split_axis=0, concat_axis=0, tiled=True)  # [ep(src), S, D]
+        all_counts = jax.lax.all_gather(counts, axis)  # [ep(src), E]
+        mine = jax.lax.dynamic_slice_in_dim(all_counts, jax.lax.axis_index(axis) * e_l, e_l, axis=1)
+        bounds = jnp.cumsum(mine, axis=1)  # [ep, E_l]
+        key = jnp.sum(jnp.arange(s)[None, :, None] >= bounds[:, None, :], axis=-1).reshape(ep * s)
+        regroup = jnp.argsort(key, stable=True)  # local expert 0..E_l-1, padding (E_l) last
+        grouped = _swiglu_grouped(recv.reshape(ep * s, d)[regroup], jnp.sum(mine, axis=0), w_gate, w_up, w_down)
+        back = grouped[_inverse(regroup)].reshape(ep, s, d)
+        ret = jax.lax.all_to_all(back, axis, split_axis=0, concat_axis=0, tiled=True)  # [ep(dest), S, D]
+        out = ret.reshape(ep * s, d)[send_slot]
+    per_choice = out[_inverse(order)].reshape(b, t, k, d)
+    return jnp.einsum("btkd,btk->btd", per_choice, weights.astype(x.dtype)), jnp.zeros((), jnp.float32)
+
+
+def _inverse(perm: jax.Array) -> jax.Array:
+    return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
+
+
+def moe_ffn(x: jax.Array, w_router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
+            cfg: ModelConfig, axis: str | None = None, ep: int = 1,
+            batch_axes: tuple[str, ...] = ()) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The MoE feed-forward of one device's rows x [b, T, D] -> ([b, T, D], stats).
+
+    Runs inside a shard_map manual over `batch_axes` (the router statistics are psum-ed
+    over them), with this device's experts w_* [E_l, ...] and the exchange over `axis`
+    (ep devices); with no axes it is the whole single-device layer.
+    """
+    dtype = jnp.dtype(cfg.dtype)
+    logits, probs, weights, experts = route(x, w_router, cfg.experts_per_token)
+    w = tuple(wi.astype(dtype) for wi in (w_gate, w_up, w_down))
+    x = x.astype(dtype)
+    if cfg.moe_dropless:
+        y, dropped = _dropless_ffn(x, weights, experts, *w, num_experts=cfg.num_experts, axis=axis, ep=ep)
+    else:
+        y, dropped = _capacity_ffn(x, weights, experts, *w, num_experts=cfg.num_experts,
+                                   cap=capacity(cfg, x.shape[1]), axis=axis, ep=ep)
+    sums = {**router_sums(logits, probs, experts), "dropped": dropped}
+    if batch_axes:
+        sums = jax.lax.psum(sums, batch_axes)
+    stats = {"balance": load_balancing_loss(sums), "z": z_loss(sums),
+             "dropped": sums["dropped"] / jnp.sum(sums["assigned"])}
+    return y, stats
+
+
+def moe_reference(x: jax.Array, w_router, w_gate, w_up, w_down, k: int) -> jax.Array:
+    """Per-token dense reference: y_n = sum_j weight_nj * SwiGLU_{e_nj}(x_n), no capacity. x [..., D]."""
+    _, _, weights, experts = route(x, w_router, k)
+    g, u, dn = w_gate[experts], w_up[experts], w_down[experts]  # [..., k, D, F], [..., k, F, D]
+    hidden = nn.silu(jnp.einsum("...d,...kdf->...kf", x, g)) * jnp.einsum("...d,...kdf->...kf", x, u)
+    return jnp.einsum("...kf,...kfd,...k->...d", hidden, dn, weights.astype(x.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer.
+# ---------------------------------------------------------------------------------------------
+
+
+def expert_parallel(cfg: ModelConfig, rules: Rules):
+    """moe_ffn wrapped in the shard_map that is manual over the batch axes still automatic in `rules`."""
+    sizes = dict(rules.mesh_shape)
+    batch_axes = tuple(a for a in rules.mesh_axes("batch") if sizes.get(a, 1) > 1)
+    expert_axes = tuple(a for a in rules.mesh_axes("act_expert") if sizes.get(a, 1) > 1)
+    axis = expert_axes[0] if expert_axes else None
+    ep = sizes[axis] if axis else 1
+    fn = functools.partial(moe_ffn, cfg=cfg, axis=axis, ep=ep, batch_axes=batch_axes)
+    if not batch_axes:
+        return fn
+    w_spec = P(axis) if axis else P()
+    return jax.shard_map(fn, in_specs=(P(batch_axes), P(), w_spec, w_spec, w_spec),
+                         out_specs=(P(batch_axes), P()), axis_names=set(batch_axes), check_vma=True)
+
+
+class MoeMlp(nn.Module):
+    """Router + E SwiGLU experts (split over `expert`) + optional shared expert. x [B, T, D].
+
+    Returns (y [B, T, D], stats {balance, z, dropped}: float32 scalars of this layer).
+    """
+
+    cfg: ModelConfig
+    rules: Rules
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        e, d, f = cfg.num_experts, cfg.d_model, expert_mlp_dim(cfg)
+        router = self._param("router", (d, e), ("embed", None))
+        w_gate = self._param("w_gate", (e, d, f), ("expert", "embed", "mlp"))
+        w_up = self._param("w_up", (e, d, f), ("expert", "embed", "mlp"))
+        w_down = self._param("w_down", (e, f, d), ("expert", "mlp", "embed"))
+        y, stats = expert_parallel(cfg, self.rules)(x, router, w_gate, w_up, w_down)
+        if cfg.shared_expert:  # a dense SwiGLU every token goes through (DeepSeek-MoE)
+            s_gate = self._param("shared_gate", (d, f), ("embed", "mlp")).astype(dtype)
+            s_up = self._param("shared_up", (d, f), ("embed", "mlp")).astype(dtype)
+            s_down = self._param("shared_down", (f, d), ("mlp", "embed")).astype(dtype)
+            hidden = nn.silu(jnp.einsum("btd,df->btf", x, s_gate)) * jnp.einsum("btd,df->btf", x, s_up)
+            hidden = constrain(hidden, ("batch", "length", "act_mlp"), self.rules)
+            y = y + jnp.einsum("btf,fd->btd", hidden, s_down)
+        return y, stats
+
+    def _param(self, name: str, shape: tuple[int, ...], names: tuple[str | None, ...]) -> jax.Array:
+        init = nn.with_logical_partitioning(nn.initializers.normal(self.cfg.init_std), names)
+        return self.param(name, init, shape, jnp.dtype(self.cfg.param_dtype))
+
+
+def loss_terms(stats: dict[str, jax.Array] | None,
+               cfg: ModelConfig) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    """Stacked per-layer stats [L_moe] -> (losses added to the training loss, logged metrics)."""
+    if stats is None:
+        return {}, {}
+    mean = {name: jnp.mean(value) for name, value in stats.items()}
+    losses = {"moe_aux_loss": cfg.aux_loss_weight * mean["balance"],
+              "moe_z_loss": cfg.router_z_loss_weight * mean["z"]}
+    return losses, {"moe_load_balance": mean["balance"], "moe_dropped_fraction": mean["dropped"]}
