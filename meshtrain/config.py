@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable
 
 import ml_collections
@@ -113,6 +114,12 @@ def default_config() -> ml_collections.ConfigDict:
     c.pipeline.schedule = "gpipe"
     c.pipeline.microbatches = 4
     c.pipeline.repeats = 1
+
+    c.profile = ml_collections.ConfigDict()
+    c.profile.steps = (0, 0)  # (first, last) step traced by jax.profiler into <workdir>/profile; (0, 0): off
+
+    c.init = ml_collections.ConfigDict()
+    c.init.from_hf = ""  # a Hugging Face Llama/Mistral/Mixtral folder: its weights (and shape) start the run
     return c
 
 
@@ -219,6 +226,17 @@ def _validate_shapes(config, sizes: dict[str, int]) -> None:
              t.grad_accum_steps * dp, f"train.grad_accum_steps*mesh.(data*fsdp*expert)={t.grad_accum_steps}*{dp}")
 
 
+def _validate_profile_init(config) -> None:
+    steps = tuple(config.profile.steps)
+    _require(len(steps) == 2 and all(isinstance(s, int) for s in steps), "profile.steps", steps,
+             "must be two integers (first, last)")
+    _require(steps == (0, 0) or 1 <= steps[0] <= steps[1] <= config.steps, "profile.steps", steps,
+             f"must be (0, 0) (off) or 1 <= first <= last <= steps={config.steps}")
+    hf_dir = config.init.from_hf
+    _require(not hf_dir or os.path.isfile(os.path.join(hf_dir, "config.json")), "init.from_hf", hf_dir,
+             "must be a Hugging Face checkpoint folder with a config.json")
+
+
 # Validators of the parallelism modules, registered by those modules (ring attention, pipeline,
 # MoE, data): each takes (config, mesh sizes) and raises ConfigError.
 EXTRA_VALIDATORS: list[Callable] = []
@@ -230,6 +248,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     _validate_positive(config)
     sizes = mesh_shape(config, num_devices)
     _validate_shapes(config, sizes)
+    _validate_profile_init(config)
     for validator in EXTRA_VALIDATORS:
         validator(config, sizes)
     return sizes

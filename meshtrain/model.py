@@ -230,3 +230,28 @@ def dummy_batch(batch: int, seq_len: int) -> dict[str, jax.Array]:
     ints = jnp.zeros((batch, seq_len), jnp.int32)
     return {"inputs": ints, "targets": ints, "positions": ints, "segment_ids": ints + 1,
             "loss_mask": jnp.ones((batch, seq_len), jnp.float32)}
+
+
+def logits(model_config: ModelConfig, params: dict, tokens: jax.Array) -> jax.Array:
+    """float32 logits [B, L, V] of `tokens` [B, L], each row one document (positions 0..L-1).
+
+    Runs on the mesh the parameters live on (e.g. as loaded by `meshtrain.hf.load`), or on one
+    device when they are not sharded on a mesh.
+    """
+    mesh = _params_mesh(params)
+    model = Transformer(model_config, Rules.for_mesh(mesh))
+    tokens = jnp.asarray(tokens, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    with jax.set_mesh(mesh):
+        return jax.jit(model.apply)({"params": params}, tokens, positions, jnp.ones_like(tokens))
+
+
+def _params_mesh(params: dict) -> jax.sharding.Mesh:
+    """The mesh of the first parameter, or a one-device mesh with all six axes of size 1."""
+    from meshtrain.mesh import MESH_ORDER
+
+    sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding) and set(sharding.mesh.axis_names) == set(MESH_ORDER):
+        return sharding.mesh
+    return jax.make_mesh((1,) * len(MESH_ORDER), MESH_ORDER, devices=jax.devices()[:1],
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_ORDER))
