@@ -18,8 +18,15 @@ INSTALL_REQUIRES = [
     "numpy>=1.26",
 ]
 
+# TensorBoard events (meshtrain.tensorboard) and run report plots (meshtrain.report).
+TOOLS = ["tensorboardX==2.6.5", "matplotlib==3.11.2"]
+# Hugging Face reference models for the import/export tests. torch is pinned to the CPU build
+# that installs quickly; an unpinned torch pulls a multi-GB CUDA build.
+HF_TEST = ["torch==2.13.0", "transformers==5.23.0", "safetensors==0.8.0"]
+
 EXTRAS = {
-    "test": ["pytest==9.0.3", "pytest-xdist==3.8.0"],
+    "test": ["pytest==9.0.3", "pytest-xdist==3.8.0", *TOOLS, *HF_TEST],
+    "tools": TOOLS,
     "gpu": ["jax[cuda12]==0.10.2"],
 }
 

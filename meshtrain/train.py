@@ -22,6 +22,7 @@ from meshtrain import (
     mesh as mesh_lib,
     metrics as metrics_lib,
     sharding_rules,
+    tensorboard as tensorboard_lib,
     train_step as train_step_lib,
 )
 
@@ -37,6 +38,10 @@ def setup_runtime(config: ml_collections.ConfigDict) -> dict[str, int]:
     mesh_lib.maybe_initialize_distributed(config)
     import meshtrain.data  # noqa: F401  (registers the data validators)
 
+    if config.init.from_hf:  # the checkpoint decides the architecture
+        from meshtrain import hf
+
+        hf.apply_model_config(config)
     return config_lib.validate(config, jax.device_count())
 
 
@@ -80,9 +85,18 @@ def run(config: ml_collections.ConfigDict) -> dict:
     log.info("model: %.2fM parameters, global batch %d x %d tokens, ZeRO-%d, data-parallel %d",
              model_cfg.num_params() / 1e6, config.train.batch_size, config.train.seq_len,
              config.train.zero_stage, config_lib.data_parallel_size(sizes))
-    state = factory.create(config.seed)
+    def fresh_state():
+        if config.init.from_hf:
+            from meshtrain import hf
+
+            return hf.initial_state(factory, config.init.from_hf)
+        return factory.create(config.seed)
+
+    state = fresh_state()
     it = data.make_iterator(config, mesh, split="train")
     writer = metrics_lib.MetricsWriter(config.workdir, enabled=is_main)
+    tb = tensorboard_lib.TensorBoardWriter(config.workdir, enabled=is_main)
+    profiler = tensorboard_lib.StepProfiler(config.workdir, tuple(config.profile.steps))
     eval_step = make_eval_step(factory) if config.eval_every else None
     peak = metrics_lib.device_peak_flops()
     flops_token = metrics_lib.flops_per_token(model_cfg, config.train.seq_len)
@@ -93,7 +107,9 @@ def run(config: ml_collections.ConfigDict) -> dict:
     try:
         with jax.set_mesh(mesh):
             for step in range(1, config.steps + 1):
+                profiler.before(step)
                 state, metrics = step_fn(state, next(it))
+                profiler.after(step, metrics)
                 window_steps += 1
                 if step % config.log_every == 0 or step == config.steps or step == 1:
                     metrics = jax.device_get(metrics)  # waits for the step: timing covers the window
@@ -114,6 +130,7 @@ def run(config: ml_collections.ConfigDict) -> dict:
                         last["eval_loss"] = evaluate(config, mesh, factory, eval_step, state)
                         last["eval_perplexity"] = float(np.exp(last["eval_loss"]))
                     writer.write(last)
+                    tb.write(last)
                     progress.clear()
                     log.info(_format(last))
                     window_start, window_steps, input_start = time.perf_counter(), 0, it.input_seconds()
@@ -122,6 +139,8 @@ def run(config: ml_collections.ConfigDict) -> dict:
         progress.clear()
         it.close()
         writer.close()
+        tb.close()
+        profiler.stop()
     return last
 
 

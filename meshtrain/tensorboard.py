@@ -1,0 +1,111 @@
+"""TensorBoard scalars and `jax.profiler` traces of a run, without TensorFlow.
+
+Every number written to `metrics.jsonl` also goes to TensorBoard event files in
+`<workdir>/tb` (through `tensorboardX`), and `config.profile.steps = (first, last)`
+traces those steps into `<workdir>/profile`, readable by TensorBoard's profile plugin
+and by Perfetto (`*.trace.json.gz`). The playbook's "Profiling GPU compute and
+communication" and appendix "A1: Distributed Training Profiling" read such traces to
+check that communication overlaps computation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from collections.abc import Iterator
+
+import jax
+
+log = logging.getLogger(__name__)
+
+
+class TensorBoardWriter:
+    """Writes each record's numeric values as scalars at its `step` (process 0 only).
+
+    When `tensorboardX` is not installed it says so once and writes nothing.
+    """
+
+    def __init__(self, workdir: str, enabled: bool = True):
+        self.logdir = os.path.join(workdir, "tb")
+        self._writer = None
+        if not enabled:
+            return
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            log.warning("tensorboardX is not installed: no TensorBoard events in %s "
+                        "(pip install 'meshtrain[tools]')", self.logdir)
+            return
+        self._writer = SummaryWriter(self.logdir, flush_secs=30)
+
+    def write(self, record: dict) -> None:
+        if self._writer is None:
+            return
+        step = int(record["step"])
+        for key, value in record.items():
+            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                self._writer.add_scalar(key, float(value), step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
+    """tag -> [(step, value)] from every event file under `logdir` (TFRecord framing, protobuf Events)."""
+    from tensorboardX.proto import event_pb2
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for root, _, files in os.walk(logdir):
+        for name in sorted(files):
+            if "tfevents" not in name:
+                continue
+            for payload in _records(os.path.join(root, name)):
+                event = event_pb2.Event.FromString(payload)
+                for value in event.summary.value:
+                    out.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return out
+
+
+def _records(path: str) -> Iterator[bytes]:
+    with open(path, "rb") as fh:
+        while header := fh.read(12):  # uint64 length, uint32 masked crc of the length
+            (length,) = struct.unpack("<Q", header[:8])
+            payload = fh.read(length)
+            fh.read(4)  # masked crc of the payload
+            yield payload
+
+
+class StepProfiler:
+    """Starts a `jax.profiler` trace before step `first` and stops it after step `last` has run.
+
+    `steps=(0, 0)` turns it off. Call `before(step)` before dispatching a step and
+    `after(step, outputs)` after; `after` waits for the outputs so the trace holds the whole step.
+    """
+
+    def __init__(self, workdir: str, steps: tuple[int, int], enabled: bool = True):
+        self.first, self.last = (int(s) for s in steps)
+        self.logdir = os.path.join(workdir, "profile")
+        self.enabled = enabled and self.first > 0
+        self.active = False
+
+    def before(self, step: int) -> None:
+        if self.enabled and step == self.first:
+            os.makedirs(self.logdir, exist_ok=True)
+            jax.profiler.start_trace(self.logdir, create_perfetto_trace=True)
+            self.active = True
+            log.info("profiling steps %d-%d into %s", self.first, self.last, self.logdir)
+
+    def after(self, step: int, outputs) -> None:
+        if self.active and step == self.last:
+            jax.block_until_ready(outputs)
+            self.stop()
+
+    def stop(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
+
