@@ -1,0 +1,215 @@
+"""Checkpoints in one process: exact resume, resharding restore, non-finite steps, restore safety.
+
+Every run uses the real data pipeline (the text_files source) and `meshtrain.train.run`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshtrain import checkpoint as checkpoint_lib, data, mesh as mesh_lib, train, train_step as train_step_lib
+from tests.utils import tiny_config
+
+STEPS = 12
+STOPS = (1, 5, 11)  # the chained run stops (SIGTERM) after each and resumes
+
+
+def config_for(workdir, mesh=None, **overrides):
+    c = tiny_config(mesh or {"fsdp": 8}, **{
+        "model.n_layers": 2, "train.seq_len": 32, "train.batch_size": 8, "steps": STEPS, "log_every": 1,
+        "data.source": "text_files", "workdir": str(workdir), "checkpoint.keep": 100, **overrides})
+    return c
+
+
+def losses_of(workdir) -> dict[int, float]:
+    out = {}
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        for line in f:
+            record = json.loads(line)
+            assert record["step"] not in out, f"step {record['step']} trained twice"
+            out[record["step"]] = float(record["loss"])  # "nan" is written as a string
+    return out
+
+
+def abstract_state(config, devices=None):
+    mesh = mesh_lib.make_mesh(config, devices)
+    factory, _, _ = train_step_lib.build(config, mesh)
+    return factory.abstract
+
+
+def load(workdir, step, abstract) -> checkpoint_lib.Restored:
+    ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_root(workdir), read_only=True)
+    try:
+        return ckpt.restore(abstract, step)
+    finally:
+        ckpt.close()
+
+
+def all_steps(workdir) -> list[int]:
+    ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_root(workdir), read_only=True)
+    steps = ckpt.all_steps()
+    ckpt.close()
+    return steps
+
+
+def latest_step(workdir) -> int | None:
+    return (all_steps(workdir) or [None])[-1]
+
+
+def assert_bitwise(a, b):
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    assert tree_a == tree_b
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+class HookedIterator:
+    """Wraps the run's data iterator: `hook(global_step, batch) -> batch` before each step."""
+
+    def __init__(self, it, batch_size, hook):
+        self.it, self.batch_size, self.hook = it, batch_size, hook
+
+    def __next__(self):
+        step = self.it.state()["next_row"] // self.batch_size + 1
+        return self.hook(step, next(self.it))
+
+    def __getattr__(self, name):
+        return getattr(self.it, name)
+
+
+def hook_data(monkeypatch, hook):
+    real = data.make_iterator
+
+    def make_iterator(config, mesh, split="train", **kwargs):
+        it = real(config, mesh, split, **kwargs)
+        return HookedIterator(it, config.train.batch_size, hook) if split == "train" else it
+    monkeypatch.setattr(data, "make_iterator", make_iterator)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """12 uninterrupted steps on fsdp=8, a checkpoint after every step (all kept)."""
+    workdir = tmp_path_factory.mktemp("reference")
+    train.run(config_for(workdir, **{"checkpoint.every": 1}))
+    return workdir
+
+
+def test_exact_resume_after_stops_at_1_5_11(reference, tmp_path, monkeypatch):
+    hook_data(monkeypatch, lambda step, batch: (os.kill(os.getpid(), signal.SIGTERM) if step in STOPS else None)
+              or batch)
+    config = config_for(tmp_path, **{"checkpoint.every": 4})
+    for k in (*STOPS, STEPS):
+        result = train.run(config)
+        assert result["step"] == k  # stopped right after the preempted step (or finished)
+        assert latest_step(tmp_path) == k
+    want, got = losses_of(reference), losses_of(tmp_path)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert got == want  # bitwise: JSON keeps every float32 loss exactly
+    abstract = abstract_state(config)
+    for k in (*STOPS, STEPS):
+        restored, expected = load(tmp_path, k, abstract), load(reference, k, abstract)
+        assert_bitwise(restored.state, expected.state)
+        assert restored.data_state == expected.data_state
+        assert restored.data_state["next_row"] == k * 8
+
+
+@pytest.mark.parametrize("mesh,devices", [({"data": 2, "fsdp": 2, "tensor": 2}, 8), ({"data": 2, "fsdp": 2}, 4)])
+def test_restore_onto_another_mesh(reference, mesh, devices):
+    """Saved on fsdp=8, restored onto the new mesh: bitwise params; the losses of the continued run
+    equal those of an uninterrupted run on the new mesh."""
+    config = config_for("/unused", mesh)
+    device_list = jax.devices()[:devices]
+    new_mesh = mesh_lib.make_mesh(config, device_list)
+    factory, step_fn, _ = train_step_lib.build(config, new_mesh)
+    restored = load(reference, 5, factory.abstract)
+    saved = load(reference, 5, abstract_state(config_for("/unused")))
+    assert_bitwise(restored.state, saved.state)
+    for leaf, target in zip(jax.tree.leaves(restored.state), jax.tree.leaves(factory.abstract), strict=True):
+        assert leaf.sharding == target.sharding  # in the new run's layout
+
+    def train_steps(state, data_state, count):
+        it, losses = data.make_iterator(config, new_mesh, state=data_state), []
+        with jax.set_mesh(new_mesh):
+            for _ in range(count):
+                state, metrics = step_fn(state, next(it))
+                losses.append(float(metrics["loss"]))
+        it.close()
+        return losses
+
+    uninterrupted = train_steps(factory.create(config.seed), None, STEPS)
+    continued = train_steps(restored.state, restored.data_state, STEPS - 5)
+    np.testing.assert_allclose(continued, uninterrupted[5:], rtol=1e-5, atol=0)
+
+
+def nan_at(step_with_nan):
+    def hook(step, batch):
+        if step == step_with_nan:
+            batch = {**batch, "loss_mask": batch["loss_mask"] * jnp.float32(jnp.nan)}
+        return batch
+    return hook
+
+
+def test_nonfinite_step_stops_the_run_before_the_update(tmp_path, monkeypatch):
+    hook_data(monkeypatch, nan_at(4))
+    config = config_for(tmp_path, **{"checkpoint.every": 2})
+    with pytest.raises(checkpoint_lib.NonFiniteError, match="at step 4") as error:
+        train.run(config)
+    assert error.value.step == 4 and np.isnan(error.value.loss)
+    assert error.value.last_good == os.path.join(checkpoint_lib.checkpoint_root(tmp_path), "2")
+    assert "checkpoints/2" in str(error.value)
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert records[-1]["step"] == 4 and records[-1]["nonfinite"] == 1.0  # flushed before stopping
+    assert all_steps(tmp_path) == [2]
+
+
+def test_nonfinite_step_is_skipped_with_state_unchanged(reference, tmp_path, monkeypatch):
+    hook_data(monkeypatch, nan_at(3))
+    config = config_for(tmp_path, **{"checkpoint.every": 1, "train.skip_nonfinite": True})
+    result = train.run(config)
+    assert result["step"] == STEPS and result["skipped_steps"] == 1
+    abstract = abstract_state(config)
+    before, after = load(tmp_path, 2, abstract), load(tmp_path, 3, abstract)
+    assert_bitwise((before.state.params, before.state.opt_state), (after.state.params, after.state.opt_state))
+    assert int(after.state.step) == 2  # optimizer steps actually taken
+    assert after.meta["skipped_steps"] == 1 and after.data_state["next_row"] == 3 * 8  # the batch is consumed
+    assert_bitwise(before.state, load(reference, 2, abstract).state)
+    losses = losses_of(tmp_path)
+    assert np.isnan(losses[3]) and all(np.isfinite(v) for s, v in losses.items() if s != 3)
+
+
+def test_restore_from_another_run_and_safety(reference, tmp_path, monkeypatch):
+    abstract = abstract_state(config_for(tmp_path))
+    # another run's workdir, its checkpoints/ root, or one step directory; no pickle is read
+    monkeypatch.setattr(pickle, "load", lambda *a, **k: pytest.fail("pickle.load during restore"))
+    monkeypatch.setattr(pickle, "loads", lambda *a, **k: pytest.fail("pickle.loads during restore"))
+    for source, step in ((reference, STEPS), (reference / "checkpoints", STEPS),
+                         (reference / "checkpoints" / "7", 7)):
+        config = config_for(tmp_path / f"new{step}", **{"checkpoint.restore_from": str(source)})
+        ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_root(config.workdir))
+        restored = checkpoint_lib.resume(config, ckpt, abstract)
+        ckpt.close()
+        assert restored.step == step
+        assert_bitwise(restored.state, load(reference, step, abstract).state)
+        assert restored.meta["config"]["model"]["d_model"] == 64  # the resolved config, as JSON
+
+    with pytest.raises(ValueError, match="restore_from.*no such directory"):
+        checkpoint_lib.resolve_restore_from(str(tmp_path / "missing"))
+    # a step directory that is a symlink to somewhere else is refused
+    root = tmp_path / "planted" / "checkpoints"
+    root.mkdir(parents=True)
+    os.symlink(reference / "checkpoints" / "3", root / "3")
+    with pytest.raises(ValueError, match="outside the checkpoint root"):
+        checkpoint_lib.Checkpointer(str(root), read_only=True).step_path(3)
+    with pytest.raises(ValueError, match="keep=0"):
+        checkpoint_lib.Checkpointer(str(tmp_path / "k"), keep=0)
+    with pytest.raises(ValueError, match="shape"):  # a checkpoint of another model
+        load(reference, 5, abstract_state(config_for(tmp_path, **{"model.d_model": 32})))
