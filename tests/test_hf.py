@@ -44,6 +44,8 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
         "llama_tied": _save(root / "llama_tied", *llama, seed=1, tie_word_embeddings=True, **LLAMA),
         "llama_bf16": _save(root / "llama_bf16", *llama, seed=2, dtype=torch.bfloat16, **LLAMA),
         "mixtral": _save(root / "mixtral", *mixtral, seed=3, num_local_experts=4, num_experts_per_tok=2, **LLAMA),
+        "mistral": _save(root / "mistral", transformers.MistralForCausalLM, transformers.MistralConfig, seed=4,
+                         sliding_window=None, **LLAMA),
     }
 
 
@@ -85,6 +87,13 @@ def test_logits_equal_transformers(checkpoints, name, mesh):
     assert got.dtype == np.float32 and got.shape == (4, SEQ, VOCAB)
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
     assert np.abs(expected).max() > 1.0  # the comparison is not between near-zero logits
+
+
+def test_mistral_logits_equal_transformers(checkpoints):
+    tokens = _tokens(3)
+    cfg, params = hf.load(checkpoints["mistral"])
+    np.testing.assert_allclose(np.asarray(model_lib.logits(cfg, params, tokens)),
+                               _reference_logits(checkpoints["mistral"], tokens), atol=1e-4, rtol=1e-4)
 
 
 def test_loads_straight_into_mesh_shardings(checkpoints):
