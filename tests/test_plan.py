@@ -50,7 +50,7 @@ def test_param_table_matches_initialised_model(tie):
     actual = sorted(("/".join(k.key for k in path), tuple(box.value.shape), tuple(box.names)) for path, box in leaves)
     table = [(leaf.path, leaf.shape, leaf.names) for leaf in memory.param_table(cfg)]
     assert table == actual
-    assert memory.num_params(cfg) == cfg.num_params() == sum(jax.numpy.size(b.value) for _, b in leaves)
+    assert memory.num_params(cfg) == cfg.num_params() == sum(b.value.size for _, b in leaves)
 
 
 def test_llama3_8b_parameter_count():
@@ -89,7 +89,8 @@ HLO = """HloModule m
 
 ENTRY %main (a: f32[8]) -> f32[16] {
   %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
-  %ag = f32[16]{0} all-gather(f32[8]{0} %a), channel_id=2, replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_1'}, dimensions={0}
+  %ag = f32[16]{0} all-gather(f32[8]{0} %a), channel_id=2, replica_groups=mesh['axis_0'=4,'axis_1'=2], \
+device_ids=([2,4]T(1,0)) {'axis_1'}, dimensions={0}
   ROOT %cp = f32[16]{0} collective-permute(%ag), source_target_pairs={{0,1},{1,0},{2,3},{3,2},{4,5},{5,4},{6,7},{7,6}}
 }
 """

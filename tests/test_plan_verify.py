@@ -20,6 +20,7 @@ MESHES = [
     ({"data": 8}, {}),
     ({"data": 2, "fsdp": 4}, {"train.zero_stage": 0}),
     ({"fsdp": 8}, {"train.zero_stage": 1}),
+    ({"fsdp": 8}, {"train.zero_stage": 1, "train.grad_accum_steps": 2}),
     ({"fsdp": 8}, {"train.zero_stage": 2, "train.grad_accum_steps": 2}),
     ({"fsdp": 8}, {"train.zero_stage": 3}),
     ({"tensor": 4}, {"train.zero_stage": 0}),
@@ -40,3 +41,14 @@ def test_model_agrees_with_compiler(mesh, overrides):
     assert axes == {a for a, size in mesh.items() if size > 1}
     for axis in axes:
         assert result.model_comm.get(axis, 0.0) == pytest.approx(result.compiler_comm.get(axis, 0.0), rel=0.10), axis
+
+
+def test_search_top_choice_for_llama3_8b_compiles():
+    from meshtrain.plan import estimate, hardware
+    from tests.utils import load_config_file
+
+    config = load_config_file("llama3_8b")
+    top = estimate.search(config, 8, hardware.get_gpu("h100"))[0]
+    assert top.fits
+    result = verify.verify(top.config, top.run.sizes, jax.devices()[:8])
+    assert result.compiler["state"] == pytest.approx(result.model["state"], rel=0.05)

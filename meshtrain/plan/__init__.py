@@ -3,8 +3,8 @@
 Playbook, "Finding the Best Training Configuration". `python -m meshtrain.plan --help`.
 """
 
-from meshtrain.plan.estimate import Estimate, estimate, search
+from meshtrain.plan.estimate import Estimate, search
 from meshtrain.plan.hardware import GPUS, Gpu, get_gpu
 from meshtrain.plan.memory import Run, num_params, param_table
 
-__all__ = ["GPUS", "Estimate", "Gpu", "Run", "estimate", "get_gpu", "num_params", "param_table", "search"]
+__all__ = ["GPUS", "Estimate", "Gpu", "Run", "get_gpu", "num_params", "param_table", "search"]

@@ -50,10 +50,15 @@ class Backend:
     reduce_scatter_as_all_reduce: bool = False
     reassociate: bool = True
     min_collective_bytes: int = 1
+    # ZeRO-2 with the manual accumulation loop: CPU's all-reduce stand-in for psum_scatter leaves the whole
+    # gradient on every device and the partitioner updates the replicated parameters from it
+    # without the ZeRO-1/2 all-gather (observed in the compiled HLO).
+    gathers_after_manual_scatter: bool = True
 
 
 GPU = Backend()
-CPU = Backend("cpu", reduce_scatter_as_all_reduce=True, reassociate=False, min_collective_bytes=4)
+CPU = Backend("cpu", reduce_scatter_as_all_reduce=True, reassociate=False, min_collective_bytes=4,
+              gathers_after_manual_scatter=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +106,8 @@ def _gradient_and_zero(run: Run, remat: str, backend: Backend) -> list[Coll]:
                 out.append(Coll("all-reduce", full / s["fsdp"], rest, per_micro, f"grad {leaf.path}"))
         elif reduce:
             out.append(Coll("all-reduce", full, reduce, per_micro, f"grad {leaf.path}"))
-        if s["fsdp"] > 1 and run.zero_stage in (1, 2) and "fsdp" in _spec_axes(leaf, place["optimizer"]):
+        manual = run.grad_accum > 1 and run.zero_stage == 2 and not backend.gathers_after_manual_scatter
+        if s["fsdp"] > 1 and run.zero_stage in (1, 2) and not manual and "fsdp" in _spec_axes(leaf, place["optimizer"]):
             out.append(Coll("all-gather", full, {"fsdp": s["fsdp"]}, 1, f"updated {leaf.path}"))
         if s["fsdp"] > 1 and run.zero_stage >= 3 and "fsdp" in _spec_axes(leaf, place["params"]):
             passes = 2 if (leaf.in_layers and remat != "none") else 1

@@ -130,7 +130,8 @@ def _divisors(n: int) -> list[int]:
 
 def candidate_configs(config: ml_collections.ConfigDict, num_devices: int, devices_per_node: int = 8):
     """Valid (config, sizes) over meshes x ZeRO stage x remat policy x gradient accumulation."""
-    axes = ["data", "fsdp", "tensor", "sequence"] + (["expert"] if config.model.num_experts else [])
+    # `sequence` (ring attention) and `stage` (pipeline) join the search once train_step wires them.
+    axes = ["data", "fsdp", "tensor"] + (["expert"] if config.model.num_experts else [])
     for mesh in _factorizations(num_devices, axes):
         if mesh["tensor"] > devices_per_node:
             continue
@@ -146,8 +147,6 @@ def candidate_configs(config: ml_collections.ConfigDict, num_devices: int, devic
                     c.mesh[axis] = mesh.get(axis, 1)
                     c.mesh[f"dcn_{axis}"] = 1
                 c.train.zero_stage, c.remat.policy, c.train.grad_accum_steps = zero, remat, accum
-                if mesh["sequence"] > 1:
-                    c.attention.impl = "ring"
             try:
                 sizes = config_lib.validate(c, num_devices)
                 memory.state_memory(memory.Run.from_config(c, sizes))
@@ -161,21 +160,21 @@ def search(config: ml_collections.ConfigDict, num_devices: int, gpu: Gpu, device
     """Every valid candidate, fitting ones first, each group ranked by predicted MFU."""
     out = [estimate(c, sizes, gpu, devices_per_node, efficiency)
            for c, sizes in candidate_configs(config, num_devices, devices_per_node)]
-    out.sort(key=lambda e: (not e.fits, -e.mfu if e.fits else e.memory["total"]))
+    out.sort(key=lambda e: (not e.fits, -round(e.mfu, 4) if e.fits else e.memory["total"],
+                            sum(e.comm_bytes.values()), e.memory["total"]))
     return out
 
 
 def no_fit_message(best: Estimate, gpu: Gpu, num_devices: int) -> str:
     """What would have to change when nothing fits: the closest candidate and the shortfall."""
     need = best.memory["total"]
-    state = best.memory["params"] + best.memory["grads"] + best.memory["optimizer"]
-    more = math.ceil(num_devices * state / max(gpu.usable_bytes - (need - state), 1)) \
-        if need - state < gpu.usable_bytes else None
+    global_state = 16 * memory.num_params(best.run.model)  # params + grads + Adam moments, float32
+    more = max(num_devices + 1, math.ceil(global_state / (0.5 * gpu.usable_bytes)))  # state <= half of HBM
     mesh = ", ".join(f"{a}={n}" for a, n in best.run.sizes.items() if n > 1) or "single device"
     tips = [f"a GPU with at least {need / 2**30:.1f} GiB usable",
             "a smaller train.batch_size or train.seq_len (activations)"]
-    if more:
-        tips.insert(0, f"about {more} devices or more (ZeRO-3 shards the state further)")
+    tips.insert(0, f"about {more} devices or more (ZeRO-3 shards the {global_state / 2**30:.0f} GiB of state "
+                   "so it takes at most half of each device)")
     return (f"no mesh of {num_devices} x {gpu.name} fits: the smallest candidate ({mesh}, ZeRO-{best.run.zero_stage}, "
             f"remat={best.remat}, accumulation {best.run.grad_accum}) needs {need / 2**30:.1f} GiB per device, "
             f"{gpu.usable_bytes / 2**30:.1f} GiB usable. It would take: " + "; or ".join(tips))

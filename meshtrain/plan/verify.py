@@ -46,7 +46,7 @@ class Verification:
             m, c = self.model_comm.get(axis, 0.0), self.compiler_comm.get(axis, 0.0)
             rows.append((f"{axis} bytes sent/step", _h(m), _h(c), _ratio(m, c)))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
         return "\n".join(lines + [f"AOT compile: {self.compile_seconds:.1f} s on {math.prod(self.sizes.values())} "
                                   "fake CPU devices"])
 

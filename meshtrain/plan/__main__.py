@@ -1,0 +1,170 @@
+"""`python -m meshtrain.plan --config configs/llama3_8b.py --devices 64 --gpu h100 [--verify] [--json] [--plot F]`.
+
+With a mesh on the command line (`--config.mesh.fsdp=64`) or `--devices` omitted, it models the
+configured run; with `--devices N` and no mesh override it searches meshes x ZeRO stage x remat x
+gradient accumulation (playbook, "Finding the Best Training Configuration").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from meshtrain import config as config_lib
+from meshtrain.plan import estimate as estimate_lib, hardware, memory
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).", lock_config=True)
+flags.DEFINE_integer("devices", 0, "Number of accelerators (0: the product of the configured mesh).")
+flags.DEFINE_string("gpu", "h100", f"Accelerator: one of {sorted(hardware.GPUS)}.")
+flags.DEFINE_integer("devices-per-node", 8, "Accelerators per node (in-node links vs network).")
+flags.DEFINE_bool("json", False, "Print one JSON object instead of tables.")
+flags.DEFINE_bool("verify", False, "AOT-compile the (chosen) step on fake CPU devices and compare.")
+flags.DEFINE_string("plot", "", "Write a PNG of the memory breakdown and the ranked candidates.")
+flags.DEFINE_integer("top", 10, "Candidates to print when searching.")
+FLAGS = flags.FLAGS
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def report(est: estimate_lib.Estimate) -> str:
+    m = est.memory
+    mesh = ", ".join(f"{a}={n}" for a, n in est.run.sizes.items() if n > 1) or "single device"
+    lines = [f"mesh {mesh}; ZeRO-{est.run.zero_stage}; remat={est.remat}; grad accumulation {est.run.grad_accum}",
+             f"parameters {memory.num_params(est.run.model):,}",
+             "memory per device (GiB): " + ", ".join(f"{k} {_gib(v)}" for k, v in m.items())
+             + f"  [usable {_gib(est.usable_bytes)}: {'fits' if est.fits else 'DOES NOT FIT'}]",
+             "bytes sent per device per step: " + (", ".join(f"{a} {_gib(b)} GiB" for a, b in est.comm_bytes.items())
+                                                   or "none"),
+             "exposed communication (s): " + (", ".join(f"{a} {s:.3f}" for a, s in est.comm_seconds.items())
+                                              or "none"),
+             f"compute {est.compute_seconds:.3f} s, bubble {est.bubble_seconds:.3f} s -> step "
+             f"{est.step_seconds:.3f} s, {est.tokens_per_second:,.0f} tokens/s, MFU {est.mfu:.1%}",
+             f"limit: {est.limit}"]
+    return "\n".join(lines)
+
+
+def candidates_table(ests: list[estimate_lib.Estimate]) -> str:
+    rows = [("#", "mesh", "ZeRO", "remat", "accum", "GiB/dev", "step s", "MFU", "fits", "limit")]
+    for i, e in enumerate(ests, 1):
+        mesh = ",".join(f"{a[:3]}{n}" for a, n in e.run.sizes.items() if n > 1) or "1"
+        rows.append((str(i), mesh, str(e.run.zero_stage), e.remat, str(e.run.grad_accum), _gib(e.memory["total"]),
+                     f"{e.step_seconds:.3f}", f"{e.mfu:.1%}", "yes" if e.fits else "no", e.limit))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def plot(path: str, chosen: estimate_lib.Estimate, ranked: list[estimate_lib.Estimate]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    parts = [k for k in chosen.memory if k != "total"]
+    ax1.bar(parts, [chosen.memory[k] / 2**30 for k in parts], color="tab:blue")
+    ax1.axhline(chosen.usable_bytes / 2**30, color="red", ls="--", label="usable HBM")
+    ax1.set_ylabel("GiB per device")
+    ax1.set_title("memory per device (chosen)")
+    ax1.legend()
+    ax1.tick_params(axis="x", rotation=30)
+    labels = [",".join(f"{a[:3]}{n}" for a, n in e.run.sizes.items() if n > 1) + f" z{e.run.zero_stage} {e.remat}"
+              for e in ranked]
+    ax2.barh(labels[::-1], [e.mfu for e in ranked][::-1], color=["tab:green" if e.fits else "tab:gray"
+                                                                  for e in ranked][::-1])
+    ax2.set_xlabel("predicted MFU")
+    ax2.set_title("ranked candidates")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def _mesh_overridden(argv: list[str]) -> bool:
+    return any(arg.startswith("--config.mesh.") for arg in argv)
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv: list[str]) -> None:
+    config = _CONFIG.value
+    if config is None:
+        _fail("--config is required (e.g. --config configs/llama3_8b.py)")
+    try:
+        gpu = hardware.get_gpu(FLAGS.gpu)
+    except ValueError as err:
+        _fail(str(err))
+    per_node = FLAGS["devices-per-node"].value
+    searching = FLAGS.devices > 0 and not _mesh_overridden(sys.argv)
+    out: dict = {}
+    try:
+        if searching:
+            ranked = estimate_lib.search(config, FLAGS.devices, gpu, per_node)
+            if not ranked:
+                _fail(f"no valid mesh of {FLAGS.devices} devices for this model and batch "
+                      "(check train.batch_size and the head / width divisibility)")
+            fitting = [e for e in ranked if e.fits]
+            if not fitting:
+                smallest = min(ranked, key=lambda e: e.memory["total"])
+                _fail(estimate_lib.no_fit_message(smallest, gpu, FLAGS.devices))
+            chosen, shown = fitting[0], fitting[:FLAGS.top]
+            out = {**chosen.as_json(), "candidates": [e.as_json() for e in shown]}
+        else:
+            sizes = config_lib.mesh_shape(config, FLAGS.devices) if FLAGS.devices else _configured_sizes(config)
+            sizes = config_lib.validate(config, math.prod(sizes.values()))
+            chosen, shown = estimate_lib.estimate(config, sizes, gpu, per_node), []
+            out = chosen.as_json()
+            if not chosen.fits:
+                out["message"] = estimate_lib.no_fit_message(chosen, gpu, math.prod(sizes.values()))
+    except ValueError as err:
+        _fail(str(err))
+    out["gpu"] = gpu.name
+    if not FLAGS.json:
+        if shown:
+            print(candidates_table(shown) + "\n\nchosen:")
+        print(report(chosen))
+        if "message" in out:
+            print(out["message"])
+    if FLAGS.verify:
+        out["verify"] = _verify(chosen, print_table=not FLAGS.json)
+    if FLAGS.plot:
+        plot(FLAGS.plot, chosen, shown or [chosen])
+    if FLAGS.json:
+        print(json.dumps(out, indent=1, default=float))
+
+
+def _configured_sizes(config) -> dict[str, int]:
+    sizes = {a: int(config.mesh[a]) for a in config_lib.MESH_AXES}
+    if -1 in sizes.values():
+        _fail("the mesh has a -1 (fill) axis: pass --devices N, or give every mesh axis")
+    return sizes
+
+
+def _verify(chosen: estimate_lib.Estimate, print_table: bool) -> dict:
+    """Compile on as many fake CPU devices as the mesh has; JAX must not have started yet."""
+    n = math.prod(chosen.run.sizes.values())
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", n)
+    from meshtrain.plan import verify
+
+    config = chosen.config.copy_and_resolve_references()
+    with config.unlocked():
+        for axis, size in chosen.run.sizes.items():
+            config.mesh[axis] = size
+    result = verify.verify(config, chosen.run.sizes, jax.devices()[:n])
+    if print_table:
+        print("\nverify (model vs compiler, CPU collective conventions):\n" + result.table())
+    return result.as_json()
+
+
+if __name__ == "__main__":
+    app.run(main)
