@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from meshtrain import config as config_lib
@@ -51,6 +52,8 @@ from meshtrain.config import ConfigError, ModelConfig
 from meshtrain.sharding_rules import Rules, constrain
 
 STATS = ("balance", "z", "dropped")  # per-layer router statistics returned by `MoeMlp`
+# Names of the exchanged token buffers, saved by the selective remat policy (never re-exchanged).
+EXCHANGE_NAMES = ("moe_dispatched", "moe_returned")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,10 +182,12 @@ def _capacity_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, cap
 
     buf = jax.vmap(scatter_row)(x, slot).reshape(b, num_experts, cap, d)  # [b, E, C, D]
     if ep > 1:  # expert e's slots to device e // E_l: [b, E, C, D] -> [ep*b, E_l, C, D]
-        buf = jax.lax.all_to_all(buf, axis, split_axis=1, concat_axis=0, tiled=True)
+        buf = checkpoint_name(jax.lax.all_to_all(buf, axis, split_axis=1, concat_axis=0, tiled=True),
+                              EXCHANGE_NAMES[0])
     out = _swiglu_experts(buf, w_gate, w_up, w_down)
     if ep > 1:  # back to the tokens' devices: [ep*b, E_l, C, D] -> [b, E, C, D]
-        out = jax.lax.all_to_all(out, axis, split_axis=0, concat_axis=1, tiled=True)
+        out = checkpoint_name(jax.lax.all_to_all(out, axis, split_axis=0, concat_axis=1, tiled=True),
+                              EXCHANGE_NAMES[1])
     out = jnp.concatenate([out.reshape(b, slots, d), jnp.zeros((b, 1, d), out.dtype)], axis=1)
     gathered = jax.vmap(lambda yr, sr: yr[sr])(out, slot)  # [b, T, k, D]
     y = jnp.einsum("btkd,btk->btd", gathered, weights.astype(x.dtype))
@@ -208,6 +213,7 @@ def _dropless_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, axi
         send_slot = dest * s + jnp.arange(a) - (jnp.cumsum(dest_counts) - dest_counts)[dest]
         send = jnp.zeros((ep * s, d), x.dtype).at[send_slot].set(tokens).reshape(ep, s, d)
         recv = jax.lax.all_to_all(send, axis, split_axis=0, concat_axis=0, tiled=True)  # [ep(src), S, D]
+        recv = checkpoint_name(recv, EXCHANGE_NAMES[0])
         all_counts = jax.lax.all_gather(counts, axis)  # [ep(src), E]
         mine = jax.lax.dynamic_slice_in_dim(all_counts, jax.lax.axis_index(axis) * e_l, e_l, axis=1)
         bounds = jnp.cumsum(mine, axis=1)  # [ep, E_l]
@@ -216,6 +222,7 @@ def _dropless_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, axi
         grouped = _swiglu_grouped(recv.reshape(ep * s, d)[regroup], jnp.sum(mine, axis=0), w_gate, w_up, w_down)
         back = grouped[_inverse(regroup)].reshape(ep, s, d)
         ret = jax.lax.all_to_all(back, axis, split_axis=0, concat_axis=0, tiled=True)  # [ep(dest), S, D]
+        ret = checkpoint_name(ret, EXCHANGE_NAMES[1])
         out = ret.reshape(ep * s, d)[send_slot]
     per_choice = out[_inverse(order)].reshape(b, t, k, d)
     return jnp.einsum("btkd,btk->btd", per_choice, weights.astype(x.dtype)), jnp.zeros((), jnp.float32)

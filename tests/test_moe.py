@@ -1,0 +1,188 @@
+"""Mixture of experts: the layer against a per-token dense reference (values and gradients),
+capacity slots and router losses on hand-made routings, validation, parameter count.
+
+The whole-model tests (equal losses across expert-parallel meshes, the compiled exchange)
+are in tests/test_moe_train.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from meshtrain import config as config_lib, mesh as mesh_lib, model as model_lib, moe
+from meshtrain.config import ConfigError, ModelConfig
+from meshtrain.sharding_rules import Rules
+from tests import utils
+
+E, K, B, T, D, F = 8, 2, 8, 16, 16, 32
+CFG = ModelConfig(vocab_size=16, d_model=D, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=8, mlp_dim=F,
+                  num_experts=E, experts_per_token=K, capacity_factor=E / K)  # C = T: nothing dropped
+
+MESHES = [{}, {"data": 2, "expert": 4}, {"expert": 2, "tensor": 2, "sequence": 2}]
+
+
+def _mesh(sizes: dict) -> jax.sharding.Mesh:
+    c = utils.tiny_config(sizes)
+    return mesh_lib.make_mesh(c, utils.devices_for(c))
+
+
+def _inputs(seed: int = 0):
+    kx, kp, kc = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (B, T, D), jnp.float32)
+    params = nn.unbox(moe.MoeMlp(CFG, _rules({})).init(kp, x)["params"])
+    # a router with large weights spreads the tokens over all experts
+    params["router"] = params["router"] * 50.0
+    return params, x, jax.random.normal(kc, (B, T, D), jnp.float32)
+
+
+def _rules(sizes: dict) -> Rules:
+    return Rules(tuple((a, sizes.get(a, 1)) for a in mesh_lib.MESH_ORDER))
+
+
+def _layer_vjp(cfg: ModelConfig, sizes: dict, params, x, cot):
+    """(y, stats, grads wrt (params, x)) of MoeMlp on the mesh `sizes`."""
+    mesh = _mesh(sizes)
+    layer = moe.MoeMlp(cfg, Rules.for_mesh(mesh))
+
+    def f(params, x):
+        y, stats = layer.apply({"params": params}, x)
+        return jnp.sum(y * cot), (y, stats)
+
+    with jax.set_mesh(mesh):
+        (_, (y, stats)), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(params, x)
+    return y, stats, grads
+
+
+def _reference_vjp(params, x, cot, keep=None):
+    """The per-token reference; `keep` [B, T, k] zeroes dropped choices."""
+    def f(params, x):
+        if keep is None:
+            y = moe.moe_reference(x, params["router"], params["w_gate"], params["w_up"], params["w_down"], K)
+        else:
+            y = _masked_reference(params, x, keep)
+        return jnp.sum(y * cot), y
+    (_, y), grads = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(params, x)
+    return y, grads
+
+
+def _masked_reference(params, x, keep):
+    _, _, weights, experts = moe.route(x, params["router"], K)
+    out = 0.0
+    for j in range(K):  # loop over the chosen experts of every token
+        e = experts[..., j]
+        hidden = (nn.silu(jnp.einsum("btd,btdf->btf", x, params["w_gate"][e]))
+                  * jnp.einsum("btd,btdf->btf", x, params["w_up"][e]))
+        out = out + (weights[..., j] * keep[..., j])[..., None] * jnp.einsum("btf,btfd->btd", hidden,
+                                                                             params["w_down"][e])
+    return out
+
+
+@pytest.mark.parametrize("dropless", [False, True], ids=["capacity", "dropless"])
+@pytest.mark.parametrize("sizes", MESHES, ids=lambda s: "x".join(f"{a}{n}" for a, n in s.items()) or "1dev")
+def test_layer_equals_per_token_reference(sizes, dropless):
+    params, x, cot = _inputs()
+    y_ref, g_ref = _reference_vjp(params, x, cot)
+    y, stats, grads = _layer_vjp(dataclasses.replace(CFG, moe_dropless=dropless), sizes, params, x, cot)
+    np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
+    for name in params:
+        np.testing.assert_allclose(grads[0][name], g_ref[0][name], atol=1e-5, rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(grads[1], g_ref[1], atol=1e-5, rtol=1e-5)
+    assert float(stats["dropped"]) == 0.0
+
+
+def test_capacity_drops_overflow_and_counts_it():
+    params, x, cot = _inputs(1)
+    cfg = dataclasses.replace(CFG, capacity_factor=1.0)  # C = T * k / E = 4 slots per expert per row
+    _, _, _, experts = moe.route(x, params["router"], K)
+    slot = moe.capacity_slots(experts, E, moe.capacity(cfg, T))
+    keep = (slot < E * moe.capacity(cfg, T)).astype(jnp.float32)
+    assert 0 < float(1 - keep.mean()) < 0.5  # this routing does overflow
+    y_ref, g_ref = _reference_vjp(params, x, cot, keep)
+    y, stats, grads = _layer_vjp(cfg, {"data": 2, "expert": 4}, params, x, cot)
+    np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(grads[1], g_ref[1], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(float(stats["dropped"]), float(1 - keep.mean()), rtol=1e-6)
+
+
+def test_capacity_slots_hand_made():
+    # one row, 3 tokens, E = 3, k = 2, C = 2: first choices fill the queues before second choices
+    experts = jnp.array([[[0, 1], [0, 2], [0, 1]]])
+    slot = moe.capacity_slots(experts, 3, 2)
+    # token 2's first choice is expert 0's third: dropped (slot E*C = 6)
+    np.testing.assert_array_equal(slot, [[[0, 2], [1, 4], [6, 3]]])
+    assert moe.capacity(dataclasses.replace(CFG, capacity_factor=1.25), 128) == math.ceil(1.25 * 128 * K / E)
+    assert moe.capacity(dataclasses.replace(CFG, capacity_factor=100.0), 128) == 128
+
+
+@pytest.mark.parametrize("k, balance", [(1, 2 * (0.75 * 0.65 + 0.25 * 0.35)), (2, 1.0)])
+def test_router_losses_equal_their_formulas(k, balance):
+    probs = np.array([[0.9, 0.1], [0.8, 0.2], [0.3, 0.7], [0.6, 0.4]])
+    offsets = np.array([1.0, 2.0, 0.0, -1.0])  # logsumexp(log p + c) = c
+    logits = jnp.asarray(np.log(probs) + offsets[:, None], jnp.float32)
+    _, p, weights, experts = moe.route(logits, jnp.eye(2), k)  # logits = x @ I
+    np.testing.assert_allclose(p, probs, rtol=1e-6)
+    np.testing.assert_allclose(jnp.sum(weights, -1), 1.0, rtol=1e-6)
+    sums = moe.router_sums(logits, p, experts)
+    # top-1 sends tokens 0, 1, 3 to expert 0 and token 2 to expert 1: f = (3/4, 1/4), P = (0.65, 0.35)
+    np.testing.assert_allclose(moe.load_balancing_loss(sums), balance, rtol=1e-6)
+    np.testing.assert_allclose(moe.z_loss(sums), (1 + 4 + 0 + 1) / 4, rtol=1e-6)
+
+
+def test_layer_statistics_are_global_on_a_mesh():
+    params, x, cot = _inputs(2)
+    logits, p, _, experts = moe.route(x, params["router"], K)
+    sums = moe.router_sums(logits, p, experts)
+    _, stats, _ = _layer_vjp(CFG, {"data": 2, "expert": 4}, params, x, cot)
+    np.testing.assert_allclose(stats["balance"], moe.load_balancing_loss(sums), rtol=1e-5)
+    np.testing.assert_allclose(stats["z"], moe.z_loss(sums), rtol=1e-5)
+
+
+def _moe_config(**overrides):
+    c = utils.load_config_file("tiny_moe")
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        c[section][name] = value
+    return c
+
+
+@pytest.mark.parametrize("key, value, mesh, match", [
+    ("model.num_experts", 6, {"expert": 4, "data": 2}, "divisible by mesh.expert=4"),
+    ("model.experts_per_token", 9, {}, "between 1 and model.num_experts=8"),
+    ("model.moe_every", 3, {}, "divide model.n_layers=4"),
+    ("model.capacity_factor", 0.0, {}, "must be > 0"),
+    ("model.moe_mlp_dim", 12, {"tensor": 8, "expert": 1}, "divisible by mesh.tensor=8"),
+])
+def test_validation_names_key_value_and_rule(key, value, mesh, match):
+    c = _moe_config(**{key: value})
+    for axis, size in mesh.items():
+        c.mesh[axis] = size
+    with pytest.raises(ConfigError, match=match) as err:
+        config_lib.validate(c, 8)
+    assert f"config.{key}={value!r}" in str(err.value)
+
+
+@pytest.mark.parametrize("expert", [1, 2, 4, 8])
+def test_tiny_moe_valid_on_every_expert_size(expert):
+    c = _moe_config()
+    c.mesh.expert, c.mesh.data = expert, -1
+    assert config_lib.validate(c, 8)["expert"] == expert
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_num_params_is_exact(shared):
+    c = _moe_config(**{"model.shared_expert": shared})
+    cfg = ModelConfig.from_config(c)
+    model = model_lib.Transformer(cfg, _rules({}))
+    batch = model_lib.dummy_batch(1, 8)
+    with jax.set_mesh(_mesh({})):
+        shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), batch["inputs"], batch["positions"],
+                                                   batch["segment_ids"]))["params"]
+    count = sum(math.prod(x.shape) for x in jax.tree.leaves(nn.unbox(shapes)))
+    assert cfg.num_params() == count
