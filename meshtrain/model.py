@@ -22,11 +22,13 @@ F mlp width, V vocabulary, L layers.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from meshtrain import moe as moe_lib
 from meshtrain.config import ModelConfig
 from meshtrain.sharding_rules import Rules, constrain
 
@@ -34,7 +36,10 @@ from meshtrain.sharding_rules import Rules, constrain
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 REMAT_POLICIES = {
-    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # the MoE token exchanges are kept too: recomputing them would repeat two all-to-alls per layer
+    "selective": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*moe_lib.EXCHANGE_NAMES)),
     "full": jax.checkpoint_policies.nothing_saveable,
     "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
@@ -144,7 +149,32 @@ def residual_names(cfg: ModelConfig) -> tuple[str, str, str]:
 
 
 class Block(nn.Module):
-    """Pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.)). One scan step."""
+    """Pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.)). One scan step of a dense model.
+
+    With `moe`, the MLP is the mixture of experts and the second output its router statistics.
+    """
+
+    cfg: ModelConfig
+    rules: Rules
+    attention_fn: AttentionFn
+    moe: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array):
+        names = residual_names(self.cfg)
+        attn = Attention(self.cfg, self.rules, self.attention_fn, name="attn")
+        h = x + constrain(attn(RMSNorm(self.cfg, name="attn_norm")(x), positions, segment_ids), names, self.rules)
+        normed = RMSNorm(self.cfg, name="mlp_norm")(h)
+        if self.moe:
+            y, stats = moe_lib.MoeMlp(self.cfg, self.rules, name="moe")(normed)
+        else:
+            y, stats = Mlp(self.cfg, self.rules, name="mlp")(normed), None
+        out = h + constrain(y, names, self.rules)
+        return constrain(out, names, self.rules), stats
+
+
+class MoeGroup(nn.Module):
+    """`moe_every` layers, the last with the mixture of experts: one scan step of an MoE model."""
 
     cfg: ModelConfig
     rules: Rules
@@ -152,19 +182,24 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array):
-        names = residual_names(self.cfg)
-        attn = Attention(self.cfg, self.rules, self.attention_fn, name="attn")
-        h = x + constrain(attn(RMSNorm(self.cfg, name="attn_norm")(x), positions, segment_ids), names, self.rules)
-        out = h + constrain(Mlp(self.cfg, self.rules, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(h)),
-                            names, self.rules)
-        return constrain(out, names, self.rules), None
+        for i in range(self.cfg.moe_every - 1):
+            x, _ = Block(self.cfg, self.rules, self.attention_fn, name=f"dense_{i}")(x, positions, segment_ids)
+        return Block(self.cfg, self.rules, self.attention_fn, moe=True, name="moe_layer")(x, positions, segment_ids)
+
+
+def scan_unit(cfg: ModelConfig) -> tuple[type[nn.Module], int]:
+    """The scanned layer class (Block, or MoeGroup for an MoE model) and how many times it repeats."""
+    if cfg.num_experts:
+        return MoeGroup, cfg.n_layers // cfg.moe_every
+    return Block, cfg.n_layers
 
 
 def remat_block(cfg: ModelConfig) -> type[nn.Module]:
-    """The layer class, wrapped by the configured recomputation policy."""
+    """The scanned layer class, wrapped by the configured recomputation policy."""
+    unit, _ = scan_unit(cfg)
     if cfg.remat_policy == "none":
-        return Block
-    return nn.remat(Block, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
+        return unit
+    return nn.remat(unit, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
 
 
 class Transformer(nn.Module):
@@ -173,13 +208,14 @@ class Transformer(nn.Module):
     cfg: ModelConfig
     rules: Rules
     attention_fn: AttentionFn = xla_attention
+    pipeline: Any = None  # a pipeline.Pipeline when mesh.stage > 1: the layer stack runs through it
 
     def setup(self):
         cfg = self.cfg
         self.embedding = _param(self, "embedding", (cfg.vocab_size, cfg.d_model), ("embed_vocab", "embed"))
         self.layers = nn.scan(
             remat_block(cfg), variable_axes={"params": 0}, split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast), length=cfg.n_layers,
+            in_axes=(nn.broadcast, nn.broadcast), length=scan_unit(cfg)[1],
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(cfg, self.rules, self.attention_fn, name="layers")
         self.final_norm = RMSNorm(cfg, name="final_norm")
@@ -188,11 +224,27 @@ class Transformer(nn.Module):
 
     def hidden(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
         """Final-norm hidden states [B,T,D] in the compute dtype."""
-        dtype = jnp.dtype(self.cfg.dtype)
-        x = jnp.take(self.embedding.astype(dtype), tokens, axis=0)  # [B,T,D]
-        x = constrain(x, residual_names(self.cfg), self.rules)
-        x, _ = self.layers(x, positions, segment_ids)
-        return self.final_norm(x)
+        return self.hidden_and_stats(tokens, positions, segment_ids)[0]
+
+    def hidden_and_stats(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array):
+        """Final-norm hidden states [B,T,D] and the MoE layers' router statistics ([L/moe_every]; None if dense)."""
+        x = self.embed(tokens)
+        if self.pipeline is not None and not self.is_initializing():  # pipeline.py, over `stage`
+            return self.final_norm(self.pipeline.forward(self, x, positions, segment_ids)), None
+        x, stats = self.layers(x, positions, segment_ids)
+        return self.final_norm(x), stats
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """Token embeddings [B,T,D] in the compute dtype."""
+        # Gather the table whole first (ZeRO-3 stores it split over fsdp): a row gather from a split
+        # table with the batch split over the same axis would be rematerialised involuntarily.
+        table = constrain(self.embedding.astype(jnp.dtype(self.cfg.dtype)), ("embed_vocab", "act_embed"), self.rules)
+        x = jnp.take(table, tokens, axis=0)  # [B,T,D]
+        return constrain(x, residual_names(self.cfg), self.rules)
+
+    def head_loss(self, x: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
+        """Summed cross-entropy of the layer stack's output x [B,T,D] (final norm, head, loss): 1F1B's last stage."""
+        return cross_entropy_sum(self._logits(self.final_norm(x)), batch["targets"], batch["loss_mask"])
 
     def head_weight(self) -> jax.Array:
         """[D, V] output projection (the embedding's transpose when tied)."""
@@ -200,22 +252,29 @@ class Transformer(nn.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
         """float32 logits [B,T,V]."""
-        x = self.hidden(tokens, positions, segment_ids)
+        return self._logits(self.hidden(tokens, positions, segment_ids))
+
+    def _logits(self, x: jax.Array) -> jax.Array:
         w_out = self.head_weight().astype(x.dtype)
         logits = jnp.einsum("btd,dv->btv", x, w_out, preferred_element_type=jnp.float32)
         return constrain(logits, ("batch", "length", "act_vocab"), self.rules)
 
     def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Sum over tokens of loss_mask * cross-entropy (float32), and auxiliary scalars."""
+        """Sum over tokens of loss_mask * cross-entropy (float32), and auxiliary losses (added to it).
+
+        Logged-only scalars (MoE dropped-token fraction, ...) are sown into the "metrics" collection.
+        """
+        x, stats = self.hidden_and_stats(batch["inputs"], batch["positions"], batch["segment_ids"])
+        aux, metrics = moe_lib.loss_terms(stats, self.cfg)
+        for name, value in metrics.items():
+            self.sow("metrics", name, value, reduce_fn=lambda _, new: new, init_fn=lambda: jnp.zeros(()))
         if self.cfg.fused_loss:
             from meshtrain.pallas_kernels import fused_cross_entropy
-            x = self.hidden(batch["inputs"], batch["positions"], batch["segment_ids"])
             d = x.shape[-1]
             loss_sum = fused_cross_entropy(x.reshape(-1, d), self.head_weight().astype(x.dtype),
                                            batch["targets"].reshape(-1), batch["loss_mask"].reshape(-1))
-            return loss_sum, {}
-        logits = self(batch["inputs"], batch["positions"], batch["segment_ids"])
-        return cross_entropy_sum(logits, batch["targets"], batch["loss_mask"]), {}
+            return loss_sum, aux
+        return cross_entropy_sum(self._logits(x), batch["targets"], batch["loss_mask"]), aux
 
 
 def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
