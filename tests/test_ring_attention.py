@@ -26,13 +26,13 @@ def make_mesh(sequence: int, data: int = 1, tensor: int = 1) -> jax.sharding.Mes
 
 def make_inputs(t: int, h: int, kh: int, seed: int = 0, docs: np.ndarray | None = None):
     """q [B,T,H,D], k/v [B,T,K,D], ct (output cotangent) and packed-document segment ids."""
-    kq, kk, kv, kc = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(kq, (B, t, h, D), jnp.float32)
-    k = jax.random.normal(kk, (B, t, kh, D), jnp.float32)
-    v = jax.random.normal(kv, (B, t, kh, D), jnp.float32)
-    ct = jax.random.normal(kc, (B, t, h, D), jnp.float32)
+    rng = np.random.RandomState(seed)
+    q, k, v, ct = (
+        jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        for shape in ((B, t, h, D), (B, t, kh, D), (B, t, kh, D), (B, t, h, D))
+    )
     if docs is None:  # row 0: documents of random lengths; row 1: one document
-        cuts = np.sort(np.random.RandomState(seed).choice(np.arange(1, t), 3, replace=False))
+        cuts = np.sort(rng.choice(np.arange(1, t), 3, replace=False))
         docs = np.stack([np.searchsorted(cuts, np.arange(t), side="right"), np.zeros(t, int)])
     return q, k, v, ct, jnp.asarray(docs, jnp.int32)
 
