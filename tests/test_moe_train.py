@@ -1,0 +1,130 @@
+"""The tiny MoE model with expert parallelism: equal losses on every expert-parallel mesh, and the
+compiled step's token exchange (all-to-all over `expert`, expert weights never all-reduced over it).
+
+Each mesh's step is compiled once (module cache) and serves both the loss and the HLO tests.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from meshtrain import config as config_lib, mesh as mesh_lib, model as model_lib, moe, train_step
+from meshtrain.config import ModelConfig
+from meshtrain.plan import hlo
+from tests import utils
+
+MESHES = [{"expert": 2}, {"expert": 4}, {"expert": 8}, {"data": 2, "expert": 2, "tensor": 2}]
+STEPS = 3
+
+
+def _config(sizes: dict):
+    c = utils.load_config_file("tiny_moe")
+    c.model.dtype = "float32"
+    c.data.source = "synthetic"
+    for axis in utils.AXES:
+        c.mesh[axis] = sizes.get(axis, 1)
+    c.train.seq_len = 32
+    c.train.warmup_steps = 1
+    return c
+
+
+@functools.cache
+def _run(key: tuple) -> tuple[np.ndarray, list[dict], str]:
+    """(losses, metrics per step, compiled HLO text) of STEPS steps on the mesh `dict(key)`."""
+    config = _config(dict(key))
+    devices = utils.devices_for(config)
+    config_lib.validate(config, len(devices))
+    mesh = mesh_lib.make_mesh(config, devices)
+    factory, step_fn, _ = train_step.build(config, mesh)
+    batches = utils.synthetic_batches(config, STEPS)
+    with jax.set_mesh(mesh):
+        compiled = step_fn.lower(factory.abstract, batches[0]).compile()
+        state = factory.create(config.seed)
+        metrics = []
+        for batch in batches:
+            state, m = compiled(state, batch)
+            metrics.append(jax.tree.map(float, jax.device_get(m)))
+    return np.array([m["loss"] for m in metrics]), metrics, compiled.as_text()
+
+
+def _key(sizes: dict) -> tuple:
+    return tuple(sorted(sizes.items()))
+
+
+def test_single_device_run_logs_router_losses_and_drops():
+    losses, metrics, _ = _run(())
+    cfg = ModelConfig.from_config(_config({}))
+    assert losses[-1] < losses[0]
+    for m in metrics:
+        np.testing.assert_allclose(m["moe_aux_loss"], cfg.aux_loss_weight * m["moe_load_balance"], rtol=1e-6)
+        assert m["moe_load_balance"] >= 1.0 - 1e-6  # E * sum f_e P_e is at least 1
+        assert m["moe_z_loss"] > 0.0
+        assert 0.0 < m["moe_dropped_fraction"] < 0.5  # capacity factor 1.25 drops a few tokens
+
+
+@pytest.mark.parametrize("sizes", MESHES, ids=lambda s: "x".join(f"{a}{n}" for a, n in s.items()))
+def test_losses_equal_single_device(sizes):
+    ref_losses, ref_metrics, _ = _run(())
+    losses, metrics, _ = _run(_key(sizes))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    for name in ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction"):
+        np.testing.assert_allclose([m[name] for m in metrics], [m[name] for m in ref_metrics],
+                                   rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def _collectives(text: str, sizes: dict):
+    mesh = {axis: sizes.get(axis, 1) for axis in mesh_lib.MESH_ORDER}
+    n = int(np.prod(list(mesh.values())))
+    return [(c, hlo.group_axes(c.groups[0], mesh) if c.groups else {}) for c in hlo.collectives(text, n)], mesh
+
+
+@pytest.mark.parametrize("sizes", [{"expert": 8}, {"data": 2, "expert": 2, "tensor": 2}],
+                         ids=["expert8", "data2xexpert2xtensor2"])
+def test_step_exchanges_tokens_by_all_to_all_over_expert(sizes):
+    config = _config(sizes)
+    cfg = ModelConfig.from_config(config)
+    moe_layers = cfg.n_layers // cfg.moe_every
+    found, _ = _collectives(_run(_key(sizes))[2], sizes)
+    a2a = [(c, axes) for c, axes in found if c.kind == "all-to-all"]
+    assert all(axes == {"expert": sizes["expert"]} for _, axes in a2a), a2a
+    # per MoE layer: dispatch + return in the forward, their transposes in the backward (scan body x trips)
+    assert sum(c.count for c, _ in a2a) == 4 * moe_layers
+    # dispatch buffer per device: [b, E, C, D] float32
+    rows = config.train.batch_size // (sizes.get("data", 1) * sizes["expert"])
+    cap = moe.capacity(cfg, config.train.seq_len)
+    assert all(c.result_bytes == rows * cfg.num_experts * cap * cfg.d_model * 4 for c, _ in a2a)
+
+
+def test_forward_has_two_all_to_all_per_moe_layer():
+    sizes = {"expert": 8}
+    config = _config(sizes)
+    config_lib.validate(config, 8)
+    mesh = mesh_lib.make_mesh(config, jax.devices())
+    factory, _, _ = train_step.build(config, mesh)
+    batch = utils.synthetic_batches(config, 1)[0]
+
+    def loss(params, batch):
+        return factory.model.apply({"params": params}, batch, method=model_lib.Transformer.loss)
+
+    with jax.set_mesh(mesh):
+        text = jax.jit(loss).lower(factory.abstract.params, batch).compile().as_text()
+    found, _ = _collectives(text, sizes)
+    cfg = ModelConfig.from_config(config)
+    assert sum(c.count for c, axes in found if c.kind == "all-to-all") == 2 * cfg.n_layers // cfg.moe_every
+
+
+def test_expert_weights_are_not_all_reduced_over_expert():
+    """Everything all-reduced over `expert` is the gradient of the replicated (non-expert) parameters,
+    plus a few scalars: the expert weights' gradients stay on their devices."""
+    sizes = {"expert": 8}
+    found, _ = _collectives(_run(_key(sizes))[2], sizes)
+    cfg = ModelConfig.from_config(_config(sizes))
+    expert_params = (cfg.n_layers // cfg.moe_every) * 3 * cfg.num_experts * cfg.d_model * moe.expert_mlp_dim(cfg)
+    replicated_bytes = 4 * (cfg.num_params() - expert_params)
+    reduced = sum(c.result_bytes * c.count for c, axes in found if c.kind == "all-reduce" and "expert" in axes)
+    one_expert_weight = 4 * cfg.d_model * moe.expert_mlp_dim(cfg)
+    assert replicated_bytes <= reduced < replicated_bytes + min(1024, one_expert_weight)
