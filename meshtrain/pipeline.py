@@ -76,9 +76,12 @@ class Pipeline:
 
     @property
     def bubble(self) -> float:
-        """Idle fraction of a stage's time, (p-1)/(v*m+p-1) (playbook: (p-1)/(v*m) of the ideal time)."""
-        p, m, v = self.stages, self.microbatches, self.repeats
-        return (p - 1) / (v * m + p - 1)
+        """Idle fraction of the ticks, 1 - v*m/ticks: gpipe (p-1)/(m+p-1), circular (p-1)/(v*m+p-1)
+        (the playbook's (p-1)/(v*m) is relative to the ideal time), 1f1b 2(p-1)/(m+2(p-1)): an
+        SPMD tick costs the same on every stage whether its slot holds work or not, and 1F1B's ring
+        takes one tick per hop in each direction.
+        """
+        return 1 - self.repeats * self.microbatches / self.ticks
 
     def in_flight(self) -> tuple[int, ...]:
         """Per stage: micro-batch activations held for the backward at the peak."""
@@ -99,8 +102,8 @@ class Pipeline:
 
         Differentiable (gpipe, circular); 1f1b uses this loop for its forward-only pass.
         """
-        stack = stage_function(model)
-        if model.cfg.remat_policy != "none":  # remat per stage per micro-batch
+        stack = _chunk_function(stage_function(model))
+        if model.cfg.remat_policy != "none":  # remat per stage per micro-batch: keep only its input
             stack = jax.checkpoint(stack, prevent_cse=False)
         layers = model.layers.variables["params"]
         m = self.microbatches
@@ -134,6 +137,15 @@ def stage_function(model):
     return stack
 
 
+def _chunk_function(stack):
+    """stack on chunk r and micro-batch i, both picked inside: a remat keeps (r, i, x), not weights."""
+    def run(chunks, r, i, x, positions, segment_ids):
+        chunk = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, 0, keepdims=False), chunks)
+        return stack(chunk, x, lax.dynamic_index_in_dim(positions, i, 1, keepdims=False),
+                     lax.dynamic_index_in_dim(segment_ids, i, 1, keepdims=False))
+    return run
+
+
 def _ring_loop(stack, layers, xs, positions, segment_ids, *, p, m, v):
     """gpipe / circular tick loop on one stage. xs [b, m, T, D]; layers [v*k, ...] local.
 
@@ -157,9 +169,7 @@ def _ring_loop(stack, layers, xs, positions, segment_ids, *, p, m, v):
         buffer = park(buffer, incoming, t)
         i, r = (t - s) % m, jnp.clip((t - s) // m, 0, v - 1)  # micro-batch and lap of this stage
         x = jnp.where(s == 0, lax.dynamic_index_in_dim(buffer, t % m, 1, keepdims=False), incoming)
-        chunk = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, 0, keepdims=False), chunks)
-        y = stack(chunk, x, lax.dynamic_index_in_dim(positions, i, 1, keepdims=False),
-                  lax.dynamic_index_in_dim(segment_ids, i, 1, keepdims=False))
+        y = stack(chunks, r, i, x, positions, segment_ids)
         return (buffer, lax.ppermute(y, STAGE, ring)), None
 
     ticks = v * m + p - 1
@@ -177,7 +187,7 @@ def loss_and_grads(params, batch, model, total_tokens, accum_steps):
     """((loss_sum, aux), grads) of the 1F1B schedule; the train step's drop-in for autodiff.
 
     Same contract as the train step's one-pass gradient: the differentiated loss is
-    loss_sum / total_tokens (no auxiliary losses: MoE is rejected with a pipeline).
+    loss_sum / total_tokens (no auxiliary losses: the MoE validator rejects MoE with mesh.stage > 1).
     """
     del accum_steps  # the validator requires train.grad_accum_steps == 1 with a pipeline
     pipe = model.pipeline
@@ -289,8 +299,6 @@ def validate(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
         f"must be divisible by pipeline.microbatches*mesh.(data*fsdp*expert)={pipe.microbatches}*{dp}")
     req(config.train.grad_accum_steps == 1, "train.grad_accum_steps", config.train.grad_accum_steps,
         "must be 1 with mesh.stage > 1: pipeline.microbatches splits the batch instead")
-    req(config.model.num_experts == 0, "model.num_experts", config.model.num_experts,
-        "MoE layers (auxiliary losses) are not supported inside the pipeline yet (mesh.stage > 1)")
     req(config.attention.impl == "xla", "attention.impl", config.attention.impl,
         "must be 'xla' with mesh.stage > 1 (ring/pallas attention are not supported inside the pipeline yet)")
     for key in ("fused_norm", "fused_loss"):

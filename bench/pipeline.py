@@ -1,0 +1,109 @@
+"""Pipeline step time on CPU for p stages and m micro-batches, measured bubble beside the formula.
+
+    python bench/pipeline.py [--stages 4] [--microbatches 4,8,16,32] [--schedules gpipe,1f1b,circular]
+
+Playbook, "Pipeline Parallelism". The micro-batch size is fixed (`--rows` rows of `--seq_len`
+tokens), so the global batch grows with m. Each (schedule, m) runs the real train step
+(`train_step.build`) on p fake CPU devices: compile, one warm-up step, then the median of
+`--steps` timed steps.
+
+Measured bubble. In an SPMD tick loop every stage computes in every tick, so the step time
+is t(m) = tau * ticks(m) + c. The slope dt/dm of a least-squares line through the m values
+is the cost of one more micro-batch in steady state; the time-based bubble of a point is
+1 - m * slope / t(m), the share of the step that the micro-batches' own work does not
+explain (the fixed cost c, embedding, head and optimizer included). It is printed beside
+the schedule's tick formula 1 - v*m/ticks. Prints a table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+
+from meshtrain import config as config_lib, mesh as mesh_lib, pipeline, train_step  # noqa: E402
+
+
+def make_config(args, schedule: str, microbatches: int):
+    c = config_lib.default_config()
+    for axis in config_lib.MESH_AXES:
+        c.mesh[axis] = 1
+    c.mesh.stage = args.stages
+    c.model.update(vocab_size=264, d_model=args.d_model, n_layers=args.layers, n_heads=8, n_kv_heads=4,
+                   head_dim=args.d_model // 8, mlp_dim=3 * args.d_model, dtype="float32")
+    c.train.update(batch_size=args.rows * microbatches, seq_len=args.seq_len)
+    c.pipeline.update(schedule=schedule, microbatches=microbatches, repeats=2 if schedule == "circular" else 1)
+    return c
+
+
+def batch_for(config, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    b, t = config.train.batch_size, config.train.seq_len
+    tokens = rng.integers(3, config.model.vocab_size, size=(b, t + 1), dtype=np.int32)
+    positions = np.tile(np.arange(t, dtype=np.int32), (b, 1))
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": positions,
+            "segment_ids": np.ones((b, t), np.int32), "loss_mask": np.ones((b, t), np.float32)}
+
+
+def step_seconds(config, steps: int) -> float:
+    config_lib.validate(config, config.mesh.stage)
+    mesh = mesh_lib.make_mesh(config, jax.devices()[: config.mesh.stage])
+    factory, step_fn, _ = train_step.build(config, mesh)
+    state = factory.create(0)
+    batch = batch_for(config)
+    times = []
+    with jax.set_mesh(mesh):
+        state, metrics = step_fn(state, batch)  # compile + warm-up
+        jax.block_until_ready(metrics)
+        for _ in range(steps):
+            start = time.perf_counter()
+            state, metrics = step_fn(state, batch)
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--microbatches", default="4,8,16,32")
+    parser.add_argument("--schedules", default="gpipe,1f1b,circular")
+    parser.add_argument("--rows", type=int, default=1, help="rows per micro-batch")
+    parser.add_argument("--seq_len", type=int, default=64)
+    parser.add_argument("--d_model", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    ms = [int(m) for m in args.microbatches.split(",")]
+    results = []
+    print(f"p={args.stages}, micro-batch {args.rows} x {args.seq_len} tokens, d_model {args.d_model}, "
+          f"{args.layers} layers, {jax.devices()[0].platform}")
+    print(f"{'schedule':9} {'m':>3} {'ticks':>5} {'step ms':>8} {'ms/micro':>8} {'bubble meas':>11} {'formula':>8}")
+    for schedule in args.schedules.split(","):
+        rows = []
+        for m in ms:
+            config = make_config(args, schedule, m)
+            pipe = pipeline.Pipeline.from_config(config, args.stages)
+            rows.append((m, pipe, step_seconds(config, args.steps)))
+        slope = np.polyfit([m for m, _, _ in rows], [t for _, _, t in rows], 1)[0]
+        for m, pipe, t in rows:
+            measured = 1 - m * slope / t
+            results.append({"schedule": schedule, "stages": args.stages, "microbatches": m, "ticks": pipe.ticks,
+                            "step_s": t, "bubble_measured": measured, "bubble_formula": pipe.bubble})
+            print(f"{schedule:9} {m:3d} {pipe.ticks:5d} {t * 1e3:8.1f} {t / m * 1e3:8.2f} "
+                  f"{measured:11.1%} {pipe.bubble:8.1%}")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Pipeline parallelism over `stage` (playbook, "Pipeline Parallelism") against the single-device model.
+
+Loss and gradients of every schedule equal the unpipelined model's; the compiled tick loop
+runs the schedule's tick count and moves one micro-batch activation per tick; the layer
+weights per device fall by p; 1F1B's temporary memory stays flat as m grows.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+
+from meshtrain import (
+    config as config_lib,
+    mesh as mesh_lib,
+    model as model_lib,
+    pipeline as pipeline_lib,
+    train_step as train_step_lib,
+)
+from meshtrain.config import ModelConfig
+from meshtrain.sharding_rules import Rules
+from tests.hlo_utils import collectives_by_computation
+from tests.utils import run_steps, synthetic_batches, tiny_config
+
+SEQ, LAYERS, M = 16, 8, 4
+CASES = [(schedule, mesh) for schedule in ("gpipe", "circular", "1f1b")
+         for mesh in ({"stage": 2}, {"stage": 4}, {"stage": 2, "data": 2, "tensor": 2})]
+
+
+def _config(schedule: str, mesh: dict, microbatches: int = M, batch: int = 8, **overrides):
+    return tiny_config(mesh, **{"train.seq_len": SEQ, "train.batch_size": batch, "model.n_layers": LAYERS,
+                                "pipeline.schedule": schedule, "pipeline.microbatches": microbatches,
+                                "pipeline.repeats": 2 if schedule == "circular" else 1, **overrides})
+
+
+def _mesh(config):
+    sizes = {a: max(int(config.mesh[a]), 1) for a in config_lib.MESH_AXES}
+    n = int(np.prod(list(sizes.values())))
+    config_lib.validate(config, n)
+    return mesh_lib.make_mesh(config, jax.devices()[:n])
+
+
+def _autodiff(params, batch, model, total_tokens, accum_steps):
+    loss_fn = lambda p: model.apply({"params": p}, batch, method="loss")[0]  # noqa: E731
+    loss_sum, grads = jax.value_and_grad(loss_fn)(params)
+    return loss_sum, {}, jax.tree.map(lambda g: g / total_tokens, grads)
+
+
+@functools.cache
+def _reference():
+    """Initial params, one batch, and the single-device jitted (params -> loss_sum, grads)."""
+    config = _config("gpipe", {})
+    mesh = _mesh(config)
+    model = model_lib.Transformer(ModelConfig.from_config(config), Rules.for_mesh(mesh))
+    batch = synthetic_batches(config, 1, seed=1)[0]
+    with jax.set_mesh(mesh):
+        params = nn.unbox(model.init(jax.random.key(0), batch["inputs"], batch["positions"],
+                                     batch["segment_ids"])["params"])
+        tokens = float(batch["loss_mask"].sum())
+        fn = jax.jit(lambda p: _autodiff(p, batch, model, tokens, 1))
+        fn(params)
+    params = jax.tree.map(np.asarray, params)
+
+    def loss_and_grads(p):
+        with jax.set_mesh(mesh):
+            loss_sum, _, grads = fn(p)
+        return float(loss_sum), jax.tree.map(np.asarray, grads)
+    return params, batch, tokens, loss_and_grads
+
+
+@functools.cache
+def _pipelined(schedule: str, mesh_items: tuple, microbatches: int = M, batch: int = 8):
+    """(pipeline, mesh, compiled (params, batch) -> (loss_sum, aux, grads)) as the train step builds it."""
+    config = _config(schedule, dict(mesh_items), microbatches, batch)
+    mesh = _mesh(config)
+    pipe = pipeline_lib.Pipeline.from_config(config, mesh.shape["stage"])
+    model = model_lib.Transformer(ModelConfig.from_config(config), Rules.for_mesh(mesh), pipeline=pipe)
+    fn = pipeline_lib.grads_function(pipe, _autodiff)
+    factory = train_step_lib.StateFactory(model, optax.sgd(0.1), mesh,
+                                          train_step_lib.Placement.for_zero_stage(model.rules, 1),
+                                          (batch, SEQ))
+    batch_sharding = jax.sharding.NamedSharding(mesh, train_step_lib.batch_spec())
+    example = synthetic_batches(config, 1)[0]
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(lambda p, b: fn(p, b, model, jnp.maximum(b["loss_mask"].sum(), 1.0), 1),
+                           in_shardings=(factory.shardings.params, batch_sharding)).lower(
+            factory.abstract.params, example).compile()
+    return pipe, mesh, compiled
+
+
+def _ids(case):
+    schedule, mesh = case
+    return schedule + "-" + "-".join(f"{a}{n}" for a, n in mesh.items())
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_loss_and_grads_equal_single_device(case):
+    """float32 1e-5: loss and every gradient, circular's layers compared in execution order."""
+    schedule, mesh = case
+    params, batch, tokens, reference = _reference()
+    pipe, pmesh, compiled = _pipelined(schedule, tuple(mesh.items()))
+    order = pipe.execution_order(LAYERS)  # order[q]: stored index of the q-th layer to run
+    ref_params = {**params, "layers": jax.tree.map(lambda a: a[order], params["layers"])}
+    ref_loss, ref_grads = reference(ref_params)
+    ref_grads["layers"] = jax.tree.map(lambda a: a[np.argsort(order)], ref_grads["layers"])
+    with jax.set_mesh(pmesh):
+        loss_sum, _, grads = compiled(params, batch)
+    np.testing.assert_allclose(float(loss_sum) / tokens, ref_loss / tokens, rtol=1e-5)
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        want = functools.reduce(lambda t, k: t[k.key], path, ref_grads)
+        np.testing.assert_allclose(np.asarray(g), want, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+
+
+def _tick_loops(hlo: str) -> list[tuple[int, list[tuple[str, int]]]]:
+    """(trip count, collectives of the body) of every while loop whose body moves data."""
+    collectives = collectives_by_computation(hlo)
+    loops = []
+    for line in hlo.splitlines():
+        if " while(" in line:
+            body = re.search(r"body=%?([\w.\-]+)", line).group(1)
+            trips = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
+            if collectives.get(body):
+                loops.append((int(trips.group(1)) if trips else -1, collectives[body]))
+    return loops
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "data" not in c[1]], ids=_ids)
+def test_tick_loop_trip_count_and_one_transfer_per_tick(case):
+    """Each tick loop runs `ticks` times and moves one micro-batch activation [b, T, D] per direction."""
+    schedule, mesh = case
+    pipe, _, compiled = _pipelined(schedule, tuple(mesh.items()))
+    activation = (8 // M) * SEQ * 64
+    loops = _tick_loops(compiled.as_text())
+    # gpipe / circular: the forward loop and its autodiff transpose; 1f1b: one loop, both directions
+    assert len(loops) == (1 if schedule == "1f1b" else 2), loops
+    per_tick = [("collective-permute", activation)] * (2 if schedule == "1f1b" else 1)
+    for trips, moved in loops:
+        assert trips == pipe.ticks
+        assert sorted(moved) == per_tick, moved
+
+
+def _nbytes(tree) -> int:
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_layer_parameter_bytes_fall_by_stages(schedule):
+    """memory_analysis: the argument bytes per device lose (1 - 1/p) of the layer weights."""
+    params, batch, _, _ = _reference()
+    layer_bytes, batch_bytes = _nbytes(params["layers"]), _nbytes(batch)
+    for p in (2, 4):
+        _, _, compiled = _pipelined(schedule, (("stage", p),))
+        args = compiled.memory_analysis().argument_size_in_bytes
+        assert args == _nbytes(params) - layer_bytes + layer_bytes // p + batch_bytes
+
+
+@functools.cache
+def _temp_bytes(schedule: str, microbatches: int) -> int:
+    """Compiled temp bytes for p=2 at one row per micro-batch (the batch grows with m)."""
+    _, _, compiled = _pipelined(schedule, (("stage", 2),), microbatches, microbatches)
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_one_f_one_b_temp_memory_flat_while_gpipe_grows():
+    """m = 2p -> 8p at p=2: gpipe keeps >= 1 more activation per extra micro-batch, 1f1b less than one in all."""
+    activation = SEQ * 64 * 4  # one row's [T, D] float32
+    table = {(s, m): _temp_bytes(s, m) for s in ("gpipe", "1f1b") for m in (4, 16)}
+    print("temp bytes (schedule, m):", table)
+    assert table["gpipe", 16] - table["gpipe", 4] >= 12 * activation
+    assert abs(table["1f1b", 16] - table["1f1b", 4]) < activation
+
+
+def test_train_step_with_1f1b_equals_single_device():
+    """Two optimizer steps through train_step.build (1f1b chosen once) == the single-device run."""
+    config = _config("1f1b", {"stage": 2})
+    batches = synthetic_batches(config, 2, seed=2)
+    losses, params, _ = run_steps(config, batches)
+    ref_losses, ref_params, _ = run_steps(_config("1f1b", {}), batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params, ref_params)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"model.n_layers": 6, "pipeline.schedule": "circular", "pipeline.repeats": 2}, "model.n_layers"),
+    ({"pipeline.microbatches": 1}, "pipeline.microbatches"),
+    ({"train.batch_size": 6}, "train.batch_size"),
+    ({"train.grad_accum_steps": 2, "train.batch_size": 16}, "train.grad_accum_steps"),
+    ({"pipeline.repeats": 2, "pipeline.schedule": "gpipe"}, "pipeline.repeats"),
+])
+def test_validation_names_the_key(overrides, key):
+    config = _config("gpipe", {"stage": 2, "data": 2}, **overrides)
+    with pytest.raises(config_lib.ConfigError, match=re.escape(f"config.{key}=")):
+        config_lib.validate(config, 4)
+
+
+def test_describe_reports_ticks_bubble_in_flight():
+    line = pipeline_lib.describe(_config("1f1b", {"stage": 4}, microbatches=8), {"stage": 4})
+    assert line == ("pipeline 1f1b: 4 stages x 1 repeats, 8 micro-batches, 14 ticks, bubble 42.9%, "
+                    "in flight per stage [7, 5, 3, 1]")
+    circular = pipeline_lib.Pipeline("circular", 4, 8, 2)
+    assert (circular.ticks, round(circular.bubble, 4)) == (19, round(3 / 19, 4))
+    assert pipeline_lib.describe(_config("gpipe", {}), {"stage": 1}) is None
