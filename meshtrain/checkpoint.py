@@ -76,7 +76,8 @@ class Checkpointer:
             raise ValueError(f"checkpoint directory {self.root!r}: does not exist")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else keep, enable_async_checkpointing=async_save,
-            create=not read_only, read_only=read_only, save_interval_steps=1)
+            create=not read_only, read_only=read_only, save_interval_steps=1,
+            cleanup_tmp_directories=not read_only)  # leftovers of a process killed mid-save
         handlers = {"state": _state_handler(), "data": ocp.JsonCheckpointHandler(),
                     "meta": ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.root, options=options, item_handlers=handlers)
@@ -316,6 +317,7 @@ class RunCheckpoints:
         self.guard = FiniteGuard(bool(config.train.skip_nonfinite))
         self.preemption = Preemption()
         self._record = config_record(config)
+        self.failed = False  # set by the loop when it ends with an error
 
     def start(self, create: Callable[[], object]) -> tuple[object, int, dict | None]:
         """(state, steps already done, data iterator state) from the newest checkpoint, else fresh."""
@@ -362,6 +364,12 @@ class RunCheckpoints:
                              self.ckpt.step_path(latest) if latest is not None else None)
 
     def close(self) -> None:
-        """Waits for the pending save (a finished checkpoint on disk) and restores the SIGTERM handler."""
+        """Waits for the pending save (a finished checkpoint on disk) and restores the SIGTERM handler.
+
+        After a failure in a multi-process run it does not wait: finishing a save needs every
+        process, and a peer may be dead (the unfinished checkpoint stays invisible).
+        """
         self.preemption.close()
+        if self.failed and jax.process_count() > 1:
+            return
         self.ckpt.close()

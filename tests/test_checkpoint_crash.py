@@ -1,0 +1,142 @@
+"""Crash safety and preemption of real training processes.
+
+One workdir goes through 10 SIGKILL trials at random moments (a checkpoint is saved
+asynchronously after every step, so most kills land during a save), then a SIGTERM
+(preemption), then a final run to the end. After every trial the newest finished checkpoint
+must be bitwise the reference state of its step, and the next process must resume from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from meshtrain import checkpoint as checkpoint_lib, data, mesh as mesh_lib, train_step as train_step_lib
+from tests.test_checkpoint import config_for, load
+from tests.utils import ROOT
+
+STEPS = 80
+KILL_TRIALS = 10
+WAIT_S = 240  # bound on any wait for a training process
+
+
+def cli_args(config_overrides: dict) -> list[str]:
+    """Command-line flags for `python -m meshtrain.train` equal to `config_for(...)` with overrides."""
+    flags = {"mesh.data": 1, "mesh.fsdp": 8, "model.dtype": "float32", "model.n_layers": 2, "train.seq_len": 32,
+             "train.batch_size": 8, "log_every": 1, "data.source": "text_files", **config_overrides}
+    return ["--config", str(ROOT / "configs" / "tiny.py")] + [f"--config.{k}={v}" for k, v in flags.items()]
+
+
+def subprocess_env(cache_dir) -> dict:
+    """CPU, float32 matmuls, and a shared compilation cache so each restart skips the compile."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_DEFAULT_MATMUL_PRECISION": "float32",
+            "PYTHONPATH": str(ROOT), "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def digest(tree) -> list[str]:
+    return [hashlib.sha256(np.ascontiguousarray(np.asarray(x)).tobytes()).hexdigest() for x in jax.tree.leaves(tree)]
+
+
+@pytest.fixture(scope="module")
+def reference_digests():
+    """Digest of the full train state after every step of an uninterrupted run (same config)."""
+    config = config_for("/unused", **{"steps": STEPS})
+    mesh = mesh_lib.make_mesh(config)
+    factory, step_fn, _ = train_step_lib.build(config, mesh)
+    state, it, out = factory.create(config.seed), data.make_iterator(config, mesh), {}
+    with jax.set_mesh(mesh):
+        for step in range(1, STEPS + 1):
+            state, _ = step_fn(state, next(it))
+            out[step] = digest(state)
+    it.close()
+    return out, factory.abstract
+
+
+class Trial:
+    """One training process whose output goes to a file."""
+
+    def __init__(self, workdir, log_path, env):
+        self.log_path = log_path
+        overrides = {"steps": STEPS, "workdir": workdir, "checkpoint.every": 1, "checkpoint.keep": 2}
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "meshtrain.train", *cli_args(overrides)],
+                                         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def steps(self) -> list[int]:
+        return [int(s) for s in re.findall(r"\] step (\d+) \|", self.output())]
+
+    def resumed_from(self) -> int | None:
+        found = re.findall(r"resumed from \S+ \(step (\d+)\)", self.output())
+        return int(found[0]) if found else None
+
+    def wait_for_step_after(self, start: int) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not any(s > start for s in self.steps()):
+            assert self.proc.poll() is None, f"exited early ({self.proc.returncode}):\n{self.output()[-3000:]}"
+            assert time.monotonic() < deadline, f"no step after {start} within {WAIT_S}s:\n{self.output()[-3000:]}"
+            time.sleep(0.02)
+
+    def finish(self, timeout: float = WAIT_S) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def check_latest(workdir, digests, abstract) -> int:
+    """The newest finished checkpoint exists and is bitwise the reference state of its step."""
+    ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_root(workdir), read_only=True)
+    latest = ckpt.latest_step()
+    ckpt.close()
+    assert latest is not None, "no usable checkpoint left"
+    restored = load(workdir, latest, abstract)
+    assert digest(restored.state) == digests[latest], f"checkpoint {latest} differs from the reference"
+    assert restored.data_state["next_row"] == latest * 8
+    return latest
+
+
+def test_sigkill_trials_then_sigterm_then_finish(reference_digests, tmp_path):
+    digests, abstract = reference_digests
+    env, workdir, rng = subprocess_env(tmp_path / "jax_cache"), str(tmp_path / "run"), np.random.default_rng(0)
+    expected_start = 0
+    for trial in range(KILL_TRIALS):
+        t = Trial(workdir, tmp_path / f"trial{trial}.log", env)
+        # the first run waits for step 3: its save of step 2 waited for the first checkpoint to finish
+        t.wait_for_step_after(expected_start + (2 if trial == 0 else 0))
+        time.sleep(rng.uniform(0.0, 0.15))
+        t.proc.kill()
+        t.finish()
+        assert (t.resumed_from() or 0) == expected_start, t.output()[-2000:]
+        expected_start = check_latest(workdir, digests, abstract)
+        assert expected_start < STEPS, "the run finished before all trials were done"
+
+    # Preemption: SIGTERM at a random step -> exit 0 with a checkpoint at the step it was on.
+    t = Trial(workdir, tmp_path / "preempted.log", env)
+    t.wait_for_step_after(expected_start)
+    time.sleep(rng.uniform(0.0, 0.15))
+    t.proc.send_signal(signal.SIGTERM)
+    assert t.finish() == 0, t.output()[-3000:]
+    assert t.resumed_from() == expected_start
+    preempted_at = check_latest(workdir, digests, abstract)
+    assert preempted_at == t.steps()[-1] and "preempted: checkpoint saved at step" in t.output()
+
+    t = Trial(workdir, tmp_path / "final.log", env)
+    assert t.finish() == 0, t.output()[-3000:]
+    assert t.resumed_from() == preempted_at and t.steps()[0] == preempted_at + 1
+    assert check_latest(workdir, digests, abstract) == STEPS
