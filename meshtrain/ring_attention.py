@@ -30,16 +30,17 @@ sm_scale) -> (out, lse)` with q [B, Lq, H, D], k/v [B, Lk, K, D], segment ids
 out [B, Lq, H, D] (normalised within the block) and lse [B, H, Lq] float32
 (-inf where a row sees nothing in the block). A query attends to a key iff the
 segment ids are equal and kv_position <= q_position. This is the signature of
-`meshtrain.pallas_kernels.flash_attention.flash_attention_with_lse` (plus
-`sm_scale`), so the kernel plugs in directly. Pass either such a callable (its
+`meshtrain.pallas_kernels.flash_attention.flash_attention_with_lse`, so the
+kernel plugs in directly. Pass either such a callable (its
 backward is then derived with `jax.vjp` from the cotangents of out and lse, so it
 must be differentiable in both) or a `BlockAttention(forward, backward)` whose
 `backward(q, k, v, out, lse, dout, *, <same keywords>) -> (dq, dk, dv)` takes the
 *global* out / lse / dout of the query rows (the flash-attention backward kernel
-computes exactly the block's share of the gradient from those). The built-in jnp
-block runs under `shard_map(check_vma=True)`; a given block_fn runs with
-check_vma=False, because a `pallas_call` does not declare how its outputs vary
-over the manual axis.
+computes exactly the block's share of the gradient from those). The default is
+`jnp_block_attention()`: jnp, K/V walked in chunks so memory stays linear in the
+block length. jnp blocks run under `shard_map(check_vma=True)`; other block_fns
+with check_vma=False, because a `pallas_call` does not declare how its outputs
+vary over the manual axis (`BlockAttention.vma_checked`).
 """
 
 from __future__ import annotations
@@ -60,10 +61,15 @@ BlockBackward = Callable[..., tuple[Array, Array, Array]]
 
 
 class BlockAttention(NamedTuple):
-    """A local block attention: forward -> (out, lse); optional explicit backward."""
+    """A local block attention: forward -> (out, lse); optional explicit backward.
+
+    `vma_checked`: the functions are plain jnp/lax code that `shard_map(check_vma=True)`
+    can type-check; leave False for kernels (`pallas_call`).
+    """
 
     forward: BlockForward
     backward: BlockBackward | None = None
+    vma_checked: bool = False
 
 
 # ----------------------------------------------------------------------------
@@ -231,7 +237,81 @@ def block_attention_backward(
     return dq, jnp.swapaxes(dk, 1, 2), jnp.swapaxes(dv, 1, 2)
 
 
-JNP_BLOCK_ATTENTION = BlockAttention(block_attention_forward, block_attention_backward)
+def _to_rows(x: Array) -> Array:
+    """[B, H, L] -> [B, L, H, 1], to scale outputs row by row."""
+    return jnp.swapaxes(x, 1, 2)[..., None]
+
+
+def _merge(out, lse, o_b, lse_b):
+    """Online softmax: merge block (o_b, lse_b) into the running (out, lse); -inf safe."""
+    m = jnp.maximum(lse, lse_b)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w, w_b = jnp.exp(lse - m), jnp.exp(lse_b - m)  # [B, H, L]
+    tot = w + w_b
+    tot_safe = jnp.where(tot > 0, tot, 1.0)
+    out = (_to_rows(w) * out + _to_rows(w_b) * o_b) / _to_rows(tot_safe)
+    lse = jnp.where(tot > 0, m + jnp.log(tot_safe), -jnp.inf)
+    return out, lse
+
+
+def _kv_chunks(x: Array, chunk: int) -> Array:
+    """[B, Lk, ...] -> [Lk / chunk, B, chunk, ...]: the scan axis first."""
+    return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1] // chunk, chunk, *x.shape[2:]), 1, 0)
+
+
+def jnp_block_attention(kv_chunk: int | None = 128) -> BlockAttention:
+    """The jnp block attention, walking K/V in chunks of `kv_chunk` rows (a `lax.scan`).
+
+    Chunking keeps the temporaries O(Lq * kv_chunk) instead of O(Lq * Lk), so the
+    memory of a ring step grows linearly in the sequence length at a fixed ring size
+    (the flash-attention idea, in jnp). Blocks whose length `kv_chunk` does not divide,
+    or no longer than it, are computed whole; None never chunks.
+    """
+
+    def chunked(lk: int) -> bool:
+        return kv_chunk is not None and lk > kv_chunk and lk % kv_chunk == 0
+
+    def split(k, v, masks):
+        kv = (k, v, masks["kv_segment_ids"], masks["kv_positions"])
+        return tuple(_kv_chunks(x, kv_chunk) for x in kv)
+
+    def with_kv(masks, seg, pos):
+        return {**masks, "kv_segment_ids": seg, "kv_positions": pos}
+
+    def forward(q, k, v, **masks):
+        if not chunked(k.shape[1]):
+            return block_attention_forward(q, k, v, **masks)
+        ks, vs, segs, poss = split(k, v, masks)
+
+        def body(carry, xs):
+            o_c, lse_c = block_attention_forward(q, xs[0], xs[1], **with_kv(masks, xs[2], xs[3]))
+            return _merge(*carry, o_c, lse_c), None
+
+        first = block_attention_forward(q, ks[0], vs[0], **with_kv(masks, segs[0], poss[0]))
+        rest = tuple(x[1:] for x in (ks, vs, segs, poss))
+        return lax.scan(body, first, rest)[0]
+
+    def backward(q, k, v, out, lse, dout, **masks):
+        if not chunked(k.shape[1]):
+            return block_attention_backward(q, k, v, out, lse, dout, **masks)
+        chunks = split(k, v, masks)
+
+        def grads(xs):
+            return block_attention_backward(q, xs[0], xs[1], out, lse, dout, **with_kv(masks, xs[2], xs[3]))
+
+        def body(dq, xs):
+            dq_c, dk_c, dv_c = grads(xs)
+            return dq + dq_c, (dk_c, dv_c)
+
+        dq0, dk0, dv0 = grads(tuple(x[0] for x in chunks))
+        dq, (dks, dvs) = lax.scan(body, dq0, tuple(x[1:] for x in chunks))
+        dk, dv = (jnp.concatenate([d0[None], ds]) for d0, ds in ((dk0, dks), (dv0, dvs)))
+        return dq, *(jnp.moveaxis(d, 0, 1).reshape(k.shape) for d in (dk, dv))
+
+    return BlockAttention(forward, backward, vma_checked=True)
+
+
+JNP_BLOCK_ATTENTION = jnp_block_attention()
 
 
 def _backward_from_vjp(forward: BlockForward) -> BlockBackward:
@@ -257,7 +337,7 @@ def _resolve_block_fn(block_fn: BlockForward | BlockAttention | None) -> BlockAt
         return JNP_BLOCK_ATTENTION
     if isinstance(block_fn, BlockAttention):
         if block_fn.backward is None:
-            return BlockAttention(block_fn.forward, _backward_from_vjp(block_fn.forward))
+            return block_fn._replace(backward=_backward_from_vjp(block_fn.forward))
         return block_fn
     if callable(block_fn):
         return BlockAttention(block_fn, _backward_from_vjp(block_fn))
@@ -266,23 +346,6 @@ def _resolve_block_fn(block_fn: BlockForward | BlockAttention | None) -> BlockAt
 
 # ----------------------------------------------------------------------------
 # The ring (runs inside shard_map, manual over `axis_name` only).
-
-
-def _to_rows(x: Array) -> Array:
-    """[B, H, L] -> [B, L, H, 1], to scale outputs row by row."""
-    return jnp.swapaxes(x, 1, 2)[..., None]
-
-
-def _merge(out, lse, o_b, lse_b):
-    """Online softmax: merge block (o_b, lse_b) into the running (out, lse); -inf safe."""
-    m = jnp.maximum(lse, lse_b)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    w, w_b = jnp.exp(lse - m), jnp.exp(lse_b - m)  # [B, H, L]
-    tot = w + w_b
-    tot_safe = jnp.where(tot > 0, tot, 1.0)
-    out = (_to_rows(w) * out + _to_rows(w_b) * o_b) / _to_rows(tot_safe)
-    lse = jnp.where(tot > 0, m + jnp.log(tot_safe), -jnp.inf)
-    return out, lse
 
 
 def _q_rows(kw: dict, lo: int, hi: int) -> dict:
@@ -504,7 +567,8 @@ def ring_attention(
             f"mesh.{axis_name}={n} (= {chunks}) for ring attention (zigzag={zigzag})."
         )
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-    local = _make_local_attention(n, axis_name, zigzag, scale, _resolve_block_fn(block_fn))
+    block = _resolve_block_fn(block_fn)
+    local = _make_local_attention(n, axis_name, zigzag, scale, block)
     x_spec, seg_spec = P(None, axis_name, None, None), P(None, axis_name)
     return jax.shard_map(
         local,
@@ -512,7 +576,7 @@ def ring_attention(
         in_specs=(x_spec, x_spec, x_spec, seg_spec),
         out_specs=x_spec,
         axis_names={axis_name},
-        check_vma=block_fn is None,
+        check_vma=block.vma_checked,
     )(q, k, v, segment_ids.astype(jnp.int32))
 
 

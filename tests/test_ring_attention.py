@@ -138,6 +138,13 @@ def test_plain_callable_block_fn_uses_vjp_backward():
     )
 
 
+@pytest.mark.parametrize("zigzag", [True, False])
+def test_kv_chunked_jnp_block(zigzag):
+    """K/V walked in chunks of 4 rows inside each 16-row block (8-row zig-zag halves)."""
+    block = ra.jnp_block_attention(kv_chunk=4)
+    check_against_dense(make_mesh(2), t=32, h=4, kh=2, zigzag=zigzag, block_fn=block)
+
+
 def test_flash_kernel_block_fn():
     """The Pallas flash kernel (interpret mode on CPU) plugs in as the block computation."""
     # Zig-zag half blocks are T / (2N) = 16 rows: the kernel tiles are powers of two >= 16.
