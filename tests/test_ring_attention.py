@@ -211,6 +211,25 @@ def test_residuals_are_local_blocks():
     assert per_device == expected
 
 
+def test_step_memory_grows_linearly_in_sequence_length():
+    """Compiled fwd+bwd temp bytes at 4x the length: 4x with K/V chunks (16x would be quadratic)."""
+    mesh, block = make_mesh(2), ra.jnp_block_attention(kv_chunk=16)
+
+    def temp_bytes(t):
+        shard = NamedSharding(mesh, P(None, "sequence"))
+        shapes = ((1, t, 2, D, jnp.float32), (1, t, 1, D, jnp.float32), (1, t, 1, D, jnp.float32), (1, t, jnp.int32))
+        args = [jax.ShapeDtypeStruct(s[:-1], s[-1], sharding=shard) for s in shapes]
+
+        def loss(*a):
+            return jnp.sum(ra.ring_attention(*a, mesh=mesh, block_fn=block))
+
+        with jax.set_mesh(mesh):
+            compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(1024) <= 4.5 * temp_bytes(256)
+
+
 def test_zigzag_permutation_layout():
     perm = ra.zigzag_permutation(8, 2)
     np.testing.assert_array_equal(perm, [0, 1, 6, 7, 2, 3, 4, 5])
