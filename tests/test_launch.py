@@ -1,0 +1,93 @@
+"""Multi-process runs: 2 processes x 4 CPU devices joined by jax.distributed train like 1 x 8,
+write metrics and checkpoints once, and a dead process makes its peer fail instead of hang."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from meshtrain import checkpoint as checkpoint_lib, launch, train
+from tests.test_checkpoint import abstract_state, config_for, load, losses_of
+from tests.test_checkpoint_crash import cli_args, subprocess_env
+from tests.utils import ROOT
+
+STEPS = 4
+WAIT_S = 300
+
+
+def test_two_processes_of_four_devices_match_one_of_eight(tmp_path):
+    workdir = tmp_path / "two"
+    cmd = [sys.executable, "-m", "meshtrain.launch", "--processes", "2", "--",
+           *cli_args({"steps": STEPS, "workdir": workdir, "cpu_devices": 4})]
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(tmp_path / "cache"), capture_output=True, text=True,
+                          timeout=WAIT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "(8 devices, 2 process(es))" in proc.stdout + proc.stderr
+
+    config = config_for(tmp_path / "one", **{"steps": STEPS})
+    train.run(config)
+    two, one = losses_of(workdir), losses_of(tmp_path / "one")  # losses_of refuses a step written twice
+    assert sorted(two) == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rtol=1e-5, atol=0)
+    # the 2-process checkpoint (each process wrote its shards) restores in one process
+    abstract = abstract_state(config)
+    restored_two, restored_one = load(workdir, STEPS, abstract), load(tmp_path / "one", STEPS, abstract)
+    for a, b in zip(jax.tree.leaves(restored_two.state.params), jax.tree.leaves(restored_one.state.params),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert restored_two.data_state == restored_one.data_state
+
+
+def test_killing_one_process_makes_the_other_fail_promptly(tmp_path):
+    port = launch.free_port()
+    workdir = tmp_path / "run"
+    args = cli_args({"steps": 100000, "workdir": workdir, "cpu_devices": 4, "checkpoint.every": 5})
+    env = subprocess_env(tmp_path / "cache")
+    logs = [open(tmp_path / f"p{i}.log", "w") for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-m", "meshtrain.train", *args,
+                               f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
+                              cwd=ROOT, env=env, stdout=logs[i], stderr=subprocess.STDOUT) for i in range(2)]
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not (workdir / "metrics.jsonl").exists() or len(open(workdir / "metrics.jsonl").readlines()) < 3:
+            assert all(p.poll() is None for p in procs), (tmp_path / "p0.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the 2-process run did not reach step 3"
+            time.sleep(0.1)
+        procs[1].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        code = procs[0].wait(timeout=90)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+    assert code != 0, (tmp_path / "p0.log").read_text()[-3000:]
+    assert elapsed < 60, f"the surviving process took {elapsed:.0f}s to fail"
+    # whatever was saved before is still a finished, restorable checkpoint
+    ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_root(workdir), read_only=True)
+    steps = ckpt.all_steps()
+    ckpt.close()
+    assert all(s % 5 == 0 for s in steps)
+    records = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))  # written by process 0 only
+
+
+def test_launcher_reports_a_failed_process():
+    assert launch.commands(2, 1234, ["--config", "c.py"])[1][-3:] == [
+        "--coordinator_address=127.0.0.1:1234", "--num_processes=2", "--process_id=1"]
+    with pytest.raises(ValueError, match="processes=0"):
+        launch.commands(0, 1234, [])
+    # an unknown config key: both processes exit non-zero at flag parsing; so does the launcher
+    code = launch.launch(2, ["--config", str(ROOT / "configs" / "tiny.py"), "--config.no_such_key=1"],
+                         grace_s=5)
+    assert code != 0
