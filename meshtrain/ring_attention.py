@@ -14,9 +14,12 @@ causal work. The permutation is applied once to the data (tokens, positions,
 labels, segment ids: `zigzag_permutation`), never per layer; inside, causality is
 decided by each token's global index, rebuilt from the device index and the layout.
 
-Backward (`jax.custom_vjp`): a second ring in which dK/dV accumulate while they
-travel with their K/V block and arrive home after one more hop, so the residuals
-are only the local q, k, v, out and lse: O(local block), never O(full sequence).
+Backward (`jax.custom_vjp`): a second ring, turning the other way, in which dK/dV
+accumulate while they travel with their K/V block and arrive home after one more
+hop (N - 1 transfers of K/V, N of dK/dV), so the residuals are only the local q,
+k, v, segment ids, out and lse: O(local block), never O(full sequence). Work is
+skipped by layout (`_make_local_attention`): with zig-zag every off-diagonal step
+is half a block on every device.
 
 Shapes below: B batch, T global length, L = T / N local length, H query heads,
 K key/value heads (H % K == 0, grouped-query attention), D head dim,
