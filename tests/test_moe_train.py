@@ -128,3 +128,15 @@ def test_expert_weights_are_not_all_reduced_over_expert():
     reduced = sum(c.result_bytes * c.count for c, axes in found if c.kind == "all-reduce" and "expert" in axes)
     one_expert_weight = 4 * cfg.d_model * moe.expert_mlp_dim(cfg)
     assert replicated_bytes <= reduced < replicated_bytes + min(1024, one_expert_weight)
+
+
+def test_gradient_accumulation_with_expert_parallelism():
+    """2 micro-batches on data=2, fsdp=2(ZeRO-1), expert=2 equal 1 batch on 1 device. The router losses are
+    taken per micro-batch (they are not linear in the batch), so they are switched off here."""
+    losses = {}
+    for name, sizes, accum in (("ref", {}, 1), ("accum", {"data": 2, "fsdp": 2, "expert": 2}, 2)):
+        config = _config(sizes)
+        config.train.grad_accum_steps = accum
+        config.model.aux_loss_weight = config.model.router_z_loss_weight = 0.0
+        losses[name] = utils.run_steps(config, utils.synthetic_batches(config, STEPS))[0]
+    np.testing.assert_allclose(losses["accum"], losses["ref"], rtol=1e-5, atol=1e-5)
