@@ -242,6 +242,14 @@ def _validate_profile_init(config) -> None:
 EXTRA_VALIDATORS: list[Callable] = []
 
 
+def _register_module_validators() -> None:
+    """Imports the modules whose rules live beside their code; each appends to EXTRA_VALIDATORS once."""
+    import meshtrain.attention  # noqa: F401
+    import meshtrain.data  # noqa: F401
+    import meshtrain.moe  # noqa: F401
+    import meshtrain.pipeline  # noqa: F401
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
     """Checks every rule; returns the resolved mesh shape. Raises ConfigError (a ValueError)."""
     _validate_choices(config)
@@ -249,6 +257,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     sizes = mesh_shape(config, num_devices)
     _validate_shapes(config, sizes)
     _validate_profile_init(config)
+    _register_module_validators()
     for validator in EXTRA_VALIDATORS:
         validator(config, sizes)
     return sizes
@@ -283,6 +292,8 @@ class ModelConfig:
     moe_dropless: bool = False
     moe_mlp_dim: int = 0
     shared_expert: bool = False
+    aux_loss_weight: float = 0.01
+    router_z_loss_weight: float = 0.001
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> ModelConfig:
@@ -291,10 +302,16 @@ class ModelConfig:
         return cls(**values, remat_policy=config.remat.policy, attention_impl=config.attention.impl)
 
     def num_params(self) -> int:
-        """Exact parameter count of the dense model (embedding, layers, final norm, head)."""
+        """Exact parameter count (embedding, layers, final norm, head); with MoE every `moe_every`-th
+        layer's MLP is a router [D, E] + E experts (+ a shared expert) of width `moe_mlp_dim`."""
         d, h, k, hd = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim
         attn = d * h * hd + 2 * d * k * hd + h * hd * d
         mlp = 3 * d * self.mlp_dim
         layer = attn + mlp + 2 * d
         head = 0 if self.tie_embeddings else d * self.vocab_size
-        return self.vocab_size * d + self.n_layers * layer + d + head
+        total = self.vocab_size * d + self.n_layers * layer + d + head
+        if self.num_experts:
+            moe_mlp = 3 * d * (self.moe_mlp_dim or self.mlp_dim)
+            moe = d * self.num_experts + (self.num_experts + int(self.shared_expert)) * moe_mlp
+            total += (self.n_layers // self.moe_every) * (moe - mlp)
+        return total

@@ -92,8 +92,8 @@ class RMSNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = _param(self, "scale", (x.shape[-1],), ("embed",), nn.initializers.ones)
         if self.cfg.fused_norm:
-            from meshtrain.pallas_kernels import rms_norm
-            return rms_norm(x, scale, eps=self.cfg.norm_eps)
+            from meshtrain.attention import fused_rms_norm
+            return fused_rms_norm(x, scale, eps=self.cfg.norm_eps)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.norm_eps)
         return (normed * scale.astype(jnp.float32)).astype(x.dtype)
@@ -269,11 +269,8 @@ class Transformer(nn.Module):
         for name, value in metrics.items():
             self.sow("metrics", name, value, reduce_fn=lambda _, new: new, init_fn=lambda: jnp.zeros(()))
         if self.cfg.fused_loss:
-            from meshtrain.pallas_kernels import fused_cross_entropy
-            d = x.shape[-1]
-            loss_sum = fused_cross_entropy(x.reshape(-1, d), self.head_weight().astype(x.dtype),
-                                           batch["targets"].reshape(-1), batch["loss_mask"].reshape(-1))
-            return loss_sum, aux
+            from meshtrain.attention import fused_loss_sum
+            return fused_loss_sum(x, self.head_weight().astype(x.dtype), batch["targets"], batch["loss_mask"]), aux
         return cross_entropy_sum(self._logits(x), batch["targets"], batch["loss_mask"]), aux
 
 

