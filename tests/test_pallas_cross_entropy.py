@@ -113,3 +113,19 @@ def test_lowers_to_triton_without_full_logits():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "xla.gpu.triton" in text
         assert f"{n}x{v}" not in text  # no [tokens, vocab] buffer anywhere in the program
+
+
+def test_compiled_temp_memory_has_no_full_logits_buffer():
+    """A 32k-vocabulary loss + gradient: the fused kernel's temp memory stays below one [N, V] fp32
+    buffer, the reference's does not (playbook, "Fused Kernels")."""
+    n, d, v = 1024, 64, 32768
+    args = (jax.ShapeDtypeStruct((n, d), jnp.float32), jax.ShapeDtypeStruct((d, v), jnp.float32),
+            jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.float32))
+    logits_bytes = n * v * 4
+
+    def temp_bytes(loss_fn):
+        grad = jax.grad(lambda h, w, y, m: loss_fn(h, w, y, m), argnums=(0, 1))
+        return jax.jit(grad).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    fused, reference = temp_bytes(fused_cross_entropy), temp_bytes(fused_cross_entropy_reference)
+    assert fused < logits_bytes <= reference, (fused, reference, logits_bytes)
