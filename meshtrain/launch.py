@@ -10,7 +10,9 @@ the multi-process job sees one global mesh; nothing else in meshtrain changes.
 The launcher is a supervisor only: it forwards SIGTERM / SIGINT to every process (a
 preemption of the whole job: they save at a common step and exit 0), and when one process
 fails it stops the others (SIGTERM, then SIGKILL after `--grace_s`) and exits with that
-process's code, so a dead peer never leaves the job hanging.
+process's code, so a dead peer never leaves the job hanging. (Without the launcher, the
+survivors of a dead process fail when a collective errors, or at the latest after
+`jax.distributed`'s heartbeat timeout, 100 s by default.)
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
             p.wait()
 
 
-def launch(processes: int, train_args: list[str], port: int | None = None, grace_s: float = 10.0,
+def launch(processes: int, train_args: list[str], port: int | None = None, grace_s: float = 5.0,
            env: dict | None = None) -> int:
     """Runs the N processes to completion; returns 0, or the exit code of the first that failed."""
     cmds = commands(processes, port or free_port(), train_args)
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m meshtrain.launch", description=__doc__.split("\n")[0])
     parser.add_argument("--processes", type=int, required=True, help="number of local processes")
     parser.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
-    parser.add_argument("--grace_s", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--grace_s", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
     args = parser.parse_args(own)
     if args.processes < 1:
         parser.error(f"--processes={args.processes}: must be >= 1")

@@ -5,6 +5,7 @@ Every run uses the real data pipeline (the text_files source) and `meshtrain.tra
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -20,6 +21,32 @@ from tests.utils import tiny_config
 
 STEPS = 12
 STOPS = (1, 5, 11)  # the chained run stops (SIGTERM) after each and resumes
+
+
+@contextlib.contextmanager
+def persistent_compilation_cache(directory):
+    """JAX's persistent compilation cache in `directory`, for this process and (via `subprocess_env`)
+    its training subprocesses: a resumed run compiles the same program as the run it continues."""
+    from jax._src import compilation_cache as cc
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    before = {name: getattr(jax.config, name) for name in names}
+    for name, value in zip(names, (str(directory), 0.0, 0), strict=True):
+        jax.config.update(name, value)
+    cc.reset_cache()
+    try:
+        yield directory
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+        cc.reset_cache()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    with persistent_compilation_cache(tmp_path_factory.getbasetemp() / "jax_cache") as directory:
+        yield directory
 
 
 def config_for(workdir, mesh=None, **overrides):

@@ -21,12 +21,18 @@ import numpy as np
 import pytest
 
 from meshtrain import checkpoint as checkpoint_lib, data, mesh as mesh_lib, train_step as train_step_lib
-from tests.test_checkpoint import config_for, load
+from tests.test_checkpoint import config_for, load, persistent_compilation_cache
 from tests.utils import ROOT
 
 STEPS = 80
 KILL_TRIALS = 10
 WAIT_S = 240  # bound on any wait for a training process
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    with persistent_compilation_cache(tmp_path_factory.getbasetemp() / "jax_cache") as directory:
+        yield directory
 
 
 def cli_args(config_overrides: dict) -> list[str]:
@@ -111,9 +117,9 @@ def check_latest(workdir, digests, abstract) -> int:
     return latest
 
 
-def test_sigkill_trials_then_sigterm_then_finish(reference_digests, tmp_path):
+def test_sigkill_trials_then_sigterm_then_finish(reference_digests, tmp_path, compilation_cache):
     digests, abstract = reference_digests
-    env, workdir, rng = subprocess_env(tmp_path / "jax_cache"), str(tmp_path / "run"), np.random.default_rng(0)
+    env, workdir, rng = subprocess_env(compilation_cache), str(tmp_path / "run"), np.random.default_rng(0)
     expected_start = 0
     for trial in range(KILL_TRIALS):
         t = Trial(workdir, tmp_path / f"trial{trial}.log", env)
