@@ -51,7 +51,6 @@ from meshtrain import config as config_lib
 from meshtrain.config import ConfigError, ModelConfig
 from meshtrain.sharding_rules import Rules, constrain
 
-STATS = ("balance", "z", "dropped")  # per-layer router statistics returned by `MoeMlp`
 # Names of the exchanged token buffers, saved by the selective remat policy (never re-exchanged).
 EXCHANGE_NAMES = ("moe_dispatched", "moe_returned")
 
