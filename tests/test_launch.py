@@ -30,13 +30,35 @@ def compilation_cache(tmp_path_factory):
 
 
 def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, compilation_cache):
+    """The job is preempted (SIGTERM to the launcher, forwarded to both processes) after step 3 or later,
+    relaunched, and finishes: its losses equal a 1 x 8 run's."""
     workdir = tmp_path / "two"
     cmd = [sys.executable, "-m", "meshtrain.launch", "--processes", "2", "--",
            *cli_args({"steps": STEPS, "workdir": workdir, "cpu_devices": 4})]
-    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(compilation_cache), capture_output=True, text=True,
-                          timeout=WAIT_S)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "(8 devices, 2 process(es))" in proc.stdout + proc.stderr
+    env = subprocess_env(compilation_cache)
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not (workdir / "metrics.jsonl").exists() or len(open(workdir / "metrics.jsonl").readlines()) < 3:
+            assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the 2-process run did not reach step 3"
+            time.sleep(0.05)
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=120) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    preempted_at = max(losses_of(workdir))
+    assert 3 <= preempted_at < STEPS
+    ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_root(workdir), read_only=True)
+    assert ckpt.all_steps() == [preempted_at]  # both processes agreed on the step, saved it, exited 0
+    ckpt.close()
+    second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=WAIT_S)
+    output = second.stdout + second.stderr
+    assert second.returncode == 0, output[-3000:]
+    assert "(8 devices, 2 process(es))" in output and f"(step {preempted_at})" in output
 
     config = config_for(tmp_path / "one", **{"steps": STEPS})
     train.run(config)
