@@ -222,19 +222,21 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_l
     return TrainState(step=state.step + finite.astype(jnp.int32), params=params, opt_state=opt_state), metrics
 
 
-def accumulation_manual_axes(mesh: jax.sharding.Mesh, zero_stage: int, moe: bool) -> tuple[str, ...]:
+def accumulation_manual_axes(mesh: jax.sharding.Mesh, config: ml_collections.ConfigDict) -> tuple[str, ...]:
     """Batch axes over which parameters are replicated: the micro-batch loop is manual over them.
 
-    Under ZeRO-3 none: the parameters are gathered and the gradients reduce-scattered for each
-    micro-batch anyway (playbook, "ZeRO-3"), and the partitioner rejects a loop manual over `data`
-    with fsdp-sharded parameters and tensor parallelism together. With MoE layers none either: their
-    expert-parallel shard_map would nest inside this one, and jax 0.10 cannot differentiate a nested
-    shard_map (the residuals name the outer manual axes; sdy rejects the module).
+    None (the loop stays under the automatic partitioner, reducing per micro-batch) when:
+    * ZeRO-3: the parameters are gathered and the gradients reduce-scattered for each micro-batch
+      anyway (playbook, "ZeRO-3"), and the partitioner rejects a loop manual over `data` with
+      fsdp-sharded parameters and tensor parallelism together;
+    * the model has its own shard_map inside (MoE token exchange, ring attention, Pallas kernels):
+      jax 0.10 cannot differentiate a shard_map nested in another one (sdy rejects the module).
     """
-    if zero_stage >= 3 or moe:
+    nested = (config.model.num_experts > 0 or config.attention.impl != "xla"
+              or config.model.fused_norm or config.model.fused_loss)
+    if config.train.zero_stage >= 3 or nested:
         return ()
-    axes = ["data", "fsdp", "expert"]
-    return tuple(a for a in axes if mesh.shape[a] > 1)
+    return tuple(a for a in ("data", "fsdp", "expert") if mesh.shape[a] > 1)
 
 
 def jit_train_step(factory: StateFactory, schedule: optax.Schedule, accum_steps: int,
@@ -264,6 +266,6 @@ def build(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
     micro = config.train.batch_size // config.train.grad_accum_steps
     factory = StateFactory(model, tx, mesh, placement, (micro, config.train.seq_len))
     schedule = optimizer_lib.learning_rate_schedule(config)
-    manual = accumulation_manual_axes(mesh, config.train.zero_stage, config.model.num_experts > 0)
+    manual = accumulation_manual_axes(mesh, config)
     grads_fn = pipeline_lib.grads_function(pipeline, _grads_one_pass)  # chosen once, outside the trace
     return factory, jit_train_step(factory, schedule, config.train.grad_accum_steps, manual, grads_fn), schedule

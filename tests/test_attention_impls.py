@@ -29,11 +29,12 @@ def _permuted(batches, perm):
     return [{k: v[:, perm] for k, v in b.items()} for b in batches]
 
 
-@pytest.mark.parametrize("mesh", [{"sequence": 4}, {"data": 2, "sequence": 2, "tensor": 2}, {"data": 8}],
-                         ids=["sequence4", "data2-sequence2-tensor2", "data8-ring-degenerate"])
-def test_ring_attention_trains_like_single_device(reference, mesh):
+@pytest.mark.parametrize("mesh,accum", [({"sequence": 4}, 1), ({"data": 2, "sequence": 2, "tensor": 2}, 2),
+                                        ({"data": 8}, 1)],
+                         ids=["sequence4", "data2-sequence2-tensor2-accum2", "data8-ring-degenerate"])
+def test_ring_attention_trains_like_single_device(reference, mesh, accum):
     batches, ref_losses, ref_params = reference
-    config = tiny_config(mesh, **{"attention.impl": "ring"})
+    config = tiny_config(mesh, **{"attention.impl": "ring", "train.grad_accum_steps": accum})
     sizes = config_lib.validate(config, int(np.prod(list(mesh.values()))))
     losses, params, _ = run_steps(config, _permuted(batches, attention.data_permutation(config, sizes)))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -44,7 +45,7 @@ def test_pallas_kernels_train_like_xla(reference):
     """attention.impl=pallas + fused RMSNorm + fused loss (interpret mode) == everything off."""
     batches, ref_losses, _ = reference
     config = tiny_config({"data": 2}, **{"attention.impl": "pallas", "model.fused_norm": True,
-                                         "model.fused_loss": True})
+                                         "model.fused_loss": True, "train.grad_accum_steps": 2})
     losses, _, _ = run_steps(config, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 
