@@ -115,11 +115,11 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     """Attention rules: ring needs seq_len divisible by 2 x sequence; xla/pallas cannot split the sequence."""
     impl, n, t = config.attention.impl, sizes["sequence"], config.train.seq_len
     if impl == "ring" and t % (2 * n):
-        raise config_lib.ConfigError("train.seq_len", t, f"ring attention cuts the sequence into 2 x mesh.sequence={2 * n} "
-                                               "chunks (zig-zag); it must divide the sequence length")
+        raise config_lib.ConfigError(
+            "train.seq_len", t,
+            f"ring attention cuts the sequence into 2 x mesh.sequence={2 * n} chunks (zig-zag); they must divide it")
     if impl != "ring" and n > 1:
-        raise config_lib.ConfigError("attention.impl", impl, f"mesh.sequence={n} splits the sequence: only attention.impl="
-                                                  "'ring' attends across sequence shards")
+        raise config_lib.ConfigError(
+            "attention.impl", impl,
+            f"mesh.sequence={n} splits the sequence: only attention.impl='ring' attends across sequence shards")
 
-
-config_lib.EXTRA_VALIDATORS.append(validate_config)

@@ -237,17 +237,11 @@ def _validate_profile_init(config) -> None:
              "must be a Hugging Face checkpoint folder with a config.json")
 
 
-# Validators of the parallelism modules, registered by those modules (ring attention, pipeline,
-# MoE, data): each takes (config, mesh sizes) and raises ConfigError.
-EXTRA_VALIDATORS: list[Callable] = []
+def _module_validators() -> tuple[Callable, ...]:
+    """The rules that live beside their code: attention, data, MoE, pipeline. Each takes (config, sizes)."""
+    from meshtrain import attention, data, moe, pipeline
 
-
-def _register_module_validators() -> None:
-    """Imports the modules whose rules live beside their code; each appends to EXTRA_VALIDATORS once."""
-    import meshtrain.attention  # noqa: F401
-    import meshtrain.data  # noqa: F401
-    import meshtrain.moe  # noqa: F401
-    import meshtrain.pipeline  # noqa: F401
+    return (attention.validate_config, data.validate_config, moe.validate_moe, pipeline.validate)
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
@@ -257,8 +251,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     sizes = mesh_shape(config, num_devices)
     _validate_shapes(config, sizes)
     _validate_profile_init(config)
-    _register_module_validators()
-    for validator in EXTRA_VALIDATORS:
+    for validator in _module_validators():
         validator(config, sizes)
     return sizes
 

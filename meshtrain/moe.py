@@ -47,7 +47,6 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from meshtrain import config as config_lib
 from meshtrain.config import ConfigError, ModelConfig
 from meshtrain.sharding_rules import Rules, constrain
 
@@ -84,8 +83,6 @@ def validate_moe(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> No
         raise ConfigError("mesh.stage", sizes["stage"],
                           "pipeline parallelism does not carry the MoE router losses yet; use mesh.stage=1")
 
-
-config_lib.EXTRA_VALIDATORS.append(validate_moe)
 
 
 def expert_mlp_dim(cfg: ModelConfig) -> int:

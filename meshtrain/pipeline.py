@@ -282,7 +282,7 @@ def grads_function(pipe: Pipeline | None, default):
 
 
 def validate(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
-    """Pipeline rules (registered in `config.EXTRA_VALIDATORS`); raises ConfigError."""
+    """Pipeline rules (run by `config.validate`); raises ConfigError."""
     p = sizes[STAGE]
     pipe, req = config.pipeline, config_lib._require
     if p == 1:
@@ -305,8 +305,6 @@ def validate(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
         req(not config.model[key], f"model.{key}", config.model[key],
             "Pallas kernels are not supported with mesh.stage > 1 yet")
 
-
-config_lib.EXTRA_VALIDATORS.append(validate)
 
 
 def describe(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> str | None:

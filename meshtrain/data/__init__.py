@@ -68,7 +68,7 @@ def make_iterator(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, sp
 
 
 def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
-    """The data rules, registered in `meshtrain.config.EXTRA_VALIDATORS`. Raises ConfigError."""
+    """The data rules (run by `config.validate`). Raises ConfigError."""
     del sizes  # the batch divisibility rules live in meshtrain.config
     source = config.data.source
     if not isinstance(source, str) or not (source in ("synthetic", "text_files") or source.startswith("tfds:")):
@@ -84,6 +84,3 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
 
     sources.validate_config(config)
 
-
-if validate_config not in config_lib.EXTRA_VALIDATORS:
-    config_lib.EXTRA_VALIDATORS.append(validate_config)
