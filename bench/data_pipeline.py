@@ -22,8 +22,7 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from meshtrain import config as config_lib
-from meshtrain import data
+from meshtrain import config as config_lib, data
 from meshtrain.data import packing
 
 

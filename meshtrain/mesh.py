@@ -23,7 +23,7 @@ from meshtrain import config as config_lib
 log = logging.getLogger(__name__)
 
 
-class Axis(str, enum.Enum):
+class Axis(enum.StrEnum):
     """Mesh axis names: the only place they are spelled."""
 
     DATA = "data"
@@ -83,7 +83,7 @@ def make_mesh(config: ml_collections.ConfigDict, devices: list | None = None) ->
     shape = tuple(sizes[name] for name in MESH_ORDER)
     dcn = tuple(int(config.mesh[f"dcn_{name}"]) for name in MESH_ORDER)
     if np.prod(dcn) > 1:
-        ici = tuple(s // d for s, d in zip(shape, dcn))
+        ici = tuple(s // d for s, d in zip(shape, dcn, strict=True))
         device_array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices,
                                                              allow_split_physical_axes=True)
     else:

@@ -149,7 +149,7 @@ def explain(boxed_state, specs_tree, mesh: jax.sharding.Mesh) -> str:
                      str(names or "-"), str(spec), _human(nbytes), _human(nbytes // split)))
     rows.append(("total", "", "", "", _human(total_global), _human(total_device)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
 def _human(n: int) -> str:

@@ -6,8 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import config as config_lib
-from meshtrain import data
+from meshtrain import config as config_lib, data
 from meshtrain.data import packing
 from meshtrain.data.sources import PackedRows
 
@@ -102,7 +101,8 @@ def test_same_seed_same_batches_different_seed_differs():
     assert not np.array_equal(first[0]["inputs"], validation[0]["inputs"])
 
 
-@pytest.mark.parametrize("resume_mesh", [{"data": 8}, {"data": 2, "tensor": 4}, {"fsdp": 2, "sequence": 2, "tensor": 2}])
+@pytest.mark.parametrize("resume_mesh", [{"data": 8}, {"data": 2, "tensor": 4},
+                                         {"fsdp": 2, "sequence": 2, "tensor": 2}])
 def test_resume_on_any_data_parallel_size_gives_uninterrupted_rows(resume_mesh):
     config = small_config(seed=1)
     full, _, _ = take(config, make_mesh(data=4, fsdp=2), 5)

@@ -10,8 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import config as config_lib
-from meshtrain import data
+from meshtrain import config as config_lib, data
 from meshtrain.data import corpus, sources, text_files, tokenizers
 
 NAMES = ("data", "stage", "fsdp", "expert", "sequence", "tensor")

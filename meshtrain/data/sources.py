@@ -3,7 +3,8 @@
 The layout is Megatron-LM's GPT dataset (Shoeybi et al. 2019, the codebase the playbook's
 "Tensor Parallelism" section builds on): the documents of a split are tokenized once into one
 flat token array plus document offsets (cached beside the TFDS dataset), laid end to end in
-an order shuffled from the seed, and cut into windows of `seq_len + 1` tokens every `seq_len` tokens. A document longer than
+an order shuffled from the seed, and cut into windows of `seq_len + 1` tokens every `seq_len` tokens. A
+document longer than
 `seq_len` spans several windows (split, never dropped); the tail shorter than one window is
 left out of each epoch. grain shuffles the windows, reseeded every epoch, so global row `i`
 is `windows[shuffle_epoch(i)]`: a pure function of (seed, i), which is what makes resume
@@ -70,7 +71,8 @@ def builder(config, prepare_if_missing: bool = True):
                                      f"in config.data.data_dir={directory!r}") from error
     if not result.is_prepared():
         raise config_lib.ConfigError("data.source", source, f"the dataset is not prepared; searched "
-                                     f"{result.data_dir} (config.data.data_dir={directory!r}); build it with tfds first")
+                                     f"{result.data_dir} (config.data.data_dir={directory!r}); "
+                                     "build it with tfds first")
     return result
 
 
