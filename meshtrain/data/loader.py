@@ -3,7 +3,8 @@
 Playbook, "Data Parallelism" and "Revisit global batch size": each data-parallel rank
 consumes its own slice of the global batch (gbs = mbs x grad_acc x dp). Here the slice
 belongs to a *process*: a process reads only the rows its devices hold under the batch
-sharding `P(('data', 'fsdp', 'expert'), 'sequence')`, and `jax.make_array_from_process_local_data` joins the slices into one global array.
+sharding `P(('data', 'fsdp', 'expert'), 'sequence')`, and
+`jax.make_array_from_process_local_data` joins the slices into one global array.
 
 Row `s * batch_size + i` of the run is global row `start_row + s * batch_size + i` of
 the source, whatever the process count or data-parallel size. The iterator's state is
