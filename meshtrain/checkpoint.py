@@ -37,6 +37,8 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
+from meshtrain import config as config_lib
+
 log = logging.getLogger(__name__)
 
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -197,19 +199,43 @@ def resolve_restore_from(path: str) -> tuple[str, int | None]:
 
 
 def resume(config: ml_collections.ConfigDict, ckpt: Checkpointer, abstract_state) -> Restored | None:
-    """The run's own newest checkpoint; else `checkpoint.restore_from`'s; else None (fresh start)."""
+    """The run's own newest checkpoint; else `checkpoint.restore_from`'s; else None (fresh start).
+
+    Raises ConfigError (naming `workdir` or `checkpoint.restore_from`) when the checkpoint does
+    not fit the run's model, or the path is unusable.
+    """
     if ckpt.latest_step() is not None:
-        return ckpt.restore(abstract_state)
+        try:
+            return ckpt.restore(abstract_state)
+        except ValueError as error:
+            raise config_lib.ConfigError("workdir", config.workdir, f"{error}; resume with the same model.* "
+                                         "or use a new workdir") from error
     if not config.checkpoint.restore_from:
         return None
-    root, step = resolve_restore_from(config.checkpoint.restore_from)
-    if root == ckpt.root:
-        return None
-    source = Checkpointer(root, read_only=True, async_save=False)
     try:
-        return source.restore(abstract_state, step)
-    finally:
-        source.close()
+        root, step = resolve_restore_from(config.checkpoint.restore_from)
+        if root == ckpt.root:
+            return None
+        source = Checkpointer(root, read_only=True, async_save=False)
+        try:
+            return source.restore(abstract_state, step)
+        finally:
+            source.close()
+    except config_lib.ConfigError:
+        raise
+    except ValueError as error:
+        raise config_lib.ConfigError("checkpoint.restore_from", config.checkpoint.restore_from, str(error)) from error
+
+
+def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
+    """The checkpoint rules (one of `meshtrain.config`'s module validators). Raises ConfigError."""
+    del sizes
+    if config.checkpoint.restore_from:
+        path = os.path.realpath(os.path.expanduser(config.checkpoint.restore_from))
+        if not os.path.isdir(path):
+            raise config_lib.ConfigError("checkpoint.restore_from", config.checkpoint.restore_from,
+                                         f"must be a run's workdir, its checkpoints/ directory or one step "
+                                         f"directory; {path!r} is not a directory")
 
 
 def config_record(config: ml_collections.ConfigDict) -> dict:

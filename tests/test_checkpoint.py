@@ -16,7 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshtrain import checkpoint as checkpoint_lib, data, mesh as mesh_lib, train, train_step as train_step_lib
+from meshtrain import (
+    checkpoint as checkpoint_lib,
+    config as config_lib,
+    data,
+    mesh as mesh_lib,
+    train,
+    train_step as train_step_lib,
+)
 from tests.utils import tiny_config
 
 STEPS = 12
@@ -240,3 +247,10 @@ def test_restore_from_another_run_and_safety(reference, tmp_path, monkeypatch):
         checkpoint_lib.Checkpointer(str(tmp_path / "k"), keep=0)
     with pytest.raises(ValueError, match="shape"):  # a checkpoint of another model
         load(reference, 5, abstract_state(config_for(tmp_path, **{"model.d_model": 32})))
+    # through the run: one ConfigError naming the key, before anything is compiled
+    other_model = config_for(tmp_path / "other", **{"model.d_model": 32, "checkpoint.restore_from": str(reference)})
+    with pytest.raises(config_lib.ConfigError, match=r"config.checkpoint.restore_from=.*has shape"):
+        train.run(other_model)
+    missing = config_for(tmp_path / "m", **{"checkpoint.restore_from": str(tmp_path / "missing")})
+    with pytest.raises(config_lib.ConfigError, match=r"config.checkpoint.restore_from=.*is not a directory"):
+        checkpoint_lib.validate_config(missing, config_lib.validate(config_for(tmp_path), 8))
