@@ -146,3 +146,21 @@ def test_sigkill_trials_then_sigterm_then_finish(reference_digests, tmp_path, co
     assert t.finish() == 0, t.output()[-3000:]
     assert t.resumed_from() == preempted_at and t.steps()[0] == preempted_at + 1
     assert check_latest(workdir, digests, abstract) == STEPS
+
+
+def test_cli_stops_on_a_real_divergence_with_exit_code_3(tmp_path, compilation_cache):
+    """A learning rate of 1e30 makes step 2's gradients non-finite: the process names the step and the
+    last good checkpoint, flushes metrics.jsonl, and exits 3 without saving step 2."""
+    workdir = tmp_path / "run"
+    args = cli_args({"steps": 12, "workdir": workdir, "checkpoint.every": 1, "train.learning_rate": 1e30,
+                     "train.warmup_steps": 0})
+    proc = subprocess.run([sys.executable, "-m", "meshtrain.train", *args], cwd=ROOT, capture_output=True,
+                          text=True, env=subprocess_env(compilation_cache), timeout=WAIT_S)
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    last_good = os.path.join(checkpoint_lib.checkpoint_root(workdir), "1")
+    assert "non-finite values at step 2" in proc.stderr and f"last good checkpoint is {last_good}" in proc.stderr
+    ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_root(workdir), read_only=True)
+    assert ckpt.all_steps() == [1]
+    ckpt.close()
+    last_record = (workdir / "metrics.jsonl").read_text().splitlines()[-1]
+    assert '"step": 2' in last_record and '"nonfinite": 1.0' in last_record
