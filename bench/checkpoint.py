@@ -2,6 +2,11 @@
 and the step-time overhead of saving asynchronously vs synchronously.
 
     python bench/checkpoint.py [--sizes tiny,100m] [--repeats 3] [--steps 40] [--every 5] [--dir /tmp/x]
+                               [--crash_trials 30]
+
+`--crash_trials N` also kills a training process (async save after every step) with SIGKILL
+N times at random moments and checks after each kill that the newest finished checkpoint is
+bitwise the uninterrupted run's state at its step and that the next process resumes from it.
 
 Runs on whatever devices JAX sees (8 fake CPU devices when the platform is CPU). Prints a
 table and, last, one JSON line with every figure.
@@ -10,11 +15,15 @@ table and, last, one JSON line with every figure.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +36,7 @@ if jax.config.jax_platforms == "cpu":
     jax.config.update("jax_num_cpu_devices", 8)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np  # noqa: E402
 
 from meshtrain import (  # noqa: E402
     checkpoint as checkpoint_lib,
@@ -37,6 +47,7 @@ from meshtrain import (  # noqa: E402
 )
 from meshtrain.config import ModelConfig  # noqa: E402
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = {  # name -> model overrides (configs/tiny.py is the base)
     "tiny": {},
     "100m": {"vocab_size": 32000, "d_model": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4,
@@ -138,6 +149,84 @@ def bench_step_overhead(steps: int, every: int, root: str) -> dict:
     return out
 
 
+CRASH_RUN = {"mesh.data": 1, "mesh.fsdp": 8, "model.dtype": "float32", "model.n_layers": 2, "train.seq_len": 32,
+             "train.batch_size": 8, "log_every": 1, "data.source": "text_files", "checkpoint.every": 1,
+             "checkpoint.keep": 2}
+
+
+def _crash_config(steps: int, workdir: str):
+    spec = importlib.util.spec_from_file_location("tiny_config", os.path.join(ROOT, "configs", "tiny.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    for key, value in {**CRASH_RUN, "steps": steps, "workdir": workdir}.items():
+        *parents, leaf = key.split(".")
+        node = config
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return config
+
+
+def _digest(tree) -> list[str]:
+    return [hashlib.sha256(np.ascontiguousarray(np.asarray(x)).tobytes()).hexdigest() for x in jax.tree.leaves(tree)]
+
+
+def bench_crash_trials(trials: int, root: str, seed: int = 0) -> dict:
+    """SIGKILL a training process `trials` times at random moments; verify every restart."""
+    steps = 40 + 4 * trials
+    workdir = os.path.join(root, "crash")
+    config = _crash_config(steps, workdir)
+    mesh, factory, step_fn = setup(config, jax.devices()[:8])
+    state, it, reference = factory.create(config.seed), data.make_iterator(config, mesh), {}
+    with jax.set_mesh(mesh):
+        for step in range(1, steps + 1):
+            state, _ = step_fn(state, next(it))
+            reference[step] = _digest(state)
+    it.close()
+    cache = os.path.join(root, "jax_cache")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_DEFAULT_MATMUL_PRECISION": "float32", "PYTHONPATH": ROOT,
+           "JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    flags = [f"--config.{k}={v}" for k, v in {**CRASH_RUN, "steps": steps, "workdir": workdir}.items()]
+    cmd = [sys.executable, "-m", "meshtrain.train", "--config", os.path.join(ROOT, "configs", "tiny.py"), *flags]
+    rng, expected, out = np.random.default_rng(seed), 0, {"trials": 0, "killed_mid_save": 0, "bitwise_ok": 0,
+                                                          "resumed_ok": 0, "no_checkpoint": 0}
+    ckpt_root = checkpoint_lib.checkpoint_root(workdir)
+    for trial in range(trials):
+        log_path = os.path.join(root, "crash.log")
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        wait_for, deadline = expected + (2 if trial == 0 else 0), time.monotonic() + 300
+        while True:
+            text = open(log_path).read()
+            if any(int(s) > wait_for for s in re.findall(r"\] step (\d+) \|", text)) or proc.poll() is not None:
+                break
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"trial {trial}: no progress in 300 s:\n{text[-2000:]}")
+            time.sleep(0.02)
+        if proc.poll() is not None:
+            break  # the run finished
+        time.sleep(rng.uniform(0.0, 0.15))
+        out["killed_mid_save"] += any("orbax-checkpoint-tmp" in name for name in os.listdir(ckpt_root))
+        proc.kill()
+        proc.wait()
+        resumed = re.findall(r"resumed from \S+ \(step (\d+)\)", open(log_path).read())
+        out["resumed_ok"] += int(resumed[0]) == expected if resumed else expected == 0
+        ckpt = checkpoint_lib.Checkpointer(ckpt_root, read_only=True)
+        latest = ckpt.latest_step()
+        if latest is None:
+            out["no_checkpoint"] += 1
+        else:
+            restored = ckpt.restore(factory.abstract, latest)
+            out["bitwise_ok"] += _digest(restored.state) == reference[latest]
+            expected = latest
+        ckpt.close()
+        out["trials"] += 1
+    out["last_step"] = expected
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="tiny,100m")
@@ -145,6 +234,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--dir", default="", help="where checkpoints are written (default: a temporary dir)")
+    parser.add_argument("--crash_trials", type=int, default=0, help="SIGKILL trials (0: none)")
     args = parser.parse_args()
     root = args.dir or tempfile.mkdtemp(prefix="meshtrain_ckpt_bench_")
     print(f"{len(jax.devices())} x {jax.devices()[0].device_kind}, writing to {root}")
@@ -162,6 +252,12 @@ def main() -> None:
     print(f"tiny step time, save every {s['every']} steps: none {s['step_ms_none']:.1f} ms, async "
           f"{s['step_ms_async']:.1f} ms ({s['async_overhead_pct']:+.1f}%), sync {s['step_ms_sync']:.1f} ms "
           f"({s['sync_overhead_pct']:+.1f}%)")
+    if args.crash_trials:
+        c = bench_crash_trials(args.crash_trials, root)
+        results["crash_trials"] = c
+        print(f"crash trials: {c['trials']} SIGKILLs ({c['killed_mid_save']} with a save in flight), newest checkpoint "
+              f"bitwise correct {c['bitwise_ok']}/{c['trials']}, restarts resumed from it {c['resumed_ok']}/"
+              f"{c['trials']}, kills leaving no checkpoint {c['no_checkpoint']}")
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(results))
