@@ -1,18 +1,25 @@
 """Checkpoints, exact resume, preemption and numerical faults: what lets a run stop and go on.
 
-Playbook, "ZeRO" and "5D parallelism in a nutshell": the train state rests sharded over the
-mesh, so a checkpoint is written shard by shard by every process (orbax over tensorstore)
-and read back into whatever shardings the *new* run asks for. A checkpoint saved on
+Playbook, "ZeRO (Zero Redundancy Optimizer)" and "5D parallelism in a nutshell": the train
+state rests sharded over the mesh (optimizer state, gradients and parameters split over
+the data-parallel ranks), so a checkpoint is written shard by shard by every process
+(orbax over tensorstore) and read back into whatever shardings the *new* run asks for. A checkpoint saved on
 `fsdp=8` restores onto `data=2, fsdp=2, tensor=2` or onto 4 devices because the restore
 target is the new run's abstract state (`jax.ShapeDtypeStruct`s carrying the new
 `NamedSharding`s), never the saved layout.
 
 Layout of `<workdir>/checkpoints/<step>/` (one orbax `CheckpointManager`, one handler per item):
 
-* `state`: the `TrainState` arrays (step, params, optimizer state), `StandardSave`.
+* `state`: the `TrainState` arrays (step, params, optimizer state), orbax's PyTree handler
+  (tensorstore, OCDBT); the run has no other random state: initialisation and the data
+  order derive from `config.seed`, stored in `meta`.
 * `data`: the data iterator position, JSON (`DataIterator.state()`).
 * `meta`: JSON: the resolved config (for the record only; a run's config always comes
   from its command line), the seed, and the count of skipped non-finite steps.
+
+Numerical faults (playbook, "Mixed Precision Training": low precision can diverge): the
+train step withholds an update whose loss or gradient norm is not finite; `FiniteGuard`
+stops the run (default) or counts the skip (`train.skip_nonfinite`).
 
 Saves are asynchronous by default: the step loop waits only for the device-to-host copy;
 orbax writes into a temporary directory and renames it when complete, so a process killed
