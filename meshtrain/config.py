@@ -238,10 +238,14 @@ def _validate_profile_init(config) -> None:
 
 
 def _module_validators() -> tuple[Callable, ...]:
-    """The rules that live beside their code: attention, data, MoE, pipeline. Each takes (config, sizes)."""
-    from meshtrain import attention, data, moe, pipeline
+    """The rules that live beside their code: attention, data, MoE, pipeline, checkpoint.
 
-    return (attention.validate_config, data.validate_config, moe.validate_moe, pipeline.validate)
+    Each takes (config, sizes) and raises ConfigError.
+    """
+    from meshtrain import attention, checkpoint, data, moe, pipeline
+
+    return (attention.validate_config, data.validate_config, moe.validate_moe, pipeline.validate,
+            checkpoint.validate_config)
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
