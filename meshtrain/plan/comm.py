@@ -126,7 +126,9 @@ def _activations(run: Run, remat: str, backend: Backend) -> list[Coll]:
     if s["tensor"] > 1:
         tp = {"tensor": s["tensor"]}
         backward = 2 if backend.reassociate else 5  # q,k,v and gate,up input-gradients, summed or not
-        recompute = 2 if remat == "full" else 0
+        # full remat recomputes the layer forward in the backward: the attention output's reduction is
+        # needed again (the MLP input depends on it), the layer's final MLP reduction is not (dead code).
+        recompute = 1 if remat == "full" else 0
         reductions = layers * (2 + backward + recompute) + 1  # + the vocabulary-split head's input-gradient
         if m.sequence_parallel:
             gathers = layers * (4 + (2 if remat != "none" else 0)) + 1
