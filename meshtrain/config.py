@@ -312,3 +312,10 @@ class ModelConfig:
             moe = d * self.num_experts + (self.num_experts + int(self.shared_expert)) * moe_mlp
             total += (self.n_layers // self.moe_every) * (moe - mlp)
         return total
+
+    def num_active_params(self) -> int:
+        """Parameters a token passes through: an MoE layer counts only its `experts_per_token` experts."""
+        if not self.num_experts:
+            return self.num_params()
+        idle = (self.num_experts - self.experts_per_token) * 3 * self.d_model * (self.moe_mlp_dim or self.mlp_dim)
+        return self.num_params() - (self.n_layers // self.moe_every) * idle

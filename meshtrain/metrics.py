@@ -40,8 +40,11 @@ def device_peak_flops(device: jax.Device | None = None) -> float | None:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x (matmul parameters) + 12 x layers x seq_len x (heads x head_dim)."""
-    matmul_params = cfg.num_params() - cfg.vocab_size * cfg.d_model * (0 if cfg.tie_embeddings else 1)
+    """Training FLOPs per token: 6 x (matmul parameters a token uses) + 12 x layers x seq_len x (heads x head_dim).
+
+    The input embedding is a gather (no FLOPs); an MoE layer counts only the experts a token is routed to.
+    """
+    matmul_params = cfg.num_active_params() - cfg.vocab_size * cfg.d_model * (0 if cfg.tie_embeddings else 1)
     return 6.0 * matmul_params + 12.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
 
 

@@ -79,3 +79,17 @@ def test_bf16_compute_trains_close_to_float32():
     loss32, _, _ = run_steps(config32, batches)
     loss16, _, _ = run_steps(tiny_config(**{"model.dtype": "bfloat16"}), batches)
     np.testing.assert_allclose(loss16, loss32, rtol=2e-2)
+
+
+def test_flops_per_token_counts_active_experts_only():
+    """MFU's FLOPs: 6 x matmul parameters a token uses; a top-2 of 8 MoE uses 2 expert MLPs per layer."""
+    from meshtrain.metrics import flops_per_token
+
+    dense = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=128)
+    moe = ModelConfig(**{**dense.__dict__, "num_experts": 8, "experts_per_token": 2})
+    attention = 2 * 12 * 64 * 4 * 16
+    layer_attn, mlp, norms = 64 * 4 * 16 * 2 + 2 * 64 * 2 * 16, 3 * 64 * 128, 2 * 64
+    head = 64 * 256
+    assert flops_per_token(dense, 64) == 6 * (2 * (layer_attn + mlp + norms) + 64 + head) + attention
+    router = 64 * 8
+    assert flops_per_token(moe, 64) == 6 * (2 * (layer_attn + 2 * mlp + router + norms) + 64 + head) + attention
