@@ -84,12 +84,32 @@ def make_mesh(config: ml_collections.ConfigDict, devices: list | None = None) ->
     dcn = tuple(int(config.mesh[f"dcn_{name}"]) for name in MESH_ORDER)
     if np.prod(dcn) > 1:
         ici = tuple(s // d for s, d in zip(shape, dcn, strict=True))
-        device_array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices,
-                                                             allow_split_physical_axes=True)
+        device_array = _hybrid_device_array(ici, dcn, devices)
     else:
         device_array = mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
     axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_ORDER)
     return jax.sharding.Mesh(device_array, MESH_ORDER, axis_types=axis_types)
+
+
+def _hybrid_device_array(ici: tuple[int, ...], dcn: tuple[int, ...], devices: list) -> np.ndarray:
+    """Devices laid out so that each axis is (cross-node part) x (in-node part), nodes outermost.
+
+    Nodes ("granules") are slices where the devices know theirs (TPU), else processes; a single
+    process of fake CPU devices is cut into consecutive granules so the layout can be tested.
+    """
+    if all(hasattr(d, "slice_index") for d in devices):
+        return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices, allow_split_physical_axes=True)
+    if jax.process_count() > 1:
+        return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices, process_is_granule=True,
+                                                    allow_split_physical_axes=True)
+    per_granule = int(np.prod(ici))
+    granules = [mesh_utils.create_device_mesh(ici, devices[g * per_granule:(g + 1) * per_granule],
+                                              allow_split_physical_axes=True)
+                for g in range(int(np.prod(dcn)))]
+    stacked = np.stack(granules).reshape(dcn + ici)  # [dcn..., ici...]
+    n = len(ici)
+    interleaved = stacked.transpose([i for pair in zip(range(n), range(n, 2 * n), strict=True) for i in pair])
+    return interleaved.reshape(tuple(d * i for d, i in zip(dcn, ici, strict=True)))
 
 
 def mesh_sizes(mesh: jax.sharding.Mesh) -> dict[str, int]:

@@ -8,9 +8,7 @@ import chex
 import numpy as np
 import pytest
 
-from tests.utils import run_steps, synthetic_batches, tiny_config
-
-STEPS = 3
+from tests.utils import run_steps, tiny_config
 
 MESHES = [
     pytest.param({"data": 8}, {}, id="data8"),
@@ -27,26 +25,18 @@ MESHES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def reference():
-    config = tiny_config()
-    batches = synthetic_batches(config, STEPS)
-    losses, params, _ = run_steps(config, batches)
-    return batches, losses, params
-
-
 @pytest.mark.parametrize("mesh,overrides", MESHES)
-def test_sharded_equals_single_device(reference, mesh, overrides):
-    batches, ref_losses, ref_params = reference
+def test_sharded_equals_single_device(tiny_reference, mesh, overrides):
+    batches, ref_losses, ref_params = tiny_reference
     config = tiny_config(mesh, **overrides)
     losses, params, _ = run_steps(config, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-6)
 
 
-def test_remat_policies_equal(reference):
+def test_remat_policies_equal(tiny_reference):
     """Recomputation changes memory, never values (playbook, "Activation recomputation")."""
-    batches, ref_losses, ref_params = reference
-    for policy in ("none", "full"):
+    batches, ref_losses, ref_params = tiny_reference
+    for policy in ("none", "full", "offload"):
         losses, params, _ = run_steps(tiny_config(**{"remat.policy": policy}), batches[:1])
         np.testing.assert_allclose(losses, ref_losses[:1], rtol=1e-6)

@@ -45,3 +45,14 @@ def test_every_large_parameter_is_sharded_under_zero3():
 def test_rule_table_names_only_mesh_axes():
     for name, axes in RULES.items():
         assert set(axes) <= set(mesh_lib.MESH_ORDER), name
+
+
+def test_cross_node_split_keeps_tensor_inside_a_node():
+    """mesh.dcn_data=2: two 'nodes' of 4 devices; each tensor group lies inside one node."""
+    config = tiny_config({"data": 2, "fsdp": 2, "tensor": 2}, **{"mesh.dcn_data": 2})
+    mesh = mesh_lib.make_mesh(config)
+    ids = mesh.devices.reshape(2, 2, 2)  # [data, fsdp, tensor] (the other axes are 1)
+    node = lambda d: d.id // 4  # noqa: E731  consecutive granules of 4 fake devices
+    for data in range(2):
+        assert {node(d) for d in ids[data].flat} == {data}  # the data axis is the cross-node one
+    assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
