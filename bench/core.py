@@ -22,7 +22,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from meshtrain import config as config_lib, mesh as mesh_lib, train_step as train_step_lib  # noqa: E402
+from meshtrain import (  # noqa: E402
+    config as config_lib,
+    mesh as mesh_lib,
+    optimizer as optimizer_lib,
+    train_step as train_step_lib,
+)
 
 jax.config.update("jax_num_cpu_devices", 1)
 
@@ -40,7 +45,7 @@ def model_config(name: str):
         c.model.update(d_model=64, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=8, mlp_dim=192)
         c.train.update(batch_size=16, seq_len=128)
     else:  # ~50M parameters
-        c.model.update(vocab_size=32768, d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64,
+        c.model.update(vocab_size=16384, d_model=512, n_layers=10, n_heads=8, n_kv_heads=4, head_dim=64,
                        mlp_dim=2048)
         c.train.update(batch_size=4, seq_len=256)
     return c
@@ -100,7 +105,11 @@ def plain_loss(p, batch, cfg):
 
 def plain_step_fn(config):
     cfg = config_lib.ModelConfig.from_config(config)
-    tx = optax.adamw(1e-3, b1=0.9, b2=0.95, weight_decay=0.1)
+    # The same optimizer as meshtrain's config: global-norm clipping, then AdamW with its schedule.
+    t = config.train
+    tx = optax.chain(optax.clip_by_global_norm(t.grad_clip),
+                     optax.adamw(optimizer_lib.learning_rate_schedule(config), b1=t.b1, b2=t.b2, eps=t.eps,
+                                 weight_decay=t.weight_decay))
 
     @jax.jit
     def step(params, opt_state, batch):

@@ -244,7 +244,8 @@ class Transformer(nn.Module):
 
     def head_loss(self, x: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
         """Summed cross-entropy of the layer stack's output x [B,T,D] (final norm, head, loss): 1F1B's last stage."""
-        return cross_entropy_sum(self._logits(self.final_norm(x)), batch["targets"], batch["loss_mask"])
+        return cross_entropy_sum(self._logits(self.final_norm(x)), batch["targets"], batch["loss_mask"],
+                                 self._vocab_split())
 
     def head_weight(self) -> jax.Array:
         """[D, V] output projection (the embedding's transpose when tied)."""
@@ -271,13 +272,25 @@ class Transformer(nn.Module):
         if self.cfg.fused_loss:
             from meshtrain.attention import fused_loss_sum
             return fused_loss_sum(x, self.head_weight().astype(x.dtype), batch["targets"], batch["loss_mask"]), aux
-        return cross_entropy_sum(self._logits(x), batch["targets"], batch["loss_mask"]), aux
+        return cross_entropy_sum(self._logits(x), batch["targets"], batch["loss_mask"], self._vocab_split()), aux
+
+    def _vocab_split(self) -> bool:
+        """Whether the logits' vocabulary dimension is split over devices (a static fact of the rules)."""
+        return bool(self.rules.spec(("act_vocab",)))
 
 
-def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
-    """sum(mask * (logsumexp(logits) - logits[target])); a one-hot keeps a split vocabulary split."""
+def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array,
+                      vocab_split: bool = False) -> jax.Array:
+    """sum(mask * (logsumexp(logits) - logits[target])).
+
+    With the vocabulary split over `tensor` the target logit is picked by a one-hot product, which
+    keeps the split (a gather would collect the whole [B,T,V] logits); otherwise by a gather.
+    """
     log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1)
+    if vocab_split:
+        target_logit = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1)
+    else:
+        target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return jnp.sum((log_z - target_logit) * mask.astype(jnp.float32))
 
 

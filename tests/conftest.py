@@ -9,3 +9,17 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "float32")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_reference():
+    """The single-device run every parallel layout is compared with: 3 steps of the float32 tiny
+    model on synthetic packed batches -> (batches, losses, final params)."""
+    from tests.utils import run_steps, synthetic_batches, tiny_config
+
+    config = tiny_config()
+    batches = synthetic_batches(config, 3)
+    losses, params, _ = run_steps(config, batches)
+    return batches, losses, params

@@ -10,17 +10,7 @@ import numpy as np
 import pytest
 
 from meshtrain import attention, config as config_lib
-from tests.utils import run_steps, synthetic_batches, tiny_config
-
-STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def reference():
-    config = tiny_config()
-    batches = synthetic_batches(config, STEPS)
-    losses, params, _ = run_steps(config, batches)
-    return batches, losses, params
+from tests.utils import run_steps, tiny_config
 
 
 def _permuted(batches, perm):
@@ -32,8 +22,8 @@ def _permuted(batches, perm):
 @pytest.mark.parametrize("mesh,accum", [({"sequence": 4}, 1), ({"data": 2, "sequence": 2, "tensor": 2}, 2),
                                         ({"data": 8}, 1)],
                          ids=["sequence4", "data2-sequence2-tensor2-accum2", "data8-ring-degenerate"])
-def test_ring_attention_trains_like_single_device(reference, mesh, accum):
-    batches, ref_losses, ref_params = reference
+def test_ring_attention_trains_like_single_device(tiny_reference, mesh, accum):
+    batches, ref_losses, ref_params = tiny_reference
     config = tiny_config(mesh, **{"attention.impl": "ring", "train.grad_accum_steps": accum})
     sizes = config_lib.validate(config, int(np.prod(list(mesh.values()))))
     losses, params, _ = run_steps(config, _permuted(batches, attention.data_permutation(config, sizes)))
@@ -41,9 +31,9 @@ def test_ring_attention_trains_like_single_device(reference, mesh, accum):
     chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-6)
 
 
-def test_pallas_kernels_train_like_xla(reference):
+def test_pallas_kernels_train_like_xla(tiny_reference):
     """attention.impl=pallas + fused RMSNorm + fused loss (interpret mode) == everything off."""
-    batches, ref_losses, _ = reference
+    batches, ref_losses, _ = tiny_reference
     config = tiny_config({"data": 2}, **{"attention.impl": "pallas", "model.fused_norm": True,
                                          "model.fused_loss": True, "train.grad_accum_steps": 2})
     losses, _, _ = run_steps(config, batches)
