@@ -52,3 +52,15 @@ def test_search_top_choice_for_llama3_8b_compiles():
     assert top.fits
     result = verify.verify(top.config, top.run.sizes, jax.devices()[:8])
     assert result.compiler["state"] == pytest.approx(result.model["state"], rel=0.05)
+
+
+@pytest.mark.parametrize("mesh, overrides", [
+    ({"sequence": 4, "data": 2}, {"attention.impl": "ring", "train.zero_stage": 0}),
+    ({"stage": 2, "data": 4}, {"train.zero_stage": 0, "pipeline.microbatches": 4}),
+], ids=["sequence4-data2-ring", "stage2-data4-gpipe"])
+def test_state_bytes_on_sequence_and_stage_meshes(mesh, overrides):
+    """Ring attention and the pipeline: the memory model's per-device state equals the compiler's."""
+    config = tiny_config(mesh, **overrides)
+    n = math.prod(mesh.values())
+    result = verify.verify(config, config_lib.validate(config, n), jax.devices()[:n])
+    assert result.model["state"] == pytest.approx(result.compiler["state"], rel=0.05)
