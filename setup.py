@@ -16,17 +16,16 @@ INSTALL_REQUIRES = [
     "array-record==0.8.6",
     "absl-py>=2.1",
     "numpy>=1.26",
+    "tensorboardX==2.6.5",  # <workdir>/tb event files without TensorFlow
+    "matplotlib==3.11.2",  # python -m meshtrain.report plots
 ]
 
-# TensorBoard events (meshtrain.tensorboard) and run report plots (meshtrain.report).
-TOOLS = ["tensorboardX==2.6.5", "matplotlib==3.11.2"]
 # Hugging Face reference models for the import/export tests. torch is pinned to the CPU build
 # that installs quickly; an unpinned torch pulls a multi-GB CUDA build.
 HF_TEST = ["torch==2.13.0", "transformers==5.23.0", "safetensors==0.8.0"]
 
 EXTRAS = {
-    "test": ["pytest==9.0.3", "pytest-xdist==3.8.0", *TOOLS, *HF_TEST],
-    "tools": TOOLS,
+    "test": ["pytest==9.0.3", "pytest-xdist==3.8.0", *HF_TEST],
     "gpu": ["jax[cuda12]==0.10.2"],
 }
 
