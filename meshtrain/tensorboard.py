@@ -31,12 +31,8 @@ class TensorBoardWriter:
         self._writer = None
         if not enabled:
             return
-        try:
-            from tensorboardX import SummaryWriter
-        except ImportError:
-            log.warning("tensorboardX is not installed: no TensorBoard events in %s "
-                        "(pip install 'meshtrain[tools]')", self.logdir)
-            return
+        from tensorboardX import SummaryWriter
+
         self._writer = SummaryWriter(self.logdir, flush_secs=30)
 
     def write(self, record: dict) -> None:
