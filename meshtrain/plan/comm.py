@@ -104,6 +104,12 @@ def _gradient_and_zero(run: Run, remat: str, backend: Backend) -> list[Coll]:
             rest = {a: n for a, n in reduce.items() if a != "fsdp"}
             if rest:
                 out.append(Coll("all-reduce", full / s["fsdp"], rest, per_micro, f"grad {leaf.path}"))
+        elif "sequence" in reduce and len(reduce) > 1:
+            # Ring attention: the partitioner reduces over `sequence` and over the other batch axes in
+            # two separate full-size all-reduces (observed in the compiled HLO), not hierarchically.
+            out.append(Coll("all-reduce", full, {"sequence": s["sequence"]}, per_micro, f"grad {leaf.path}"))
+            rest = {a: n for a, n in reduce.items() if a != "sequence"}
+            out.append(Coll("all-reduce", full, rest, per_micro, f"grad {leaf.path}"))
         elif reduce:
             out.append(Coll("all-reduce", full, reduce, per_micro, f"grad {leaf.path}"))
         manual = run.grad_accum > 1 and run.zero_stage == 2 and not backend.gathers_after_manual_scatter
@@ -139,7 +145,10 @@ def _activations(run: Run, remat: str, backend: Backend) -> list[Coll]:
             out.append(Coll("all-reduce", x, tp, reductions * micro, "TP all-reduce"))
     if s["sequence"] > 1:
         kv = 2 * t * (m.n_kv_heads // s["tensor"]) * m.head_dim * a
-        hops = (s["sequence"] - 1) * (3 + (1 if remat == "full" else 0))
+        # forward ring (N-1 K/V hops), again when the layer is recomputed, the backward ring's K/V
+        # (N-1) and its dK/dV, which travel one more hop home (N).
+        n = s["sequence"]
+        hops = (n - 1) * (2 + (1 if remat != "none" else 0)) + n
         out.append(Coll("collective-permute", kv, {"sequence": s["sequence"]}, layers * hops * micro, "ring K/V"))
     if s["stage"] > 1:
         ticks = run.microbatches * run.pipeline_repeats + s["stage"] - 1
