@@ -95,6 +95,13 @@ def _gradient_and_zero(run: Run, remat: str, backend: Backend) -> list[Coll]:
     per_micro = run.grad_accum if run.zero_stage >= 3 else 1  # ZeRO-3 has no manual accumulation loop
     out = []
     for leaf in param_table(run.model):
+        # Under a pipeline each tick's backward reduces the gradients of the stage's layers over the
+        # batch axes inside the tick loop (observed in the compiled HLO), so layer gradients move once a tick.
+        per_micro = run.pipeline_ticks if (s["stage"] > 1 and leaf.in_layers) else per_micro
+        if s["stage"] > 1 and not leaf.in_layers and run.pipeline_schedule == "1f1b":
+            # 1F1B embeds on the first stage and takes the loss on the last: their gradients meet over `stage`
+            out.append(Coll("all-reduce", local_size(leaf, place["compute"]) * pb, {"stage": s["stage"]}, 1,
+                            f"grad {leaf.path}"))
         full = local_size(leaf, place["compute"]) * pb
         used = _spec_axes(leaf, place["compute"])
         reduce = {a: s[a] for a in batch_axes if a not in used}
@@ -136,7 +143,12 @@ def _activations(run: Run, remat: str, backend: Backend) -> list[Coll]:
         # needed again (the MLP input depends on it), the layer's final MLP reduction is not (dead code).
         recompute = 1 if remat == "full" else 0
         reductions = layers * (2 + backward + recompute) + 1  # + the vocabulary-split head's input-gradient
-        if m.sequence_parallel:
+        if s["stage"] > 1 and run.pipeline_schedule == "1f1b" and not m.sequence_parallel:
+            # every 1F1B tick runs, per stage on one micro-batch, a forward and a jax.vjp (forward
+            # again, then backward), idle slots included (they are masked, not skipped)
+            per_tick = layers * (2 + 2 + backward)
+            out.append(Coll("all-reduce", x // run.microbatches, tp, per_tick * run.pipeline_ticks, "TP all-reduce"))
+        elif m.sequence_parallel:
             gathers = layers * (4 + (2 if remat != "none" else 0)) + 1
             rs_kind = "all-reduce" if backend.reduce_scatter_as_all_reduce else "reduce-scatter"
             out.append(Coll(rs_kind, x, tp, reductions * micro, "SP reduce-scatter"))
@@ -151,9 +163,14 @@ def _activations(run: Run, remat: str, backend: Backend) -> list[Coll]:
         hops = (n - 1) * (2 + (1 if remat != "none" else 0)) + n
         out.append(Coll("collective-permute", kv, {"sequence": s["sequence"]}, layers * hops * micro, "ring K/V"))
     if s["stage"] > 1:
-        ticks = run.microbatches * run.pipeline_repeats + s["stage"] - 1
         xm = x * run.grad_accum // run.microbatches
-        out.append(Coll("collective-permute", xm, {"stage": s["stage"]}, 2 * ticks, "pipeline activations"))
+        p = s["stage"]
+        # 1F1B's transfers do not wrap around (the last stage sends nowhere): p - 1 of p devices send
+        share = (p - 1) / p if run.pipeline_schedule == "1f1b" else 1.0
+        out.append(Coll("collective-permute", xm * share, {"stage": p}, 2 * run.pipeline_ticks,
+                        "pipeline activations"))
+        if run.pipeline_schedule != "1f1b":  # the stack's output is summed over `stage`, and so is its gradient
+            out.append(Coll("all-reduce", x, {"stage": s["stage"]}, 2, "pipeline output"))
     if m.num_experts and s["expert"] > 1:
         tokens = t * m.experts_per_token * (1.0 if m.moe_dropless else m.capacity_factor)
         moe_layers = math.ceil(layers / m.moe_every)

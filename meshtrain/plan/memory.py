@@ -141,12 +141,21 @@ class Run:
     grad_accum: int
     microbatches: int = 1  # pipeline micro-batches
     pipeline_repeats: int = 1
+    pipeline_schedule: str = "gpipe"
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict, sizes: dict[str, int]) -> Run:
         return cls(ModelConfig.from_config(config), dict(sizes), config.train.zero_stage, config.train.batch_size,
                    config.train.seq_len, config.train.grad_accum_steps, config.pipeline.microbatches,
-                   config.pipeline.repeats)
+                   config.pipeline.repeats, config.pipeline.schedule)
+
+    @property
+    def pipeline_ticks(self) -> int:
+        """Clock ticks of the pipeline loop (pipeline.py): m + p - 1 (v*m + p - 1 circular), m + 2(p-1) 1f1b."""
+        p, m, v = self.sizes["stage"], self.microbatches, self.pipeline_repeats
+        if p == 1:
+            return 1
+        return m + 2 * (p - 1) if self.pipeline_schedule == "1f1b" else v * m + p - 1
 
     @property
     def rules(self) -> Rules:
