@@ -130,8 +130,7 @@ def _divisors(n: int) -> list[int]:
 
 def candidate_configs(config: ml_collections.ConfigDict, num_devices: int, devices_per_node: int = 8):
     """Valid (config, sizes) over meshes x ZeRO stage x remat policy x gradient accumulation."""
-    # `sequence` (ring attention) and `stage` (pipeline) join the search once train_step wires them.
-    axes = ["data", "fsdp", "tensor"] + (["expert"] if config.model.num_experts else [])
+    axes = ["data", "fsdp", "tensor", "sequence"] + (["expert"] if config.model.num_experts else ["stage"])
     for mesh in _factorizations(num_devices, axes):
         if mesh["tensor"] > devices_per_node:
             continue
@@ -140,13 +139,21 @@ def candidate_configs(config: ml_collections.ConfigDict, num_devices: int, devic
         if config.train.batch_size % dp:
             continue
         per_rank = config.train.batch_size // dp
-        for zero, remat, accum in itertools.product(zeros, ("none", "selective", "full"), _divisors(per_rank)):
+        # ring attention splits the sequence; a pipeline takes one row per micro-batch (the smallest
+        # bubble) under 1F1B (flat activation memory) instead of gradient accumulation
+        split = mesh.get("sequence", 1) > 1 or mesh.get("stage", 1) > 1
+        for zero, remat, accum in itertools.product(zeros, ("none", "selective", "full"),
+                                                    [1] if split else _divisors(per_rank)):
             c = config.copy_and_resolve_references()
             with c.unlocked():
                 for axis in config_lib.MESH_AXES:
                     c.mesh[axis] = mesh.get(axis, 1)
                     c.mesh[f"dcn_{axis}"] = 1
                 c.train.zero_stage, c.remat.policy, c.train.grad_accum_steps = zero, remat, accum
+                if mesh.get("sequence", 1) > 1:
+                    c.attention.impl = "ring"
+                if mesh.get("stage", 1) > 1:
+                    c.pipeline.schedule, c.pipeline.microbatches = "1f1b", per_rank
             try:
                 sizes = config_lib.validate(c, num_devices)
                 memory.state_memory(memory.Run.from_config(c, sizes))
