@@ -141,9 +141,9 @@ def candidate_configs(config: ml_collections.ConfigDict, num_devices: int, devic
         per_rank = config.train.batch_size // dp
         # ring attention splits the sequence; a pipeline takes one row per micro-batch (the smallest
         # bubble) under 1F1B (flat activation memory) instead of gradient accumulation
-        split = mesh.get("sequence", 1) > 1 or mesh.get("stage", 1) > 1
+        pipelined = mesh.get("stage", 1) > 1
         for zero, remat, accum in itertools.product(zeros, ("none", "selective", "full"),
-                                                    [1] if split else _divisors(per_rank)):
+                                                    [1] if pipelined else _divisors(per_rank)):
             c = config.copy_and_resolve_references()
             with c.unlocked():
                 for axis in config_lib.MESH_AXES:
