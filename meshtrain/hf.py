@@ -436,7 +436,7 @@ def apply_model_config(config) -> dict[str, tuple]:
     return changed
 
 
-def initial_state(factory, hf_dir: str):
+def initial_state(factory, hf_dir: str, seed: int = 0):
     """A TrainState at step 0 with the checkpoint's weights, built in the factory's shardings.
 
     The optimizer state is initialised from those weights inside one jit whose outputs are
@@ -444,7 +444,7 @@ def initial_state(factory, hf_dir: str):
     """
     import jax.numpy as jnp
 
-    from meshtrain.train_step import TrainState
+    from meshtrain.train_step import TrainState, initial_rng
 
     want = factory.model.cfg
     cfg, params = load(hf_dir, shardings=factory.shardings.params, param_dtype=want.param_dtype)
@@ -454,7 +454,8 @@ def initial_state(factory, hf_dir: str):
                                 f"{getattr(want, field)!r} (call apply_model_config first)")
 
     def init(params):
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=factory.tx.init(params))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=factory.tx.init(params),
+                          rng=initial_rng(jax.random.key(seed)))
 
     with jax.set_mesh(factory.mesh):
         return jax.jit(init, out_shardings=factory.shardings, donate_argnums=0)(params)

@@ -103,7 +103,7 @@ def run(config: ml_collections.ConfigDict) -> dict:
         if config.init.from_hf:
             from meshtrain import hf
 
-            return hf.initial_state(factory, config.init.from_hf)
+            return hf.initial_state(factory, config.init.from_hf, config.seed)
         return factory.create(config.seed)
 
     state, start, data_state = ckpts.start(fresh_state)

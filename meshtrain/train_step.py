@@ -41,6 +41,12 @@ class TrainState:
     step: jax.Array  # int32 scalar: optimizer steps taken
     params: dict
     opt_state: optax.OptState
+    rng: jax.Array  # uint32 key data: the run's random stream, advanced once per applied step
+
+
+def initial_rng(seed_key: jax.Array) -> jax.Array:
+    """The training stream's key data, derived from (and distinct from) the initialisation key."""
+    return jax.random.key_data(jax.random.fold_in(seed_key, 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +90,8 @@ class StateFactory:
         self.specs = TrainState(
             step=P(),
             params=_boxed_specs(self.boxed.params, placement.params),
-            opt_state=_boxed_specs(self.boxed.opt_state, placement.opt_state))
+            opt_state=_boxed_specs(self.boxed.opt_state, placement.opt_state),
+            rng=P())
         self.shardings = named(mesh, self.specs)
         self.grad_specs = _boxed_specs(self.boxed.params, placement.grads)
         self.abstract = jax.tree.map(
@@ -95,7 +102,8 @@ class StateFactory:
         batch = model_lib.dummy_batch(*self._batch_shape)
         params = self.model.init(rng, batch["inputs"], batch["positions"], batch["segment_ids"])["params"]
         # optax maps over the boxes, so the optimizer state keeps the parameters' logical names.
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
+                          rng=initial_rng(rng))
 
     def create(self, seed: int) -> TrainState:
         """The initial state, created directly in its shardings (nothing materialised whole)."""
@@ -219,7 +227,10 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_l
                                      (params, opt_state), (state.params, state.opt_state))
     metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
                "tokens": total_tokens, "nonfinite": 1.0 - finite.astype(jnp.float32), **aux}
-    return TrainState(step=state.step + finite.astype(jnp.int32), params=params, opt_state=opt_state), metrics
+    next_rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
+    rng = jnp.where(finite, next_rng, state.rng)
+    return TrainState(step=state.step + finite.astype(jnp.int32), params=params, opt_state=opt_state,
+                      rng=rng), metrics
 
 
 def accumulation_manual_axes(mesh: jax.sharding.Mesh, config: ml_collections.ConfigDict) -> tuple[str, ...]:
