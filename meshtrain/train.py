@@ -185,8 +185,13 @@ def _format(record: dict) -> str:
 
 def main(argv) -> None:
     del argv
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S",
-                        stream=sys.stdout)
+    # absl's handler on the root logger prefixes every line with level, pid and file: meshtrain's
+    # own lines get a plain "time message" handler instead.
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
     for noisy in ("absl", "jax", "orbax", "etils", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     config = _CONFIG.value
