@@ -83,7 +83,7 @@ class Trial:
             return f.read()
 
     def steps(self) -> list[int]:
-        return [int(s) for s in re.findall(r"\] step (\d+) \|", self.output())]
+        return [int(s) for s in re.findall(r"\bstep (\d+) \| loss", self.output())]
 
     def resumed_from(self) -> int | None:
         found = re.findall(r"resumed from \S+ \(step (\d+)\)", self.output())
