@@ -107,6 +107,9 @@ def run(config: ml_collections.ConfigDict) -> dict:
         return factory.create(config.seed)
 
     state, start, data_state = ckpts.start(fresh_state)
+    if start >= config.steps:
+        log.info("already at step %d of config.steps=%d: nothing left to train (raise config.steps to go on)",
+                 start, config.steps)
     permutation = attention_lib.data_permutation(config, sizes)  # ring attention's zig-zag token order
     it = data.make_iterator(config, mesh, split="train", state=data_state, permutation=permutation)
     writer = metrics_lib.MetricsWriter(config.workdir, enabled=is_main)
