@@ -11,9 +11,12 @@ Prints a table and one JSON line. Run: `python bench/core.py [--quick]`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
+import subprocess
+import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -134,8 +137,8 @@ def make_batch(config):
 
 
 def time_steps(fn, steps: int) -> float:
-    fn()  # compile + warm-up
-    fn()
+    jax.block_until_ready(fn())  # compile + warm-up, finished before the clock starts
+    jax.block_until_ready(fn())
     t0 = time.perf_counter()
     for _ in range(steps):
         out = fn()
@@ -143,30 +146,59 @@ def time_steps(fn, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def throughput(name: str, steps: int) -> dict:
+def seconds_per_step(name: str, impl: str, steps: int, recopy: bool = True) -> float:
+    """Best-of-3 seconds per step of one implementation, timed in this process.
+
+    `recopy` copies the freshly created state once before timing (both implementations). On this
+    VM the buffers one large initialisation program writes can land on memory that stays slower to
+    stream: an elementwise pass over meshtrain's 56M-parameter state measured 0.030 s on the
+    buffers `StateFactory.create` returned and 0.020 s on a copy of them; the step is donated, so
+    it keeps whatever buffers it started with. The copy puts both implementations on equal memory.
+    """
     config = model_config(name)
     batch = make_batch(config)
+    if impl == "meshtrain":
+        mesh = mesh_lib.make_mesh(config, jax.devices()[:1])
+        factory, step_fn, _ = train_step_lib.build(config, mesh)
+        holder = {"state": factory.create(0)}
+        if recopy:
+            holder["state"] = jax.tree.map(jnp.copy, holder["state"])
+
+        def step():
+            holder["state"], metrics = step_fn(holder["state"], batch)
+            return metrics["loss"]
+    else:
+        mesh = None
+        plain, params, opt = plain_step_fn(config)
+        holder = {"p": params, "o": opt}
+        if recopy:
+            holder = jax.tree.map(jnp.copy, holder)
+
+        def step():
+            holder["p"], holder["o"], loss = plain(holder["p"], holder["o"], batch)
+            return loss
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        return min(time_steps(step, steps) for _ in range(3))
+
+
+def throughput(name: str, steps: int, rounds: int = 2, recopy: bool = True) -> dict:
+    """tokens/s of both implementations, each timed in fresh processes, alternating.
+
+    One process per measurement: on this CPU host the speed of a step depends on which large
+    buffers were allocated first (two states in one process measured up to 15% apart depending
+    on their creation order), so neither implementation shares a process with the other.
+    """
+    config = model_config(name)
     tokens = config.train.batch_size * config.train.seq_len
-    mesh = mesh_lib.make_mesh(config, jax.devices()[:1])
-    factory, step_fn, _ = train_step_lib.build(config, mesh)
-    holder = {"state": factory.create(0)}
-
-    def meshtrain_step():
-        holder["state"], metrics = step_fn(holder["state"], batch)
-        return metrics["loss"]
-
-    plain, params, opt = plain_step_fn(config)
-    plain_holder = {"p": params, "o": opt}
-
-    def plain_step():
-        plain_holder["p"], plain_holder["o"], loss = plain(plain_holder["p"], plain_holder["o"], batch)
-        return loss
-
-    with jax.set_mesh(mesh):
-        results = {}
-        for _ in range(2):  # interleave to even out machine noise; keep the best of each
-            for label, fn in (("meshtrain", meshtrain_step), ("plain", plain_step)):
-                results[label] = min(results.get(label, 1e9), time_steps(fn, steps))
+    results = {}
+    for round_ in range(rounds):
+        for impl in ("meshtrain", "plain") if round_ % 2 == 0 else ("plain", "meshtrain"):
+            out = subprocess.run([sys.executable, __file__, "--one", impl, "--model", name, "--steps", str(steps)]
+                                 + ([] if recopy else ["--no-recopy"]),
+                                 check=True, capture_output=True, text=True).stdout
+            seconds = json.loads(out.strip().splitlines()[-1])["seconds_per_step"]
+            print(f"  {name} {impl}: {seconds:.4f} s/step", flush=True)
+            results[impl] = min(results.get(impl, 1e9), seconds)
     n_params = config_lib.ModelConfig.from_config(config).num_params()
     return {"model": name, "params": n_params, "meshtrain_tokens_per_s": tokens / results["meshtrain"],
             "plain_tokens_per_s": tokens / results["plain"], "ratio": results["plain"] / results["meshtrain"]}
@@ -187,16 +219,26 @@ def compile_seconds(layers: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="tiny model only, fewer steps")
+    parser.add_argument("--one", choices=("meshtrain", "plain"), help=argparse.SUPPRESS)  # one timing process
+    parser.add_argument("--model", default="tiny", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=10, help=argparse.SUPPRESS)
+    parser.add_argument("--no-recopy", action="store_true",
+                        help="time each state on the buffers its initialiser returned (see seconds_per_step)")
     args = parser.parse_args()
-    rows = [throughput("tiny", 10 if args.quick else 30)]
+    if args.one:
+        print(json.dumps({"seconds_per_step": seconds_per_step(args.model, args.one, args.steps,
+                                                                   not args.no_recopy)}))
+        return
+    recopy = not args.no_recopy
+    rows = [throughput("tiny", 10 if args.quick else 30, recopy=recopy)]
     if not args.quick:
-        rows.append(throughput("50m", 5))
+        rows.append(throughput("50m", 5, recopy=recopy))
     for r in rows:
         print(f"{r['model']:>5} ({r['params'] / 1e6:.1f}M params): meshtrain {r['meshtrain_tokens_per_s']:.0f} tok/s, "
               f"plain JAX {r['plain_tokens_per_s']:.0f} tok/s, ratio {r['ratio']:.3f}")
     c2, c32 = compile_seconds(2), compile_seconds(32)
     print(f"compile: 2 layers {c2:.2f} s, 32 layers {c32:.2f} s, ratio {c32 / c2:.2f}")
-    print(json.dumps({"bench": "core", "throughput": rows, "compile_s": {"2": c2, "32": c32},
+    print(json.dumps({"bench": "core", "recopy": recopy, "throughput": rows, "compile_s": {"2": c2, "32": c32},
                       "compile_ratio": c32 / c2}))
 
 

@@ -1,4 +1,4 @@
-"""The optax chain from config: global-norm clipping, AdamW, linear warmup + cosine decay.
+"""The optimizer from config: AdamW with linear warmup + cosine decay, and global-norm clipping.
 
 Playbook, "First Steps: Training on one GPU": Adam keeps two float32 moments per
 parameter (the 12 bytes/parameter of optimizer state with float32 master weights).
@@ -7,6 +7,7 @@ parameter (the 12 bytes/parameter of optimizer state with float32 master weights
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
@@ -28,9 +29,18 @@ def _decay_mask(params):
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-    """clip_by_global_norm -> adamw(schedule). Gradients arrive already normalised per token."""
+    """adamw(schedule). Gradients arrive already normalised per token and clipped by the step.
+
+    The clipping is not an optax stage: the step computes the global gradient norm once (it is
+    also the logged `grad_norm` and the non-finite check) and scales by `clip_scale` of it.
+    """
     t = config.train
-    parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
-    parts.append(optax.adamw(learning_rate_schedule(config), b1=t.b1, b2=t.b2, eps=t.eps,
-                             weight_decay=t.weight_decay, mask=_decay_mask))
-    return optax.chain(*parts)
+    return optax.adamw(learning_rate_schedule(config), b1=t.b1, b2=t.b2, eps=t.eps,
+                       weight_decay=t.weight_decay, mask=_decay_mask)
+
+
+def clip_scale(grad_norm: jax.Array, max_norm: float) -> jax.Array:
+    """Factor that brings gradients of global norm `grad_norm` to at most `max_norm` (0: no clipping)."""
+    if max_norm <= 0:
+        return jnp.ones((), grad_norm.dtype)
+    return jnp.minimum(1.0, max_norm / grad_norm)

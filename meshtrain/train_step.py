@@ -31,7 +31,7 @@ import optax
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain import model as model_lib, pipeline as pipeline_lib
+from meshtrain import model as model_lib, optimizer as optimizer_lib, pipeline as pipeline_lib
 from meshtrain.mesh import BATCH_AXES
 from meshtrain.sharding_rules import Rules, named
 
@@ -202,11 +202,12 @@ def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, man
 
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_lib.Transformer,
                tx: optax.GradientTransformation, schedule: optax.Schedule, grad_specs,
-               accum_steps: int, manual_axes: tuple[str, ...],
+               accum_steps: int, manual_axes: tuple[str, ...], grad_clip: float = 0.0,
                grads_fn: Callable = _grads_one_pass) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step over the global batch [B, T]; returns the new state and scalar metrics.
 
     `grads_fn` -> (loss_sum, aux, grads): autodiff of the loss, or the 1F1B pipeline's own loop.
+    `grad_clip` > 0 scales the gradients to at most that global norm before `tx`.
     """
     total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
     if accum_steps == 1:
@@ -216,15 +217,16 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_l
             state.params, batch, model=model, total_tokens=total_tokens, accum_steps=accum_steps,
             manual_axes=manual_axes, grad_specs=grad_specs)
     grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, grad_specs)
-    grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    grad_norm = optax.tree.norm(grads)  # computed once: logged, checked, and the clipping's norm
     loss = loss_sum / total_tokens
     # A non-finite loss or gradient norm withholds the update (params, optimizer state and step
     # stay as they were); the loop stops on it, or skips it under `train.skip_nonfinite`.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                     (params, opt_state), (state.params, state.opt_state))
+    scale = optimizer_lib.clip_scale(grad_norm, grad_clip)
+    grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = jax.tree.map(lambda p, u: (p + jnp.where(finite, u, 0)).astype(p.dtype), state.params, updates)
+    opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), opt_state, state.opt_state)
     metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
                "tokens": total_tokens, "nonfinite": 1.0 - finite.astype(jnp.float32), **aux}
     next_rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
@@ -251,11 +253,12 @@ def accumulation_manual_axes(mesh: jax.sharding.Mesh, config: ml_collections.Con
 
 
 def jit_train_step(factory: StateFactory, schedule: optax.Schedule, accum_steps: int,
-                   manual_axes: tuple[str, ...] = (), grads_fn: Callable = _grads_one_pass) -> Callable:
+                   manual_axes: tuple[str, ...] = (), grads_fn: Callable = _grads_one_pass,
+                   grad_clip: float = 0.0) -> Callable:
     """The step jitted once: explicit in/out shardings, the state donated."""
     step = functools.partial(train_step, model=factory.model, tx=factory.tx, schedule=schedule,
                              grad_specs=factory.grad_specs, accum_steps=accum_steps, manual_axes=manual_axes,
-                             grads_fn=grads_fn)
+                             grad_clip=grad_clip, grads_fn=grads_fn)
     batch_sharding = NamedSharding(factory.mesh, batch_spec())
     replicated = NamedSharding(factory.mesh, P())
     return jax.jit(step, in_shardings=(factory.shardings, batch_sharding),
@@ -265,7 +268,7 @@ def jit_train_step(factory: StateFactory, schedule: optax.Schedule, accum_steps:
 def build(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
           attention_fn: model_lib.AttentionFn | None = None):
     """Model, optimizer, state factory and jitted step for a validated config on `mesh`."""
-    from meshtrain import attention as attention_lib, optimizer as optimizer_lib
+    from meshtrain import attention as attention_lib
     from meshtrain.config import ModelConfig
 
     rules = Rules.for_mesh(mesh)
@@ -279,4 +282,5 @@ def build(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
     schedule = optimizer_lib.learning_rate_schedule(config)
     manual = accumulation_manual_axes(mesh, config)
     grads_fn = pipeline_lib.grads_function(pipeline, _grads_one_pass)  # chosen once, outside the trace
-    return factory, jit_train_step(factory, schedule, config.train.grad_accum_steps, manual, grads_fn), schedule
+    return factory, jit_train_step(factory, schedule, config.train.grad_accum_steps, manual, grads_fn,
+                                   config.train.grad_clip), schedule
