@@ -22,13 +22,19 @@ Schedules (`config.pipeline.schedule`):
 * circular ("Interleaving stages"): each device holds v = `pipeline.repeats` chunks;
   micro-batches go round the ring v times (stage p-1 feeds stage 0, which parks them
   until their next lap). Ticks v*m + p - 1, bubble (p-1)/(v*m+p-1), v times the transfers.
-* 1f1b ("One-forward-one-backward"): a hand-written tick loop in which each stage does
-  one forward and one backward (`jax.vjp` of its stage, recomputed from the stashed
-  stage input) per tick; the last stage takes the loss of a micro-batch in the tick it
-  finishes it and sends the gradient back at once. A stage keeps 2(p-s)-1 micro-batch
-  inputs in flight (the ring is one tick per hop each way), independent of m. Ticks
-  m + 2(p-1). It is a loss-and-gradient function, `loss_and_grads`, used by the train
-  step instead of autodiff; its forward-only pass (evaluation) is the gpipe loop.
+* 1f1b ("One-forward-one-backward"): a hand-written loop of time slots, two per tick.
+  Stage s runs the forward of micro-batch j in slot s + 2j and its backward (`jax.vjp` of
+  the stage, recomputed from the stashed stage input) in slot 2p - 1 - s + 2j, so every
+  stage alternates forward and backward slots and neighbours always sit in opposite
+  phases: after each slot one `ppermute` swaps neighbours' outputs, an activation moving
+  forward and a gradient moving back one stage per slot. The last stage takes the loss as
+  it finishes a micro-batch and starts its backward in the next slot. A slot runs only its
+  own work (`lax.switch`; idle slots cost nothing). Stage s holds p - s micro-batch inputs
+  at most, independent of m; ticks m + p - 1, bubble (p-1)/(m+p-1) as in the playbook.
+  It is a loss-and-gradient function, `loss_and_grads`, used by the train step instead
+  of autodiff; its forward-only pass (evaluation) is the gpipe loop. In lock-step SPMD a
+  slot lasts as long as the slowest stage's work in it, a backward (recompute + vjp,
+  about 3 forwards) while the neighbours run forwards.
 
 Remat per stage per micro-batch: the backward recomputes a stage from its input.
 """
@@ -72,14 +78,12 @@ class Pipeline:
     def ticks(self) -> int:
         """Trip count of the tick loop."""
         p, m, v = self.stages, self.microbatches, self.repeats
-        return m + 2 * (p - 1) if self.schedule == "1f1b" else v * m + p - 1
+        return v * m + p - 1  # 1f1b: one forward slot and one backward slot per tick
 
     @property
     def bubble(self) -> float:
-        """Idle fraction of the ticks, 1 - v*m/ticks: gpipe (p-1)/(m+p-1), circular (p-1)/(v*m+p-1)
-        (the playbook's (p-1)/(v*m) is relative to the ideal time), 1f1b 2(p-1)/(m+2(p-1)): an
-        SPMD tick costs the same on every stage whether its slot holds work or not, and 1F1B's ring
-        takes one tick per hop in each direction.
+        """Idle fraction of the ticks, 1 - v*m/ticks: gpipe and 1f1b (p-1)/(m+p-1), circular
+        (p-1)/(v*m+p-1) (the playbook's (p-1)/(v*m) is relative to the ideal time).
         """
         return 1 - self.repeats * self.microbatches / self.ticks
 
@@ -87,7 +91,7 @@ class Pipeline:
         """Per stage: micro-batch activations held for the backward at the peak."""
         p, m, v = self.stages, self.microbatches, self.repeats
         if self.schedule == "1f1b":
-            return tuple(min(m, 2 * (p - s) - 1) for s in range(p))
+            return tuple(min(m, p - s) for s in range(p))
         return (v * m,) * p
 
     def execution_order(self, n_layers: int) -> np.ndarray:
@@ -204,14 +208,45 @@ def loss_and_grads(params, batch, model, total_tokens, accum_steps):
     return loss_sum, {}, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
 
-def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m):
-    """One stage's 1F1B ticks. Tick t: forward of micro-batch t - s, backward of t - 2(p-1) + s.
+def one_f_one_b_slot(p: int, s, u):
+    """(op, micro-batch) of stage s in time slot u of the 1F1B schedule; op 0 idle, 1 forward, 2 backward.
 
-    The inputs of forwards whose backward is pending wait in a stash of 2p - 1 slots.
+    Forward of j in slot s + 2j, backward of j in slot 2p - 1 - s + 2j: every stage alternates
+    forward and backward slots, a forward moves one stage per slot and so does a gradient, and
+    stage s holds the inputs of micro-batches j .. j + p - 1 - s between a forward and its backward.
+    Works on Python ints and on traced values alike.
+    """
+    forward = (u - s) % 2 == 0
+    j_forward, j_backward = (u - s) // 2, (u - (2 * p - 1 - s)) // 2
+    if isinstance(forward, bool):
+        return (1, j_forward) if forward else (2, j_backward)
+    return jnp.where(forward, 1, 2), jnp.where(forward, j_forward, j_backward)
+
+
+def _slot_pairs(p: int, parity: int) -> list[tuple[int, int]]:
+    """Who sends to whom after a slot of this parity: forward slots to s+1, backward slots to s-1.
+
+    Neighbours swap, so one `ppermute` carries both directions.
+    """
+    pairs = []
+    for s in range(p):
+        if (parity - s) % 2 == 0 and s + 1 < p:
+            pairs.append((s, s + 1))
+        elif (parity - s) % 2 == 1 and s >= 1:
+            pairs.append((s, s - 1))
+    return pairs
+
+
+def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m):
+    """One stage's 1F1B ticks: two slots per tick, each a forward or a backward (`one_f_one_b_slot`).
+
+    A slot runs only its own work (`lax.switch`: idle, forward, backward, with the embedding on
+    stage 0 and the head and loss on stage p-1), then one `ppermute` hands each slot's output to
+    its neighbour: activations forward, input gradients back. The inputs of forwards whose
+    backward is pending wait in a stash of p slots (stage s uses p - s of them).
     """
     s = lax.axis_index(STAGE)
     outer = lax.pcast(outer, (STAGE,), to="varying")  # differentiate per stage; reduce once at the end
-    slots = 2 * p - 1
 
     def embed(o, tokens):
         return model.apply({"params": o}, tokens, method="embed")
@@ -224,50 +259,64 @@ def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m)
 
     example = jax.eval_shape(embed, outer, pick(0)["inputs"])
     act = jnp.zeros(example.shape, example.dtype)  # [b, T, D]
-    carry = dict(fwd=act, bwd=act, stash=jnp.zeros((slots, *act.shape), act.dtype),
+    acc = functools.partial(jax.tree.map, lambda a, g: a + g.astype(jnp.float32))
+    state = dict(stash=jnp.zeros((p, *act.shape), act.dtype), dy=act,
                  g_layers=jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), layers),
                  g_outer=jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), outer),
                  loss=jnp.zeros((), jnp.float32))
-    carry = lax.pcast(carry, (STAGE,), to="varying")  # every stage holds its own
+    state = lax.pcast(state, (STAGE,), to="varying")  # every stage holds its own
 
-    def tick(c, t):
-        # forward of micro-batch i_f (stage 0 embeds it, others take it from the previous stage)
-        i_f = t - s
-        f_on = (i_f >= 0) & (i_f < m)
-        fi = jnp.clip(i_f, 0, m - 1)
-        mf = pick(fi)
-        x = jnp.where(s == 0, embed(outer, mf["inputs"]), c["fwd"])
-        y = stack(layers, x, mf["positions"], mf["segment_ids"])
-        slot = fi % slots
-        stash = lax.dynamic_update_index_in_dim(
-            c["stash"], jnp.where(f_on, x, c["stash"][slot]), slot, 0)
-        # the last stage takes the loss of the micro-batch it just finished
-        take = (s == p - 1) & f_on
-        loss, head_vjp = jax.vjp(lambda o, y: head_loss(o, y, mf), outer, y)
-        g_head, dy = head_vjp(jnp.where(take, 1.0 / total_tokens, 0.0).astype(loss.dtype))
-        # Barriers give the tick's collectives one order on every device (forward, loss, send,
-        # backward, send): the CPU runtime may otherwise start independent ones in different orders.
-        y, dy = lax.optimization_barrier((y, dy))
-        fwd = lax.ppermute(y, STAGE, [(j, j + 1) for j in range(p - 1)])
-        # backward of micro-batch i_b, recomputed from its stashed input
-        i_b = t - 2 * (p - 1) + s
-        b_on = (i_b >= 0) & (i_b < m)
-        bi = jnp.clip(i_b, 0, m - 1)
-        mb = pick(bi)
-        g = jnp.where(b_on, jnp.where(s == p - 1, dy, c["bwd"]), jnp.zeros_like(dy))
-        fwd, g, x_saved = lax.optimization_barrier((fwd, g, stash[bi % slots]))
-        _, stack_vjp = jax.vjp(lambda w, x: stack(w, x, mb["positions"], mb["segment_ids"]), layers, x_saved)
-        g_layers, dx = stack_vjp(g)
-        _, embed_vjp = jax.vjp(lambda o: embed(o, mb["inputs"]), outer)
-        (g_embed,) = embed_vjp(jnp.where((s == 0) & b_on, dx, jnp.zeros_like(dx)))
-        dx, g_layers, g_embed = lax.optimization_barrier((dx, g_layers, g_embed))
-        acc = functools.partial(jax.tree.map, lambda a, *gs: a + sum(x.astype(jnp.float32) for x in gs))
-        return dict(
-            fwd=fwd, bwd=lax.ppermute(dx, STAGE, [(j + 1, j) for j in range(p - 1)]),
-            stash=stash, g_layers=acc(c["g_layers"], g_layers), g_outer=acc(c["g_outer"], g_head, g_embed),
-            loss=c["loss"] + jnp.where(take, loss, 0.0)), None
+    def idle(c, inbox, j):
+        return c, jnp.zeros_like(inbox)
 
-    c, _ = lax.scan(tick, carry, jnp.arange(m + 2 * (p - 1)))
+    def forward(first: bool, last: bool):
+        def run(c, inbox, j):
+            mb = pick(j)
+            x = embed(outer, mb["inputs"]) if first else inbox
+            c = {**c, "stash": lax.dynamic_update_index_in_dim(c["stash"], x, j % p, 0)}
+            y = stack(layers, x, mb["positions"], mb["segment_ids"])
+            if not last:
+                return c, y
+            # the last stage takes the loss at once; its backward slot (the next one) starts from dy
+            loss, head_vjp = jax.vjp(lambda o, y: head_loss(o, y, mb), outer, y)
+            g_head, dy = head_vjp(lax.pcast((1.0 / total_tokens).astype(loss.dtype), (STAGE,), to="varying"))
+            return {**c, "dy": dy, "loss": c["loss"] + loss, "g_outer": acc(c["g_outer"], g_head)}, jnp.zeros_like(y)
+        return run
+
+    def backward(first: bool, last: bool):
+        def run(c, inbox, j):
+            mb = pick(j)
+            g = c["dy"] if last else inbox
+            x = lax.dynamic_index_in_dim(c["stash"], j % p, 0, keepdims=False)
+            _, stack_vjp = jax.vjp(lambda w, x: stack(w, x, mb["positions"], mb["segment_ids"]), layers, x)
+            g_layers, dx = stack_vjp(g)
+            c = {**c, "g_layers": acc(c["g_layers"], g_layers)}
+            if not first:
+                return c, dx
+            _, embed_vjp = jax.vjp(lambda o: embed(o, mb["inputs"]), outer)
+            (g_embed,) = embed_vjp(dx)
+            return {**c, "g_outer": acc(c["g_outer"], g_embed)}, jnp.zeros_like(dx)
+        return run
+
+    # branch index: 0 idle; forward 1 (middle), 2 (stage 0), 3 (stage p-1); backward 4, 5, 6 likewise
+    branches = [idle, forward(False, False), forward(True, False), forward(False, True),
+                backward(False, False), backward(True, False), backward(False, True)]
+
+    def slot(c, inbox, u):
+        op, j = one_f_one_b_slot(p, s, u)
+        on = (j >= 0) & (j < m)
+        where = jnp.where(s == 0, 1, jnp.where(s == p - 1, 2, 0))  # 0 middle, 1 first, 2 last
+        index = jnp.where(on, 1 + 3 * (op - 1) + where, 0)
+        return lax.switch(index, branches, c, inbox, jnp.clip(j, 0, m - 1))
+
+    def tick(carry, t):
+        c, inbox = carry
+        for parity in (0, 1):  # slot u = 2t + parity; its senders and receivers are fixed by the parity
+            c, out = slot(c, inbox, 2 * t + parity)
+            inbox = lax.ppermute(out, STAGE, _slot_pairs(p, parity))
+        return (c, inbox), None
+
+    (c, _), _ = lax.scan(tick, (state, lax.pcast(act, (STAGE,), to="varying")), jnp.arange(m + p - 1))
     return lax.psum(c["loss"], STAGE), lax.psum(c["g_outer"], STAGE), c["g_layers"]
 
 

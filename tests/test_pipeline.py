@@ -133,12 +133,13 @@ def _tick_loops(hlo: str) -> list[tuple[int, list[tuple[str, int]]]]:
 
 @pytest.mark.parametrize("case", [c for c in CASES if "data" not in c[1]], ids=_ids)
 def test_tick_loop_trip_count_and_one_transfer_per_tick(case):
-    """Each tick loop runs `ticks` times and moves one micro-batch activation [b, T, D] per direction."""
+    """Each tick loop runs `ticks` times and moves one micro-batch activation [b, T, D] per transfer:
+    one per tick for gpipe / circular, one per slot (two slots per tick) for 1f1b."""
     schedule, mesh = case
     pipe, _, compiled = _pipelined(schedule, tuple(mesh.items()))
     activation = (8 // M) * SEQ * 64
     loops = _tick_loops(compiled.as_text())
-    # gpipe / circular: the forward loop and its autodiff transpose; 1f1b: one loop, both directions
+    # gpipe / circular: the forward loop and its autodiff transpose; 1f1b: one loop of slot pairs
     assert len(loops) == (1 if schedule == "1f1b" else 2), loops
     per_tick = [("collective-permute", activation)] * (2 if schedule == "1f1b" else 1)
     for trips, moved in loops:
@@ -201,9 +202,43 @@ def test_validation_names_the_key(overrides, key):
 
 
 def test_describe_reports_ticks_bubble_in_flight():
-    line = pipeline_lib.describe(_config("1f1b", {"stage": 4}, microbatches=8), {"stage": 4})
-    assert line == ("pipeline 1f1b: 4 stages x 1 repeats, 8 micro-batches, 14 ticks, bubble 42.9%, "
-                    "in flight per stage [7, 5, 3, 1]")
+    p, m = 4, 8
+    line = pipeline_lib.describe(_config("1f1b", {"stage": p}, microbatches=m), {"stage": p})
+    ticks = m + p - 1  # the playbook's 1F1B: the same bubble as all-forward-all-backward
+    assert line == (f"pipeline 1f1b: {p} stages x 1 repeats, {m} micro-batches, {ticks} ticks, "
+                    f"bubble {(p - 1) / ticks:.1%}, in flight per stage {[p - s for s in range(p)]}")
     circular = pipeline_lib.Pipeline("circular", 4, 8, 2)
     assert (circular.ticks, round(circular.bubble, 4)) == (19, round(3 / 19, 4))
     assert pipeline_lib.describe(_config("gpipe", {}), {"stage": 1}) is None
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 5), (3, 7), (4, 4), (4, 16)])
+def test_one_f_one_b_slots_respect_dependencies_and_hold_at_most_p(p, m):
+    """Replays the slot rule the loop runs: every dependency is one slot (one ppermute) away, each
+    stage does m forwards and m backwards within 2 slots per tick, and stage s never stashes more
+    than p - s inputs (<= p)."""
+    pipe = pipeline_lib.Pipeline("1f1b", p, m)
+    done = {}  # (op, stage, micro-batch) -> slot
+    for u in range(2 * pipe.ticks):
+        for s in range(p):
+            op, j = pipeline_lib.one_f_one_b_slot(p, s, u)
+            if 0 <= j < m:
+                done[op, s, j] = u
+    assert len(done) == 2 * p * m
+    for s in range(p):
+        for j in range(m):
+            if s > 0:  # the activation arrives from the previous stage's forward, one slot earlier
+                assert done[1, s, j] == done[1, s - 1, j] + 1
+            nxt = (1, s, j) if s == p - 1 else (2, s + 1, j)  # the gradient: loss or next stage's backward
+            assert done[2, s, j] == done[nxt] + 1
+    for s in range(p):
+        held = [sum(done[1, s, j] <= u < done[2, s, j] for j in range(m)) for u in range(2 * pipe.ticks)]
+        assert max(held) == pipe.in_flight()[s] <= p
+    # the neighbours a slot's ppermute connects are exactly the ones whose work depends on it
+    for u in range(2 * pipe.ticks):
+        pairs = set(pipeline_lib._slot_pairs(p, u % 2))
+        for (op, s, j), slot in done.items():
+            if slot == u and (op == 1 and s < p - 1):
+                assert (s, s + 1) in pairs
+            if slot == u and (op == 2 and s > 0):
+                assert (s, s - 1) in pairs
