@@ -94,6 +94,16 @@ class Pipeline:
             return tuple(min(m, p - s) for s in range(p))
         return (v * m,) * p
 
+    def slot_branch_share(self) -> tuple[float, ...]:
+        """1f1b: the share of slot calls, averaged over stages, that take each `lax.switch` branch."""
+        p, m = self.stages, self.microbatches
+        slots = 2 * self.ticks
+        counts = np.zeros(7)
+        for s in range(p):
+            for u in range(slots):
+                counts[int(one_f_one_b_branch(p, m, s, u)[0])] += 1
+        return tuple(float(c) for c in counts / (p * slots))
+
     def execution_order(self, n_layers: int) -> np.ndarray:
         """order[q] = stored index of the layer that runs q-th (identity unless circular)."""
         p, v = self.stages, self.repeats
@@ -223,6 +233,14 @@ def one_f_one_b_slot(p: int, s, u):
     return jnp.where(forward, 1, 2), jnp.where(forward, j_forward, j_backward)
 
 
+def one_f_one_b_branch(p: int, m: int, s, u):
+    """(branch, micro-batch) of the slot's `lax.switch`: 0 idle; forward 1 on a middle stage, 2 on
+    stage 0 (embedding), 3 on stage p-1 (head and loss); backward 4, 5 (embedding), 6 likewise."""
+    op, j = one_f_one_b_slot(p, s, u)
+    role = jnp.where(s == 0, 1, jnp.where(s == p - 1, 2, 0))
+    return jnp.where((j >= 0) & (j < m), 1 + 3 * (op - 1) + role, 0), jnp.clip(j, 0, m - 1)
+
+
 def _slot_pairs(p: int, parity: int) -> list[tuple[int, int]]:
     """Who sends to whom after a slot of this parity: forward slots to s+1, backward slots to s-1.
 
@@ -298,16 +316,13 @@ def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m)
             return {**c, "g_outer": acc(c["g_outer"], g_embed)}, jnp.zeros_like(dx)
         return run
 
-    # branch index: 0 idle; forward 1 (middle), 2 (stage 0), 3 (stage p-1); backward 4, 5, 6 likewise
+    # in the order of `one_f_one_b_branch`
     branches = [idle, forward(False, False), forward(True, False), forward(False, True),
                 backward(False, False), backward(True, False), backward(False, True)]
 
     def slot(c, inbox, u):
-        op, j = one_f_one_b_slot(p, s, u)
-        on = (j >= 0) & (j < m)
-        where = jnp.where(s == 0, 1, jnp.where(s == p - 1, 2, 0))  # 0 middle, 1 first, 2 last
-        index = jnp.where(on, 1 + 3 * (op - 1) + where, 0)
-        return lax.switch(index, branches, c, inbox, jnp.clip(j, 0, m - 1))
+        index, j = one_f_one_b_branch(p, m, s, u)
+        return lax.switch(index, branches, c, inbox, j)
 
     def tick(carry, t):
         c, inbox = carry

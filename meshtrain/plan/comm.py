@@ -95,9 +95,15 @@ def _gradient_and_zero(run: Run, remat: str, backend: Backend) -> list[Coll]:
     per_micro = run.grad_accum if run.zero_stage >= 3 else 1  # ZeRO-3 has no manual accumulation loop
     out = []
     for leaf in param_table(run.model):
-        # Under a pipeline each tick's backward reduces the gradients of the stage's layers over the
-        # batch axes inside the tick loop (observed in the compiled HLO), so layer gradients move once a tick.
-        per_micro = run.pipeline_ticks if (s["stage"] > 1 and leaf.in_layers) else per_micro
+        # Under a pipeline each backward reduces the gradients of the stage's layers over the batch
+        # axes inside the tick loop (observed in the compiled HLO): once a tick under autodiff (gpipe,
+        # circular), once per backward slot that runs (m of them) under 1f1b.
+        # Under 1f1b the embedding, final norm and head gradients are reduced in the slots that make
+        # them: the first stage's backward slots and the last stage's forward slots, m/p a device.
+        if s["stage"] > 1 and leaf.in_layers:
+            per_micro = run.microbatches if run.pipeline_schedule == "1f1b" else run.pipeline_ticks
+        elif s["stage"] > 1 and run.pipeline_schedule == "1f1b":
+            per_micro = run.microbatches / s["stage"]
         if s["stage"] > 1 and not leaf.in_layers and run.pipeline_schedule == "1f1b":
             # 1F1B embeds on the first stage and takes the loss on the last: their gradients meet over `stage`
             out.append(Coll("all-reduce", local_size(leaf, place["compute"]) * pb, {"stage": s["stage"]}, 1,
@@ -144,10 +150,12 @@ def _activations(run: Run, remat: str, backend: Backend) -> list[Coll]:
         recompute = 1 if remat == "full" else 0
         reductions = layers * (2 + backward + recompute) + 1  # + the vocabulary-split head's input-gradient
         if s["stage"] > 1 and run.pipeline_schedule == "1f1b" and not m.sequence_parallel:
-            # every 1F1B tick runs, per stage on one micro-batch, a forward and a jax.vjp (forward
-            # again, then backward), idle slots included (they are masked, not skipped)
-            per_tick = layers * (2 + 2 + backward)
-            out.append(Coll("all-reduce", x // run.microbatches, tp, per_tick * run.pipeline_ticks, "TP all-reduce"))
+            # each stage runs m forward slots and m backward slots (a jax.vjp: the forward again, whose
+            # last MLP reduction is dead code, then the backward) on one micro-batch each; idle slots
+            # are skipped. The last stage's forward slots add the vocabulary-split head's input-gradient.
+            per_micro = layers * (2 + 1 + backward)
+            count = per_micro * run.microbatches + run.microbatches / s["stage"]
+            out.append(Coll("all-reduce", x // run.microbatches, tp, count, "TP all-reduce"))
         elif m.sequence_parallel:
             gathers = layers * (4 + (2 if remat != "none" else 0)) + 1
             rs_kind = "all-reduce" if backend.reduce_scatter_as_all_reduce else "reduce-scatter"

@@ -45,7 +45,7 @@ class Collective:
     kind: str
     result_bytes: int
     groups: tuple[tuple[int, ...], ...]
-    count: int
+    count: float  # an average where a conditional branch holds it
     pairs: tuple[tuple[int, int], ...] = ()
 
 
@@ -109,22 +109,30 @@ def _computations(hlo: str):
     return comps, entry
 
 
-def _multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
-    """How many times each computation runs per call of the entry (while bodies x trip count)."""
-    mult: dict[str, int] = collections.defaultdict(int)
+def _multiplicities(comps: dict[str, list[str]], entry: str,
+                    branch_weights: tuple[float, ...] | None = None) -> dict[str, float]:
+    """How many times each computation runs per call of the entry (while bodies x trip count).
+
+    A conditional runs one branch per call, which the text cannot tell: each branch counts as
+    running every call, unless `branch_weights` gives, for conditionals with that many branches,
+    the share of calls that take each branch (the 1F1B slot switch: `Pipeline.slot_branch_share`).
+    """
+    mult: dict[str, float] = collections.defaultdict(float)
     mult[entry] = 1
     order, seen = [entry], {entry}
     edges: dict[str, list[tuple[str, int]]] = {}
     for name, lines in comps.items():
         out = []
         for line in lines:
-            callees = _CALLEE.findall(line)
-            if b := _BRANCHES.search(line):
-                callees += [c.strip().lstrip("%") for c in b.group(1).split(",")]
             trip = 1
             if " while(" in line and (t := _TRIP.search(line)):
                 trip = int(t.group(1))
-            out += [(c, trip) for c in callees if c in comps]
+            out += [(c, trip) for c in _CALLEE.findall(line) if c in comps]
+            if b := _BRANCHES.search(line):
+                branches = [c.strip().lstrip("%") for c in b.group(1).split(",")]
+                weights = (branch_weights if branch_weights and len(branch_weights) == len(branches)
+                           else (1.0,) * len(branches))
+                out += [(c, w) for c, w in zip(branches, weights) if c in comps]
         edges[name] = out
     # computations form a DAG; visit callers before callees (Kahn order from the entry).
     indegree: dict[str, int] = collections.defaultdict(int)
@@ -148,10 +156,12 @@ def _multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
     return mult
 
 
-def collectives(hlo: str, num_partitions: int) -> list[Collective]:
-    """Every collective in the compiled module with the number of times it runs per step."""
+def collectives(hlo: str, num_partitions: int,
+                branch_weights: tuple[float, ...] | None = None) -> list[Collective]:
+    """Every collective in the compiled module with the number of times it runs per step
+    (conditional branches: see `_multiplicities`)."""
     comps, entry = _computations(hlo)
-    mult = _multiplicities(comps, entry)
+    mult = _multiplicities(comps, entry, branch_weights)
     found = []
     for name, lines in comps.items():
         if not mult.get(name):

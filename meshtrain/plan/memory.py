@@ -151,11 +151,11 @@ class Run:
 
     @property
     def pipeline_ticks(self) -> int:
-        """Clock ticks of the pipeline loop (pipeline.py): m + p - 1 (v*m + p - 1 circular), m + 2(p-1) 1f1b."""
+        """Clock ticks of the pipeline loop (pipeline.py): m + p - 1 (v*m + p - 1 circular; 1f1b: two slots a tick)."""
         p, m, v = self.sizes["stage"], self.microbatches, self.pipeline_repeats
         if p == 1:
             return 1
-        return m + 2 * (p - 1) if self.pipeline_schedule == "1f1b" else v * m + p - 1
+        return v * m + p - 1
 
     @property
     def rules(self) -> Rules:

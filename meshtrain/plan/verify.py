@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import ml_collections
 from jax.sharding import NamedSharding
 
-from meshtrain import mesh as mesh_lib, train_step
+from meshtrain import mesh as mesh_lib, pipeline as pipeline_lib, train_step
 from meshtrain.plan import comm, hlo, memory
 from meshtrain.plan.estimate import memory_breakdown
 
@@ -90,7 +90,9 @@ def verify(config: ml_collections.ConfigDict, sizes: dict[str, int], devices: li
     state = mem["params"] + mem["optimizer"]
     temp = mem["grads"] + mem["activations"] + mem["temporaries"]
     model = {"state": state, "temp": temp, "peak": state + batch_bytes + temp}
-    found = hlo.collectives(compiled.as_text(), math.prod(sizes.values()))
+    pipe = pipeline_lib.Pipeline.from_config(config, sizes["stage"])
+    weights = pipe.slot_branch_share() if pipe is not None and pipe.schedule == "1f1b" else None
+    found = hlo.collectives(compiled.as_text(), math.prod(sizes.values()), weights)
     mesh_shape = {a: mesh.shape[a] for a in mesh.axis_names}
     compiler_comm = hlo.bytes_by_axis(found, mesh_shape)
     model_comm = comm.bytes_by_axis(comm.step_collectives(run, config.remat.policy, comm.CPU))
