@@ -197,22 +197,29 @@ def _ring_loop(stack, layers, xs, positions, segment_ids, *, p, m, v):
 # ---------------------------------------------------------------------------------------------
 
 
-def loss_and_grads(params, batch, model, total_tokens, accum_steps):
+def loss_and_grads(params, batch, model, total_tokens, accum_steps, *, batch_axes: tuple[str, ...] = ()):
     """((loss_sum, aux), grads) of the 1F1B schedule; the train step's drop-in for autodiff.
 
     Same contract as the train step's one-pass gradient: the differentiated loss is
     loss_sum / total_tokens (no auxiliary losses: the MoE validator rejects MoE with mesh.stage > 1).
+    `batch_axes`: batch axes the parameters are replicated on (`train_step.accumulation_manual_axes`).
+    The loop is manual over them too, so each device sums its own gradients over its micro-batches
+    and the data-parallel reduction runs once, after the loop (playbook, "Data Parallelism" with
+    gradient accumulation), not in every backward slot.
     """
     del accum_steps  # the validator requires train.grad_accum_steps == 1 with a pipeline
     pipe = model.pipeline
-    inner = model.clone(rules=model.rules.with_manual((STAGE,)), pipeline=None)
+    manual = (STAGE, *batch_axes)
+    inner = model.clone(rules=model.rules.with_manual(manual), pipeline=None)
     stack = stage_function(inner)
     outer = {k: v for k, v in params.items() if k != "layers"}
     micro = jax.tree.map(functools.partial(_split, m=pipe.microbatches), batch)
-    body = functools.partial(_one_f_one_b_loop, stack, inner, p=pipe.stages, m=pipe.microbatches)
+    body = functools.partial(_one_f_one_b_loop, stack, inner, p=pipe.stages, m=pipe.microbatches,
+                             batch_axes=batch_axes)
+    rows = P(batch_axes) if batch_axes else P()
     loss_sum, outer_grads, layer_grads = jax.shard_map(
-        body, in_specs=(P(STAGE), P(), P(), P()), out_specs=(P(), P(), P(STAGE)),
-        axis_names={STAGE}, check_vma=True,
+        body, in_specs=(P(STAGE), P(), rows, P()), out_specs=(P(), P(), P(STAGE)),
+        axis_names=set(manual), check_vma=True,
     )(params["layers"], outer, micro, total_tokens)
     grads = {**outer_grads, "layers": layer_grads}
     return loss_sum, {}, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
@@ -255,7 +262,7 @@ def _slot_pairs(p: int, parity: int) -> list[tuple[int, int]]:
     return pairs
 
 
-def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m):
+def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m, batch_axes):
     """One stage's 1F1B ticks: two slots per tick, each a forward or a backward (`one_f_one_b_slot`).
 
     A slot runs only its own work (`lax.switch`: idle, forward, backward, with the embedding on
@@ -264,7 +271,11 @@ def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m)
     backward is pending wait in a stash of p slots (stage s uses p - s of them).
     """
     s = lax.axis_index(STAGE)
-    outer = lax.pcast(outer, (STAGE,), to="varying")  # differentiate per stage; reduce once at the end
+    manual = (STAGE, *batch_axes)
+    # differentiate per stage and per data-parallel rank; reduce once at the end
+    outer = lax.pcast(outer, manual, to="varying")
+    if batch_axes:
+        layers = lax.pcast(layers, batch_axes, to="varying")
 
     def embed(o, tokens):
         return model.apply({"params": o}, tokens, method="embed")
@@ -282,7 +293,7 @@ def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m)
                  g_layers=jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), layers),
                  g_outer=jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), outer),
                  loss=jnp.zeros((), jnp.float32))
-    state = lax.pcast(state, (STAGE,), to="varying")  # every stage holds its own
+    state = lax.pcast(state, manual, to="varying")  # every device holds its own
 
     def idle(c, inbox, j):
         return c, jnp.zeros_like(inbox)
@@ -297,7 +308,7 @@ def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m)
                 return c, y
             # the last stage takes the loss at once; its backward slot (the next one) starts from dy
             loss, head_vjp = jax.vjp(lambda o, y: head_loss(o, y, mb), outer, y)
-            g_head, dy = head_vjp(lax.pcast((1.0 / total_tokens).astype(loss.dtype), (STAGE,), to="varying"))
+            g_head, dy = head_vjp(lax.pcast((1.0 / total_tokens).astype(loss.dtype), manual, to="varying"))
             return {**c, "dy": dy, "loss": c["loss"] + loss, "g_outer": acc(c["g_outer"], g_head)}, jnp.zeros_like(y)
         return run
 
@@ -331,13 +342,19 @@ def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m)
             inbox = lax.ppermute(out, STAGE, _slot_pairs(p, parity))
         return (c, inbox), None
 
-    (c, _), _ = lax.scan(tick, (state, lax.pcast(act, (STAGE,), to="varying")), jnp.arange(m + p - 1))
-    return lax.psum(c["loss"], STAGE), lax.psum(c["g_outer"], STAGE), c["g_layers"]
+    (c, _), _ = lax.scan(tick, (state, lax.pcast(act, manual, to="varying")), jnp.arange(m + p - 1))
+    g_layers = lax.psum(c["g_layers"], batch_axes) if batch_axes else c["g_layers"]
+    return lax.psum(c["loss"], manual), lax.psum(c["g_outer"], manual), g_layers
 
 
-def grads_function(pipe: Pipeline | None, default):
-    """The train step's (loss_sum, aux, grads) function: 1F1B's own loop, else `default` (autodiff)."""
-    return loss_and_grads if pipe is not None and pipe.schedule == "1f1b" else default
+def grads_function(pipe: Pipeline | None, default, batch_axes: tuple[str, ...] = ()):
+    """The train step's (loss_sum, aux, grads) function: 1F1B's own loop, else `default` (autodiff).
+
+    `batch_axes`: see `loss_and_grads`.
+    """
+    if pipe is not None and pipe.schedule == "1f1b":
+        return functools.partial(loss_and_grads, batch_axes=tuple(batch_axes))
+    return default
 
 
 # ---------------------------------------------------------------------------------------------

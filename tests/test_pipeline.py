@@ -82,7 +82,7 @@ def _pipelined(schedule: str, mesh_items: tuple, microbatches: int = M, batch: i
     mesh = _mesh(config)
     pipe = pipeline_lib.Pipeline.from_config(config, mesh.shape["stage"])
     model = model_lib.Transformer(ModelConfig.from_config(config), Rules.for_mesh(mesh), pipeline=pipe)
-    fn = pipeline_lib.grads_function(pipe, _autodiff)
+    fn = pipeline_lib.grads_function(pipe, _autodiff, train_step_lib.accumulation_manual_axes(mesh, config))
     factory = train_step_lib.StateFactory(model, optax.sgd(0.1), mesh,
                                           train_step_lib.Placement.for_zero_stage(model.rules, 1),
                                           (batch, SEQ))
@@ -242,3 +242,15 @@ def test_one_f_one_b_slots_respect_dependencies_and_hold_at_most_p(p, m):
                 assert (s, s + 1) in pairs
             if slot == u and (op == 2 and s > 0):
                 assert (s, s - 1) in pairs
+
+
+def test_one_f_one_b_reduces_gradients_over_data_once():
+    """The 1f1b loop is manual over the batch axes the parameters are replicated on: every collective
+    over `data` runs once per step (after the loop), none in the slots."""
+    from meshtrain.plan import hlo
+
+    pipe, mesh, compiled = _pipelined("1f1b", (("stage", 2), ("data", 2), ("tensor", 2)))
+    found = hlo.collectives(compiled.as_text(), mesh.size, pipe.slot_branch_share())
+    over_data = [c for c in found if c.kind != "collective-permute"  # the stage transfers name their pairs
+                 and "data" in hlo.group_axes(c.groups[0], dict(mesh.shape))]
+    assert over_data and all(c.count == 1 for c in over_data), over_data

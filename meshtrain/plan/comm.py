@@ -95,42 +95,47 @@ def _gradient_and_zero(run: Run, remat: str, backend: Backend) -> list[Coll]:
     per_micro = run.grad_accum if run.zero_stage >= 3 else 1  # ZeRO-3 has no manual accumulation loop
     out = []
     for leaf in param_table(run.model):
-        # Under a pipeline each backward reduces the gradients of the stage's layers over the batch
-        # axes inside the tick loop (observed in the compiled HLO): once a tick under autodiff (gpipe,
-        # circular), once per backward slot that runs (m of them) under 1f1b.
-        # Under 1f1b the embedding, final norm and head gradients are reduced in the slots that make
-        # them: the first stage's backward slots and the last stage's forward slots, m/p a device.
-        if s["stage"] > 1 and leaf.in_layers:
-            per_micro = run.microbatches if run.pipeline_schedule == "1f1b" else run.pipeline_ticks
-        elif s["stage"] > 1 and run.pipeline_schedule == "1f1b":
-            per_micro = run.microbatches / s["stage"]
-        if s["stage"] > 1 and not leaf.in_layers and run.pipeline_schedule == "1f1b":
-            # 1F1B embeds on the first stage and takes the loss on the last: their gradients meet over `stage`
-            out.append(Coll("all-reduce", local_size(leaf, place["compute"]) * pb, {"stage": s["stage"]}, 1,
-                            f"grad {leaf.path}"))
+        # Under gpipe / circular each tick's backward (autodiff of the tick loop) reduces the stage's
+        # layer gradients over the batch axes inside the loop (observed in the compiled HLO).
+        # 1f1b's loop is manual over the batch axes the parameters are replicated on (ZeRO 0-2): each
+        # gradient is reduced once, after it. Under ZeRO-3 the partitioner reduces them in the slots
+        # that make them: layers in every backward slot (m a device), the embedding, final norm and
+        # head in the first stage's backward / the last stage's forward slots (m/p a device).
+        runs = per_micro
+        if s["stage"] > 1 and run.pipeline_schedule == "1f1b":
+            if run.zero_stage >= 3:
+                runs = run.microbatches if leaf.in_layers else run.microbatches / s["stage"]
+        elif s["stage"] > 1 and leaf.in_layers:
+            runs = run.pipeline_ticks
         full = local_size(leaf, place["compute"]) * pb
         used = _spec_axes(leaf, place["compute"])
         reduce = {a: s[a] for a in batch_axes if a not in used}
+        if s["stage"] > 1 and not leaf.in_layers and run.pipeline_schedule == "1f1b":
+            # 1F1B embeds on the first stage and takes the loss on the last: their gradients meet over
+            # `stage`, in one all-reduce with the batch axes the loop is manual over (ZeRO 0-2)
+            joint = reduce if run.zero_stage < 3 else {}
+            out.append(Coll("all-reduce", full, {"stage": s["stage"], **joint}, 1, f"grad {leaf.path}"))
+            reduce = {a: n for a, n in reduce.items() if a not in joint}
         sharded = "fsdp" in reduce and "fsdp" in _spec_axes(leaf, place["grads"])
         if sharded:
-            out.append(Coll("reduce-scatter", full, {"fsdp": s["fsdp"]}, per_micro, f"grad {leaf.path}"))
+            out.append(Coll("reduce-scatter", full, {"fsdp": s["fsdp"]}, runs, f"grad {leaf.path}"))
             rest = {a: n for a, n in reduce.items() if a != "fsdp"}
             if rest:
-                out.append(Coll("all-reduce", full / s["fsdp"], rest, per_micro, f"grad {leaf.path}"))
+                out.append(Coll("all-reduce", full / s["fsdp"], rest, runs, f"grad {leaf.path}"))
         elif "sequence" in reduce and len(reduce) > 1:
             # Ring attention: the partitioner reduces over `sequence` and over the other batch axes in
             # two separate full-size all-reduces (observed in the compiled HLO), not hierarchically.
-            out.append(Coll("all-reduce", full, {"sequence": s["sequence"]}, per_micro, f"grad {leaf.path}"))
+            out.append(Coll("all-reduce", full, {"sequence": s["sequence"]}, runs, f"grad {leaf.path}"))
             rest = {a: n for a, n in reduce.items() if a != "sequence"}
-            out.append(Coll("all-reduce", full, rest, per_micro, f"grad {leaf.path}"))
+            out.append(Coll("all-reduce", full, rest, runs, f"grad {leaf.path}"))
         elif reduce:
-            out.append(Coll("all-reduce", full, reduce, per_micro, f"grad {leaf.path}"))
+            out.append(Coll("all-reduce", full, reduce, runs, f"grad {leaf.path}"))
         manual = run.grad_accum > 1 and run.zero_stage == 2 and not backend.gathers_after_manual_scatter
         if s["fsdp"] > 1 and run.zero_stage in (1, 2) and not manual and "fsdp" in _spec_axes(leaf, place["optimizer"]):
             out.append(Coll("all-gather", full, {"fsdp": s["fsdp"]}, 1, f"updated {leaf.path}"))
         if s["fsdp"] > 1 and run.zero_stage >= 3 and "fsdp" in _spec_axes(leaf, place["params"]):
             passes = 2 if (leaf.in_layers and remat != "none") else 1
-            out.append(Coll("all-gather", full, {"fsdp": s["fsdp"]}, passes * per_micro, f"gather {leaf.path}"))
+            out.append(Coll("all-gather", full, {"fsdp": s["fsdp"]}, passes * runs, f"gather {leaf.path}"))
     return out
 
 
