@@ -23,20 +23,23 @@ Schedules (`config.pipeline.schedule`):
   micro-batches go round the ring v times (stage p-1 feeds stage 0, which parks them
   until their next lap). Ticks v*m + p - 1, bubble (p-1)/(v*m+p-1), v times the transfers.
 * 1f1b ("One-forward-one-backward"): a hand-written loop of time slots, two per tick.
-  Stage s runs the forward of micro-batch j in slot s + 2j and its backward (`jax.vjp` of
-  the stage, recomputed from the stashed stage input) in slot 2p - 1 - s + 2j, so every
+  Stage s runs the forward of micro-batch j in slot s + 2j (a `jax.vjp` of the stage whose
+  residuals, the activations the remat policy keeps, are stashed) and its backward (the
+  pullback, from the stash) in slot 2p - 1 - s + 2j, so every
   stage alternates forward and backward slots and neighbours always sit in opposite
   phases: after each slot one `ppermute` swaps neighbours' outputs, an activation moving
   forward and a gradient moving back one stage per slot. The last stage takes the loss as
   it finishes a micro-batch and starts its backward in the next slot. A slot runs only its
-  own work (`lax.switch`; idle slots cost nothing). Stage s holds p - s micro-batch inputs
-  at most, independent of m; ticks m + p - 1, bubble (p-1)/(m+p-1) as in the playbook.
+  own work (`lax.switch`; idle slots cost nothing). Stage s holds the activations of p - s
+  micro-batches at most, independent of m; ticks m + p - 1, bubble (p-1)/(m+p-1) as in
+  the playbook.
   It is a loss-and-gradient function, `loss_and_grads`, used by the train step instead
   of autodiff; its forward-only pass (evaluation) is the gpipe loop. In lock-step SPMD a
-  slot lasts as long as the slowest stage's work in it, a backward (recompute + vjp,
-  about 3 forwards) while the neighbours run forwards.
+  slot lasts as long as the slowest stage's work in it: a backward (about 2 forwards, 3
+  under full remat) while the neighbours run forwards.
 
-Remat per stage per micro-batch: the backward recomputes a stage from its input.
+Remat per stage per micro-batch (gpipe, circular): the backward recomputes a stage from its
+input. 1f1b keeps what the model's remat policy saves for its p in-flight micro-batches.
 """
 
 from __future__ import annotations
@@ -262,13 +265,65 @@ def _slot_pairs(p: int, parity: int) -> list[tuple[int, int]]:
     return pairs
 
 
+class _Residuals:
+    """The residuals of a stage's `jax.vjp` (what its backward needs), kept between a forward slot
+    and its backward slot.
+
+    The stage weights are residuals too; they are the same arrays in every slot, so they are not
+    stashed: a backward rebuilds the pullback from the stashed activations and the live weights.
+    The pullback's structure comes from one abstract trace; every forward slot's vjp has the same.
+    """
+
+    def __init__(self, stack, layers):
+        self._stack, self._layers = stack, layers
+        self._weights = jax.tree.leaves(layers)
+
+    def vjp(self, x, mb):
+        """(y, pullback) of the stage on x [b, T, D] for micro-batch `mb`."""
+        return jax.vjp(lambda w, x: self._stack(w, x, mb["positions"], mb["segment_ids"]), self._layers, x)
+
+    def _split(self, pullback):
+        leaves, treedef = jax.tree.flatten(pullback)
+        kinds = tuple(next((i for i, w in enumerate(self._weights) if leaf is w), None) for leaf in leaves)
+        return [leaf for leaf, k in zip(leaves, kinds) if k is None], kinds, treedef
+
+    def stash(self, slots: int, x, mb, axes: tuple[str, ...]) -> list[jax.Array]:
+        """Zeroed [slots, ...] buffers for the non-weight residuals, varying over the manual `axes`
+        (a slot index differs per stage, so every buffer does)."""
+        self._axes = axes
+
+        def probe(x):
+            _, pullback = self.vjp(x, mb)
+            kept, self._kinds, self._treedef = self._split(pullback)
+            return kept
+        zeros = [jnp.zeros((slots, *a.shape), a.dtype) for a in jax.eval_shape(probe, x)]
+        return [lax.pcast(z, axes, to="varying") for z in zeros] if axes else zeros
+
+    def store(self, stash: list[jax.Array], pullback, slot) -> list[jax.Array]:
+        kept, kinds, _ = self._split(pullback)
+        if kinds != self._kinds or len(kept) != len(stash):
+            raise RuntimeError("1f1b: a forward slot's vjp residuals differ from the traced structure")
+
+        def varying(r):
+            missing = tuple(a for a in self._axes if a not in jax.typeof(r).manual_axis_type.varying)
+            return lax.pcast(r, missing, to="varying") if missing else r
+        return [lax.dynamic_update_index_in_dim(buf, varying(r), slot, 0) for buf, r in zip(stash, kept)]
+
+    def load(self, stash: list[jax.Array], slot):
+        """The pullback of the forward stored in `slot`."""
+        kept = iter([lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False) for buf in stash])
+        leaves = [self._weights[k] if k is not None else next(kept) for k in self._kinds]
+        return jax.tree.unflatten(self._treedef, leaves)
+
+
 def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m, batch_axes):
     """One stage's 1F1B ticks: two slots per tick, each a forward or a backward (`one_f_one_b_slot`).
 
     A slot runs only its own work (`lax.switch`: idle, forward, backward, with the embedding on
     stage 0 and the head and loss on stage p-1), then one `ppermute` hands each slot's output to
-    its neighbour: activations forward, input gradients back. The inputs of forwards whose
-    backward is pending wait in a stash of p slots (stage s uses p - s of them).
+    its neighbour: activations forward, input gradients back. A forward keeps what its backward
+    needs (the stage's `jax.vjp` residuals: the activations the remat policy saves) in a stash of
+    p slots (stage s uses p - s of them); the backward runs from them without a recompute.
     """
     s = lax.axis_index(STAGE)
     manual = (STAGE, *batch_axes)
@@ -289,11 +344,13 @@ def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m,
     example = jax.eval_shape(embed, outer, pick(0)["inputs"])
     act = jnp.zeros(example.shape, example.dtype)  # [b, T, D]
     acc = functools.partial(jax.tree.map, lambda a, g: a + g.astype(jnp.float32))
-    state = dict(stash=jnp.zeros((p, *act.shape), act.dtype), dy=act,
+    residuals = _Residuals(stack, layers)
+    state = dict(stash=residuals.stash(p, lax.pcast(act, manual, to="varying"), pick(0), manual), dy=act,
                  g_layers=jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), layers),
                  g_outer=jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), outer),
                  loss=jnp.zeros((), jnp.float32))
-    state = lax.pcast(state, manual, to="varying")  # every device holds its own
+    state = {**lax.pcast({k: v for k, v in state.items() if k != "stash"}, manual, to="varying"),
+             "stash": state["stash"]}  # every device holds its own (the stash: see _Residuals)
 
     def idle(c, inbox, j):
         return c, jnp.zeros_like(inbox)
@@ -302,8 +359,8 @@ def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m,
         def run(c, inbox, j):
             mb = pick(j)
             x = embed(outer, mb["inputs"]) if first else inbox
-            c = {**c, "stash": lax.dynamic_update_index_in_dim(c["stash"], x, j % p, 0)}
-            y = stack(layers, x, mb["positions"], mb["segment_ids"])
+            y, stack_vjp = residuals.vjp(x, mb)
+            c = {**c, "stash": residuals.store(c["stash"], stack_vjp, j % p)}
             if not last:
                 return c, y
             # the last stage takes the loss at once; its backward slot (the next one) starts from dy
@@ -316,9 +373,7 @@ def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m,
         def run(c, inbox, j):
             mb = pick(j)
             g = c["dy"] if last else inbox
-            x = lax.dynamic_index_in_dim(c["stash"], j % p, 0, keepdims=False)
-            _, stack_vjp = jax.vjp(lambda w, x: stack(w, x, mb["positions"], mb["segment_ids"]), layers, x)
-            g_layers, dx = stack_vjp(g)
+            g_layers, dx = residuals.load(c["stash"], j % p)(g)
             c = {**c, "g_layers": acc(c["g_layers"], g_layers)}
             if not first:
                 return c, dx

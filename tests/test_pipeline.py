@@ -216,7 +216,7 @@ def test_describe_reports_ticks_bubble_in_flight():
 def test_one_f_one_b_slots_respect_dependencies_and_hold_at_most_p(p, m):
     """Replays the slot rule the loop runs: every dependency is one slot (one ppermute) away, each
     stage does m forwards and m backwards within 2 slots per tick, and stage s never stashes more
-    than p - s inputs (<= p)."""
+    than p - s micro-batches (<= p)."""
     pipe = pipeline_lib.Pipeline("1f1b", p, m)
     done = {}  # (op, stage, micro-batch) -> slot
     for u in range(2 * pipe.ticks):
@@ -254,3 +254,22 @@ def test_one_f_one_b_reduces_gradients_over_data_once():
     over_data = [c for c in found if c.kind != "collective-permute"  # the stage transfers name their pairs
                  and "data" in hlo.group_axes(c.groups[0], dict(mesh.shape))]
     assert over_data and all(c.count == 1 for c in over_data), over_data
+
+
+def test_one_f_one_b_stash_keeps_activations_not_weights():
+    """Every stage weight among the vjp residuals is recognised and passed live, never stashed."""
+    config = _config("1f1b", {})
+    mesh = _mesh(config)
+    model = model_lib.Transformer(ModelConfig.from_config(config), Rules.for_mesh(mesh))
+    batch = synthetic_batches(config, 1)[0]
+    with jax.set_mesh(mesh):
+        params = nn.unbox(model.init(jax.random.key(0), batch["inputs"], batch["positions"],
+                                     batch["segment_ids"])["params"])
+        residuals = pipeline_lib._Residuals(pipeline_lib.stage_function(model.bind({"params": params})),
+                                            params["layers"])
+        mb = {k: v[:2] for k, v in batch.items()}
+        x = jnp.zeros((2, SEQ, config.model.d_model), jnp.float32)
+        stash = residuals.stash(3, x, mb, ())
+    weights = jax.tree.leaves(params["layers"])
+    assert {k for k in residuals._kinds if k is not None} == set(range(len(weights)))
+    assert len(stash) == sum(k is None for k in residuals._kinds) > 0

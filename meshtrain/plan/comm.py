@@ -155,10 +155,11 @@ def _activations(run: Run, remat: str, backend: Backend) -> list[Coll]:
         recompute = 1 if remat == "full" else 0
         reductions = layers * (2 + backward + recompute) + 1  # + the vocabulary-split head's input-gradient
         if s["stage"] > 1 and run.pipeline_schedule == "1f1b" and not m.sequence_parallel:
-            # each stage runs m forward slots and m backward slots (a jax.vjp: the forward again, whose
-            # last MLP reduction is dead code, then the backward) on one micro-batch each; idle slots
-            # are skipped. The last stage's forward slots add the vocabulary-split head's input-gradient.
-            per_micro = layers * (2 + 1 + backward)
+            # each stage runs m forward slots (a jax.vjp whose residuals wait for the backward) and m
+            # backward slots (from the residuals; under full remat each layer's forward is recomputed
+            # first) on one micro-batch each; idle slots are skipped. The last stage's forward slots
+            # add the vocabulary-split head's input-gradient.
+            per_micro = layers * (2 + backward + recompute)
             count = per_micro * run.microbatches + run.microbatches / s["stage"]
             out.append(Coll("all-reduce", x // run.microbatches, tp, count, "TP all-reduce"))
         elif m.sequence_parallel:
