@@ -10,8 +10,9 @@ tokens), so the global batch grows with m. Each (schedule, m) runs the real trai
 Measured bubble. In the gpipe / circular tick loops every stage computes in every tick, so the
 step time is t(m) = tau * ticks(m) + c. The 1f1b loop skips idle slots (`lax.switch`): on fake
 CPU devices, which share the host's cores, an idle slot then costs nothing and the time-based
-bubble of 1f1b shows only the fixed costs; on real devices a slot waits for its neighbours. The slope dt/dm of a least-squares line through the m values
-is the cost of one more micro-batch in steady state; the time-based bubble of a point is
+bubble of 1f1b shows only the fixed costs; on real devices a slot waits for its neighbours.
+The slope dt/dm of a least-squares line through the m values is the cost of one more
+micro-batch in steady state; the time-based bubble of a point is
 1 - m * slope / t(m), the share of the step that the micro-batches' own work does not
 explain (the fixed cost c, embedding, head and optimizer included). It is printed beside
 the schedule's tick formula 1 - v*m/ticks. Prints a table and one JSON line.

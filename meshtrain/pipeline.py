@@ -285,7 +285,7 @@ class _Residuals:
     def _split(self, pullback):
         leaves, treedef = jax.tree.flatten(pullback)
         kinds = tuple(next((i for i, w in enumerate(self._weights) if leaf is w), None) for leaf in leaves)
-        return [leaf for leaf, k in zip(leaves, kinds) if k is None], kinds, treedef
+        return [leaf for leaf, k in zip(leaves, kinds, strict=True) if k is None], kinds, treedef
 
     def stash(self, slots: int, x, mb, axes: tuple[str, ...]) -> list[jax.Array]:
         """Zeroed [slots, ...] buffers for the non-weight residuals, varying over the manual `axes`
@@ -307,7 +307,7 @@ class _Residuals:
         def varying(r):
             missing = tuple(a for a in self._axes if a not in jax.typeof(r).manual_axis_type.varying)
             return lax.pcast(r, missing, to="varying") if missing else r
-        return [lax.dynamic_update_index_in_dim(buf, varying(r), slot, 0) for buf, r in zip(stash, kept)]
+        return [lax.dynamic_update_index_in_dim(buf, varying(r), slot, 0) for buf, r in zip(stash, kept, strict=True)]
 
     def load(self, stash: list[jax.Array], slot):
         """The pullback of the forward stored in `slot`."""

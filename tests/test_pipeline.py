@@ -237,7 +237,7 @@ def test_one_f_one_b_slots_respect_dependencies_and_hold_at_most_p(p, m):
     # the neighbours a slot's ppermute connects are exactly the ones whose work depends on it
     for u in range(2 * pipe.ticks):
         pairs = set(pipeline_lib._slot_pairs(p, u % 2))
-        for (op, s, j), slot in done.items():
+        for (op, s, _), slot in done.items():
             if slot == u and (op == 1 and s < p - 1):
                 assert (s, s + 1) in pairs
             if slot == u and (op == 2 and s > 0):

@@ -132,7 +132,7 @@ def _multiplicities(comps: dict[str, list[str]], entry: str,
                 branches = [c.strip().lstrip("%") for c in b.group(1).split(",")]
                 weights = (branch_weights if branch_weights and len(branch_weights) == len(branches)
                            else (1.0,) * len(branches))
-                out += [(c, w) for c, w in zip(branches, weights) if c in comps]
+                out += [(c, w) for c, w in zip(branches, weights, strict=True) if c in comps]
         edges[name] = out
     # computations form a DAG; visit callers before callees (Kahn order from the entry).
     indegree: dict[str, int] = collections.defaultdict(int)
