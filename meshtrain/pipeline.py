@@ -205,10 +205,11 @@ def loss_and_grads(params, batch, model, total_tokens, accum_steps, *, batch_axe
 
     Same contract as the train step's one-pass gradient: the differentiated loss is
     loss_sum / total_tokens (no auxiliary losses: the MoE validator rejects MoE with mesh.stage > 1).
-    `batch_axes`: batch axes the parameters are replicated on (`train_step.accumulation_manual_axes`).
-    The loop is manual over them too, so each device sums its own gradients over its micro-batches
-    and the data-parallel reduction runs once, after the loop (playbook, "Data Parallelism" with
-    gradient accumulation), not in every backward slot.
+    `batch_axes` (`batch_axes(mesh)`): the loop is manual over them too, so each device sums its own
+    gradients over its micro-batches and the data-parallel reduction runs once, after the loop
+    (playbook, "Data Parallelism" with gradient accumulation), not in every backward slot. Under
+    ZeRO-3 the weights are gathered once, when they enter the loop (playbook, "ZeRO-3": a stage keeps
+    its weights gathered across its micro-batches), not in every slot.
     """
     del accum_steps  # the validator requires train.grad_accum_steps == 1 with a pipeline
     pipe = model.pipeline
@@ -400,6 +401,16 @@ def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m,
     (c, _), _ = lax.scan(tick, (state, lax.pcast(act, manual, to="varying")), jnp.arange(m + p - 1))
     g_layers = lax.psum(c["g_layers"], batch_axes) if batch_axes else c["g_layers"]
     return lax.psum(c["loss"], manual), lax.psum(c["g_outer"], manual), g_layers
+
+
+def batch_axes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
+    """The batch axes the 1F1B loop is manual over: every data-parallel axis of the mesh.
+
+    The parameters enter the loop whole over them (P(stage) for the layers), so under ZeRO-3 each
+    stage's weights are gathered once per step and stay gathered across its micro-batches, and
+    every gradient is reduced once, after the loop.
+    """
+    return tuple(a for a in ("data", "fsdp", "expert") if mesh.shape[a] > 1)
 
 
 def grads_function(pipe: Pipeline | None, default, batch_axes: tuple[str, ...] = ()):

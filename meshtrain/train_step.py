@@ -281,6 +281,6 @@ def build(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
     factory = StateFactory(model, tx, mesh, placement, (micro, config.train.seq_len))
     schedule = optimizer_lib.learning_rate_schedule(config)
     manual = accumulation_manual_axes(mesh, config)
-    grads_fn = pipeline_lib.grads_function(pipeline, _grads_one_pass, manual)  # chosen once, outside the trace
+    grads_fn = pipeline_lib.grads_function(pipeline, _grads_one_pass, pipeline_lib.batch_axes(mesh))  # chosen once
     return factory, jit_train_step(factory, schedule, config.train.grad_accum_steps, manual, grads_fn,
                                    config.train.grad_clip), schedule

@@ -76,15 +76,15 @@ def _reference():
 
 
 @functools.cache
-def _pipelined(schedule: str, mesh_items: tuple, microbatches: int = M, batch: int = 8):
+def _pipelined(schedule: str, mesh_items: tuple, microbatches: int = M, batch: int = 8, zero: int = 1):
     """(pipeline, mesh, compiled (params, batch) -> (loss_sum, aux, grads)) as the train step builds it."""
-    config = _config(schedule, dict(mesh_items), microbatches, batch)
+    config = _config(schedule, dict(mesh_items), microbatches, batch, **{"train.zero_stage": zero})
     mesh = _mesh(config)
     pipe = pipeline_lib.Pipeline.from_config(config, mesh.shape["stage"])
     model = model_lib.Transformer(ModelConfig.from_config(config), Rules.for_mesh(mesh), pipeline=pipe)
-    fn = pipeline_lib.grads_function(pipe, _autodiff, train_step_lib.accumulation_manual_axes(mesh, config))
+    fn = pipeline_lib.grads_function(pipe, _autodiff, pipeline_lib.batch_axes(mesh))
     factory = train_step_lib.StateFactory(model, optax.sgd(0.1), mesh,
-                                          train_step_lib.Placement.for_zero_stage(model.rules, 1),
+                                          train_step_lib.Placement.for_zero_stage(model.rules, zero),
                                           (batch, SEQ))
     batch_sharding = jax.sharding.NamedSharding(mesh, train_step_lib.batch_spec())
     example = synthetic_batches(config, 1)[0]
@@ -103,9 +103,11 @@ def _ids(case):
 @pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
 def test_loss_and_grads_equal_single_device(case):
     """float32 1e-5: loss and every gradient, circular's layers compared in execution order."""
-    schedule, mesh = case
+    _assert_equal_single_device(*_pipelined(case[0], tuple(case[1].items())))
+
+
+def _assert_equal_single_device(pipe, pmesh, compiled):
     params, batch, tokens, reference = _reference()
-    pipe, pmesh, compiled = _pipelined(schedule, tuple(mesh.items()))
     order = pipe.execution_order(LAYERS)  # order[q]: stored index of the q-th layer to run
     ref_params = {**params, "layers": jax.tree.map(lambda a: a[order], params["layers"])}
     ref_loss, ref_grads = reference(ref_params)
@@ -178,12 +180,13 @@ def test_one_f_one_b_temp_memory_flat_while_gpipe_grows():
     assert abs(table["1f1b", 16] - table["1f1b", 4]) < activation
 
 
-def test_train_step_with_1f1b_equals_single_device():
+@pytest.mark.parametrize("mesh, zero", [({"stage": 2}, 1), ({"stage": 2, "fsdp": 2}, 3)])
+def test_train_step_with_1f1b_equals_single_device(mesh, zero):
     """Two optimizer steps through train_step.build (1f1b chosen once) == the single-device run."""
-    config = _config("1f1b", {"stage": 2})
+    config = _config("1f1b", mesh, **{"train.zero_stage": zero})
     batches = synthetic_batches(config, 2, seed=2)
     losses, params, _ = run_steps(config, batches)
-    ref_losses, ref_params, _ = run_steps(_config("1f1b", {}), batches)
+    ref_losses, ref_params, _ = run_steps(_config("1f1b", {}, **{"train.zero_stage": zero}), batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params, ref_params)
 
@@ -273,3 +276,15 @@ def test_one_f_one_b_stash_keeps_activations_not_weights():
     weights = jax.tree.leaves(params["layers"])
     assert {k for k in residuals._kinds if k is not None} == set(range(len(weights)))
     assert len(stash) == sum(k is None for k in residuals._kinds) > 0
+
+
+def test_one_f_one_b_zero3_gathers_weights_once_and_equals_single_device():
+    """ZeRO-3 under 1f1b: each stage's weights are gathered once per step and kept across its
+    micro-batches (every all-gather over `fsdp` runs once); loss and gradients equal one device."""
+    from meshtrain.plan import hlo
+
+    pipe, mesh, compiled = _pipelined("1f1b", (("stage", 2), ("fsdp", 2), ("tensor", 2)), zero=3)
+    _assert_equal_single_device(pipe, mesh, compiled)
+    found = hlo.collectives(compiled.as_text(), mesh.size, pipe.slot_branch_share())
+    gathers = [c for c in found if c.kind == "all-gather" and "fsdp" in hlo.group_axes(c.groups[0], dict(mesh.shape))]
+    assert gathers and all(c.count == 1 for c in gathers), gathers

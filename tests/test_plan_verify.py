@@ -33,6 +33,7 @@ MESHES = [
     ({"stage": 4, "data": 2}, {"train.zero_stage": 0, "pipeline.microbatches": 4}),
     ({"stage": 4, "tensor": 2}, {"train.zero_stage": 0, "pipeline.microbatches": 4, "pipeline.schedule": "1f1b"}),
     ({"stage": 2, "data": 4}, {"train.zero_stage": 0, "pipeline.microbatches": 4, "pipeline.schedule": "1f1b"}),
+    ({"stage": 2, "fsdp": 4}, {"train.zero_stage": 3, "pipeline.microbatches": 4, "pipeline.schedule": "1f1b"}),
 ]
 
 

@@ -97,25 +97,20 @@ def _gradient_and_zero(run: Run, remat: str, backend: Backend) -> list[Coll]:
     for leaf in param_table(run.model):
         # Under gpipe / circular each tick's backward (autodiff of the tick loop) reduces the stage's
         # layer gradients over the batch axes inside the loop (observed in the compiled HLO).
-        # 1f1b's loop is manual over the batch axes the parameters are replicated on (ZeRO 0-2): each
-        # gradient is reduced once, after it. Under ZeRO-3 the partitioner reduces them in the slots
-        # that make them: layers in every backward slot (m a device), the embedding, final norm and
-        # head in the first stage's backward / the last stage's forward slots (m/p a device).
-        runs = per_micro
-        if s["stage"] > 1 and run.pipeline_schedule == "1f1b":
-            if run.zero_stage >= 3:
-                runs = run.microbatches if leaf.in_layers else run.microbatches / s["stage"]
-        elif s["stage"] > 1 and leaf.in_layers:
-            runs = run.pipeline_ticks
+        runs = run.pipeline_ticks if (s["stage"] > 1 and leaf.in_layers) else per_micro
         full = local_size(leaf, place["compute"]) * pb
         used = _spec_axes(leaf, place["compute"])
         reduce = {a: s[a] for a in batch_axes if a not in used}
-        if s["stage"] > 1 and not leaf.in_layers and run.pipeline_schedule == "1f1b":
-            # 1F1B embeds on the first stage and takes the loss on the last: their gradients meet over
-            # `stage`, in one all-reduce with the batch axes the loop is manual over (ZeRO 0-2)
-            joint = reduce if run.zero_stage < 3 else {}
-            out.append(Coll("all-reduce", full, {"stage": s["stage"], **joint}, 1, f"grad {leaf.path}"))
-            reduce = {a: n for a, n in reduce.items() if a not in joint}
+        one_f_one_b = s["stage"] > 1 and run.pipeline_schedule == "1f1b"
+        if one_f_one_b:
+            # 1F1B's loop is manual over every batch axis: each gradient is all-reduced once, after
+            # it, the embedding / final norm / head ones together with `stage` (first and last stage
+            # meet); under ZeRO-3 the weights are gathered once, as they enter the loop.
+            axes = reduce if leaf.in_layers else {"stage": s["stage"], **reduce}
+            if axes:
+                out.append(Coll("all-reduce", full, axes, 1, f"grad {leaf.path}"))
+            reduce = {}
+            runs = 1
         sharded = "fsdp" in reduce and "fsdp" in _spec_axes(leaf, place["grads"])
         if sharded:
             out.append(Coll("reduce-scatter", full, {"fsdp": s["fsdp"]}, runs, f"grad {leaf.path}"))
@@ -134,7 +129,7 @@ def _gradient_and_zero(run: Run, remat: str, backend: Backend) -> list[Coll]:
         if s["fsdp"] > 1 and run.zero_stage in (1, 2) and not manual and "fsdp" in _spec_axes(leaf, place["optimizer"]):
             out.append(Coll("all-gather", full, {"fsdp": s["fsdp"]}, 1, f"updated {leaf.path}"))
         if s["fsdp"] > 1 and run.zero_stage >= 3 and "fsdp" in _spec_axes(leaf, place["params"]):
-            passes = 2 if (leaf.in_layers and remat != "none") else 1
+            passes = 2 if (leaf.in_layers and remat != "none" and not one_f_one_b) else 1
             out.append(Coll("all-gather", full, {"fsdp": s["fsdp"]}, passes * runs, f"gather {leaf.path}"))
     return out
 
