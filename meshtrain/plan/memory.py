@@ -214,7 +214,8 @@ def activation_memory(run: Run, remat: str) -> dict[str, int]:
 
     Temporaries (besides the gradients, counted apart): float32 logits and their softmax for
     one micro-batch, one layer rebuilt for its backward (the `none` set), float32 accumulators
-    with gradient accumulation and, under ZeRO-3, two layers of gathered weights.
+    with gradient accumulation (and under 1F1B) and, under ZeRO-3, two layers of gathered weights
+    (1F1B: the whole stage).
     """
     m, s = run.model, run.sizes
     tp, a = s["tensor"], dtype_bytes(m.dtype)
@@ -242,5 +243,11 @@ def activation_memory(run: Run, remat: str) -> dict[str, int]:
     if run.zero_stage >= 3:
         per_layer = sum(local_size(leaf, compute) for leaf in table if leaf.in_layers)
         gathered = 2 * per_layer // m.n_layers * dtype_bytes(m.param_dtype)
+    if s["stage"] > 1 and run.pipeline_schedule == "1f1b":
+        # the 1F1B loop sums float32 gradients of the whole stage (and embedding / head) across its
+        # slots, and under ZeRO-3 holds the stage's weights gathered for the whole step
+        whole = sum(local_size(leaf, compute) for leaf in table)
+        accumulators = 4 * whole
+        gathered = whole * dtype_bytes(m.param_dtype) if run.zero_stage >= 3 else 0
     rebuild = everything if remat != "none" else 0
     return {"activations": activations, "temporaries": logits + rebuild + accumulators + gathered}
