@@ -234,7 +234,7 @@ def one_f_one_b_slot(p: int, s, u):
 
     Forward of j in slot s + 2j, backward of j in slot 2p - 1 - s + 2j: every stage alternates
     forward and backward slots, a forward moves one stage per slot and so does a gradient, and
-    stage s holds the inputs of micro-batches j .. j + p - 1 - s between a forward and its backward.
+    stage s holds the activations of micro-batches j .. j + p - 1 - s between a forward and its backward.
     Works on Python ints and on traced values alike.
     """
     forward = (u - s) % 2 == 0
