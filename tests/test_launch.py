@@ -40,11 +40,7 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, compilation_
     with open(tmp_path / "first.log", "w") as log:
         first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + WAIT_S
-        while not (workdir / "metrics.jsonl").exists() or len(open(workdir / "metrics.jsonl").readlines()) < 3:
-            assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the 2-process run did not reach step 3"
-            time.sleep(0.05)
+        wait_for_logged_steps(first, workdir, tmp_path / "first.log")
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=120) == 0, (tmp_path / "first.log").read_text()[-3000:]
     finally:
@@ -75,6 +71,16 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, compilation_
     assert restored_two.data_state == restored_one.data_state
 
 
+def wait_for_logged_steps(proc: subprocess.Popen, workdir, log, steps: int = 3) -> None:
+    """Until `workdir/metrics.jsonl` holds `steps` lines; fails if `proc` exits first or WAIT_S passes."""
+    deadline = time.monotonic() + WAIT_S
+    metrics = workdir / "metrics.jsonl"
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < steps:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"the 2-process run did not reach step {steps}"
+        time.sleep(0.05)
+
+
 def children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(c) for c in f.read().split()]
@@ -90,11 +96,7 @@ def test_killing_one_process_fails_the_job_promptly(tmp_path, compilation_cache)
                                      "--", *args], cwd=ROOT, env=subprocess_env(compilation_cache), stdout=log,
                                     stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + WAIT_S
-        while not (workdir / "metrics.jsonl").exists() or len(open(workdir / "metrics.jsonl").readlines()) < 3:
-            assert launcher.poll() is None, (tmp_path / "launch.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the 2-process run did not reach step 3"
-            time.sleep(0.1)
+        wait_for_logged_steps(launcher, workdir, tmp_path / "launch.log")
         procs = children(launcher.pid)
         assert len(procs) == 2
         victim = next(p for p in procs if b"--process_id=1" in open(f"/proc/{p}/cmdline", "rb").read())
