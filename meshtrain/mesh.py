@@ -112,9 +112,25 @@ def _hybrid_device_array(ici: tuple[int, ...], dcn: tuple[int, ...], devices: li
     return interleaved.reshape(tuple(d * i for d, i in zip(dcn, ici, strict=True)))
 
 
-def mesh_sizes(mesh: jax.sharding.Mesh) -> dict[str, int]:
-    """Axis name -> size."""
-    return dict(mesh.shape)
+# XLA:CPU's AllReducePromotion pass rewrites each bfloat16 all-reduce as a float32 one: it clones
+# the reduction computation and re-creates its root with HloInstruction::CreateBinary. Inside a
+# `jax.shard_map` that is manual over only some of the mesh's axes (every shard_map meshtrain
+# writes: the MoE exchange, the pipeline, ring attention, the kernel wrappers, the accumulation
+# loop), Shardy leaves that root a `copy` of the add (the reducer's replicated-sharding
+# annotation), and the clone aborts the process: "hlo_instruction.cc: Invalid binary instruction
+# opcode copy". Any bf16 all-reduce there triggers it: an explicit psum / pmax, the psum that
+# autodiff puts where a replicated bf16 operand meets per-device values (check_vma=True), or the
+# psum of a replicated bf16 input's cotangent at a check_vma=False boundary. float32 and float16
+# all-reduces are not promoted and compile; so do bfloat16 ones with the pass off, which the CPU
+# collectives (in-process and gloo) reduce directly. GPU compilers do not promote bfloat16 (NCCL
+# reduces it), so only CPU compiles get the option. tests/test_xla_workarounds.py keeps the
+# minimal programs.
+CPU_COMPILER_OPTIONS: dict[str, str] = {"xla_disable_hlo_passes": "all-reduce-promotion"}
+
+
+def compiler_options(mesh: jax.sharding.Mesh) -> dict[str, str]:
+    """XLA options for programs compiled over `mesh` (`jax.jit(..., compiler_options=...)`)."""
+    return dict(CPU_COMPILER_OPTIONS) if mesh.devices.flat[0].platform == "cpu" else {}
 
 
 def describe(mesh: jax.sharding.Mesh) -> str:

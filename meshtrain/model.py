@@ -30,6 +30,7 @@ from flax import linen as nn
 
 from meshtrain import moe as moe_lib
 from meshtrain.config import ModelConfig
+from meshtrain.mesh import MESH_ORDER, compiler_options
 from meshtrain.sharding_rules import Rules, constrain
 
 # attention_fn(q [B,T,H,Dh], k [B,T,K,Dh], v [B,T,K,Dh], segment_ids [B,T]) -> [B,T,H,Dh], causal.
@@ -312,13 +313,12 @@ def logits(model_config: ModelConfig, params: dict, tokens: jax.Array) -> jax.Ar
     tokens = jnp.asarray(tokens, jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     with jax.set_mesh(mesh):
-        return jax.jit(model.apply)({"params": params}, tokens, positions, jnp.ones_like(tokens))
+        forward = jax.jit(model.apply, compiler_options=compiler_options(mesh))
+        return forward({"params": params}, tokens, positions, jnp.ones_like(tokens))
 
 
 def _params_mesh(params: dict) -> jax.sharding.Mesh:
     """The mesh of the first parameter, or a one-device mesh with all six axes of size 1."""
-    from meshtrain.mesh import MESH_ORDER
-
     sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
     if isinstance(sharding, jax.sharding.NamedSharding) and set(sharding.mesh.axis_names) == set(MESH_ORDER):
         return sharding.mesh

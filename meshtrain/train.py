@@ -76,7 +76,7 @@ def make_eval_step(factory):
     def eval_step(params, batch):
         loss_sum, _ = factory.model.apply({"params": params}, batch, method=factory.model.loss)
         return loss_sum, batch["loss_mask"].sum()
-    return jax.jit(eval_step)
+    return jax.jit(eval_step, compiler_options=mesh_lib.compiler_options(factory.mesh))
 
 
 def run(config: ml_collections.ConfigDict) -> dict:

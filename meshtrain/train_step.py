@@ -31,7 +31,7 @@ import optax
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain import model as model_lib, optimizer as optimizer_lib, pipeline as pipeline_lib
+from meshtrain import mesh as mesh_lib, model as model_lib, optimizer as optimizer_lib, pipeline as pipeline_lib
 from meshtrain.mesh import BATCH_AXES
 from meshtrain.sharding_rules import Rules, named
 
@@ -262,7 +262,8 @@ def jit_train_step(factory: StateFactory, schedule: optax.Schedule, accum_steps:
     batch_sharding = NamedSharding(factory.mesh, batch_spec())
     replicated = NamedSharding(factory.mesh, P())
     return jax.jit(step, in_shardings=(factory.shardings, batch_sharding),
-                   out_shardings=(factory.shardings, replicated), donate_argnums=0)
+                   out_shardings=(factory.shardings, replicated), donate_argnums=0,
+                   compiler_options=mesh_lib.compiler_options(factory.mesh))
 
 
 def build(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
