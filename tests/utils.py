@@ -68,16 +68,22 @@ def synthetic_batches(config, steps: int, seed: int = 0) -> list[dict[str, np.nd
     return out
 
 
-def run_steps(config, batches, devices=None):
-    """Trains len(batches) steps; returns (losses, final params as numpy, factory)."""
+def train(config, batches, devices=None):
+    """Trains len(batches) steps; returns (metrics per step as floats, final state, factory)."""
     devices = devices or devices_for(config)
     config_lib.validate(config, len(devices))
     mesh = mesh_lib.make_mesh(config, devices)
     factory, step_fn, _ = train_step_lib.build(config, mesh)
     state = factory.create(config.seed)
-    losses = []
+    records = []
     with jax.set_mesh(mesh):
         for batch in batches:
             state, metrics = step_fn(state, batch)
-            losses.append(float(metrics["loss"]))
-    return np.array(losses), jax.tree.map(np.asarray, state.params), factory
+            records.append(jax.tree.map(float, jax.device_get(metrics)))
+    return records, state, factory
+
+
+def run_steps(config, batches, devices=None):
+    """Trains len(batches) steps; returns (losses, final params as numpy, factory)."""
+    records, state, factory = train(config, batches, devices)
+    return np.array([r["loss"] for r in records]), jax.tree.map(np.asarray, state.params), factory

@@ -15,6 +15,7 @@ skipped. Both counts are reported by `prepare`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import gzip
 import hashlib
@@ -48,6 +49,11 @@ class ReadStats:
 
 def default_corpus_files() -> list[str]:
     """The capped, machine-independent subset of the standard library's `.py` files."""
+    return list(_default_corpus())
+
+
+@functools.cache  # walked once per process: the planner validates a config per candidate mesh
+def _default_corpus() -> tuple[str, ...]:
     root = sysconfig.get_paths()["stdlib"]
     candidates = []
     for directory, dirs, files in os.walk(root):
@@ -64,7 +70,7 @@ def default_corpus_files() -> list[str]:
             continue
         chosen.append(os.path.join(root, rel))
         total += size
-    return sorted(chosen)
+    return tuple(sorted(chosen))
 
 
 def expand_files(pattern: str) -> list[str]:

@@ -1,0 +1,132 @@
+"""Every mesh, schedule and feature the float32 equivalence tests cover also trains in the default
+compute dtype (bfloat16), the program users compile.
+
+Float32 proves the maths; this proves the bf16 step compiles (XLA:CPU aborted on several of these
+meshes before `mesh.compiler_options`) and trains: 3 steps, every loss and gradient norm finite
+and within BF16_RTOL of the float32 single-device run of the same model (of the float32 run on
+the same mesh for the circular schedule, which stores its layers in another order).
+
+BF16_RTOL = 2**-8, bfloat16's unit roundoff (8 significant bits): one rounding of the float32
+value. The loss and the gradient norm are float32 reductions over thousands of bf16 terms whose
+rounding errors average out rather than add, so a correct bf16 step stays within one rounding of
+float32 (measured: loss within 2e-5, gradient norm within 7e-4 relative). Exactness is the float32
+suites' job (test_parallel_equivalence, test_pipeline, test_moe_train, test_attention_impls).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from meshtrain import attention, config as config_lib
+from tests import utils
+
+BF16_RTOL = 2.0**-8
+STEPS = 3
+
+
+def _dense(mesh: dict, **overrides):
+    return utils.tiny_config(mesh, **overrides)
+
+
+def _pipeline(mesh: dict, **overrides):
+    """The pipeline tests' model: 8 layers, short sequences, 4 micro-batches."""
+    return utils.tiny_config(mesh, **{"model.n_layers": 8, "train.seq_len": 16, "pipeline.microbatches": 4,
+                                      **overrides})
+
+
+def _moe(mesh: dict, **overrides):
+    c = utils.load_config_file("tiny_moe")
+    c.model.dtype = "float32"
+    c.data.source = "synthetic"
+    c.train.seq_len = 32
+    for axis in utils.AXES:
+        c.mesh[axis] = mesh.get(axis, 1)
+    for key, value in overrides.items():
+        section, leaf = key.split(".")
+        c[section][leaf] = value
+    return c
+
+
+KINDS = {"dense": _dense, "pipeline": _pipeline, "moe": _moe}
+# Keys that choose how the step is laid out, never what it computes: the float32 reference drops them.
+LAYOUT_KEYS = {"train.zero_stage", "train.grad_accum_steps", "model.sequence_parallel", "remat.policy",
+               "attention.impl", "model.fused_norm", "model.fused_loss", "pipeline.schedule",
+               "pipeline.repeats", "pipeline.microbatches"}
+
+
+def _case(kind: str, mesh: dict, **overrides):
+    name = "-".join(f"{a}{n}" for a, n in mesh.items()) or "1dev"
+    extra = "-".join(f"{k.split('.')[-1]}={v}" for k, v in overrides.items())
+    return pytest.param(kind, mesh, overrides, id=f"{kind}-{name}" + (f"-{extra}" if extra else ""))
+
+
+# Features ride along on meshes (remat policies, accumulation, ZeRO stages, dropless) so that each
+# mesh and each feature of the float32 suites compiles in bf16 at least once, in as few compiles
+# as that takes.
+CASES = [
+    # test_parallel_equivalence, test_grad_accum, the remat policies
+    _case("dense", {}, **{"remat.policy": "none"}),
+    _case("dense", {"data": 8}, **{"remat.policy": "full"}),
+    _case("dense", {"fsdp": 8}, **{"train.zero_stage": 3, "train.grad_accum_steps": 2}),
+    _case("dense", {"data": 2, "fsdp": 2, "tensor": 2}, **{"train.grad_accum_steps": 4}),
+    _case("dense", {"fsdp": 4, "tensor": 2}, **{"model.sequence_parallel": True}),
+    _case("dense", {"data": 2, "fsdp": 4}, **{"train.zero_stage": 0, "remat.policy": "offload"}),
+    _case("dense", {"data": 2, "fsdp": 4}, **{"train.zero_stage": 1, "train.grad_accum_steps": 2}),
+    _case("dense", {"data": 2, "fsdp": 4}, **{"train.zero_stage": 2}),
+    _case("dense", {"data": 2, "fsdp": 4}, **{"train.zero_stage": 3}),
+    _case("dense", {"tensor": 4, "data": 2}, **{"model.sequence_parallel": True, "train.zero_stage": 0}),
+    _case("dense", {"expert": 2, "fsdp": 2, "data": 2}, **{"train.zero_stage": 2, "train.grad_accum_steps": 2}),
+    # test_attention_impls: ring attention, the Pallas kernels
+    _case("dense", {"sequence": 4, "data": 2}, **{"attention.impl": "ring"}),
+    _case("dense", {"data": 2, "sequence": 2, "tensor": 2}, **{"attention.impl": "ring", "train.grad_accum_steps": 2}),
+    _case("dense", {"data": 8}, **{"attention.impl": "ring"}),
+    _case("dense", {"data": 8}, **{"attention.impl": "pallas", "model.fused_norm": True, "model.fused_loss": True}),
+    _case("dense", {"data": 2}, **{"attention.impl": "pallas", "model.fused_norm": True, "model.fused_loss": True,
+                                   "train.grad_accum_steps": 2}),
+    # test_pipeline: every schedule on its meshes, more micro-batches, ZeRO-3 under 1F1B
+    *[_case("pipeline", mesh, **{"pipeline.schedule": s, "pipeline.repeats": 2 if s == "circular" else 1})
+      for s in ("gpipe", "circular", "1f1b") for mesh in ({"stage": 4}, {"stage": 2, "data": 2, "tensor": 2})],
+    _case("pipeline", {"stage": 2, "data": 4}, **{"pipeline.schedule": "gpipe"}),
+    _case("pipeline", {"stage": 2, "data": 4}, **{"pipeline.schedule": "1f1b"}),
+    _case("pipeline", {"stage": 4, "data": 2}, **{"pipeline.microbatches": 8, "train.batch_size": 16}),
+    _case("pipeline", {"stage": 2, "fsdp": 2}, **{"pipeline.schedule": "1f1b", "train.zero_stage": 3}),
+    # test_moe_train: expert parallelism alone, with data (the README's command), tensor, accumulation
+    _case("moe", {"expert": 8}),
+    _case("moe", {"expert": 4, "data": 2}),
+    _case("moe", {"data": 2, "expert": 2, "tensor": 2}, **{"model.moe_dropless": True}),
+    _case("moe", {"data": 2, "fsdp": 2, "expert": 2}, **{"train.grad_accum_steps": 2}),
+]
+
+
+@functools.cache
+def _reference(kind: str, mesh: tuple, model_overrides: tuple) -> tuple[list[dict], np.ndarray]:
+    """(batches, [STEPS, 2] loss and gradient norm) of the float32 run on `mesh`."""
+    config = KINDS[kind](dict(mesh), **dict(model_overrides))
+    batches = utils.synthetic_batches(config, STEPS)
+    records, _, _ = utils.train(config, batches)
+    return batches, np.array([[r["loss"], r["grad_norm"]] for r in records])
+
+
+@pytest.mark.parametrize("kind, mesh, overrides", CASES)
+def test_trains_in_default_dtype_like_float32(kind, mesh, overrides):
+    config = KINDS[kind](mesh, **overrides)
+    config.model.dtype = config_lib.default_config().model.dtype  # what users compile
+    assert config.model.dtype == "bfloat16"
+    if overrides.get("pipeline.schedule") == "circular":
+        # circular stores the layers in its own order, so one seed is another initial model than
+        # the unpipelined one's: compare with float32 on the same mesh and schedule.
+        batches, want = _reference(kind, tuple(mesh.items()), tuple(sorted(overrides.items())))
+    else:
+        model_overrides = tuple(sorted((k, v) for k, v in overrides.items() if k not in LAYOUT_KEYS))
+        batches, want = _reference(kind, (), model_overrides)
+    sizes = config_lib.validate(config, len(utils.devices_for(config)))
+    perm = attention.data_permutation(config, sizes)  # ring attention's zig-zag token order
+    if perm is not None:
+        batches = [{k: v[:, perm] for k, v in b.items()} for b in batches]
+    records, _, _ = utils.train(config, batches)
+    got = np.array([[r["loss"], r["grad_norm"]] for r in records])
+    assert np.isfinite(got).all(), got
+    np.testing.assert_allclose(got, want, rtol=BF16_RTOL)

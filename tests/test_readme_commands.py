@@ -1,0 +1,110 @@
+"""Every `python -m meshtrain...` command README.md prints runs to completion, as a user would type
+it, with only its length cut: training commands get `--config.steps=2` and a workdir of their own.
+
+Commands are read from the README's code blocks and from inline code spans that carry arguments
+(a bare `python -m meshtrain.plan` is a name, and must appear as a full command elsewhere).
+Placeholders are filled: `<workdir>` with the main job's workdir, `HF_DIR` with a tiny Llama saved
+by `transformers`, `OUT_DIR` with a new folder; `[optional ...]` groups are left out. Everything
+runs in a temporary folder (with `configs/` linked in), datasets go to a temporary
+`TFDS_DATA_DIR`, and nothing is written outside the test's tmp dirs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from tests.utils import ROOT
+
+pytestmark = pytest.mark.slow
+
+MODULE = re.compile(r"python -m (meshtrain[\w.]*)")
+SHORTEN = ["--config.steps=2", "--config.log_every=1"]  # the training commands' only change
+
+
+def _join_continuations(block: str) -> list[str]:
+    lines, current = [], ""
+    for raw in block.splitlines():
+        line = raw.split(" #")[0].rstrip() if not raw.lstrip().startswith("#") else ""
+        if line.endswith("\\"):
+            current += line[:-1] + " "
+            continue
+        lines.append(" ".join((current + line).split()))
+        current = ""
+    return [line for line in lines if line]
+
+
+def readme_commands(text: str) -> tuple[list[str], set[str]]:
+    """(full commands in README order, modules only named bare)."""
+    commands: list[tuple[int, str]] = []
+    for block in re.finditer(r"```[a-z]*\n(.*?)```", text, re.S):
+        for i, line in enumerate(_join_continuations(block.group(1))):
+            if line.startswith("python -m meshtrain"):
+                commands.append((block.start(1) + i, line))
+    outside = re.sub(r"```.*?```", lambda m: " " * len(m.group(0)), text, flags=re.S)
+    for indented in re.finditer(r"(?m)^ {4}(python -m meshtrain.*)$", outside):
+        commands.append((indented.start(), " ".join(indented.group(1).split())))
+    bare = set()
+    for span in re.finditer(r"`(python -m meshtrain[^`]*)`", outside):
+        command = " ".join(span.group(1).split())
+        if len(command.split()) == 3:
+            bare.add(command.split()[2])
+        else:
+            commands.append((span.start(), command))
+    return [c for _, c in sorted(commands)], bare
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> str:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    path = tmp_path_factory.mktemp("hf") / "llama"
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def _prepare(command: str, index: int, tmp_path, filled: dict[str, str]) -> list[str]:
+    command = re.sub(r"\s*\[[^\]]*\]", "", command)
+    for placeholder, value in filled.items():
+        command = command.replace(placeholder, value)
+    args = shlex.split(command)
+    module = args[2]
+    if module in ("meshtrain.train", "meshtrain.launch"):
+        args += [*SHORTEN, f"--config.workdir={tmp_path / f'run{index}'}"]
+    return [sys.executable, *args[1:]]
+
+
+def test_readme_names_only_commands_it_also_prints():
+    commands, bare = readme_commands((ROOT / "README.md").read_text())
+    modules = {MODULE.match(c).group(1) for c in commands}
+    assert bare <= modules, bare - modules
+    assert {"meshtrain.train", "meshtrain.data.prepare", "meshtrain.launch", "meshtrain.plan", "meshtrain.hf",
+            "meshtrain.report"} <= modules
+
+
+def test_every_readme_command_runs(tmp_path, hf_dir):
+    commands, _ = readme_commands((ROOT / "README.md").read_text())
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TFDS_DATA_DIR": str(tmp_path / "tfds"),
+           "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    main_workdir = None
+    for index, command in enumerate(commands):
+        filled = {"HF_DIR": hf_dir, "OUT_DIR": str(tmp_path / f"export{index}")}
+        if main_workdir is not None:
+            filled["<workdir>"] = str(main_workdir)
+        args = _prepare(command, index, tmp_path, filled)
+        result = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+        if main_workdir is None and args[2] == "meshtrain.train" and "explain" not in command:
+            main_workdir = tmp_path / f"run{index}"
+            assert (main_workdir / "metrics.jsonl").exists()
