@@ -24,6 +24,8 @@ from meshtrain import checkpoint as checkpoint_lib, data, mesh as mesh_lib, trai
 from tests.test_checkpoint import config_for, load, persistent_compilation_cache
 from tests.utils import ROOT
 
+pytestmark = pytest.mark.slow
+
 STEPS = 80
 KILL_TRIALS = 10
 WAIT_S = 240  # bound on any wait for a training process

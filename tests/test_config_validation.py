@@ -57,6 +57,7 @@ def test_fill_axis():
     assert sizes["data"] == 4
 
 
+@pytest.mark.slow
 def test_cli_rejects_bad_value_and_unknown_key(tmp_path):
     """One line naming the key, exit code 2, nothing compiled; unknown keys refused by the locked config."""
     base = [sys.executable, "-m", "meshtrain.train", "--config", str(ROOT / "configs/tiny.py"),

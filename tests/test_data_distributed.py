@@ -11,6 +11,8 @@ import jax
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.multiprocess
+
 NAMES = ("data", "stage", "fsdp", "expert", "sequence", "tensor")
 MESHES = {"dp8": (4, 1, 2, 1, 1, 1), "dp4_seq2": (2, 1, 2, 1, 2, 1)}
 STEPS, BATCH, SEQ = 3, 8, 16

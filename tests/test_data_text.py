@@ -150,6 +150,7 @@ def test_default_corpus_is_capped_stdlib_source(tmp_path):
     assert batch["loss_mask"].mean() > 0.95  # packed: almost no target is masked
 
 
+@pytest.mark.slow
 def test_prepare_command_prints_sizes(tmp_path):
     write_corpus(tmp_path / "corpus")
     config_file = tmp_path / "cfg.py"

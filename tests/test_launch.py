@@ -20,6 +20,8 @@ from tests.test_checkpoint import abstract_state, config_for, load, losses_of, p
 from tests.test_checkpoint_crash import cli_args, subprocess_env
 from tests.utils import ROOT
 
+pytestmark = pytest.mark.multiprocess
+
 STEPS = 12  # the same program as tests/test_checkpoint.py's runs: the 1 x 8 run loads it from the cache
 WAIT_S = 300
 

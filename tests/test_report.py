@@ -81,12 +81,14 @@ def hf_run(tmp_path_factory):
     return workdir, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_run_from_hf_weights(hf_run):
     _, log = hf_run
     assert "init.from_hf: model.d_model = 32 (was 64)" in log
     assert "0.03M parameters" in log
 
 
+@pytest.mark.slow
 def test_run_writes_tensorboard_scalars(hf_run):
     workdir, _ = hf_run
     records = report.read_metrics(str(workdir))
@@ -99,12 +101,14 @@ def test_run_writes_tensorboard_scalars(hf_run):
         np.testing.assert_allclose([v for _, v in scalars[key]], [v for _, v in logged], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_run_writes_profile_trace(hf_run):
     workdir, _ = hf_run
     assert len(list((workdir / "profile").rglob("*.xplane.pb"))) == 1
     assert list((workdir / "profile").rglob("perfetto_trace.json.gz"))
 
 
+@pytest.mark.slow
 def test_report_cli_on_the_run(hf_run):
     workdir, _ = hf_run
     out = subprocess.run([sys.executable, "-m", "meshtrain.report", str(workdir)], capture_output=True, text=True,

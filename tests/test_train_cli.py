@@ -5,7 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.utils import ROOT, load_config_file
+
+pytestmark = pytest.mark.slow
 
 REQUIRED = {"step", "loss", "grad_norm", "learning_rate", "tokens_per_sec", "step_time_s", "mfu"}
 

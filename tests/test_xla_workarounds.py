@@ -82,6 +82,7 @@ def test_bf16_program_compiles_with_the_workaround_and_equals_float32(name):
     np.testing.assert_array_equal(run(name, jnp.bfloat16, options), run(name, jnp.float32, {}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PROGRAMS)
 def test_bf16_program_still_aborts_without_the_workaround(name):
     """If this fails, XLA no longer needs the workaround: drop `mesh.CPU_COMPILER_OPTIONS`."""
