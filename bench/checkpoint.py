@@ -42,10 +42,12 @@ from meshtrain import (  # noqa: E402
     checkpoint as checkpoint_lib,
     config as config_lib,
     data,
-    mesh as mesh_lib,
+    model as model_lib,
     train_step as train_step_lib,
 )
 from meshtrain.config import ModelConfig  # noqa: E402
+from meshtrain.run import Run  # noqa: E402
+from meshtrain.validate import validate  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = {  # name -> model overrides (configs/tiny.py is the base)
@@ -65,14 +67,14 @@ def make_config(size: str, mesh: dict, steps: int = 100):
         config.model[key] = value
     for axis in config_lib.MESH_AXES:
         config.mesh[axis] = mesh.get(axis, 1)
-    config_lib.validate(config, math.prod(mesh.values()))
+    validate(config, math.prod(mesh.values()))
     return config
 
 
 def setup(config, devices):
-    mesh = mesh_lib.make_mesh(config, devices)
-    factory, step_fn, _ = train_step_lib.build(config, mesh)
-    return mesh, factory, step_fn
+    run = Run.resolve(config, devices)
+    factory, step_fn = train_step_lib.build(run)
+    return run, factory, step_fn
 
 
 def state_bytes(abstract) -> int:
@@ -86,7 +88,7 @@ def bench_save_restore(size: str, repeats: int, root: str) -> dict:
     state = jax.block_until_ready(factory.create(0))
     other = make_config(size, {"data": 2, "fsdp": 2, "tensor": 2} if n >= 8 else {"fsdp": n})
     _, other_factory, _ = setup(other, jax.devices())
-    out = {"size": size, "params": ModelConfig.from_config(config).num_params(),
+    out = {"size": size, "params": model_lib.num_params(ModelConfig.from_config(config)),
            "state_bytes": state_bytes(factory.abstract), "mesh": f"fsdp={n}"}
     figures = {k: [] for k in ("async_blocking_s", "async_total_s", "sync_total_s", "restore_s",
                                "restore_resharded_s")}
@@ -121,9 +123,10 @@ def bench_save_restore(size: str, repeats: int, root: str) -> dict:
 def bench_step_overhead(steps: int, every: int, root: str) -> dict:
     """Mean step time of the tiny model with no checkpoints, async saves and sync saves every `every` steps."""
     config = make_config("tiny", {"fsdp": len(jax.devices())}, steps=steps)
-    mesh, factory, step_fn = setup(config, jax.devices())
+    run, factory, step_fn = setup(config, jax.devices())
+    mesh = run.mesh
     batches = []
-    it = data.make_iterator(config, mesh)
+    it = data.make_iterator(run)
     for _ in range(steps):
         batches.append(next(it))
     it.close()
@@ -177,9 +180,9 @@ def bench_crash_trials(trials: int, root: str, seed: int = 0) -> dict:
     steps = 40 + 4 * trials
     workdir = os.path.join(root, "crash")
     config = _crash_config(steps, workdir)
-    mesh, factory, step_fn = setup(config, jax.devices()[:8])
-    state, it, reference = factory.create(config.seed), data.make_iterator(config, mesh), {}
-    with jax.set_mesh(mesh):
+    run, factory, step_fn = setup(config, jax.devices()[:8])
+    state, it, reference = factory.create(config.seed), data.make_iterator(run), {}
+    with jax.set_mesh(run.mesh):
         for step in range(1, steps + 1):
             state, _ = step_fn(state, next(it))
             reference[step] = _digest(state)

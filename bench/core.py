@@ -28,10 +28,11 @@ import optax  # noqa: E402
 
 from meshtrain import (  # noqa: E402
     config as config_lib,
-    mesh as mesh_lib,
+    model as model_lib,
     optimizer as optimizer_lib,
     train_step as train_step_lib,
 )
+from meshtrain.run import Run  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 1)
 
@@ -158,8 +159,7 @@ def seconds_per_step(name: str, impl: str, steps: int, recopy: bool = True) -> f
     config = model_config(name)
     batch = make_batch(config)
     if impl == "meshtrain":
-        mesh = mesh_lib.make_mesh(config, jax.devices()[:1])
-        factory, step_fn, _ = train_step_lib.build(config, mesh)
+        factory, step_fn = train_step_lib.build(Run.resolve(config, jax.devices()[:1]))
         holder = {"state": factory.create(0)}
         if recopy:
             holder["state"] = jax.tree.map(jnp.copy, holder["state"])
@@ -199,7 +199,7 @@ def throughput(name: str, steps: int, rounds: int = 2, recopy: bool = True) -> d
             seconds = json.loads(out.strip().splitlines()[-1])["seconds_per_step"]
             print(f"  {name} {impl}: {seconds:.4f} s/step", flush=True)
             results[impl] = min(results.get(impl, 1e9), seconds)
-    n_params = config_lib.ModelConfig.from_config(config).num_params()
+    n_params = model_lib.num_params(config_lib.ModelConfig.from_config(config))
     return {"model": name, "params": n_params, "meshtrain_tokens_per_s": tokens / results["meshtrain"],
             "plain_tokens_per_s": tokens / results["plain"], "ratio": results["plain"] / results["meshtrain"]}
 
@@ -207,10 +207,10 @@ def throughput(name: str, steps: int, rounds: int = 2, recopy: bool = True) -> d
 def compile_seconds(layers: int) -> float:
     config = model_config("tiny")
     config.model.n_layers = layers
-    mesh = mesh_lib.make_mesh(config, jax.devices()[:1])
-    factory, step_fn, _ = train_step_lib.build(config, mesh)
+    run = Run.resolve(config, jax.devices()[:1])
+    factory, step_fn = train_step_lib.build(run)
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in make_batch(config).items()}
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(run.mesh):
         t0 = time.perf_counter()
         step_fn.lower(factory.abstract, batch).compile()
     return time.perf_counter() - t0

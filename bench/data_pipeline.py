@@ -24,6 +24,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 from meshtrain import config as config_lib, data
 from meshtrain.data import packing
+from meshtrain.run import Run
+from meshtrain.validate import validate
 
 
 def make_config(args) -> config_lib.ml_collections.ConfigDict:
@@ -43,9 +45,8 @@ def host_rows_per_sec(config, rows: int) -> float:
 
 
 def pipeline_rows_per_sec(config, batches: int) -> tuple[float, float]:
-    mesh = jax.make_mesh((8, 1, 1, 1, 1, 1), ("data", "stage", "fsdp", "expert", "sequence", "tensor"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 6)
-    it = data.make_iterator(config, mesh)
+    config.mesh.data = 8
+    it = data.make_iterator(Run.resolve(config, jax.devices()[:8]))
     jax.block_until_ready(next(it))  # warm-up: threads started, first rows read
     start, waited = time.perf_counter(), it.wait_seconds
     for _ in range(batches):
@@ -65,7 +66,7 @@ def main() -> None:
     parser.add_argument("--data_dir", default="")
     args = parser.parse_args()
     config = make_config(args)
-    config_lib.validate(config, 8)
+    validate(config, 8)
     start = time.perf_counter()
     data._rows(config, "train")  # prepares the dataset if missing
     prepare_s = time.perf_counter() - start

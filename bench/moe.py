@@ -28,7 +28,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from meshtrain import config as config_lib, mesh as mesh_lib, train_step  # noqa: E402
+from meshtrain import config as config_lib, train_step  # noqa: E402
+from meshtrain.run import Run
 from tests import utils  # noqa: E402
 
 
@@ -47,9 +48,9 @@ def make_config(args, expert: int, dropless: bool, capacity_factor: float):
 
 def measure(config, steps: int) -> dict:
     """Compiles the step, runs 2 warm-up steps, times `steps` more: tokens/s and the mean metrics."""
-    config_lib.validate(config, 8)
-    mesh = mesh_lib.make_mesh(config, jax.devices())
-    factory, step_fn, _ = train_step.build(config, mesh)
+    run = Run.resolve(config, jax.devices()[:8])
+    factory, step_fn = train_step.build(run)
+    mesh = run.mesh
     batches = utils.synthetic_batches(config, steps + 2)
     with jax.set_mesh(mesh):
         start = time.perf_counter()

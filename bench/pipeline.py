@@ -34,7 +34,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
 
-from meshtrain import config as config_lib, mesh as mesh_lib, pipeline, train_step  # noqa: E402
+from meshtrain import config as config_lib, pipeline, train_step  # noqa: E402
+from meshtrain.run import Run
 
 
 def make_config(args, schedule: str, microbatches: int):
@@ -59,9 +60,9 @@ def batch_for(config, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def step_seconds(config, steps: int) -> float:
-    config_lib.validate(config, config.mesh.stage)
-    mesh = mesh_lib.make_mesh(config, jax.devices()[: config.mesh.stage])
-    factory, step_fn, _ = train_step.build(config, mesh)
+    run = Run.resolve(config, jax.devices()[: config.mesh.stage])
+    factory, step_fn = train_step.build(run)
+    mesh = run.mesh
     state = factory.create(0)
     batch = batch_for(config)
     times = []

@@ -37,9 +37,8 @@ def main() -> None:
     for axis in config_lib.MESH_AXES:
         config.mesh[axis] = mesh.get(axis, 1)
     config.train.zero_stage, config.remat.policy, config.train.grad_accum_steps = args.zero, args.remat, args.accum
-    sizes = config_lib.validate(config, 8)
     start = time.perf_counter()
-    result = verify.verify(config, sizes, jax.devices()[:8])
+    result = verify.verify(config, jax.devices()[:8])
     print(f"llama3_8b, mesh {args.mesh}, ZeRO-{args.zero}, remat={args.remat}, accumulation {args.accum}, "
           f"batch {config.train.batch_size} x {config.train.seq_len}")
     print(result.table())

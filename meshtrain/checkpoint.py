@@ -1,4 +1,4 @@
-"""Checkpoints, exact resume, preemption and numerical faults: what lets a run stop and go on.
+"""Checkpoint storage: save the train state, restore it onto any mesh, exactly.
 
 Playbook, "ZeRO (Zero Redundancy Optimizer)" and "5D parallelism in a nutshell": the train
 state rests sharded over the mesh (optimizer state, gradients and parameters split over
@@ -17,9 +17,7 @@ Layout of `<workdir>/checkpoints/<step>/` (one orbax `CheckpointManager`, one ha
 * `meta`: JSON: the resolved config (for the record only; a run's config always comes
   from its command line), the seed, and the count of skipped non-finite steps.
 
-Numerical faults (playbook, "Mixed Precision Training": low precision can diverge): the
-train step withholds an update whose loss or gradient norm is not finite; `FiniteGuard`
-stops the run (default) or counts the skip (`train.skip_nonfinite`).
+When to save, preemption and the non-finite guard are the loop's policy (`run_loop.py`).
 
 Saves are asynchronous by default: the step loop waits only for the device-to-host copy;
 orbax writes into a temporary directory and renames it when complete, so a process killed
@@ -34,10 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
-import signal
-from collections.abc import Callable
 
 import jax
 import ml_collections
@@ -45,8 +40,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from meshtrain import config as config_lib
-
-log = logging.getLogger(__name__)
 
 CHECKPOINT_SUBDIR = "checkpoints"
 
@@ -235,7 +228,7 @@ def resume(config: ml_collections.ConfigDict, ckpt: Checkpointer, abstract_state
 
 
 def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
-    """The checkpoint rules (one of `meshtrain.config`'s module validators). Raises ConfigError."""
+    """The checkpoint rules (gathered by `meshtrain.validate`). Raises ConfigError."""
     del sizes
     if config.checkpoint.restore_from:
         path = os.path.realpath(os.path.expanduser(config.checkpoint.restore_from))
@@ -248,161 +241,3 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
 def config_record(config: ml_collections.ConfigDict) -> dict:
     """The resolved config as plain JSON (a record: it is never executed or read back as a config)."""
     return json.loads(config.to_json_best_effort())
-
-
-class Preemption:
-    """SIGTERM -> finish the current step, save, exit 0.
-
-    Single-process runs install their own SIGTERM handler that sets a flag. Multi-process runs
-    use JAX's preemption sync manager (started by `jax.distributed.initialize`, which catches
-    SIGTERM itself): `reached(step)` becomes true on every process at the same step, so all of
-    them save the same checkpoint.
-    """
-
-    def __init__(self):
-        self._flag = False
-        self._multi = jax.process_count() > 1
-        self._previous = None
-        if not self._multi:
-            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
-
-    def _on_signal(self, signum, frame) -> None:
-        del signum, frame
-        self._flag = True
-
-    def reached(self, step: int) -> bool:
-        """True when the run must save at `step` and stop (call once per step, on every process)."""
-        if self._multi:
-            from jax.experimental import multihost_utils
-
-            try:
-                return bool(multihost_utils.reached_preemption_sync_point(step))
-            except RuntimeError:  # the preemption service is disabled
-                return False
-        return self._flag
-
-    def close(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
-
-
-class NonFiniteError(RuntimeError):
-    """A step's loss or gradient norm was not finite and `train.skip_nonfinite` is off."""
-
-    def __init__(self, step: int, loss: float, grad_norm: float, last_good: str | None):
-        self.step, self.loss, self.grad_norm, self.last_good = step, loss, grad_norm, last_good
-        where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was saved yet"
-        super().__init__(f"non-finite values at step {step}: loss={loss}, grad_norm={grad_norm}; the update "
-                         f"was not applied and the run stopped ({where}); set config.train.skip_nonfinite=True "
-                         f"to skip such steps instead")
-
-
-class FiniteGuard:
-    """Reads each step's `finite` flag one step late, so the host never waits on the device.
-
-    The train step itself leaves params and optimizer state unchanged when a step is not
-    finite, so reading the flag late loses nothing; `check` must run before every save.
-    """
-
-    def __init__(self, skip: bool, skipped: int = 0):
-        self.skip, self.skipped = skip, skipped
-        self._pending: tuple[int, dict] | None = None
-
-    def push(self, step: int, metrics: dict) -> tuple[int, dict] | None:
-        """Records step's metrics; returns (step, host metrics) of the previous step if it was not finite."""
-        previous, self._pending = self._pending, (step, metrics)
-        return self._inspect(previous)
-
-    def check(self) -> tuple[int, dict] | None:
-        """Inspects the newest pushed step (before a save or at the end)."""
-        pending, self._pending = self._pending, None
-        return self._inspect(pending)
-
-    def _inspect(self, entry) -> tuple[int, dict] | None:
-        if entry is None:
-            return None
-        step, metrics = entry
-        if not float(np.asarray(metrics["nonfinite"])):
-            return None
-        host = {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
-        self.skipped += 1
-        return step, host
-
-
-class RunCheckpoints:
-    """Checkpoints, preemption and non-finite steps of one run, as the loop in `train.py` sees them.
-
-        ckpts = RunCheckpoints(config, factory.abstract)
-        state, start, data_state = ckpts.start(lambda: factory.create(config.seed))
-        for step in range(start + 1, config.steps + 1):
-            state, metrics = step_fn(state, next(it))
-            if ckpts.after_step(step, state, metrics, it.state, last_step=config.steps):
-                break  # preempted: saved at `step`
-        ckpts.close()
-    """
-
-    def __init__(self, config: ml_collections.ConfigDict, abstract_state):
-        self.config, self.abstract_state = config, abstract_state
-        self.every = int(config.checkpoint.every)
-        self.ckpt = Checkpointer(checkpoint_root(config.workdir), keep=int(config.checkpoint.keep),
-                                 async_save=bool(config.checkpoint.async_save))
-        self.guard = FiniteGuard(bool(config.train.skip_nonfinite))
-        self.preemption = Preemption()
-        self._record = config_record(config)
-        self.failed = False  # set by the loop when it ends with an error
-
-    def start(self, create: Callable[[], object]) -> tuple[object, int, dict | None]:
-        """(state, steps already done, data iterator state) from the newest checkpoint, else fresh."""
-        restored = resume(self.config, self.ckpt, self.abstract_state)
-        if restored is None:
-            return create(), 0, None
-        self.guard.skipped = int(restored.meta.get("skipped_steps", 0))
-        log.info("resumed from %s (step %d)", restored.path, restored.step)
-        return restored.state, restored.step, restored.data_state
-
-    def after_step(self, step: int, state, metrics: dict, data_state: Callable[[], dict], last_step: int,
-                   sync: bool = False) -> bool:
-        """Fault check, preemption and periodic saves after `step`; True when the run must stop now.
-
-        Args:
-          sync: the caller already waited for this step (a logged step): check it now.
-        """
-        self._handle(self.guard.push(step, metrics))
-        if sync:
-            self._handle(self.guard.check())
-        preempted = self.preemption.reached(step)
-        if preempted or step == last_step or (self.every and step % self.every == 0):
-            self._handle(self.guard.check())  # nothing non-finite is ever saved
-            self.ckpt.save(step, state, data_state(), self.meta(step))
-        if preempted:
-            log.warning("preempted: checkpoint saved at step %d; exiting", step)
-        return preempted
-
-    def meta(self, step: int) -> dict:
-        return {"step": step, "seed": int(self.config.seed), "skipped_steps": self.guard.skipped,
-                "config": self._record}
-
-    def _handle(self, fault: tuple[int, dict] | None) -> None:
-        if fault is None:
-            return
-        step, values = fault
-        if self.guard.skip:
-            log.warning("step %d: non-finite loss=%s grad_norm=%s: update skipped (%d skipped so far)",
-                        step, values["loss"], values["grad_norm"], self.guard.skipped)
-            return
-        self.ckpt.wait()
-        latest = self.ckpt.latest_step()
-        raise NonFiniteError(step, values["loss"], values["grad_norm"],
-                             self.ckpt.step_path(latest) if latest is not None else None)
-
-    def close(self) -> None:
-        """Waits for the pending save (a finished checkpoint on disk) and restores the SIGTERM handler.
-
-        After a failure in a multi-process run it does not wait: finishing a save needs every
-        process, and a peer may be dead (the unfinished checkpoint stays invisible).
-        """
-        self.preemption.close()
-        if self.failed and jax.process_count() > 1:
-            return
-        self.ckpt.close()

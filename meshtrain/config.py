@@ -1,20 +1,39 @@
-"""The config schema, its defaults and its validation: the one place that says what a run may be.
+"""The config schema and its defaults: every key a run understands. A leaf: it imports no other
+meshtrain module.
 
 Every field has a default here; `configs/*.py` override a few and the command line
-overrides any (`--config.mesh.tensor=2`). `validate` runs before anything is traced or
-compiled and raises one `ValueError` naming the key, the value and the rule it broke.
+overrides any (`--config.mesh.tensor=2`). The rules live beside the code they protect, each
+part's under the name `validate_config(config, sizes)`; this file holds the rules of its own
+generic fields (choices, positive integers, shape divisibility) and `require`, the helper every
+part raises through. `meshtrain.validate` gathers them all; they run before anything is traced
+or compiled and raise one `ConfigError` naming the key, the value and the rule it broke.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import os
-from collections.abc import Callable
 
 import ml_collections
 
-MESH_AXES = ("data", "fsdp", "tensor", "sequence", "expert", "stage")
+
+class Axis(enum.StrEnum):
+    """The six mesh axes: the only place their names are spelled (`config.mesh.<axis>`)."""
+
+    DATA = "data"
+    FSDP = "fsdp"
+    TENSOR = "tensor"
+    SEQUENCE = "sequence"
+    EXPERT = "expert"
+    STAGE = "stage"
+
+
+MESH_AXES: tuple[str, ...] = tuple(a.value for a in Axis)
+# The axes that split the batch (outside MoE layers `expert` is one more data-parallel axis), in
+# mesh order; `sharding_rules.RULES["batch"]` maps the logical batch dimension to them.
+BATCH_AXES: tuple[str, ...] = (Axis.DATA.value, Axis.FSDP.value, Axis.EXPERT.value)
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "selective", "full", "offload")
 ATTENTION_IMPLS = ("xla", "ring", "pallas")
@@ -136,7 +155,8 @@ class ConfigError(ValueError):
         super().__init__(f"config.{key}={value!r}: {rule}")
 
 
-def _require(ok: bool, key: str, value, rule: str) -> None:
+def require(ok: bool, key: str, value, rule: str) -> None:
+    """Raises ConfigError(key, value, rule) unless `ok`."""
     if not ok:
         raise ConfigError(key, value, rule)
 
@@ -145,32 +165,32 @@ def mesh_shape(config: ml_collections.ConfigDict, num_devices: int) -> dict[str,
     """The six axis sizes with a -1 filled in; raises ConfigError if they cannot fill `num_devices`."""
     sizes = {axis: int(config.mesh[axis]) for axis in MESH_AXES}
     fill = [axis for axis, size in sizes.items() if size == -1]
-    _require(len(fill) <= 1, f"mesh.{fill[-1] if fill else ''}", -1,
+    require(len(fill) <= 1, f"mesh.{fill[-1] if fill else ''}", -1,
              f"at most one mesh axis may be -1 (fill); got -1 for {fill}")
     for axis, size in sizes.items():
-        _require(size == -1 or size >= 1, f"mesh.{axis}", size, "mesh axis sizes must be >= 1 (or -1 to fill)")
+        require(size == -1 or size >= 1, f"mesh.{axis}", size, "mesh axis sizes must be >= 1 (or -1 to fill)")
     known = math.prod(size for size in sizes.values() if size != -1)
     if fill:
-        _require(num_devices % known == 0, f"mesh.{fill[0]}", -1,
+        require(num_devices % known == 0, f"mesh.{fill[0]}", -1,
                  f"cannot fill: the other axes multiply to {known}, which does not divide {num_devices} devices")
         sizes[fill[0]] = num_devices // known
     product = math.prod(sizes.values())
-    _require(product == num_devices, "mesh", dict(sizes),
+    require(product == num_devices, "mesh", dict(sizes),
              f"the mesh axes multiply to {product} but there are {num_devices} devices")
     for axis in MESH_AXES:
         dcn = int(config.mesh[f"dcn_{axis}"])
-        _require(dcn >= 1 and sizes[axis] % dcn == 0, f"mesh.dcn_{axis}", dcn,
+        require(dcn >= 1 and sizes[axis] % dcn == 0, f"mesh.dcn_{axis}", dcn,
                  f"the cross-node part must be >= 1 and divide mesh.{axis}={sizes[axis]}")
     return sizes
 
 
 def data_parallel_size(sizes: dict[str, int]) -> int:
-    """Number of ways the batch is split: data x fsdp x expert (expert splits the batch outside MoE)."""
-    return sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    """Number of ways the batch is split: the product of the BATCH_AXES sizes."""
+    return math.prod(sizes[a] for a in BATCH_AXES)
 
 
 def _divides(key: str, value: int, what: str, by: int, by_name: str) -> None:
-    _require(value % by == 0, key, value, f"{what} must be divisible by {by_name}={by}")
+    require(value % by == 0, key, value, f"{what} must be divisible by {by_name}={by}")
 
 
 def _validate_choices(config) -> None:
@@ -179,8 +199,8 @@ def _validate_choices(config) -> None:
                          ("pipeline.schedule", PIPELINE_SCHEDULES)):
         section, name = key.split(".")
         value = config[section][name]
-        _require(value in choices, key, value, f"must be one of {choices}")
-    _require(config.train.zero_stage in (0, 1, 2, 3), "train.zero_stage", config.train.zero_stage,
+        require(value in choices, key, value, f"must be one of {choices}")
+    require(config.train.zero_stage in (0, 1, 2, 3), "train.zero_stage", config.train.zero_stage,
              "must be 0, 1, 2 or 3")
 
 
@@ -193,18 +213,18 @@ def _validate_positive(config) -> None:
         value = config
         for part in key.split("."):
             value = value[part]
-        _require(isinstance(value, int) and value >= 1, key, value, "must be a positive integer")
+        require(isinstance(value, int) and value >= 1, key, value, "must be a positive integer")
     for key in ("eval_every", "checkpoint.every", "cpu_devices", "model.num_experts", "model.moe_mlp_dim"):
         value = config
         for part in key.split("."):
             value = value[part]
-        _require(isinstance(value, int) and value >= 0, key, value, "must be a non-negative integer")
+        require(isinstance(value, int) and value >= 0, key, value, "must be a non-negative integer")
     for key in ("train.learning_rate", "model.norm_eps", "model.rope_theta", "model.init_std"):
         section, name = key.split(".")
-        _require(config[section][name] > 0, key, config[section][name], "must be > 0")
-    _require(0.0 <= config.train.min_lr_ratio <= 1.0, "train.min_lr_ratio", config.train.min_lr_ratio,
+        require(config[section][name] > 0, key, config[section][name], "must be > 0")
+    require(0.0 <= config.train.min_lr_ratio <= 1.0, "train.min_lr_ratio", config.train.min_lr_ratio,
              "must be in [0, 1]")
-    _require(config.train.warmup_steps >= 0, "train.warmup_steps", config.train.warmup_steps, "must be >= 0")
+    require(config.train.warmup_steps >= 0, "train.warmup_steps", config.train.warmup_steps, "must be >= 0")
 
 
 def _validate_shapes(config, sizes: dict[str, int]) -> None:
@@ -228,36 +248,25 @@ def _validate_shapes(config, sizes: dict[str, int]) -> None:
 
 def _validate_profile_init(config) -> None:
     steps = tuple(config.profile.steps)
-    _require(len(steps) == 2 and all(isinstance(s, int) for s in steps), "profile.steps", steps,
+    require(len(steps) == 2 and all(isinstance(s, int) for s in steps), "profile.steps", steps,
              "must be two integers (first, last)")
-    _require(steps == (0, 0) or 1 <= steps[0] <= steps[1] <= config.steps, "profile.steps", steps,
+    require(steps == (0, 0) or 1 <= steps[0] <= steps[1] <= config.steps, "profile.steps", steps,
              f"must be (0, 0) (off) or 1 <= first <= last <= steps={config.steps}")
     hf_dir = config.init.from_hf
-    _require(not hf_dir or os.path.isfile(os.path.join(hf_dir, "config.json")), "init.from_hf", hf_dir,
+    require(not hf_dir or os.path.isfile(os.path.join(hf_dir, "config.json")), "init.from_hf", hf_dir,
              "must be a Hugging Face checkpoint folder with a config.json")
 
 
-def _module_validators() -> tuple[Callable, ...]:
-    """The rules that live beside their code: attention, data, MoE, pipeline, checkpoint.
-
-    Each takes (config, sizes) and raises ConfigError.
-    """
-    from meshtrain import attention, checkpoint, data, moe, pipeline
-
-    return (attention.validate_config, data.validate_config, moe.validate_moe, pipeline.validate,
-            checkpoint.validate_config)
-
-
-def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
-    """Checks every rule; returns the resolved mesh shape. Raises ConfigError (a ValueError)."""
+def validate_fields(config: ml_collections.ConfigDict) -> None:
+    """The rules that need no device count: choices and positive numbers."""
     _validate_choices(config)
     _validate_positive(config)
-    sizes = mesh_shape(config, num_devices)
+
+
+def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
+    """The generic rules on the resolved mesh: shapes divisible by their axes, profile, init."""
     _validate_shapes(config, sizes)
     _validate_profile_init(config)
-    for validator in _module_validators():
-        validator(config, sizes)
-    return sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,25 +306,3 @@ class ModelConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in config.model.items() if k in fields}
         return cls(**values, remat_policy=config.remat.policy, attention_impl=config.attention.impl)
-
-    def num_params(self) -> int:
-        """Exact parameter count (embedding, layers, final norm, head); with MoE every `moe_every`-th
-        layer's MLP is a router [D, E] + E experts (+ a shared expert) of width `moe_mlp_dim`."""
-        d, h, k, hd = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim
-        attn = d * h * hd + 2 * d * k * hd + h * hd * d
-        mlp = 3 * d * self.mlp_dim
-        layer = attn + mlp + 2 * d
-        head = 0 if self.tie_embeddings else d * self.vocab_size
-        total = self.vocab_size * d + self.n_layers * layer + d + head
-        if self.num_experts:
-            moe_mlp = 3 * d * (self.moe_mlp_dim or self.mlp_dim)
-            moe = d * self.num_experts + (self.num_experts + int(self.shared_expert)) * moe_mlp
-            total += (self.n_layers // self.moe_every) * (moe - mlp)
-        return total
-
-    def num_active_params(self) -> int:
-        """Parameters a token passes through: an MoE layer counts only its `experts_per_token` experts."""
-        if not self.num_experts:
-            return self.num_params()
-        idle = (self.num_experts - self.experts_per_token) * 3 * self.d_model * (self.moe_mlp_dim or self.mlp_dim)
-        return self.num_params() - (self.n_layers // self.moe_every) * idle

@@ -9,7 +9,6 @@ the fastest links. Multi-node meshes split each axis into an in-node and a cross
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 
@@ -19,26 +18,14 @@ import numpy as np
 from jax.experimental import mesh_utils
 
 from meshtrain import config as config_lib
+from meshtrain.config import Axis
 
 log = logging.getLogger(__name__)
-
-
-class Axis(enum.StrEnum):
-    """Mesh axis names: the only place they are spelled."""
-
-    DATA = "data"
-    FSDP = "fsdp"
-    TENSOR = "tensor"
-    SEQUENCE = "sequence"
-    EXPERT = "expert"
-    STAGE = "stage"
 
 
 # Device order, outermost (slowest links) to innermost (fastest links).
 MESH_ORDER: tuple[str, ...] = (Axis.DATA.value, Axis.STAGE.value, Axis.FSDP.value,
                                Axis.EXPERT.value, Axis.SEQUENCE.value, Axis.TENSOR.value)
-# Axes that split the batch (the data-parallel group, in the mesh order).
-BATCH_AXES: tuple[str, ...] = (Axis.DATA.value, Axis.FSDP.value, Axis.EXPERT.value)
 
 
 def fake_cpu_devices(count: int) -> None:
@@ -131,6 +118,12 @@ CPU_COMPILER_OPTIONS: dict[str, str] = {"xla_disable_hlo_passes": "all-reduce-pr
 def compiler_options(mesh: jax.sharding.Mesh) -> dict[str, str]:
     """XLA options for programs compiled over `mesh` (`jax.jit(..., compiler_options=...)`)."""
     return dict(CPU_COMPILER_OPTIONS) if mesh.devices.flat[0].platform == "cpu" else {}
+
+
+def single_device_mesh(device: jax.Device | None = None) -> jax.sharding.Mesh:
+    """All six axes of size 1 on one device: where unsharded arrays run through the model."""
+    return jax.make_mesh((1,) * len(MESH_ORDER), MESH_ORDER, devices=[device or jax.devices()[0]],
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_ORDER))
 
 
 def describe(mesh: jax.sharding.Mesh) -> str:

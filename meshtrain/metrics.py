@@ -16,6 +16,7 @@ import time
 
 import jax
 
+from meshtrain import model
 from meshtrain.config import ModelConfig
 
 # Peak dense bf16 FLOP/s per device, by `device_kind` prefix. Unknown devices (CPU): MFU is null.
@@ -44,7 +45,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
     The input embedding is a gather (no FLOPs); an MoE layer counts only the experts a token is routed to.
     """
-    matmul_params = cfg.num_active_params() - cfg.vocab_size * cfg.d_model * (0 if cfg.tie_embeddings else 1)
+    matmul_params = model.num_active_params(cfg) - cfg.vocab_size * cfg.d_model * (0 if cfg.tie_embeddings else 1)
     return 6.0 * matmul_params + 12.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
 
 

@@ -21,7 +21,9 @@ F mlp width, V vocabulary, L layers.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import functools
+import math
 from typing import Any
 
 import jax
@@ -29,12 +31,11 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from meshtrain import moe as moe_lib
+from meshtrain.attention import AttentionFn, xla_attention
 from meshtrain.config import ModelConfig
-from meshtrain.mesh import MESH_ORDER, compiler_options
+from meshtrain.fused import fused_loss_sum, fused_rms_norm
+from meshtrain.mesh import MESH_ORDER, compiler_options, single_device_mesh
 from meshtrain.sharding_rules import Rules, constrain
-
-# attention_fn(q [B,T,H,Dh], k [B,T,K,Dh], v [B,T,K,Dh], segment_ids [B,T]) -> [B,T,H,Dh], causal.
-AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 REMAT_POLICIES = {
     # the MoE token exchanges are kept too: recomputing them would repeat two all-to-alls per layer
@@ -44,25 +45,6 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
-
-
-def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """Causal attention with document masking, written as einsums for XLA.
-
-    Grouped-query attention shares each K/V head with G query heads without copying it.
-    Scores and softmax run in float32.
-    """
-    b, t, h, dh = q.shape
-    kv = k.shape[2]
-    q = q.reshape(b, t, kv, h // kv, dh)  # [B,T,K,G,Dh]
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(dh)
-    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]  # [T,S]
-    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B,T,S]
-    mask = causal[None] & same_doc
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, h, dh)
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -93,7 +75,6 @@ class RMSNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = _param(self, "scale", (x.shape[-1],), ("embed",), nn.initializers.ones)
         if self.cfg.fused_norm:
-            from meshtrain.attention import fused_rms_norm
             return fused_rms_norm(x, scale, eps=self.cfg.norm_eps)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.norm_eps)
@@ -271,7 +252,6 @@ class Transformer(nn.Module):
         for name, value in metrics.items():
             self.sow("metrics", name, value, reduce_fn=lambda _, new: new, init_fn=lambda: jnp.zeros(()))
         if self.cfg.fused_loss:
-            from meshtrain.attention import fused_loss_sum
             return fused_loss_sum(x, self.head_weight().astype(x.dtype), batch["targets"], batch["loss_mask"]), aux
         return cross_entropy_sum(self._logits(x), batch["targets"], batch["loss_mask"], self._vocab_split()), aux
 
@@ -302,6 +282,49 @@ def dummy_batch(batch: int, seq_len: int) -> dict[str, jax.Array]:
             "loss_mask": jnp.ones((batch, seq_len), jnp.float32)}
 
 
+def abstract_params(cfg: ModelConfig) -> dict:
+    """The parameter tree as `jax.ShapeDtypeStruct`s inside `nn.LogicallyPartitioned` boxes (the
+    logical names of every dimension): the one list of parameters, traced from the model itself
+    (`jax.eval_shape` of `init`, nothing allocated). The planner's table, the parameter counts and
+    the Hugging Face layouts all read it."""
+    layout_free = dataclasses.replace(cfg, remat_policy="none", attention_impl="xla", fused_norm=False,
+                                      fused_loss=False, sequence_parallel=False)
+    return _abstract_params(layout_free)
+
+
+@functools.cache
+def _abstract_params(cfg: ModelConfig) -> dict:
+    """Traced with every axis of size 1 and no mesh: touches no device (the planner calls it before
+    it fakes the devices it verifies on)."""
+    model = Transformer(cfg, Rules(tuple((axis, 1) for axis in MESH_ORDER)))
+
+    def init():
+        ids = jnp.zeros((1, 1), jnp.int32)
+        return model.init(jax.random.key(0), ids, ids, ids + 1)["params"]
+    return jax.eval_shape(init)
+
+
+def param_leaves(cfg: ModelConfig) -> list[tuple[str, nn.LogicallyPartitioned]]:
+    """("a/b/c" path, box with the abstract array and its logical names) per parameter, in tree order."""
+    leaves = jax.tree_util.tree_leaves_with_path(abstract_params(cfg), is_leaf=lambda x: isinstance(x, nn.Partitioned))
+    return [("/".join(str(k.key) for k in path), box) for path, box in leaves]
+
+
+def num_params(cfg: ModelConfig) -> int:
+    """Exact parameter count (embedding, layers, final norm, head; routers, experts, shared expert)."""
+    return sum(math.prod(box.value.shape) for _, box in param_leaves(cfg))
+
+
+def num_active_params(cfg: ModelConfig) -> int:
+    """Parameters a token passes through: of an expert-stacked weight only `experts_per_token` of the
+    `num_experts` experts count."""
+    total = 0
+    for _, box in param_leaves(cfg):
+        size = math.prod(box.value.shape)
+        total += size * cfg.experts_per_token // cfg.num_experts if "expert" in box.names else size
+    return total
+
+
 def logits(model_config: ModelConfig, params: dict, tokens: jax.Array) -> jax.Array:
     """float32 logits [B, L, V] of `tokens` [B, L], each row one document (positions 0..L-1).
 
@@ -322,5 +345,4 @@ def _params_mesh(params: dict) -> jax.sharding.Mesh:
     sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
     if isinstance(sharding, jax.sharding.NamedSharding) and set(sharding.mesh.axis_names) == set(MESH_ORDER):
         return sharding.mesh
-    return jax.make_mesh((1,) * len(MESH_ORDER), MESH_ORDER, devices=jax.devices()[:1],
-                         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_ORDER))
+    return single_device_mesh()

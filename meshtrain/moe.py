@@ -55,11 +55,11 @@ EXCHANGE_NAMES = ("moe_dispatched", "moe_returned")
 
 
 # ---------------------------------------------------------------------------------------------
-# Validation, registered with config.validate.
+# Validation (gathered by meshtrain.validate).
 # ---------------------------------------------------------------------------------------------
 
 
-def validate_moe(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
+def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
     """The MoE rules: experts split evenly over `expert`, k <= E, whole groups of layers."""
     m = config.model
     if m.num_experts == 0:

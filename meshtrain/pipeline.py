@@ -55,7 +55,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshtrain import config as config_lib
-from meshtrain.mesh import Axis
+from meshtrain.config import Axis
 
 STAGE = Axis.STAGE.value
 
@@ -106,6 +106,12 @@ class Pipeline:
             for u in range(slots):
                 counts[int(one_f_one_b_branch(p, m, s, u)[0])] += 1
         return tuple(float(c) for c in counts / (p * slots))
+
+    def describe(self) -> str:
+        """One line for the start-of-run log: schedule, ticks, bubble, in-flight micro-batches per stage."""
+        return (f"pipeline {self.schedule}: {self.stages} stages x {self.repeats} repeats, {self.microbatches} "
+                f"micro-batches, {self.ticks} ticks, bubble {self.bubble:.1%}, "
+                f"in flight per stage {list(self.in_flight())}")
 
     def execution_order(self, n_layers: int) -> np.ndarray:
         """order[q] = stored index of the layer that runs q-th (identity unless circular)."""
@@ -205,10 +211,11 @@ def loss_and_grads(params, batch, model, total_tokens, accum_steps, *, batch_axe
 
     Same contract as the train step's one-pass gradient: the differentiated loss is
     loss_sum / total_tokens (no auxiliary losses: the MoE validator rejects MoE with mesh.stage > 1).
-    `batch_axes` (`batch_axes(mesh)`): the loop is manual over them too, so each device sums its own
-    gradients over its micro-batches and the data-parallel reduction runs once, after the loop
-    (playbook, "Data Parallelism" with gradient accumulation), not in every backward slot. Under
-    ZeRO-3 the weights are gathered once, when they enter the loop (playbook, "ZeRO-3": a stage keeps
+    `batch_axes` (`Run.batch_axes`, every split data-parallel axis): the loop is manual over them
+    too, so each device sums its own gradients over its micro-batches and the data-parallel
+    reduction runs once, after the loop (playbook, "Data Parallelism" with gradient accumulation),
+    not in every backward slot. Under ZeRO-3 the weights are gathered once, when they enter the
+    loop (playbook, "ZeRO-3": a stage keeps
     its weights gathered across its micro-batches), not in every slot.
     """
     del accum_steps  # the validator requires train.grad_accum_steps == 1 with a pipeline
@@ -403,16 +410,6 @@ def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m,
     return lax.psum(c["loss"], manual), lax.psum(c["g_outer"], manual), g_layers
 
 
-def batch_axes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
-    """The batch axes the 1F1B loop is manual over: every data-parallel axis of the mesh.
-
-    The parameters enter the loop whole over them (P(stage) for the layers), so under ZeRO-3 each
-    stage's weights are gathered once per step and stay gathered across its micro-batches, and
-    every gradient is reduced once, after the loop.
-    """
-    return tuple(a for a in ("data", "fsdp", "expert") if mesh.shape[a] > 1)
-
-
 def grads_function(pipe: Pipeline | None, default, batch_axes: tuple[str, ...] = ()):
     """The train step's (loss_sum, aux, grads) function: 1F1B's own loop, else `default` (autodiff).
 
@@ -428,10 +425,10 @@ def grads_function(pipe: Pipeline | None, default, batch_axes: tuple[str, ...] =
 # ---------------------------------------------------------------------------------------------
 
 
-def validate(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
-    """Pipeline rules (run by `config.validate`); raises ConfigError."""
+def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
+    """Pipeline rules (gathered by `meshtrain.validate`); raises ConfigError."""
     p = sizes[STAGE]
-    pipe, req = config.pipeline, config_lib._require
+    pipe, req = config.pipeline, config_lib.require
     if p == 1:
         return
     v = pipe.repeats
@@ -451,14 +448,3 @@ def validate(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
     for key in ("fused_norm", "fused_loss"):
         req(not config.model[key], f"model.{key}", config.model[key],
             "Pallas kernels are not supported with mesh.stage > 1 yet")
-
-
-
-def describe(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> str | None:
-    """One line for the start-of-run log: schedule, ticks, bubble, in-flight micro-batches per stage."""
-    pipe = Pipeline.from_config(config, sizes[STAGE])
-    if pipe is None:
-        return None
-    return (f"pipeline {pipe.schedule}: {pipe.stages} stages x {pipe.repeats} repeats, {pipe.microbatches} "
-            f"micro-batches, {pipe.ticks} ticks, bubble {pipe.bubble:.1%}, "
-            f"in flight per stage {list(pipe.in_flight())}")

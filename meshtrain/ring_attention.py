@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -599,24 +599,3 @@ def dense_attention_reference(
     mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (pos[None, :] <= pos[:, None])
     p = jax.nn.softmax(jnp.where(mask[:, None], s, -jnp.inf), axis=-1)
     return jnp.einsum("bhqs,bshd->bqhd", p, v_h)
-
-
-def validate_config(config: Any) -> None:
-    """Checks `train.seq_len` against the ring: divisible by 2 * `mesh.sequence`.
-
-    Zig-zag cuts the sequence into 2 * mesh.sequence equal chunks. `mesh.sequence`
-    = -1 ("fill") is resolved later and skipped here.
-
-    Raises:
-      ValueError: naming `train.seq_len`, its value and the rule.
-    """
-    seq_len, n = int(config.train.seq_len), int(config.mesh.sequence)
-    if n == -1:
-        return
-    if n < 1:
-        raise ValueError(f"mesh.sequence={n} must be >= 1 or -1 (fill).")
-    if seq_len % (2 * n):
-        raise ValueError(
-            f"train.seq_len={seq_len} must be divisible by 2 * mesh.sequence = {2 * n} "
-            "(ring attention cuts the sequence into 2 * mesh.sequence zig-zag chunks)."
-        )

@@ -24,7 +24,7 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain.mesh import Axis
+from meshtrain.config import BATCH_AXES, Axis
 
 D, F, T, S, E, ST = (Axis.DATA.value, Axis.FSDP.value, Axis.TENSOR.value, Axis.SEQUENCE.value,
                      Axis.EXPERT.value, Axis.STAGE.value)
@@ -32,7 +32,7 @@ D, F, T, S, E, ST = (Axis.DATA.value, Axis.FSDP.value, Axis.TENSOR.value, Axis.S
 # logical name -> mesh axes, one entry per name.
 RULES: dict[str, tuple[str, ...]] = {
     # activations (compute mapping)
-    "batch": (D, F, E),            # the data-parallel group splits the batch
+    "batch": BATCH_AXES,           # the data-parallel group (data, fsdp, expert) splits the batch
     "length": (S,),                # context parallelism splits the sequence
     "length_sp": (S, T),           # Megatron sequence parallelism: norm/residual regions split over tensor too
     "act_embed": (),               # the hidden dimension of activations is never split
@@ -114,8 +114,30 @@ class Rules:
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...], rules: Rules) -> jax.Array:
-    """Pins an activation to the compute mapping of its logical names (needs `jax.set_mesh`)."""
+    """Pins an activation to the compute mapping of its logical names (needs `jax.set_mesh`, unless
+    every axis of the rules is 1: nothing to pin then, and the model traces with no mesh at all)."""
+    if all(size == 1 for _, size in rules.mesh_shape):
+        return x
     return jax.lax.with_sharding_constraint(x, rules.spec(names, x.shape, what="activation"))
+
+
+def auto_axes(names: tuple[str, ...]) -> tuple[str, ...]:
+    """The axes of `names` of size > 1 that are still automatic in the current (abstract) mesh:
+    inside an enclosing `shard_map` (the accumulation loop) its manual axes are gone."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(getattr(mesh, "manual_axes", ()))
+    return tuple(a for a in names if mesh.shape.get(a, 1) > 1 and a not in manual)
+
+
+def per_shard(fn, in_specs, out_specs, axes: tuple[str, ...]):
+    """`fn` run on each device's block over `axes` (a `shard_map`), or `fn` itself when `axes` is empty.
+
+    For Pallas kernels: a pallas_call is a custom call the partitioner cannot split, and it does not
+    declare how its outputs vary, hence check_vma=False.
+    """
+    if not axes:
+        return fn
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names=set(axes), check_vma=False)
 
 
 def named(mesh: jax.sharding.Mesh, specs):

@@ -22,18 +22,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import flax
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain import mesh as mesh_lib, model as model_lib, optimizer as optimizer_lib, pipeline as pipeline_lib
-from meshtrain.mesh import BATCH_AXES
+from meshtrain import (
+    attention as attention_lib,
+    model as model_lib,
+    optimizer as optimizer_lib,
+    pipeline as pipeline_lib,
+)
 from meshtrain.sharding_rules import Rules, named
+
+if TYPE_CHECKING:
+    from meshtrain.run import Run
 
 
 @flax.struct.dataclass
@@ -111,10 +118,15 @@ class StateFactory:
         with jax.set_mesh(self.mesh):
             return init(jax.random.key(seed))
 
-
-def batch_spec() -> P:
-    """Compute sharding of a [B, T] batch: rows over the data-parallel group, length over `sequence`."""
-    return P(BATCH_AXES, "sequence")
+    def from_params(self, params: dict, seed: int) -> TrainState:
+        """The state at step 0 around given parameters (e.g. imported weights, already in
+        `shardings.params`): the optimizer state is initialised from them inside one jit whose
+        outputs are the factory's shardings, and the run's RNG derives from `seed`."""
+        def init(params):
+            return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
+                              rng=initial_rng(jax.random.key(seed)))
+        with jax.set_mesh(self.mesh):
+            return jax.jit(init, out_shardings=self.shardings, donate_argnums=0)(params)
 
 
 def _split_micro(x: jax.Array, accum: int) -> jax.Array:
@@ -235,53 +247,31 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_l
                       rng=rng), metrics
 
 
-def accumulation_manual_axes(mesh: jax.sharding.Mesh, config: ml_collections.ConfigDict) -> tuple[str, ...]:
-    """Batch axes over which parameters are replicated: the micro-batch loop is manual over them.
-
-    None (the loop stays under the automatic partitioner, reducing per micro-batch) when:
-    * ZeRO-3: the parameters are gathered and the gradients reduce-scattered for each micro-batch
-      anyway (playbook, "ZeRO-3"), and the partitioner rejects a loop manual over `data` with
-      fsdp-sharded parameters and tensor parallelism together;
-    * the model has its own shard_map inside (MoE token exchange, ring attention, Pallas kernels):
-      jax 0.10 cannot differentiate a shard_map nested in another one (sdy rejects the module).
-    """
-    nested = (config.model.num_experts > 0 or config.attention.impl != "xla"
-              or config.model.fused_norm or config.model.fused_loss)
-    if config.train.zero_stage >= 3 or nested:
-        return ()
-    return tuple(a for a in ("data", "fsdp", "expert") if mesh.shape[a] > 1)
-
-
-def jit_train_step(factory: StateFactory, schedule: optax.Schedule, accum_steps: int,
-                   manual_axes: tuple[str, ...] = (), grads_fn: Callable = _grads_one_pass,
-                   grad_clip: float = 0.0) -> Callable:
+def jit_train_step(factory: StateFactory, schedule: optax.Schedule, batch_sharding: NamedSharding, *,
+                   accum_steps: int = 1, manual_axes: tuple[str, ...] = (), grads_fn: Callable = _grads_one_pass,
+                   grad_clip: float = 0.0, compiler_options: dict[str, str] | None = None) -> Callable:
     """The step jitted once: explicit in/out shardings, the state donated."""
     step = functools.partial(train_step, model=factory.model, tx=factory.tx, schedule=schedule,
                              grad_specs=factory.grad_specs, accum_steps=accum_steps, manual_axes=manual_axes,
                              grad_clip=grad_clip, grads_fn=grads_fn)
-    batch_sharding = NamedSharding(factory.mesh, batch_spec())
     replicated = NamedSharding(factory.mesh, P())
     return jax.jit(step, in_shardings=(factory.shardings, batch_sharding),
                    out_shardings=(factory.shardings, replicated), donate_argnums=0,
-                   compiler_options=mesh_lib.compiler_options(factory.mesh))
+                   compiler_options=compiler_options)
 
 
-def build(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
-          attention_fn: model_lib.AttentionFn | None = None):
-    """Model, optimizer, state factory and jitted step for a validated config on `mesh`."""
-    from meshtrain import attention as attention_lib
-    from meshtrain.config import ModelConfig
-
-    rules = Rules.for_mesh(mesh)
-    pipeline = pipeline_lib.Pipeline.from_config(config, mesh.shape["stage"])  # None unless stage > 1
-    model = model_lib.Transformer(ModelConfig.from_config(config), rules,
-                                  attention_fn or attention_lib.make_attention_fn(config), pipeline=pipeline)
+def build(run: Run) -> tuple[StateFactory, Callable]:
+    """The state factory and the jitted step of a resolved run; every choice is made here, once."""
+    config = run.config
+    model = model_lib.Transformer(run.model, run.rules, attention_lib.attention_fn(config),
+                                  pipeline=run.pipeline)
     tx = optimizer_lib.make_optimizer(config)
-    placement = Placement.for_zero_stage(rules, config.train.zero_stage)
     micro = config.train.batch_size // config.train.grad_accum_steps
-    factory = StateFactory(model, tx, mesh, placement, (micro, config.train.seq_len))
-    schedule = optimizer_lib.learning_rate_schedule(config)
-    manual = accumulation_manual_axes(mesh, config)
-    grads_fn = pipeline_lib.grads_function(pipeline, _grads_one_pass, pipeline_lib.batch_axes(mesh))  # chosen once
-    return factory, jit_train_step(factory, schedule, config.train.grad_accum_steps, manual, grads_fn,
-                                   config.train.grad_clip), schedule
+    factory = StateFactory(model, tx, run.mesh, Placement.for_zero_stage(run.rules, config.train.zero_stage),
+                           (micro, config.train.seq_len))
+    grads_fn = pipeline_lib.grads_function(run.pipeline, _grads_one_pass, run.batch_axes)
+    step = jit_train_step(factory, optimizer_lib.learning_rate_schedule(config), run.batch_sharding,
+                          accum_steps=config.train.grad_accum_steps, manual_axes=run.accumulation_axes,
+                          grads_fn=grads_fn, grad_clip=config.train.grad_clip,
+                          compiler_options=run.compiler_options)
+    return factory, step

@@ -1,6 +1,9 @@
 """Test session setup: 8 fake CPU devices, float32 matmuls, before JAX starts."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests compare sharded and unsharded runs at 1e-5: matmuls must be full float32.
@@ -9,11 +12,27 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "float32")
 # CPU code generation time (the HLO passes, where the bf16 aborts lived, run unchanged).
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
 
+# Datasets the tests prepare go to a folder of this session, never to ~/tensorflow_datasets.
+_TFDS_DIR = tempfile.mkdtemp(prefix="meshtrain-tests-tfds-")
+atexit.register(shutil.rmtree, _TFDS_DIR, ignore_errors=True)
+os.environ["TFDS_DATA_DIR"] = _TFDS_DIR
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
 import pytest  # noqa: E402
+
+from tests.utils import persistent_compilation_cache  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def compilation_cache(tmp_path_factory):
+    """JAX's persistent compilation cache in a folder of this test session (one per worker), for
+    the module's process and its children (`utils.subprocess_env`): a resumed or relaunched run
+    loads the program the run before it compiled."""
+    with persistent_compilation_cache(tmp_path_factory.getbasetemp() / "jax_cache") as directory:
+        yield directory
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,8 @@ import chex
 import numpy as np
 import pytest
 
-from meshtrain import attention, config as config_lib
+from meshtrain import attention
+from meshtrain.validate import validate
 from tests.utils import run_steps, tiny_config
 
 
@@ -25,7 +26,7 @@ def _permuted(batches, perm):
 def test_ring_attention_trains_like_single_device(tiny_reference, mesh, accum):
     batches, ref_losses, ref_params = tiny_reference
     config = tiny_config(mesh, **{"attention.impl": "ring", "train.grad_accum_steps": accum})
-    sizes = config_lib.validate(config, int(np.prod(list(mesh.values()))))
+    sizes = validate(config, int(np.prod(list(mesh.values()))))
     losses, params, _ = run_steps(config, _permuted(batches, attention.data_permutation(config, sizes)))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-6)
@@ -42,6 +43,6 @@ def test_pallas_kernels_train_like_xla(tiny_reference):
 
 def test_sequence_axis_needs_ring():
     with pytest.raises(ValueError, match="config.attention.impl"):
-        config_lib.validate(tiny_config({"sequence": 2}), 2)
+        validate(tiny_config({"sequence": 2}), 2)
     with pytest.raises(ValueError, match="config.train.seq_len"):
-        config_lib.validate(tiny_config({"sequence": 8}, **{"attention.impl": "ring", "train.seq_len": 120}), 8)
+        validate(tiny_config({"sequence": 8}, **{"attention.impl": "ring", "train.seq_len": 120}), 8)

@@ -5,7 +5,6 @@ Every run uses the real data pipeline (the text_files source) and `meshtrain.tra
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pickle
@@ -20,90 +19,17 @@ from meshtrain import (
     checkpoint as checkpoint_lib,
     config as config_lib,
     data,
-    mesh as mesh_lib,
+    run_loop,
     train,
     train_step as train_step_lib,
 )
-from tests.utils import tiny_config
+from meshtrain.run import Run
+from meshtrain.validate import validate
+from tests.utils import STEPS, abstract_state, all_steps, assert_bitwise, config_for, latest_step, load, losses_of
 
-STEPS = 12
+pytestmark = pytest.mark.usefixtures("compilation_cache")
+
 STOPS = (1, 5, 11)  # the chained run stops (SIGTERM) after each and resumes
-
-
-@contextlib.contextmanager
-def persistent_compilation_cache(directory):
-    """JAX's persistent compilation cache in `directory`, for this process and (via `subprocess_env`)
-    its training subprocesses: a resumed run compiles the same program as the run it continues."""
-    from jax._src import compilation_cache as cc
-
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    before = {name: getattr(jax.config, name) for name in names}
-    for name, value in zip(names, (str(directory), 0.0, 0), strict=True):
-        jax.config.update(name, value)
-    cc.reset_cache()
-    try:
-        yield directory
-    finally:
-        for name, value in before.items():
-            jax.config.update(name, value)
-        cc.reset_cache()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    with persistent_compilation_cache(tmp_path_factory.getbasetemp() / "jax_cache") as directory:
-        yield directory
-
-
-def config_for(workdir, mesh=None, **overrides):
-    c = tiny_config(mesh or {"fsdp": 8}, **{
-        "model.n_layers": 2, "train.seq_len": 32, "train.batch_size": 8, "steps": STEPS, "log_every": 1,
-        "data.source": "text_files", "workdir": str(workdir), "checkpoint.keep": 100, **overrides})
-    return c
-
-
-def losses_of(workdir) -> dict[int, float]:
-    out = {}
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        for line in f:
-            record = json.loads(line)
-            assert record["step"] not in out, f"step {record['step']} trained twice"
-            out[record["step"]] = float(record["loss"])  # "nan" is written as a string
-    return out
-
-
-def abstract_state(config, devices=None):
-    mesh = mesh_lib.make_mesh(config, devices)
-    factory, _, _ = train_step_lib.build(config, mesh)
-    return factory.abstract
-
-
-def load(workdir, step, abstract) -> checkpoint_lib.Restored:
-    ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_root(workdir), read_only=True)
-    try:
-        return ckpt.restore(abstract, step)
-    finally:
-        ckpt.close()
-
-
-def all_steps(workdir) -> list[int]:
-    ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_root(workdir), read_only=True)
-    steps = ckpt.all_steps()
-    ckpt.close()
-    return steps
-
-
-def latest_step(workdir) -> int | None:
-    return (all_steps(workdir) or [None])[-1]
-
-
-def assert_bitwise(a, b):
-    leaves_a, tree_a = jax.tree.flatten(a)
-    leaves_b, tree_b = jax.tree.flatten(b)
-    assert tree_a == tree_b
-    for x, y in zip(leaves_a, leaves_b, strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 class HookedIterator:
@@ -123,9 +49,9 @@ class HookedIterator:
 def hook_data(monkeypatch, hook):
     real = data.make_iterator
 
-    def make_iterator(config, mesh, split="train", **kwargs):
-        it = real(config, mesh, split, **kwargs)
-        return HookedIterator(it, config.train.batch_size, hook) if split == "train" else it
+    def make_iterator(run, split="train", **kwargs):
+        it = real(run, split, **kwargs)
+        return HookedIterator(it, run.config.train.batch_size, hook) if split == "train" else it
     monkeypatch.setattr(data, "make_iterator", make_iterator)
 
 
@@ -162,8 +88,8 @@ def test_restore_onto_another_mesh(reference, mesh, devices):
     equal those of an uninterrupted run on the new mesh."""
     config = config_for("/unused", mesh)
     device_list = jax.devices()[:devices]
-    new_mesh = mesh_lib.make_mesh(config, device_list)
-    factory, step_fn, _ = train_step_lib.build(config, new_mesh)
+    run = Run.resolve(config, device_list)
+    factory, step_fn = train_step_lib.build(run)
     restored = load(reference, 5, factory.abstract)
     saved = load(reference, 5, abstract_state(config_for("/unused")))
     assert_bitwise(restored.state, saved.state)
@@ -171,8 +97,8 @@ def test_restore_onto_another_mesh(reference, mesh, devices):
         assert leaf.sharding == target.sharding  # in the new run's layout
 
     def train_steps(state, data_state, count):
-        it, losses = data.make_iterator(config, new_mesh, state=data_state), []
-        with jax.set_mesh(new_mesh):
+        it, losses = data.make_iterator(run, state=data_state), []
+        with jax.set_mesh(run.mesh):
             for _ in range(count):
                 state, metrics = step_fn(state, next(it))
                 losses.append(float(metrics["loss"]))
@@ -195,7 +121,7 @@ def nan_at(step_with_nan):
 def test_nonfinite_step_stops_the_run_before_the_update(tmp_path, monkeypatch):
     hook_data(monkeypatch, nan_at(4))
     config = config_for(tmp_path, **{"checkpoint.every": 2})
-    with pytest.raises(checkpoint_lib.NonFiniteError, match="at step 4") as error:
+    with pytest.raises(run_loop.NonFiniteError, match="at step 4") as error:
         train.run(config)
     assert error.value.step == 4 and np.isnan(error.value.loss)
     assert error.value.last_good == os.path.join(checkpoint_lib.checkpoint_root(tmp_path), "2")
@@ -253,4 +179,4 @@ def test_restore_from_another_run_and_safety(reference, tmp_path, monkeypatch):
         train.run(other_model)
     missing = config_for(tmp_path / "m", **{"checkpoint.restore_from": str(tmp_path / "missing")})
     with pytest.raises(config_lib.ConfigError, match=r"config.checkpoint.restore_from=.*is not a directory"):
-        checkpoint_lib.validate_config(missing, config_lib.validate(config_for(tmp_path), 8))
+        checkpoint_lib.validate_config(missing, validate(config_for(tmp_path), 8))

@@ -20,35 +20,15 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import checkpoint as checkpoint_lib, data, mesh as mesh_lib, train_step as train_step_lib
-from tests.test_checkpoint import config_for, load, persistent_compilation_cache
-from tests.utils import ROOT
+from meshtrain import checkpoint as checkpoint_lib, data, train_step as train_step_lib
+from meshtrain.run import Run
+from tests.utils import ROOT, cli_args, config_for, load, subprocess_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache")]
 
 STEPS = 80
 KILL_TRIALS = 10
 WAIT_S = 240  # bound on any wait for a training process
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    with persistent_compilation_cache(tmp_path_factory.getbasetemp() / "jax_cache") as directory:
-        yield directory
-
-
-def cli_args(config_overrides: dict) -> list[str]:
-    """Command-line flags for `python -m meshtrain.train` equal to `config_for(...)` with overrides."""
-    flags = {"mesh.data": 1, "mesh.fsdp": 8, "model.dtype": "float32", "model.n_layers": 2, "train.seq_len": 32,
-             "train.batch_size": 8, "log_every": 1, "data.source": "text_files", **config_overrides}
-    return ["--config", str(ROOT / "configs" / "tiny.py")] + [f"--config.{k}={v}" for k, v in flags.items()]
-
-
-def subprocess_env(cache_dir) -> dict:
-    """CPU, float32 matmuls, and a shared compilation cache so each restart skips the compile."""
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_DEFAULT_MATMUL_PRECISION": "float32",
-            "PYTHONPATH": str(ROOT), "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def digest(tree) -> list[str]:
@@ -58,11 +38,10 @@ def digest(tree) -> list[str]:
 @pytest.fixture(scope="module")
 def reference_digests():
     """Digest of the full train state after every step of an uninterrupted run (same config)."""
-    config = config_for("/unused", **{"steps": STEPS})
-    mesh = mesh_lib.make_mesh(config)
-    factory, step_fn, _ = train_step_lib.build(config, mesh)
-    state, it, out = factory.create(config.seed), data.make_iterator(config, mesh), {}
-    with jax.set_mesh(mesh):
+    run = Run.resolve(config_for("/unused", **{"steps": STEPS}))
+    factory, step_fn = train_step_lib.build(run)
+    state, it, out = factory.create(run.config.seed), data.make_iterator(run), {}
+    with jax.set_mesh(run.mesh):
         for step in range(1, STEPS + 1):
             state, _ = step_fn(state, next(it))
             out[step] = digest(state)

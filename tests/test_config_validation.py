@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from meshtrain import config as config_lib
+from meshtrain.validate import validate
 from tests.utils import ROOT, tiny_config
 
 BAD = [
@@ -39,7 +39,7 @@ BAD = [
 def test_bad_config_names_the_key(mesh, overrides, key):
     config = tiny_config({"data": -1, **mesh}, **overrides)
     with pytest.raises(ValueError) as info:
-        config_lib.validate(config, 8)
+        validate(config, 8)
     assert f"config.{key}" in str(info.value), str(info.value)
 
 
@@ -47,13 +47,13 @@ def test_good_meshes_validate():
     """Every 8-device mesh with tensor <= 4 and stage <= 4 is valid for the tiny config."""
     for mesh in ({"data": 8}, {"fsdp": 8}, {"tensor": 4, "data": 2}, {"stage": 4, "data": 2},
                  {"expert": 8}, {"data": 2, "fsdp": 2, "tensor": 2}):
-        sizes = config_lib.validate(tiny_config(mesh), 8)
+        sizes = validate(tiny_config(mesh), 8)
         assert sizes["data"] * sizes["fsdp"] * sizes["tensor"] * sizes["sequence"] * sizes["expert"] \
             * sizes["stage"] == 8
 
 
 def test_fill_axis():
-    sizes = config_lib.validate(tiny_config({"data": -1, "tensor": 2}), 8)
+    sizes = validate(tiny_config({"data": -1, "tensor": 2}), 8)
     assert sizes["data"] == 4
 
 

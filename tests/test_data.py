@@ -9,13 +9,7 @@ import pytest
 from meshtrain import config as config_lib, data
 from meshtrain.data import packing
 from meshtrain.data.sources import PackedRows
-
-NAMES = ("data", "stage", "fsdp", "expert", "sequence", "tensor")
-
-
-def make_mesh(**sizes):
-    shape = tuple(sizes.get(name, 1) for name in NAMES)
-    return jax.make_mesh(shape, NAMES, axis_types=(jax.sharding.AxisType.Auto,) * 6)
+from tests.utils import batch_sharding, mesh_of as make_mesh
 
 
 def small_config(seed=0, batch_size=8, seq_len=32):
@@ -26,7 +20,7 @@ def small_config(seed=0, batch_size=8, seq_len=32):
 
 
 def take(config, mesh, steps, state=None, split="train", permutation=None):
-    it = data.make_iterator(config, mesh, split=split, state=state, permutation=permutation)
+    it = data.iterator(config, batch_sharding(mesh), split=split, state=state, permutation=permutation)
     try:
         batches = [{k: np.asarray(v) for k, v in next(it).items()} for _ in range(steps)]
         return batches, it.state(), it
@@ -76,15 +70,15 @@ def test_cross_document_attention_is_one_segment():
 def test_batch_fields_shapes_dtypes_sharding():
     mesh = make_mesh(data=2, fsdp=2, sequence=2)
     (batch,), state, _ = take(small_config(), mesh, 1)
-    it = data.make_iterator(small_config(), mesh)
+    it = data.iterator(small_config(), batch_sharding(mesh))
     live = next(it)
     it.close()
     want = {"inputs": np.int32, "targets": np.int32, "loss_mask": np.float32, "segment_ids": np.int32,
             "positions": np.int32}
     for name, dtype in want.items():
         assert live[name].shape == (8, 32) and live[name].dtype == dtype
-        assert live[name].sharding == data.batch_sharding(mesh)
-    assert data.batch_sharding(mesh).spec == jax.sharding.PartitionSpec(("data", "fsdp", "expert"), "sequence")
+        assert live[name].sharding == batch_sharding(mesh)
+    assert batch_sharding(mesh).spec == jax.sharding.PartitionSpec(("data", "fsdp"), "sequence")
     assert state["next_row"] == 8 and batch["loss_mask"].sum() > 0 and (batch["loss_mask"] == 0).any()
 
 
@@ -118,7 +112,7 @@ def test_resume_on_any_data_parallel_size_gives_uninterrupted_rows(resume_mesh):
 def test_resume_rejects_a_different_seed():
     _, state, _ = take(small_config(seed=1), make_mesh(data=8), 1)
     with pytest.raises(ValueError, match="config.seed=2"):
-        data.make_iterator(small_config(seed=2), make_mesh(data=8), state=state)
+        data.iterator(small_config(seed=2), batch_sharding(make_mesh(data=8)), state=state)
 
 
 def test_permutation_applies_after_targets():
@@ -129,11 +123,11 @@ def test_permutation_applies_after_targets():
     for name in packing.FIELDS:
         np.testing.assert_array_equal(permuted[name], plain[name][:, perm])
     with pytest.raises(ValueError, match="permutation"):
-        data.make_iterator(small_config(), mesh, permutation=np.zeros(32, int))
+        data.iterator(small_config(), batch_sharding(mesh), permutation=np.zeros(32, int))
 
 
 def test_input_wait_is_measured():
-    it = data.make_iterator(small_config(), make_mesh(data=8))
+    it = data.iterator(small_config(), batch_sharding(make_mesh(data=8)))
     for _ in range(3):
         next(it)
     assert it.input_seconds() == it.wait_seconds >= 0.0

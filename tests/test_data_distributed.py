@@ -28,6 +28,14 @@ def config_for(source, data_dir):
     return c
 
 
+def batch_sharding(mesh_name: str) -> jax.sharding.NamedSharding:
+    """Rows over the batch axes, length over `sequence` (`Run.batch_sharding`) on the named mesh."""
+    from meshtrain.sharding_rules import Rules
+
+    mesh = jax.make_mesh(MESHES[mesh_name], NAMES, axis_types=(jax.sharding.AxisType.Auto,) * 6)
+    return jax.sharding.NamedSharding(mesh, Rules.for_mesh(mesh).spec(("batch", "length")))
+
+
 def worker(process_id: int, port: int, source: str, data_dir: str, mesh_name: str, out: str) -> None:
     """One process: joins the job, reads STEPS batches, saves the shards it holds with their indices."""
     jax.config.update("jax_num_cpu_devices", 4)
@@ -35,8 +43,7 @@ def worker(process_id: int, port: int, source: str, data_dir: str, mesh_name: st
                                initialization_timeout=60)
     from meshtrain import data
 
-    mesh = jax.make_mesh(MESHES[mesh_name], NAMES, axis_types=(jax.sharding.AxisType.Auto,) * 6)
-    it = data.make_iterator(config_for(source, data_dir), mesh)
+    it = data.iterator(config_for(source, data_dir), batch_sharding(mesh_name))
     shards = []
     for step in range(STEPS):
         batch = next(it)
@@ -64,8 +71,7 @@ def test_two_processes_read_disjoint_rows_whose_union_is_one_process(tmp_path, s
 
     data_dir = str(tmp_path / "tfds")
     config = config_for(source, data_dir)
-    mesh = jax.make_mesh(MESHES[mesh_name], NAMES, axis_types=(jax.sharding.AxisType.Auto,) * 6)
-    single_it = data.make_iterator(config, mesh)  # also prepares the dataset before the workers start
+    single_it = data.iterator(config, batch_sharding(mesh_name))  # also prepares the dataset first
     single = [{k: np.asarray(v) for k, v in next(single_it).items()} for _ in range(STEPS)]
     single_it.close()
 

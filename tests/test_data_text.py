@@ -6,19 +6,19 @@ import os
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 
 from meshtrain import config as config_lib, data
 from meshtrain.data import corpus, sources, text_files, tokenizers
+from meshtrain.validate import validate
+from tests.utils import batch_sharding, mesh_of
 
-NAMES = ("data", "stage", "fsdp", "expert", "sequence", "tensor")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def mesh8():
-    return jax.make_mesh((8, 1, 1, 1, 1, 1), NAMES, axis_types=(jax.sharding.AxisType.Auto,) * 6)
+    return mesh_of(data=8)
 
 
 def text_config(tmp_path, files="", seq_len=32, batch_size=8):
@@ -47,7 +47,7 @@ def write_corpus(root):
 def test_text_files_builder_reads_all_formats_and_counts_bad_input(tmp_path):
     docs = write_corpus(tmp_path / "corpus")
     config = text_config(tmp_path, files=str(tmp_path / "corpus" / "*"))
-    config_lib.validate(config, 8)
+    validate(config, 8)
     summary = sources.prepare(config, progress=False)
     stats = summary["read_stats"]
     assert stats["files"] == 5 and stats["unreadable_files"] == 1 and stats["non_utf8_files"] == 1
@@ -68,13 +68,13 @@ def test_long_document_is_split_across_rows(tmp_path):
     config = text_config(tmp_path, files=str(tmp_path / "corpus" / "long.txt"), seq_len=32, batch_size=8)
     rows = sources.open_rows(config, "train")
     assert rows.num_windows == (502 + 2 - 1) // 32  # BOS + 502 bytes + EOS
-    it = data.make_iterator(config, mesh8())
+    it = data.iterator(config, batch_sharding(mesh8()))
     batches = [np.asarray(next(it)["inputs"]) for _ in range(2)]
     it.close()
     text = "".join(tokenizers.ByteTokenizer().decode(r) for r in np.concatenate(batches)[: rows.num_windows])
     assert sorted(text) == sorted(("L" + "x" * 500 + "Z")[: len(text)])  # all rows come from it
     with pytest.raises(ValueError, match="one document has no validation split"):
-        data.make_iterator(config, mesh8(), split="validation")
+        data.iterator(config, batch_sharding(mesh8()), split="validation")
 
 
 def test_unigram_entropy():
@@ -85,25 +85,25 @@ def test_unigram_entropy():
 def test_empty_glob_is_a_config_error(tmp_path):
     config = text_config(tmp_path, files=str(tmp_path / "nothing" / "*.txt"))
     with pytest.raises(config_lib.ConfigError, match="data.files.*matches no files"):
-        config_lib.validate(config, 8)
+        validate(config, 8)
 
 
 def test_unknown_source_and_small_vocab_are_config_errors(tmp_path):
     config = text_config(tmp_path)
     config.data.source = "parquet"
     with pytest.raises(config_lib.ConfigError, match="data.source='parquet'"):
-        config_lib.validate(config, 8)
+        validate(config, 8)
     config = text_config(tmp_path)
     config.model.vocab_size = 256
     with pytest.raises(config_lib.ConfigError, match=r"model.vocab_size=256.*data.tokenizer='bytes'.*\(259\)"):
-        config_lib.validate(config, 8)
+        validate(config, 8)
 
 
 def test_tokenizer_errors_name_the_key(tmp_path, monkeypatch):
     config = text_config(tmp_path)
     config.data.tokenizer = str(tmp_path / "missing.json")
     with pytest.raises(config_lib.ConfigError, match="data.tokenizer"):
-        config_lib.validate(config, 8)
+        validate(config, 8)
     path = tmp_path / "tokenizer.json"
     path.write_text("{}")
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if the package were not installed
@@ -120,19 +120,19 @@ def test_tfds_name_not_prepared_names_the_directory(tmp_path):
     for name in ("mnist", "no_such_dataset_here"):
         config.data.source = f"tfds:{name}"
         with pytest.raises(config_lib.ConfigError, match=str(tmp_path / "tfds")):
-            config_lib.validate(config, 8)
+            validate(config, 8)
 
 
 def test_prepared_text_files_reads_back_through_tfds_name(tmp_path):
     write_corpus(tmp_path / "corpus")
     config = text_config(tmp_path, files=str(tmp_path / "corpus" / "*.jsonl*"))
-    config_lib.validate(config, 8)
-    direct = data.make_iterator(config, mesh8())
+    validate(config, 8)
+    direct = data.iterator(config, batch_sharding(mesh8()))
     want = np.asarray(next(direct)["inputs"])
     direct.close()
     config.data.source = f"tfds:text_files/{sources.builder(config).builder_config.name}"
-    config_lib.validate(config, 8)
-    named = data.make_iterator(config, mesh8())
+    validate(config, 8)
+    named = data.iterator(config, batch_sharding(mesh8()))
     np.testing.assert_array_equal(np.asarray(next(named)["inputs"]), want)
     named.close()
 
@@ -142,7 +142,7 @@ def test_default_corpus_is_capped_stdlib_source(tmp_path):
     assert files == sorted(files) and all(f.endswith(".py") and "site-packages" not in f for f in files)
     assert sum(os.path.getsize(f) for f in files) <= corpus.DEFAULT_CORPUS_BYTES
     config = text_config(tmp_path, seq_len=128)
-    it = data.make_iterator(config, mesh8(), split="validation")
+    it = data.iterator(config, batch_sharding(mesh8()), split="validation")
     batch = {k: np.asarray(v) for k, v in next(it).items()}
     it.close()
     text = "".join(tokenizers.ByteTokenizer().decode(r) for r in batch["inputs"])

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from meshtrain import attention, config as config_lib
+from meshtrain.validate import validate
 from tests import utils
 
 BF16_RTOL = 2.0**-8
@@ -122,7 +123,7 @@ def test_trains_in_default_dtype_like_float32(kind, mesh, overrides):
     else:
         model_overrides = tuple(sorted((k, v) for k, v in overrides.items() if k not in LAYOUT_KEYS))
         batches, want = _reference(kind, (), model_overrides)
-    sizes = config_lib.validate(config, len(utils.devices_for(config)))
+    sizes = validate(config, len(utils.devices_for(config)))
     perm = attention.data_permutation(config, sizes)  # ring attention's zig-zag token order
     if perm is not None:
         batches = [{k: v[:, perm] for k, v in b.items()} for b in batches]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.hlo_utils import collectives_by_computation
-from tests.utils import run_steps, synthetic_batches, tiny_config
+from tests.utils import resolve, run_steps, synthetic_batches, tiny_config
 
 
 @pytest.mark.parametrize("mesh", [{}, {"data": 2, "fsdp": 2}], ids=["1dev", "data2-fsdp2"])
@@ -25,11 +25,11 @@ def test_four_micro_batches_equal_one_batch(mesh):
 
 def test_no_gradient_collective_inside_micro_batch_loop():
     """With data=8 the gradient all-reduce happens once, after the micro-batch loop."""
-    from meshtrain import mesh as mesh_lib, train_step as train_step_lib
+    from meshtrain import train_step as train_step_lib
 
-    config = tiny_config({"data": 8}, **{"train.batch_size": 32, "train.grad_accum_steps": 2})
-    mesh = mesh_lib.make_mesh(config)
-    factory, step_fn, _ = train_step_lib.build(config, mesh)
+    run = resolve(tiny_config({"data": 8}, **{"train.batch_size": 32, "train.grad_accum_steps": 2}))
+    factory, step_fn = train_step_lib.build(run)
+    mesh = run.mesh
     batch = {k: jax.ShapeDtypeStruct((32, 128), np.float32 if k == "loss_mask" else np.int32)
              for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
     with jax.set_mesh(mesh):

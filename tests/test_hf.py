@@ -18,8 +18,11 @@ from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from meshtrain import config as config_lib, hf, mesh as mesh_lib, model as model_lib
-from tests.utils import tiny_config
+from meshtrain import config as config_lib, hf, model as model_lib
+from meshtrain.hf import __main__ as hf_cli, convert as hf_convert, formats as hf_formats, io as hf_io
+from meshtrain.run import Run
+from meshtrain.validate import validate
+from tests.utils import mesh_of, tiny_config
 
 VOCAB, SEQ = 96, 12
 LLAMA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -62,8 +65,7 @@ def _reference_logits(hf_dir: str, tokens: np.ndarray) -> np.ndarray:
 def _mesh(sizes):
     if sizes is None:
         return None
-    config = tiny_config(sizes)
-    return mesh_lib.make_mesh(config, jax.devices()[:8])
+    return mesh_of(**sizes)
 
 
 def _tensors(hf_dir: str) -> dict[str, torch.Tensor]:
@@ -115,7 +117,7 @@ def test_round_trip_is_bitwise_and_loads_in_transformers(checkpoints, name, tmp_
     cfg, params = hf.load(checkpoints[name], _mesh({"fsdp": 4, "tensor": 2}))
     out = str(tmp_path / "export")
     hf.save(cfg, params, out, max_shard_bytes=20_000)
-    assert os.path.exists(os.path.join(out, hf.INDEX_FILE))
+    assert os.path.exists(os.path.join(out, hf_formats.INDEX_FILE))
     original, exported = _tensors(checkpoints[name]), _tensors(out)
     assert sorted(original) == sorted(exported)
     for key, tensor in original.items():
@@ -123,7 +125,7 @@ def test_round_trip_is_bitwise_and_loads_in_transformers(checkpoints, name, tmp_
         assert torch.equal(exported[key].view(torch.uint8), tensor.view(torch.uint8)), key
     tokens = _tokens(1)
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(model).__name__ == hf.ARCHITECTURES["mixtral" if name == "mixtral" else "llama"]
+    assert type(model).__name__ == hf_convert.ARCHITECTURES["mixtral" if name == "mixtral" else "llama"]
     with torch.no_grad():
         got = model(torch.tensor(tokens)).logits.float().numpy()
     np.testing.assert_array_equal(got, _reference_logits_dtype(checkpoints[name], tokens))
@@ -139,7 +141,7 @@ def test_single_file_export_and_bfloat16_cast(checkpoints, tmp_path):
     cfg, params = hf.load(checkpoints["llama"])
     out = str(tmp_path / "bf16")
     hf.save(cfg, params, out, dtype="bfloat16")
-    assert sorted(os.listdir(out)) == ["config.json", hf.SINGLE_FILE]
+    assert sorted(os.listdir(out)) == ["config.json", hf_formats.SINGLE_FILE]
     tensors = _tensors(out)
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
     cfg16, params16 = hf.load(out)
@@ -149,13 +151,13 @@ def test_single_file_export_and_bfloat16_cast(checkpoints, tmp_path):
 
 
 def test_cli_import_and_export(checkpoints, tmp_path, capsys):
-    assert hf.main(["import", checkpoints["llama"]]) == 0
+    assert hf_cli.main(["import", checkpoints["llama"]]) == 0
     assert "['layers']['attn']['wq']" in capsys.readouterr().out
     out = str(tmp_path / "cli")
-    assert hf.main(["export", checkpoints["llama"], out]) == 0
-    assert hf.main(["export", checkpoints["llama"], out]) == 2  # exists, no --overwrite
+    assert hf_cli.main(["export", checkpoints["llama"], out]) == 0
+    assert hf_cli.main(["export", checkpoints["llama"], out]) == 2  # exists, no --overwrite
     assert "exists" in capsys.readouterr().out
-    assert hf.main(["export", checkpoints["llama"], out, "--overwrite"]) == 0
+    assert hf_cli.main(["export", checkpoints["llama"], out, "--overwrite"]) == 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -174,7 +176,7 @@ def _copy(src: str, dst, edit_config=None, edit_tensors=None) -> str:
     tensors = {k: v.contiguous() for k, v in _tensors(src).items()}
     if edit_tensors:
         edit_tensors(tensors)
-    save_file(tensors, os.path.join(dst, hf.SINGLE_FILE), metadata={"format": "pt"})
+    save_file(tensors, os.path.join(dst, hf_formats.SINGLE_FILE), metadata={"format": "pt"})
     return str(dst)
 
 
@@ -221,8 +223,8 @@ def test_failed_export_leaves_nothing_that_looks_complete(checkpoints, tmp_path,
             raise OSError("disk full")
         return real(path, tensors, blocks)
 
-    real = hf._write_safetensors
-    monkeypatch.setattr(hf, "_write_safetensors", fail_on_second_file)
+    real = hf_formats.write_safetensors
+    monkeypatch.setattr(hf_io, "write_safetensors", fail_on_second_file)
     out = tmp_path / "export"
     with pytest.raises(OSError, match="disk full"):
         hf.save(cfg, params, str(out), max_shard_bytes=20_000)
@@ -244,9 +246,9 @@ def test_train_state_from_hf_gives_transformers_loss(checkpoints):
                                                       "train.batch_size": 4, "train.seq_len": SEQ})
     changed = hf.apply_model_config(config)
     assert changed["d_model"] == (64, 32) and config.model.vocab_size == VOCAB
-    config_lib.validate(config, 8)
-    mesh = mesh_lib.make_mesh(config, jax.devices()[:8])
-    factory, step_fn, _ = train_step_lib.build(config, mesh)
+    run = Run.resolve(config, jax.devices()[:8])
+    factory, step_fn = train_step_lib.build(run)
+    mesh = run.mesh
     state = hf.initial_state(factory, checkpoints["llama"])
     _, reference = hf.load(checkpoints["llama"])
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), state.params, reference)
@@ -268,6 +270,6 @@ def test_train_state_from_hf_gives_transformers_loss(checkpoints):
 def test_from_hf_must_be_a_checkpoint_folder(tmp_path):
     config = tiny_config(**{"init.from_hf": str(tmp_path)})
     with pytest.raises(config_lib.ConfigError, match=r"config.init.from_hf=.*config.json"):
-        config_lib.validate(config, 1)
+        validate(config, 1)
     with pytest.raises(config_lib.ConfigError, match=r"config.init.from_hf"):
         hf.apply_model_config(config)

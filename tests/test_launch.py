@@ -16,20 +16,12 @@ import numpy as np
 import pytest
 
 from meshtrain import checkpoint as checkpoint_lib, launch, train
-from tests.test_checkpoint import abstract_state, config_for, load, losses_of, persistent_compilation_cache
-from tests.test_checkpoint_crash import cli_args, subprocess_env
-from tests.utils import ROOT
+from tests.utils import ROOT, abstract_state, cli_args, config_for, load, losses_of, subprocess_env
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("compilation_cache")]
 
 STEPS = 12  # the same program as tests/test_checkpoint.py's runs: the 1 x 8 run loads it from the cache
 WAIT_S = 300
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    with persistent_compilation_cache(tmp_path_factory.getbasetemp() / "jax_cache") as directory:
-        yield directory
 
 
 def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, compilation_cache):

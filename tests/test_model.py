@@ -7,7 +7,7 @@ import numpy as np
 from meshtrain import mesh as mesh_lib, model as model_lib, train_step as train_step_lib
 from meshtrain.config import ModelConfig
 from meshtrain.sharding_rules import Rules
-from tests.utils import run_steps, synthetic_batches, tiny_config
+from tests.utils import resolve, run_steps, synthetic_batches, tiny_config
 
 
 def _model_and_params(**overrides):
@@ -51,20 +51,21 @@ def test_tied_embeddings_have_no_head():
     model, params, _ = _model_and_params(**{"model.tie_embeddings": True})
     assert "head" not in params
     n = sum(x.size for x in jax.tree.leaves(params))
-    assert n == model.cfg.num_params()
+    assert n == model_lib.num_params(model.cfg)
 
 
 def test_num_params_matches_initialised_model():
     model, params, _ = _model_and_params()
-    assert sum(x.size for x in jax.tree.leaves(params)) == model.cfg.num_params()
+    assert sum(x.size for x in jax.tree.leaves(params)) == model_lib.num_params(model.cfg)
 
 
 def test_step_compiles_once():
     """The jitted step is traced once for all steps (no config branching, stable shapes)."""
     config = tiny_config({"data": 2})
     batches = synthetic_batches(config, 3)
-    mesh = mesh_lib.make_mesh(config, jax.devices()[:2])
-    factory, step_fn, _ = train_step_lib.build(config, mesh)
+    run = resolve(config)
+    factory, step_fn = train_step_lib.build(run)
+    mesh = run.mesh
     state = factory.create(0)
     with jax.set_mesh(mesh):
         for batch in batches:

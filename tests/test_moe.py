@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from meshtrain import config as config_lib, mesh as mesh_lib, model as model_lib, moe
+from meshtrain import mesh as mesh_lib, model as model_lib, moe
 from meshtrain.config import ConfigError, ModelConfig
 from meshtrain.sharding_rules import Rules
+from meshtrain.validate import validate
 from tests import utils
 
 E, K, B, T, D, F = 8, 2, 8, 16, 16, 32
@@ -29,8 +30,7 @@ MESHES = [{}, {"data": 2, "expert": 4}, {"expert": 2, "tensor": 2, "sequence": 2
 
 
 def _mesh(sizes: dict) -> jax.sharding.Mesh:
-    c = utils.tiny_config(sizes)
-    return mesh_lib.make_mesh(c, utils.devices_for(c))
+    return utils.mesh_of(**sizes)
 
 
 def _inputs(seed: int = 0):
@@ -164,7 +164,7 @@ def test_validation_names_key_value_and_rule(key, value, mesh, match):
     for axis, size in mesh.items():
         c.mesh[axis] = size
     with pytest.raises(ConfigError, match=match) as err:
-        config_lib.validate(c, 8)
+        validate(c, 8)
     assert f"config.{key}={value!r}" in str(err.value)
 
 
@@ -172,7 +172,7 @@ def test_validation_names_key_value_and_rule(key, value, mesh, match):
 def test_tiny_moe_valid_on_every_expert_size(expert):
     c = _moe_config()
     c.mesh.expert, c.mesh.data = expert, -1
-    assert config_lib.validate(c, 8)["expert"] == expert
+    assert validate(c, 8)["expert"] == expert
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -185,4 +185,4 @@ def test_num_params_is_exact(shared):
         shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), batch["inputs"], batch["positions"],
                                                    batch["segment_ids"]))["params"]
     count = sum(math.prod(x.shape) for x in jax.tree.leaves(nn.unbox(shapes)))
-    assert cfg.num_params() == count
+    assert model_lib.num_params(cfg) == count

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import config as config_lib, mesh as mesh_lib, model as model_lib, moe, train_step
+from meshtrain import mesh as mesh_lib, model as model_lib, moe, train_step
 from meshtrain.config import ModelConfig
 from meshtrain.plan import hlo
 from tests import utils
@@ -36,10 +36,9 @@ def _config(sizes: dict):
 def _run(key: tuple) -> tuple[np.ndarray, list[dict], str]:
     """(losses, metrics per step, compiled HLO text) of STEPS steps on the mesh `dict(key)`."""
     config = _config(dict(key))
-    devices = utils.devices_for(config)
-    config_lib.validate(config, len(devices))
-    mesh = mesh_lib.make_mesh(config, devices)
-    factory, step_fn, _ = train_step.build(config, mesh)
+    run = utils.resolve(config)
+    factory, step_fn = train_step.build(run)
+    mesh = run.mesh
     batches = utils.synthetic_batches(config, STEPS)
     with jax.set_mesh(mesh):
         compiled = step_fn.lower(factory.abstract, batches[0]).compile()
@@ -102,9 +101,9 @@ def test_step_exchanges_tokens_by_all_to_all_over_expert(sizes):
 def test_forward_has_two_all_to_all_per_moe_layer():
     sizes = {"expert": 8}
     config = _config(sizes)
-    config_lib.validate(config, 8)
-    mesh = mesh_lib.make_mesh(config, jax.devices())
-    factory, _, _ = train_step.build(config, mesh)
+    run = utils.resolve(config)
+    factory, _ = train_step.build(run)
+    mesh = run.mesh
     batch = utils.synthetic_batches(config, 1)[0]
 
     def loss(params, batch):
@@ -124,7 +123,7 @@ def test_expert_weights_are_not_all_reduced_over_expert():
     found, _ = _collectives(_run(_key(sizes))[2], sizes)
     cfg = ModelConfig.from_config(_config(sizes))
     expert_params = (cfg.n_layers // cfg.moe_every) * 3 * cfg.num_experts * cfg.d_model * moe.expert_mlp_dim(cfg)
-    replicated_bytes = 4 * (cfg.num_params() - expert_params)
+    replicated_bytes = 4 * (model_lib.num_params(cfg) - expert_params)
     reduced = sum(c.result_bytes * c.count for c, axes in found if c.kind == "all-reduce" and "expert" in axes)
     one_expert_weight = 4 * cfg.d_model * moe.expert_mlp_dim(cfg)
     assert replicated_bytes <= reduced < replicated_bytes + min(1024, one_expert_weight)

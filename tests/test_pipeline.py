@@ -24,10 +24,11 @@ from meshtrain import (
     pipeline as pipeline_lib,
     train_step as train_step_lib,
 )
-from meshtrain.config import ModelConfig
+from meshtrain.config import BATCH_AXES, ModelConfig
 from meshtrain.sharding_rules import Rules
+from meshtrain.validate import validate
 from tests.hlo_utils import collectives_by_computation
-from tests.utils import run_steps, synthetic_batches, tiny_config
+from tests.utils import batch_sharding as utils_batch_sharding, resolve, run_steps, synthetic_batches, tiny_config
 
 SEQ, LAYERS, M = 16, 8, 4
 CASES = [(schedule, mesh) for schedule in ("gpipe", "circular", "1f1b")
@@ -43,7 +44,7 @@ def _config(schedule: str, mesh: dict, microbatches: int = M, batch: int = 8, **
 def _mesh(config):
     sizes = {a: max(int(config.mesh[a]), 1) for a in config_lib.MESH_AXES}
     n = int(np.prod(list(sizes.values())))
-    config_lib.validate(config, n)
+    validate(config, n)
     return mesh_lib.make_mesh(config, jax.devices()[:n])
 
 
@@ -82,11 +83,11 @@ def _pipelined(schedule: str, mesh_items: tuple, microbatches: int = M, batch: i
     mesh = _mesh(config)
     pipe = pipeline_lib.Pipeline.from_config(config, mesh.shape["stage"])
     model = model_lib.Transformer(ModelConfig.from_config(config), Rules.for_mesh(mesh), pipeline=pipe)
-    fn = pipeline_lib.grads_function(pipe, _autodiff, pipeline_lib.batch_axes(mesh))
+    fn = pipeline_lib.grads_function(pipe, _autodiff, tuple(a for a in BATCH_AXES if mesh.shape[a] > 1))
     factory = train_step_lib.StateFactory(model, optax.sgd(0.1), mesh,
                                           train_step_lib.Placement.for_zero_stage(model.rules, zero),
                                           (batch, SEQ))
-    batch_sharding = jax.sharding.NamedSharding(mesh, train_step_lib.batch_spec())
+    batch_sharding = utils_batch_sharding(mesh)
     example = synthetic_batches(config, 1)[0]
     with jax.set_mesh(mesh):
         compiled = jax.jit(lambda p, b: fn(p, b, model, jnp.maximum(b["loss_mask"].sum(), 1.0), 1),
@@ -201,18 +202,20 @@ def test_train_step_with_1f1b_equals_single_device(mesh, zero):
 def test_validation_names_the_key(overrides, key):
     config = _config("gpipe", {"stage": 2, "data": 2}, **overrides)
     with pytest.raises(config_lib.ConfigError, match=re.escape(f"config.{key}=")):
-        config_lib.validate(config, 4)
+        validate(config, 4)
 
 
 def test_describe_reports_ticks_bubble_in_flight():
     p, m = 4, 8
-    line = pipeline_lib.describe(_config("1f1b", {"stage": p}, microbatches=m), {"stage": p})
+    line = pipeline_lib.Pipeline.from_config(_config("1f1b", {"stage": p}, microbatches=m), p).describe()
     ticks = m + p - 1  # the playbook's 1F1B: the same bubble as all-forward-all-backward
     assert line == (f"pipeline 1f1b: {p} stages x 1 repeats, {m} micro-batches, {ticks} ticks, "
                     f"bubble {(p - 1) / ticks:.1%}, in flight per stage {[p - s for s in range(p)]}")
     circular = pipeline_lib.Pipeline("circular", 4, 8, 2)
     assert (circular.ticks, round(circular.bubble, 4)) == (19, round(3 / 19, 4))
-    assert pipeline_lib.describe(_config("gpipe", {}), {"stage": 1}) is None
+    assert pipeline_lib.Pipeline.from_config(_config("gpipe", {}), 1) is None
+    run = resolve(_config("gpipe", {"stage": 2}))
+    assert run.describe() == ["mesh stage=2 (2 devices, 1 process(es))", run.pipeline.describe()]
 
 
 @pytest.mark.parametrize("p, m", [(2, 2), (2, 5), (3, 7), (4, 4), (4, 16)])

@@ -13,7 +13,6 @@ import math
 import jax
 import pytest
 
-from meshtrain import config as config_lib
 from meshtrain.plan import verify
 from tests.utils import tiny_config
 
@@ -41,8 +40,7 @@ MESHES = [
 def test_model_agrees_with_compiler(mesh, overrides):
     config = tiny_config(mesh, **overrides)
     n = math.prod(mesh.values())
-    sizes = config_lib.validate(config, n)
-    result = verify.verify(config, sizes, jax.devices()[:n])
+    result = verify.verify(config, jax.devices()[:n])
     assert result.model["state"] == pytest.approx(result.compiler["state"], rel=0.05)
     axes = {a for a, b in result.compiler_comm.items() if b > 0} | set(result.model_comm)
     assert axes == {a for a, size in mesh.items() if size > 1}
@@ -57,6 +55,6 @@ def test_search_top_choice_for_llama3_8b_compiles():
     config = load_config_file("llama3_8b")
     top = estimate.search(config, 8, hardware.get_gpu("h100"))[0]
     assert top.fits
-    result = verify.verify(top.config, top.run.sizes, jax.devices()[:8])
+    result = verify.verify(top.config, jax.devices()[:8])
     assert result.compiler["state"] == pytest.approx(result.model["state"], rel=0.05)
 

@@ -5,13 +5,13 @@ import re
 import chex
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import ring_attention as ra
 from meshtrain.pallas_kernels.flash_attention import flash_attention_with_lse
+from tests.utils import mesh_of
 
 AXES = ("data", "stage", "fsdp", "expert", "sequence", "tensor")
 B, D = 2, 8
@@ -19,9 +19,7 @@ RTOL = 1e-5
 
 
 def make_mesh(sequence: int, data: int = 1, tensor: int = 1) -> jax.sharding.Mesh:
-    return jax.make_mesh(
-        (data, 1, 1, 1, sequence, tensor), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 6
-    )
+    return mesh_of(sequence=sequence, data=data, tensor=tensor)
 
 
 def make_inputs(t: int, h: int, kh: int, seed: int = 0, docs: np.ndarray | None = None):
@@ -256,13 +254,3 @@ def test_bad_inputs_raise():
     q3, k3, v3, _, seg = make_inputs(32, 4, 3)
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="H divisible by K"):
         ra.ring_attention(q3, k3, v3, seg, mesh=mesh)
-
-
-def test_validate_config():
-    config = ml_collections.ConfigDict({"train": {"seq_len": 100}, "mesh": {"sequence": 4}})
-    with pytest.raises(ValueError, match=r"train\.seq_len=100 .* 2 \* mesh\.sequence = 8"):
-        ra.validate_config(config)
-    config.train.seq_len = 128
-    ra.validate_config(config)
-    config.mesh.sequence, config.train.seq_len = -1, 97
-    ra.validate_config(config)  # "fill" is resolved later

@@ -6,7 +6,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain import mesh as mesh_lib, train_step as train_step_lib
 from meshtrain.sharding_rules import RULES, Rules, ShardingRuleError
-from tests.utils import tiny_config
+from tests.utils import resolve, tiny_config
 
 
 def _rules(**sizes):
@@ -36,7 +36,7 @@ def test_unknown_logical_name_is_refused():
 def test_every_large_parameter_is_sharded_under_zero3():
     """Golden check: with fsdp=8 and ZeRO-3 no parameter matrix stays replicated."""
     config = tiny_config({"fsdp": 8}, **{"train.zero_stage": 3})
-    factory, _, _ = train_step_lib.build(config, mesh_lib.make_mesh(config))
+    factory, _ = train_step_lib.build(resolve(config))
     for path, spec in jax.tree_util.tree_flatten_with_path(
             factory.specs.params, is_leaf=lambda s: isinstance(s, P))[0]:
         assert "fsdp" in str(spec), jax.tree_util.keystr(path)

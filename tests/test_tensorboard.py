@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from meshtrain import config as config_lib, tensorboard
+from meshtrain.validate import validate
 from tests.utils import tiny_config
 
 
@@ -58,4 +59,4 @@ def test_profiler_off_by_default(tmp_path):
 def test_profile_steps_validation(steps):
     config = tiny_config(**{"profile.steps": steps, "steps": 100})
     with pytest.raises(config_lib.ConfigError, match=r"config.profile.steps="):
-        config_lib.validate(config, 1)
+        validate(config, 1)

@@ -4,8 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import mesh as mesh_lib, train_step as train_step_lib
-from tests.utils import tiny_config
+from meshtrain import train_step as train_step_lib
+from tests.utils import resolve, tiny_config
 
 
 def _bytes(tree) -> int:
@@ -13,8 +13,9 @@ def _bytes(tree) -> int:
 
 
 def _compiled(config):
-    mesh = mesh_lib.make_mesh(config)
-    factory, step_fn, _ = train_step_lib.build(config, mesh)
+    run = resolve(config)
+    factory, step_fn = train_step_lib.build(run)
+    mesh = run.mesh
     b, t = config.train.batch_size, config.train.seq_len
     batch = {k: jax.ShapeDtypeStruct((b, t), np.float32 if k == "loss_mask" else np.int32)
              for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}

@@ -1,14 +1,21 @@
-"""Shared test helpers: the tiny config in float32 and a few-step training run on a chosen mesh."""
+"""Shared test helpers: the tiny config in float32, meshes, a few-step training run on a chosen
+mesh, and the checkpoint / child-process helpers of the checkpoint and launch tests."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import json
+import os
 import pathlib
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
-from meshtrain import config as config_lib, mesh as mesh_lib, train_step as train_step_lib
+from meshtrain import checkpoint as checkpoint_lib, config as config_lib, mesh as mesh_lib, train_step as train_step_lib
+from meshtrain.run import Run
+from meshtrain.sharding_rules import Rules
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 AXES = config_lib.MESH_AXES
@@ -68,15 +75,29 @@ def synthetic_batches(config, steps: int, seed: int = 0) -> list[dict[str, np.nd
     return out
 
 
+def mesh_of(**sizes) -> jax.sharding.Mesh:
+    """A six-axis mesh on the first devices: the given axis sizes, every other axis 1."""
+    config = tiny_config(sizes)
+    return mesh_lib.make_mesh(config, devices_for(config))
+
+
+def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
+    """The batch sharding a run on `mesh` uses (`Run.batch_sharding`)."""
+    return NamedSharding(mesh, Rules.for_mesh(mesh).spec(("batch", "length")))
+
+
+def resolve(config, devices=None) -> Run:
+    """`config` resolved on the first (product of its mesh axes) devices."""
+    return Run.resolve(config, devices or devices_for(config))
+
+
 def train(config, batches, devices=None):
     """Trains len(batches) steps; returns (metrics per step as floats, final state, factory)."""
-    devices = devices or devices_for(config)
-    config_lib.validate(config, len(devices))
-    mesh = mesh_lib.make_mesh(config, devices)
-    factory, step_fn, _ = train_step_lib.build(config, mesh)
+    run = resolve(config, devices)
+    factory, step_fn = train_step_lib.build(run)
     state = factory.create(config.seed)
     records = []
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(run.mesh):
         for batch in batches:
             state, metrics = step_fn(state, batch)
             records.append(jax.tree.map(float, jax.device_get(metrics)))
@@ -87,3 +108,93 @@ def run_steps(config, batches, devices=None):
     """Trains len(batches) steps; returns (losses, final params as numpy, factory)."""
     records, state, factory = train(config, batches, devices)
     return np.array([r["loss"] for r in records]), jax.tree.map(np.asarray, state.params), factory
+
+
+# Checkpoint and process helpers (test_checkpoint, test_checkpoint_crash, test_launch).
+
+STEPS = 12
+
+
+@contextlib.contextmanager
+def persistent_compilation_cache(directory):
+    """JAX's persistent compilation cache in `directory`, for this process and (via `subprocess_env`)
+    its training subprocesses: a resumed run compiles the same program as the run it continues."""
+    from jax._src import compilation_cache as cc
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    before = {name: getattr(jax.config, name) for name in names}
+    for name, value in zip(names, (str(directory), 0.0, 0), strict=True):
+        jax.config.update(name, value)
+    cc.reset_cache()
+    try:
+        yield directory
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+        cc.reset_cache()
+
+
+def config_for(workdir, mesh=None, **overrides):
+    c = tiny_config(mesh or {"fsdp": 8}, **{
+        "model.n_layers": 2, "train.seq_len": 32, "train.batch_size": 8, "steps": STEPS, "log_every": 1,
+        "data.source": "text_files", "workdir": str(workdir), "checkpoint.keep": 100, **overrides})
+    return c
+
+
+def losses_of(workdir) -> dict[int, float]:
+    out = {}
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        for line in f:
+            record = json.loads(line)
+            assert record["step"] not in out, f"step {record['step']} trained twice"
+            out[record["step"]] = float(record["loss"])  # "nan" is written as a string
+    return out
+
+
+def abstract_state(config, devices=None):
+    factory, _ = train_step_lib.build(Run.resolve(config, devices))
+    return factory.abstract
+
+
+def load(workdir, step, abstract) -> checkpoint_lib.Restored:
+    ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_root(workdir), read_only=True)
+    try:
+        return ckpt.restore(abstract, step)
+    finally:
+        ckpt.close()
+
+
+def all_steps(workdir) -> list[int]:
+    ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_root(workdir), read_only=True)
+    steps = ckpt.all_steps()
+    ckpt.close()
+    return steps
+
+
+def latest_step(workdir) -> int | None:
+    return (all_steps(workdir) or [None])[-1]
+
+
+def assert_bitwise(a, b):
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    assert tree_a == tree_b
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def cli_args(config_overrides: dict) -> list[str]:
+    """Command-line flags for `python -m meshtrain.train` equal to `config_for(...)` with overrides."""
+    flags = {"mesh.data": 1, "mesh.fsdp": 8, "model.dtype": "float32", "model.n_layers": 2, "train.seq_len": 32,
+             "train.batch_size": 8, "log_every": 1, "data.source": "text_files", **config_overrides}
+    return ["--config", str(ROOT / "configs" / "tiny.py")] + [f"--config.{k}={v}" for k, v in flags.items()]
+
+
+def subprocess_env(cache_dir) -> dict:
+    """CPU, float32 matmuls, and a shared compilation cache so each restart skips the compile."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_DEFAULT_MATMUL_PRECISION": "float32",
+            "PYTHONPATH": str(ROOT), "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+

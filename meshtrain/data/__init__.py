@@ -1,6 +1,6 @@
 """The data pipeline: sources, tokenizers, packing, grain loading and global batches.
 
-    it = data.make_iterator(config, mesh, split="train", state=None, permutation=None)
+    it = data.make_iterator(run, split="train", state=None)   # run: a resolved `meshtrain.run.Run`
     batch = next(it)   # dict of global [train.batch_size, train.seq_len] jax.Arrays
     it.state()         # {"next_row": ...}: store it with the checkpoint, pass it back to resume
 
@@ -11,16 +11,21 @@ prepared in `config.data.data_dir`) and `synthetic` (deterministic, for tests).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import ml_collections
 import numpy as np
 
 from meshtrain import config as config_lib
 from meshtrain.data import packing
-from meshtrain.data.loader import DataIterator, batch_sharding
+from meshtrain.data.loader import DataIterator
 from meshtrain.data.synthetic import SyntheticRows
 
-__all__ = ["DataIterator", "batch_sharding", "make_iterator", "packing"]
+if TYPE_CHECKING:
+    from meshtrain.run import Run
+
+__all__ = ["DataIterator", "iterator", "make_iterator", "packing"]
 
 SPLITS = ("train", "validation")
 _STATE_KEYS = ("source", "seed", "seq_len")
@@ -35,13 +40,18 @@ def _rows(config: ml_collections.ConfigDict, split: str):
     return sources.open_rows(config, split)
 
 
-def make_iterator(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, split: str = "train",
-                  state: dict | None = None, permutation: np.ndarray | None = None) -> DataIterator:
+def make_iterator(run: Run, split: str = "train", state: dict | None = None) -> DataIterator:
+    """The run's iterator of global batches of `split`: in its batch sharding and token order."""
+    return iterator(run.config, run.batch_sharding, split, state, run.permutation)
+
+
+def iterator(config: ml_collections.ConfigDict, sharding: jax.sharding.NamedSharding, split: str = "train",
+             state: dict | None = None, permutation: np.ndarray | None = None) -> DataIterator:
     """The iterator of global batches of `split`, starting at `state["next_row"]` (0 if no state).
 
     Args:
       config: the validated run config (`data.*`, `train.batch_size`, `train.seq_len`, `seed`).
-      mesh: the six-axis device mesh; batches are sharded by `batch_sharding(mesh)`.
+      sharding: every [B, T] field's sharding (`Run.batch_sharding`).
       split: "train" or "validation".
       state: a dict from `DataIterator.state()` of an earlier run, or None.
       permutation: optional int array [train.seq_len]; every field is permuted along the sequence
@@ -61,14 +71,14 @@ def make_iterator(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, sp
                                  f"{state[key]!r}; resuming must keep it to see the same rows")
         start_row = int(state["next_row"])
     return DataIterator(
-        _rows(config, split), mesh, batch_size=config.train.batch_size, seq_len=config.train.seq_len,
+        _rows(config, split), sharding, batch_size=config.train.batch_size, seq_len=config.train.seq_len,
         start_row=start_row, permutation=permutation,
         cross_document_attention=bool(config.data.cross_document_attention),
-        prefetch=int(config.data.prefetch), num_threads=int(config.data.get("num_threads", 2)), state_info=info)
+        prefetch=int(config.data.prefetch), state_info=info)
 
 
 def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
-    """The data rules (run by `config.validate`). Raises ConfigError."""
+    """The data rules (gathered by `meshtrain.validate`). Raises ConfigError."""
     del sizes  # the batch divisibility rules live in meshtrain.config
     source = config.data.source
     if not isinstance(source, str) or not (source in ("synthetic", "text_files") or source.startswith("tfds:")):

@@ -3,7 +3,7 @@
 Playbook, "Data Parallelism" and "Revisit global batch size": each data-parallel rank
 consumes its own slice of the global batch (gbs = mbs x grad_acc x dp). Here the slice
 belongs to a *process*: a process reads only the rows its devices hold under the batch
-sharding `P(('data', 'fsdp', 'expert'), 'sequence')`, and
+sharding (`Run.batch_sharding`: rows over the batch axes, length over `sequence`), and
 `jax.make_array_from_process_local_data` joins the slices into one global array.
 
 Row `s * batch_size + i` of the run is global row `start_row + s * batch_size + i` of
@@ -21,12 +21,9 @@ import time
 import grain
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from meshtrain.data import packing
-
-BATCH_AXES = ("data", "fsdp", "expert")
-SEQUENCE_AXIS = "sequence"
 
 
 class _Failure:
@@ -34,11 +31,6 @@ class _Failure:
 
     def __init__(self, error: Exception):
         self.error = error
-
-
-def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
-    """The sharding of every batch field: rows over (data, fsdp, expert), positions over sequence."""
-    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, SEQUENCE_AXIS))
 
 
 def local_block(sharding: NamedSharding, global_shape: tuple[int, int]) -> tuple[slice, slice]:
@@ -63,10 +55,10 @@ class DataIterator:
       wait_seconds: cumulative seconds the consumer spent blocked in `__next__` (input time).
     """
 
-    def __init__(self, rows, mesh: jax.sharding.Mesh, *, batch_size: int, seq_len: int, start_row: int = 0,
+    def __init__(self, rows, sharding: NamedSharding, *, batch_size: int, seq_len: int, start_row: int = 0,
                  permutation: np.ndarray | None = None, cross_document_attention: bool = False,
                  prefetch: int = 2, num_threads: int = 2, state_info: dict | None = None):
-        self.sharding = batch_sharding(mesh)
+        self.sharding = sharding
         self.batch_size, self.seq_len = int(batch_size), int(seq_len)
         self.global_shape = (self.batch_size, self.seq_len)
         self._rows_block, self._cols_block = local_block(self.sharding, self.global_shape)

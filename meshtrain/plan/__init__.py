@@ -5,6 +5,6 @@ Playbook, "Finding the Best Training Configuration". `python -m meshtrain.plan -
 
 from meshtrain.plan.estimate import Estimate, search
 from meshtrain.plan.hardware import GPUS, Gpu, get_gpu
-from meshtrain.plan.memory import Run, num_params, param_table
+from meshtrain.plan.memory import Step, num_params, param_table
 
-__all__ = ["GPUS", "Estimate", "Gpu", "Run", "get_gpu", "num_params", "param_table", "search"]
+__all__ = ["GPUS", "Estimate", "Gpu", "Step", "get_gpu", "num_params", "param_table", "search"]

@@ -17,6 +17,7 @@ from ml_collections import config_flags
 
 from meshtrain import config as config_lib
 from meshtrain.plan import estimate as estimate_lib, hardware, memory
+from meshtrain.validate import validate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).", lock_config=True)
 flags.DEFINE_integer("devices", 0, "Number of accelerators (0: the product of the configured mesh).")
@@ -118,7 +119,7 @@ def main(argv: list[str]) -> None:
             out = {**chosen.as_json(), "candidates": [e.as_json() for e in shown]}
         else:
             sizes = config_lib.mesh_shape(config, FLAGS.devices) if FLAGS.devices else _configured_sizes(config)
-            sizes = config_lib.validate(config, math.prod(sizes.values()))
+            sizes = validate(config, math.prod(sizes.values()), inputs=False)
             chosen, shown = estimate_lib.estimate(config, sizes, gpu, per_node), []
             out = chosen.as_json()
             if not chosen.fits:
@@ -160,7 +161,7 @@ def _verify(chosen: estimate_lib.Estimate, print_table: bool) -> dict:
     with config.unlocked():
         for axis, size in chosen.run.sizes.items():
             config.mesh[axis] = size
-    result = verify.verify(config, chosen.run.sizes, jax.devices()[:n])
+    result = verify.verify(config, jax.devices()[:n])
     if print_table:
         print("\nverify (model vs compiler, CPU collective conventions):\n" + result.table())
     return result.as_json()

@@ -35,7 +35,7 @@ import dataclasses
 import math
 
 from meshtrain.mesh import MESH_ORDER
-from meshtrain.plan.memory import Run, dtype_bytes, local_size, param_table
+from meshtrain.plan.memory import Step, dtype_bytes, local_size, param_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +88,7 @@ def _spec_axes(leaf, rules) -> set[str]:
     return {a for e in spec if e for a in ((e,) if isinstance(e, str) else e)}
 
 
-def _gradient_and_zero(run: Run, remat: str, backend: Backend) -> list[Coll]:
+def _gradient_and_zero(run: Step, remat: str, backend: Backend) -> list[Coll]:
     s, place = run.sizes, run.placement()
     pb = max(dtype_bytes(run.model.param_dtype), backend.min_collective_bytes)
     batch_axes = [a for a in ("data", "fsdp", "expert", "sequence") if s[a] > 1]
@@ -134,7 +134,7 @@ def _gradient_and_zero(run: Run, remat: str, backend: Backend) -> list[Coll]:
     return out
 
 
-def _activations(run: Run, remat: str, backend: Backend) -> list[Coll]:
+def _activations(run: Step, remat: str, backend: Backend) -> list[Coll]:
     s, m = run.sizes, run.model
     a = max(dtype_bytes(m.dtype), backend.min_collective_bytes)
     t = run.micro_tokens
@@ -188,7 +188,7 @@ def _activations(run: Run, remat: str, backend: Backend) -> list[Coll]:
     return out
 
 
-def step_collectives(run: Run, remat: str, backend: Backend = GPU) -> list[Coll]:
+def step_collectives(run: Step, remat: str, backend: Backend = GPU) -> list[Coll]:
     """Every collective of one optimizer step, with how many times it runs."""
     colls = _gradient_and_zero(run, remat, backend) + _activations(run, remat, backend)
     if backend.reduce_scatter_as_all_reduce:

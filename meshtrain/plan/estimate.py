@@ -21,6 +21,7 @@ from meshtrain.mesh import MESH_ORDER
 from meshtrain.plan import comm, memory
 from meshtrain.plan.hardware import Gpu
 from meshtrain.sharding_rules import ShardingRuleError
+from meshtrain.validate import validate
 
 EFFICIENCY = 0.5  # achieved / peak FLOP/s of the matmuls
 OVERLAPPED = ("data", "fsdp", "sequence")
@@ -30,7 +31,7 @@ RECOMPUTE = {"none": 0.0, "selective": 0.0, "offload": 0.0, "full": 1.0}  # extr
 @dataclasses.dataclass
 class Estimate:
     config: ml_collections.ConfigDict
-    run: memory.Run
+    run: memory.Step
     remat: str
     memory: dict[str, int]
     comm_bytes: dict[str, float]
@@ -65,7 +66,7 @@ def in_node_axes(sizes: dict[str, int], devices_per_node: int) -> set[str]:
     return inside
 
 
-def memory_breakdown(run: memory.Run, remat: str) -> dict[str, int]:
+def memory_breakdown(run: memory.Step, remat: str) -> dict[str, int]:
     state = memory.state_memory(run)
     act = memory.activation_memory(run, remat)
     out = {**state, **act}
@@ -76,7 +77,7 @@ def memory_breakdown(run: memory.Run, remat: str) -> dict[str, int]:
 def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu, devices_per_node: int = 8,
              efficiency: float = EFFICIENCY) -> Estimate:
     """Memory, communication and time of the configured step on `gpu`s."""
-    run = memory.Run.from_config(config, sizes)
+    run = memory.Step.from_config(config, sizes)
     remat = config.remat.policy
     mem = memory_breakdown(run, remat)
     colls = comm.step_collectives(run, remat, comm.GPU)
@@ -155,8 +156,8 @@ def candidate_configs(config: ml_collections.ConfigDict, num_devices: int, devic
                 if mesh.get("stage", 1) > 1:
                     c.pipeline.schedule, c.pipeline.microbatches = "1f1b", per_rank
             try:
-                sizes = config_lib.validate(c, num_devices)
-                memory.state_memory(memory.Run.from_config(c, sizes))
+                sizes = validate(c, num_devices, inputs=False)
+                memory.state_memory(memory.Step.from_config(c, sizes))
             except (ValueError, ShardingRuleError):
                 continue
             yield c, sizes

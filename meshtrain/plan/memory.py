@@ -29,7 +29,9 @@ import math
 import ml_collections
 import numpy as np
 
+from meshtrain import model
 from meshtrain.config import ModelConfig
+from meshtrain.mesh import MESH_ORDER
 from meshtrain.sharding_rules import Rules
 
 GB = 10**9
@@ -82,38 +84,13 @@ class Leaf:
 
 
 def param_table(cfg: ModelConfig) -> list[Leaf]:
-    """The parameters of `model.Transformer`, in the order of its parameter tree's leaves."""
-    d, h, k, dh, f, v, n = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size, \
-        cfg.n_layers
-    layer = [
-        Leaf("layers/attn/wk", (n, d, k, dh), ("layers", "embed", "kv_heads", "head_dim"), True),
-        Leaf("layers/attn/wo", (n, h, dh, d), ("layers", "heads", "head_dim", "embed"), True),
-        Leaf("layers/attn/wq", (n, d, h, dh), ("layers", "embed", "heads", "head_dim"), True),
-        Leaf("layers/attn/wv", (n, d, k, dh), ("layers", "embed", "kv_heads", "head_dim"), True),
-        Leaf("layers/attn_norm/scale", (n, d), ("layers", "embed"), True),
-    ]
-    if cfg.num_experts:  # one routed SwiGLU per expert, plus the router (and a shared expert)
-        e, fm = cfg.num_experts, cfg.moe_mlp_dim or cfg.mlp_dim
-        layer += [Leaf("layers/moe/router", (n, d, e), ("layers", "embed", None), True)]
-        layer += [Leaf(f"layers/moe/{w}", (n, e, d, fm), ("layers", "expert", "embed", "mlp"), True)
-                  for w in ("w_gate", "w_up")]
-        layer += [Leaf("layers/moe/w_down", (n, e, fm, d), ("layers", "expert", "mlp", "embed"), True)]
-    if not cfg.num_experts or cfg.shared_expert:
-        layer += [
-            Leaf("layers/mlp/w_down", (n, f, d), ("layers", "mlp", "embed"), True),
-            Leaf("layers/mlp/w_gate", (n, d, f), ("layers", "embed", "mlp"), True),
-            Leaf("layers/mlp/w_up", (n, d, f), ("layers", "embed", "mlp"), True),
-        ]
-    layer += [Leaf("layers/mlp_norm/scale", (n, d), ("layers", "embed"), True)]
-    out = [Leaf("embedding", (v, d), ("embed_vocab", "embed"), False),
-           Leaf("final_norm/scale", (d,), ("embed",), False)]
-    if not cfg.tie_embeddings:
-        out.append(Leaf("head", (d, v), ("embed", "vocab"), False))
-    return sorted(out + layer, key=lambda leaf: leaf.path)
+    """The parameters of `model.Transformer` (its own abstract parameter tree), in tree order."""
+    return [Leaf(path, tuple(box.value.shape), tuple(box.names), box.names[0] == "layers")
+            for path, box in model.param_leaves(cfg)]
 
 
 def num_params(cfg: ModelConfig) -> int:
-    return sum(leaf.size for leaf in param_table(cfg))
+    return model.num_params(cfg)
 
 
 def local_size(leaf: Leaf, rules: Rules) -> int:
@@ -125,12 +102,12 @@ def local_size(leaf: Leaf, rules: Rules) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# The run the planner reasons about.
+# The step the planner reasons about (a hypothetical run: sizes, no devices).
 # --------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
+class Step:
     """Everything about a configured step the models need: model, mesh, ZeRO, batch, remat."""
 
     model: ModelConfig
@@ -144,7 +121,7 @@ class Run:
     pipeline_schedule: str = "gpipe"
 
     @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict, sizes: dict[str, int]) -> Run:
+    def from_config(cls, config: ml_collections.ConfigDict, sizes: dict[str, int]) -> Step:
         return cls(ModelConfig.from_config(config), dict(sizes), config.train.zero_stage, config.train.batch_size,
                    config.train.seq_len, config.train.grad_accum_steps, config.pipeline.microbatches,
                    config.pipeline.repeats, config.pipeline.schedule)
@@ -159,7 +136,6 @@ class Run:
 
     @property
     def rules(self) -> Rules:
-        from meshtrain.mesh import MESH_ORDER
         return Rules(tuple((a, self.sizes[a]) for a in MESH_ORDER))
 
     @property
@@ -183,7 +159,7 @@ def dtype_bytes(name: str) -> int:
     return np.dtype({"bfloat16": "float16"}.get(name, name)).itemsize
 
 
-def state_memory(run: Run) -> dict[str, int]:
+def state_memory(run: Step) -> dict[str, int]:
     """Per-device bytes of params, gradients and optimizer state as meshtrain places them.
 
     Pipeline stages own their layers ("layers" -> stage). Parameters and Adam moments use
@@ -198,7 +174,7 @@ def state_memory(run: Run) -> dict[str, int]:
     return {"params": params, "grads": grads, "optimizer": opt + 12}  # + step and two int32 counts
 
 
-def activation_memory(run: Run, remat: str) -> dict[str, int]:
+def activation_memory(run: Step, remat: str) -> dict[str, int]:
     """Bytes kept for the backward pass (activations) and the largest transient buffers (temporaries).
 
     Per layer and micro-batch on one device, t = tokens per device, a = compute dtype bytes,

@@ -16,11 +16,11 @@ import time
 import jax
 import jax.numpy as jnp
 import ml_collections
-from jax.sharding import NamedSharding
 
-from meshtrain import mesh as mesh_lib, pipeline as pipeline_lib, train_step
+from meshtrain import train_step
 from meshtrain.plan import comm, hlo, memory
 from meshtrain.plan.estimate import memory_breakdown
+from meshtrain.run import Run
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 
@@ -59,41 +59,40 @@ def _ratio(m: float, c: float) -> str:
     return f"{m / c:.3f}" if c else ("-" if not m else "inf")
 
 
-def batch_structs(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> dict:
-    sharding = NamedSharding(mesh, train_step.batch_spec())
-    shape = (config.train.batch_size, config.train.seq_len)
-    return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32, sharding=sharding)
+def batch_structs(run: Run) -> dict:
+    shape = (run.config.train.batch_size, run.config.train.seq_len)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32, sharding=run.batch_sharding)
             for k in BATCH_KEYS}
 
 
 def compile_step(config: ml_collections.ConfigDict, devices: list | None = None):
-    """(compiled, mesh, seconds): the jitted step lowered from abstract inputs and compiled."""
-    mesh = mesh_lib.make_mesh(config, devices)
-    factory, step_fn, _ = train_step.build(config, mesh)
+    """(compiled, run, seconds): the jitted step lowered from abstract inputs and compiled."""
+    run = Run.resolve(config, devices)
+    factory, step_fn = train_step.build(run)
     start = time.perf_counter()
-    with jax.set_mesh(mesh):
-        compiled = step_fn.lower(factory.abstract, batch_structs(config, mesh)).compile()
-    return compiled, mesh, time.perf_counter() - start
+    with jax.set_mesh(run.mesh):
+        compiled = step_fn.lower(factory.abstract, batch_structs(run)).compile()
+    return compiled, run, time.perf_counter() - start
 
 
-def verify(config: ml_collections.ConfigDict, sizes: dict[str, int], devices: list | None = None) -> Verification:
-    """Compiles the configured step and compares memory and per-axis bytes with the model."""
-    compiled, mesh, seconds = compile_step(config, devices)
+def verify(config: ml_collections.ConfigDict, devices: list | None = None) -> Verification:
+    """Compiles the configured step on `devices` and compares memory and per-axis bytes with the model."""
+    compiled, run, seconds = compile_step(config, devices)
+    sizes = dict(run.sizes)
     stats = compiled.memory_analysis()
-    batch_bytes = sum(math.prod(s.sharding.shard_shape(s.shape)) * 4 for s in batch_structs(config, mesh).values())
+    batch_bytes = sum(math.prod(s.sharding.shard_shape(s.shape)) * 4 for s in batch_structs(run).values())
     comp = {"argument": stats.argument_size_in_bytes, "state": stats.argument_size_in_bytes - batch_bytes,
             "temp": stats.temp_size_in_bytes,
             "peak": stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
             + stats.temp_size_in_bytes}
-    run = memory.Run.from_config(config, sizes)
-    mem = memory_breakdown(run, config.remat.policy)
+    step = memory.Step.from_config(config, sizes)
+    mem = memory_breakdown(step, config.remat.policy)
     state = mem["params"] + mem["optimizer"]
     temp = mem["grads"] + mem["activations"] + mem["temporaries"]
     model = {"state": state, "temp": temp, "peak": state + batch_bytes + temp}
-    pipe = pipeline_lib.Pipeline.from_config(config, sizes["stage"])
+    pipe = run.pipeline
     weights = pipe.slot_branch_share() if pipe is not None and pipe.schedule == "1f1b" else None
     found = hlo.collectives(compiled.as_text(), math.prod(sizes.values()), weights)
-    mesh_shape = {a: mesh.shape[a] for a in mesh.axis_names}
-    compiler_comm = hlo.bytes_by_axis(found, mesh_shape)
-    model_comm = comm.bytes_by_axis(comm.step_collectives(run, config.remat.policy, comm.CPU))
-    return Verification(dict(sizes), seconds, comp, model, compiler_comm, model_comm)
+    compiler_comm = hlo.bytes_by_axis(found, dict(run.mesh.shape))  # device order: the mesh's
+    model_comm = comm.bytes_by_axis(comm.step_collectives(step, config.remat.policy, comm.CPU))
+    return Verification(sizes, seconds, comp, model, compiler_comm, model_comm)

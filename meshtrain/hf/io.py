@@ -1,0 +1,197 @@
+"""Hugging Face checkpoints into the mesh and back: load, the initial train state, save.
+
+Import builds every parameter directly in its mesh sharding with `jax.make_array_from_callback`:
+each device reads only the rows and columns of its own shard from the memory-mapped files, so no
+process ever holds a whole model (the playbook's "shapes before bytes" applied to loading, and
+what makes the ZeRO-3 / tensor-parallel layouts of "ZeRO" and "Tensor Parallelism" reachable from
+a 70B checkpoint). Export streams one layer at a time into a temporary folder renamed into place
+only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import linen as nn
+
+from meshtrain import model
+from meshtrain.config import ModelConfig
+from meshtrain.hf.convert import (
+    ARCHITECTURE_FIELDS,
+    check_tensors,
+    hf_config_from_model,
+    layouts,
+    meshtrain_shape,
+    model_config_from_hf,
+    product,
+)
+from meshtrain.hf.formats import (
+    DTYPE_NAMES,
+    INDEX_FILE,
+    SINGLE_FILE,
+    ST_DTYPES,
+    HFFormatError,
+    SafetensorsStore,
+    read_config,
+    write_safetensors,
+)
+from meshtrain.mesh import single_device_mesh
+from meshtrain.sharding_rules import Rules
+
+
+def param_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh):
+    """Storage shardings of the parameters with every rule on (ZeRO-3 layout over `fsdp`)."""
+    rules = Rules.for_mesh(mesh)
+
+    def sharding(box: nn.LogicallyPartitioned) -> jax.sharding.NamedSharding:
+        names = tuple(box.names)
+        return jax.sharding.NamedSharding(mesh, rules.spec(names, box.value.shape, what="/".join(map(str, names))))
+
+    return jax.tree.map(sharding, model.abstract_params(cfg), is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+
+
+def load(hf_dir: str, mesh: jax.sharding.Mesh | None = None, *, shardings=None,
+         param_dtype: str | None = None) -> tuple[ModelConfig, dict]:
+    """Imports a Hugging Face checkpoint folder.
+
+    Args:
+      hf_dir: folder with `config.json` and `model.safetensors` or `model.safetensors.index.json`.
+      mesh: build each parameter in its ZeRO-3 storage sharding on this mesh (default: one device).
+      shardings: an explicit tree of NamedShardings for the parameters (e.g. a StateFactory's),
+        instead of `mesh`.
+      param_dtype: storage dtype; default: the checkpoint's `dtype`.
+
+    Returns:
+      (model config, parameter tree) matching `meshtrain.model.Transformer`.
+    """
+    cfg = model_config_from_hf(read_config(hf_dir), param_dtype)
+    store = SafetensorsStore(hf_dir)
+    table = layouts(cfg)
+    check_tensors(store, table, cfg)
+    if shardings is None:
+        shardings = param_shardings(cfg, mesh or single_device_mesh())
+    dtype = np.dtype(ml_dtypes.bfloat16) if cfg.param_dtype == "bfloat16" else np.dtype(cfg.param_dtype)
+
+    def build(path, sharding):
+        key = tuple(k.key for k in path)
+        if key not in table:
+            raise HFFormatError(f"meshtrain parameter {'/'.join(key)} has no Hugging Face source")
+        layout = table[key]
+        shape = meshtrain_shape(layout, cfg)
+        return jax.make_array_from_callback(
+            shape, sharding, lambda index: layout.read(store, index, shape).astype(dtype))
+
+    params = jax.tree_util.tree_map_with_path(build, shardings)
+    return cfg, params
+
+
+def initial_state(factory, hf_dir: str, seed: int = 0):
+    """A TrainState at step 0 with the checkpoint's weights, in the factory's shardings
+    (`StateFactory.from_params`: the optimizer state is initialised from those weights)."""
+    want = factory.model.cfg
+    cfg, params = load(hf_dir, shardings=factory.shardings.params, param_dtype=want.param_dtype)
+    for field in ARCHITECTURE_FIELDS:
+        if getattr(cfg, field) != getattr(want, field):
+            raise HFFormatError(f"{hf_dir}: {field}={getattr(cfg, field)!r} but the run's model has "
+                                f"{getattr(want, field)!r} (call apply_model_config first)")
+    return factory.from_params(params, seed)
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def save(cfg: ModelConfig, params: dict, out_dir: str, *, dtype: str | None = None,
+         max_shard_bytes: int = 2 << 30, overwrite: bool = False) -> None:
+    """Exports parameters as a Hugging Face checkpoint folder (`transformers` loads it).
+
+    Tensors stream out one layer at a time. The folder is assembled under a temporary name
+    beside `out_dir` and renamed into place at the end, so a failed export never leaves a
+    folder that looks complete. Only process 0 writes.
+
+    Args:
+      cfg: the model config of `params`.
+      params: the parameter tree (sharded or not).
+      out_dir: destination folder; must not exist unless `overwrite`.
+      dtype: "float32", "bfloat16" or "float16"; default: `cfg.param_dtype`.
+      max_shard_bytes: split into `model-0000i-of-0000N.safetensors` files of about this size.
+      overwrite: replace an existing `out_dir`.
+    """
+    dtype = dtype or cfg.param_dtype
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype={dtype!r}: must be one of {sorted(DTYPE_NAMES)}")
+    if os.path.exists(out_dir) and not overwrite:
+        raise ValueError(f"out_dir={out_dir!r} exists; pass overwrite=True to replace it")
+    code = DTYPE_NAMES[dtype]
+    table = layouts(cfg)
+    counts = {"layer": cfg.n_layers, "expert": cfg.num_experts}
+    tensors = []  # (hf name, hf shape, params path, stacked ids)
+    for key, layout in table.items():
+        for ids in product([range(counts[s]) for s in layout.stack]):
+            tensors.append((layout.tensor_name(ids), layout.hf_shape, key, ids))
+    tensors.sort(key=lambda t: _hf_order(t[0]))
+    flat = {tuple(k.key for k in path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    missing = sorted("/".join(k) for k in table if k not in flat)
+    if missing:
+        raise ValueError(f"params has no {missing}: not a tree for this model config")
+    shards, size = [[]], 0
+    for t in tensors:
+        nbytes = math.prod(t[1]) * ST_DTYPES[code].itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += nbytes
+    if jax.process_index() != 0:
+        for _ in _blocks([t for shard in shards for t in shard], flat, table):  # join the gathers
+            pass
+        return
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.partial-", dir=parent)
+    try:
+        names = [SINGLE_FILE] if len(shards) == 1 else [
+            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        for name, shard in zip(names, shards, strict=True):
+            write_safetensors(os.path.join(tmp, name), [(t[0], t[1], code) for t in shard],
+                               _blocks(shard, flat, table))
+        if len(shards) > 1:
+            total = sum(math.prod(t[1]) * ST_DTYPES[code].itemsize for t in tensors)
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {t[0]: name for name, shard in zip(names, shards, strict=True) for t in shard}}
+            with open(os.path.join(tmp, INDEX_FILE), "w") as fh:
+                json.dump(index, fh, indent=2)
+        with open(os.path.join(tmp, "config.json"), "w") as fh:  # last: marks the folder complete
+            json.dump(hf_config_from_model(cfg, dtype), fh, indent=2)
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _blocks(tensors, flat, table) -> Iterator[np.ndarray]:
+    """The Hugging Face tensor of each entry, gathering one layer / expert slice at a time."""
+    for _, _, key, ids in tensors:
+        leaf = flat[key]
+        yield table[key].to_hf(_host(leaf[ids] if ids else leaf))
+
+
+def _hf_order(name: str) -> tuple:
+    """embed_tokens, then layers in numeric order, then norm and lm_head."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[1] == "layers":
+        return (1, int(parts[2]), [int(p) if p.isdigit() else p for p in parts[3:]])
+    return (0 if "embed_tokens" in name else 2, 0, [name])

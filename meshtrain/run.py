@@ -1,0 +1,99 @@
+"""The resolved run: every fact the config and the devices decide, derived once.
+
+    run = Run.resolve(config)            # validates, builds the mesh, chooses the schedule
+    factory, step = train_step.build(run)
+    it = data.make_iterator(run, "train")
+
+Playbook, "5D parallelism in a nutshell": one mesh of six axes, and from its shape alone which
+axes split the batch, which loops are manual over which axes, which pipeline schedule runs and
+in which token order the data arrives (ring attention's zig-zag). `train_step.build`, the data
+iterator, the checkpoints and `plan --verify` read these facts here instead of re-deriving them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+from collections.abc import Mapping
+
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshtrain import attention, mesh as mesh_lib
+from meshtrain.config import BATCH_AXES, ModelConfig
+from meshtrain.pipeline import Pipeline
+from meshtrain.sharding_rules import Rules
+from meshtrain.validate import validate
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Run:
+    """A validated config on a concrete mesh, with everything derived from the pair."""
+
+    config: ml_collections.ConfigDict  # validated; each part reads its own section
+    sizes: Mapping[str, int]  # axis -> size, all six
+    mesh: jax.sharding.Mesh
+    rules: Rules
+    model: ModelConfig
+    pipeline: Pipeline | None  # None unless mesh.stage > 1
+    permutation: np.ndarray | None  # the data's token order along the sequence (ring zig-zag), or None
+
+    @classmethod
+    def resolve(cls, config: ml_collections.ConfigDict, devices: list | None = None) -> Run:
+        """Validates `config` for `devices` (default: all) and builds the mesh. Raises ConfigError."""
+        devices = list(jax.devices() if devices is None else devices)
+        sizes = types.MappingProxyType(validate(config, len(devices)))
+        mesh = mesh_lib.make_mesh(config, devices)
+        return cls(config=config, sizes=sizes, mesh=mesh, rules=Rules.for_mesh(mesh),
+                   model=ModelConfig.from_config(config),
+                   pipeline=Pipeline.from_config(config, sizes["stage"]),
+                   permutation=attention.data_permutation(config, sizes))
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The data-parallel axes that are split (size > 1), in mesh order."""
+        return tuple(a for a in BATCH_AXES if self.sizes[a] > 1)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return math.prod(self.sizes[a] for a in BATCH_AXES)
+
+    @property
+    def batch_spec(self) -> P:
+        """How every [B, T] batch field is laid out: rows over the batch axes, length over `sequence`."""
+        return self.rules.spec(("batch", "length"))
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, self.batch_spec)
+
+    @property
+    def accumulation_axes(self) -> tuple[str, ...]:
+        """The batch axes the gradient-accumulation loop is manual over (`train_step.accumulate_gradients`).
+
+        Those over which the parameters are replicated, so each device accumulates locally and the
+        data-parallel reduction runs once per step. None (the loop stays automatic, reducing per
+        micro-batch) under ZeRO-3, where the partitioner rejects a loop manual over `data` with
+        fsdp-sharded parameters and tensor parallelism together, and when the model runs a shard_map
+        of its own (MoE exchange, ring attention, Pallas kernels): jax 0.10 cannot differentiate a
+        shard_map nested in another one.
+        """
+        m = self.model
+        nested = m.num_experts > 0 or m.attention_impl != "xla" or m.fused_norm or m.fused_loss
+        if self.config.train.zero_stage >= 3 or nested:
+            return ()
+        return self.batch_axes
+
+    @property
+    def compiler_options(self) -> dict[str, str]:
+        return mesh_lib.compiler_options(self.mesh)
+
+    def describe(self) -> list[str]:
+        """The start-of-run lines: the mesh, and the pipeline schedule when there is one."""
+        lines = [mesh_lib.describe(self.mesh)]
+        if self.pipeline is not None:
+            lines.append(self.pipeline.describe())
+        return lines

@@ -1,0 +1,31 @@
+"""Every config rule, gathered: only the commands (and tests) import this module.
+
+Each part of meshtrain keeps its rules beside its code as `validate_config(config, sizes)` and
+raises `config.ConfigError` through `config.require`; this module runs them in order, before
+anything is traced or compiled, so a bad config ends with one message naming the key, the value
+and the rule.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from meshtrain import attention, checkpoint, config as config_lib, data, moe, pipeline
+
+# Rules of the step's layout: pure functions of the config and the mesh shape.
+LAYOUT_RULES = (config_lib.validate_config, attention.validate_config, moe.validate_config,
+                pipeline.validate_config)
+# Rules that look at files: the data source and the checkpoint to restore.
+INPUT_RULES = (data.validate_config, checkpoint.validate_config)
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int, *, inputs: bool = True) -> dict[str, int]:
+    """Checks every rule; returns the resolved mesh shape (axis -> size). Raises ConfigError.
+
+    `inputs=False` skips the rules that read files (the planner validates hypothetical runs).
+    """
+    config_lib.validate_fields(config)
+    sizes = config_lib.mesh_shape(config, num_devices)
+    for rule in LAYOUT_RULES + (INPUT_RULES if inputs else ()):
+        rule(config, sizes)
+    return sizes

@@ -1,0 +1,127 @@
+"""The package's shape: `config` is a leaf, the imports form no cycle, the parameter list exists once."""
+
+from __future__ import annotations
+
+import ast
+import math
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import linen as nn
+
+from meshtrain import config as config_lib, model as model_lib
+from meshtrain.plan import memory
+from meshtrain.sharding_rules import Rules
+from tests.utils import ROOT
+
+PACKAGE = ROOT / "meshtrain"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+
+
+def import_graph() -> dict[str, set[str]]:
+    """meshtrain module -> the meshtrain modules it imports, at any depth of its code (imports
+    under `if TYPE_CHECKING:` are annotations only and do not run)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges: set[str] = set()
+        tree = ast.parse(path.read_text())
+        skipped = {id(n) for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and _is_type_checking(node) for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name.startswith("meshtrain")}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("meshtrain"):
+                for alias in node.names:  # `from pkg import submodule` imports the submodule
+                    sub = f"{node.module}.{alias.name}"
+                    edges.add(sub if sub in modules else node.module)
+        graph[name] = {e for e in edges if e in modules and e != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_config_is_a_leaf():
+    code = "import sys, meshtrain.config; print(sorted(m for m in sys.modules if m.startswith('meshtrain')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "['meshtrain', 'meshtrain.config']", out.stdout
+
+
+def test_package_imports_have_no_cycle():
+    graph = import_graph()
+    assert len(graph) > 30 and "meshtrain.run" in graph["meshtrain.train"]  # the walk sees the package
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+MODELS = {
+    "dense": {},
+    "moe_every_2": {"num_experts": 4, "moe_every": 2, "moe_mlp_dim": 24},
+    "shared_expert": {"num_experts": 4, "shared_expert": True, "tie_embeddings": True},
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_planner_parameter_bytes_equal_the_initialised_model(name):
+    """The planner's table and the counts come from the model's own parameters: bytes equal those of
+    a real `init` (not an abstract trace) on one device, leaf by leaf."""
+    cfg = config_lib.ModelConfig(vocab_size=32, d_model=16, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=4,
+                                 mlp_dim=32, **MODELS[name])
+    mesh = jax.make_mesh((1,) * 6, config_lib.MESH_AXES, devices=jax.devices()[:1],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 6)
+    ids = jnp.zeros((1, 4), jnp.int32)
+    with jax.set_mesh(mesh):
+        params = nn.unbox(model_lib.Transformer(cfg, Rules.for_mesh(mesh)).init(jax.random.key(0), ids, ids, ids + 1))
+    real = {"/".join(str(k.key) for k in path): leaf for path, leaf in
+            jax.tree_util.tree_leaves_with_path(params["params"])}
+    table = {leaf.path: leaf for leaf in memory.param_table(cfg)}
+    assert set(table) == set(real)
+    itemsize = jnp.dtype(cfg.param_dtype).itemsize
+    for path, leaf in table.items():
+        assert leaf.shape == real[path].shape, path
+    planner_bytes = sum(leaf.size for leaf in table.values()) * itemsize
+    assert planner_bytes == sum(a.nbytes for a in real.values())
+    assert model_lib.num_params(cfg) * itemsize == planner_bytes
+    if cfg.num_experts:
+        assert any(p.startswith("layers/moe_layer/moe/") for p in table)
+        experts = sum(leaf.size for leaf in table.values() if "expert" in leaf.names)
+        assert model_lib.num_active_params(cfg) == model_lib.num_params(cfg) - experts + math.prod(
+            (experts, cfg.experts_per_token)) // cfg.num_experts
