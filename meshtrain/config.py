@@ -41,7 +41,10 @@ PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
 def default_config() -> ml_collections.ConfigDict:
-    """Every key a run understands, with its default."""
+    """Every key a run understands, with its default.
+
+    Long by design: the schema is one statement per key, read top to bottom, section by section.
+    """
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.steps = 100

@@ -324,14 +324,92 @@ class _Residuals:
         return jax.tree.unflatten(self._treedef, leaves)
 
 
+class _SlotWork:
+    """What a 1F1B slot can do on one stage, as `lax.switch` branches (`one_f_one_b_branch` order):
+    idle; a forward on a middle stage, on stage 0 (embedding first), on stage p-1 (head and loss
+    after); a backward likewise. Each takes (carry, inbox, micro-batch) -> (carry, outbox).
+
+    The carry holds the stash of vjp residuals, the last stage's head gradient `dy`, float32
+    gradient sums of the stage's layers (`g_layers`) and of the embedding / head (`g_outer`), and
+    the summed loss; every entry differs per stage and per data-parallel rank.
+    """
+
+    def __init__(self, stack, model, layers, outer, micro, total_tokens, *, p: int, manual: tuple[str, ...]):
+        self.model, self.layers, self.outer, self.micro = model, layers, outer, micro
+        self.total_tokens, self.p, self.manual = total_tokens, p, manual
+        self.residuals = _Residuals(stack, layers)
+
+    def _embed(self, o, tokens):
+        return self.model.apply({"params": o}, tokens, method="embed")
+
+    def _head_loss(self, o, y, mb):
+        return self.model.apply({"params": o}, y, mb, method="head_loss")
+
+    def _pick(self, i):
+        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 1, keepdims=False), self.micro)
+
+    @staticmethod
+    def _acc(sums, grads):
+        return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), sums, grads)
+
+    def activation(self) -> jax.Array:
+        """Zeros shaped like one micro-batch's activation [b, T, D]."""
+        example = jax.eval_shape(self._embed, self.outer, self._pick(0)["inputs"])
+        return jnp.zeros(example.shape, example.dtype)
+
+    def initial_carry(self) -> dict:
+        act = self.activation()
+        zeros32 = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, jnp.float32))
+        carry = dict(dy=act, g_layers=zeros32(self.layers), g_outer=zeros32(self.outer),
+                     loss=jnp.zeros((), jnp.float32))
+        stash = self.residuals.stash(self.p, lax.pcast(act, self.manual, to="varying"), self._pick(0), self.manual)
+        return {**lax.pcast(carry, self.manual, to="varying"), "stash": stash}  # the stash: see _Residuals
+
+    def branches(self) -> list:
+        return [self._idle, self._forward(False, False), self._forward(True, False), self._forward(False, True),
+                self._backward(False, False), self._backward(True, False), self._backward(False, True)]
+
+    def _idle(self, c, inbox, j):
+        return c, jnp.zeros_like(inbox)
+
+    def _forward(self, first: bool, last: bool):
+        def run(c, inbox, j):
+            mb = self._pick(j)
+            x = self._embed(self.outer, mb["inputs"]) if first else inbox
+            y, stack_vjp = self.residuals.vjp(x, mb)
+            c = {**c, "stash": self.residuals.store(c["stash"], stack_vjp, j % self.p)}
+            if not last:
+                return c, y
+            # the last stage takes the loss at once; its backward slot (the next one) starts from dy
+            loss, head_vjp = jax.vjp(lambda o, y: self._head_loss(o, y, mb), self.outer, y)
+            scale = lax.pcast((1.0 / self.total_tokens).astype(loss.dtype), self.manual, to="varying")
+            g_head, dy = head_vjp(scale)
+            c = {**c, "dy": dy, "loss": c["loss"] + loss, "g_outer": self._acc(c["g_outer"], g_head)}
+            return c, jnp.zeros_like(y)
+        return run
+
+    def _backward(self, first: bool, last: bool):
+        def run(c, inbox, j):
+            mb = self._pick(j)
+            g = c["dy"] if last else inbox
+            g_layers, dx = self.residuals.load(c["stash"], j % self.p)(g)
+            c = {**c, "g_layers": self._acc(c["g_layers"], g_layers)}
+            if not first:
+                return c, dx
+            _, embed_vjp = jax.vjp(lambda o: self._embed(o, mb["inputs"]), self.outer)
+            (g_embed,) = embed_vjp(dx)
+            return {**c, "g_outer": self._acc(c["g_outer"], g_embed)}, jnp.zeros_like(dx)
+        return run
+
+
 def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m, batch_axes):
     """One stage's 1F1B ticks: two slots per tick, each a forward or a backward (`one_f_one_b_slot`).
 
-    A slot runs only its own work (`lax.switch`: idle, forward, backward, with the embedding on
-    stage 0 and the head and loss on stage p-1), then one `ppermute` hands each slot's output to
-    its neighbour: activations forward, input gradients back. A forward keeps what its backward
-    needs (the stage's `jax.vjp` residuals: the activations the remat policy saves) in a stash of
-    p slots (stage s uses p - s of them); the backward runs from them without a recompute.
+    A slot runs only its own work (`lax.switch` over `_SlotWork.branches`), then one `ppermute`
+    hands each slot's output to its neighbour: activations forward, input gradients back. A forward
+    keeps what its backward needs (the stage's `jax.vjp` residuals: the activations the remat policy
+    saves) in a stash of p slots (stage s uses p - s of them); the backward runs from them without
+    a recompute.
     """
     s = lax.axis_index(STAGE)
     manual = (STAGE, *batch_axes)
@@ -339,73 +417,19 @@ def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m,
     outer = lax.pcast(outer, manual, to="varying")
     if batch_axes:
         layers = lax.pcast(layers, batch_axes, to="varying")
-
-    def embed(o, tokens):
-        return model.apply({"params": o}, tokens, method="embed")
-
-    def head_loss(o, y, mb):
-        return model.apply({"params": o}, y, mb, method="head_loss")
-
-    def pick(i):
-        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 1, keepdims=False), micro)
-
-    example = jax.eval_shape(embed, outer, pick(0)["inputs"])
-    act = jnp.zeros(example.shape, example.dtype)  # [b, T, D]
-    acc = functools.partial(jax.tree.map, lambda a, g: a + g.astype(jnp.float32))
-    residuals = _Residuals(stack, layers)
-    state = dict(stash=residuals.stash(p, lax.pcast(act, manual, to="varying"), pick(0), manual), dy=act,
-                 g_layers=jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), layers),
-                 g_outer=jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), outer),
-                 loss=jnp.zeros((), jnp.float32))
-    state = {**lax.pcast({k: v for k, v in state.items() if k != "stash"}, manual, to="varying"),
-             "stash": state["stash"]}  # every device holds its own (the stash: see _Residuals)
-
-    def idle(c, inbox, j):
-        return c, jnp.zeros_like(inbox)
-
-    def forward(first: bool, last: bool):
-        def run(c, inbox, j):
-            mb = pick(j)
-            x = embed(outer, mb["inputs"]) if first else inbox
-            y, stack_vjp = residuals.vjp(x, mb)
-            c = {**c, "stash": residuals.store(c["stash"], stack_vjp, j % p)}
-            if not last:
-                return c, y
-            # the last stage takes the loss at once; its backward slot (the next one) starts from dy
-            loss, head_vjp = jax.vjp(lambda o, y: head_loss(o, y, mb), outer, y)
-            g_head, dy = head_vjp(lax.pcast((1.0 / total_tokens).astype(loss.dtype), manual, to="varying"))
-            return {**c, "dy": dy, "loss": c["loss"] + loss, "g_outer": acc(c["g_outer"], g_head)}, jnp.zeros_like(y)
-        return run
-
-    def backward(first: bool, last: bool):
-        def run(c, inbox, j):
-            mb = pick(j)
-            g = c["dy"] if last else inbox
-            g_layers, dx = residuals.load(c["stash"], j % p)(g)
-            c = {**c, "g_layers": acc(c["g_layers"], g_layers)}
-            if not first:
-                return c, dx
-            _, embed_vjp = jax.vjp(lambda o: embed(o, mb["inputs"]), outer)
-            (g_embed,) = embed_vjp(dx)
-            return {**c, "g_outer": acc(c["g_outer"], g_embed)}, jnp.zeros_like(dx)
-        return run
-
-    # in the order of `one_f_one_b_branch`
-    branches = [idle, forward(False, False), forward(True, False), forward(False, True),
-                backward(False, False), backward(True, False), backward(False, True)]
-
-    def slot(c, inbox, u):
-        index, j = one_f_one_b_branch(p, m, s, u)
-        return lax.switch(index, branches, c, inbox, j)
+    work = _SlotWork(stack, model, layers, outer, micro, total_tokens, p=p, manual=manual)
+    branches = work.branches()
 
     def tick(carry, t):
         c, inbox = carry
         for parity in (0, 1):  # slot u = 2t + parity; its senders and receivers are fixed by the parity
-            c, out = slot(c, inbox, 2 * t + parity)
+            index, j = one_f_one_b_branch(p, m, s, 2 * t + parity)
+            c, out = lax.switch(index, branches, c, inbox, j)
             inbox = lax.ppermute(out, STAGE, _slot_pairs(p, parity))
         return (c, inbox), None
 
-    (c, _), _ = lax.scan(tick, (state, lax.pcast(act, manual, to="varying")), jnp.arange(m + p - 1))
+    inbox = lax.pcast(work.activation(), manual, to="varying")
+    (c, _), _ = lax.scan(tick, (work.initial_carry(), inbox), jnp.arange(m + p - 1))
     g_layers = lax.psum(c["g_layers"], batch_axes) if batch_axes else c["g_layers"]
     return lax.psum(c["loss"], manual), lax.psum(c["g_outer"], manual), g_layers
 

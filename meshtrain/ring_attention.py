@@ -18,7 +18,7 @@ Backward (`jax.custom_vjp`): a second ring, turning the other way, in which dK/d
 accumulate while they travel with their K/V block and arrive home after one more
 hop (N - 1 transfers of K/V, N of dK/dV), so the residuals are only the local q,
 k, v, segment ids, out and lse: O(local block), never O(full sequence). Work is
-skipped by layout (`_make_local_attention`): with zig-zag every off-diagonal step
+skipped by layout (`_RingStep`): with zig-zag every off-diagonal step
 is half a block on every device.
 
 Shapes below: B batch, T global length, L = T / N local length, H query heads,
@@ -48,6 +48,7 @@ vary over the manual axis (`BlockAttention.vma_checked`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -375,136 +376,152 @@ def _pad_rows(x: Array, axis: int, before: int, after: int, value: float = 0.0) 
     return jnp.pad(x, pad, constant_values=value)
 
 
-def _make_local_attention(
-    n: int, axis_name: str, zigzag: bool, sm_scale: float, block: BlockAttention
-):
-    """The per-device attention (custom_vjp) over local blocks [B, L_seq, ...].
+@dataclasses.dataclass(frozen=True)
+class _RingStep:
+    """The block math of one ring step, with no collective: which query rows meet which key rows.
 
-    Work skipping by layout, decided per step from the device index `idx` and the
-    owner `src` of the K/V block at hand (masks by global position stay on, so the
-    skipping changes cost, never results):
+    Work skipping by layout, decided per step from the device index `idx` and the owner `src` of
+    the K/V block at hand (masks by global position stay on, so the skipping changes cost, never
+    results):
       * step 0 (src == idx): the diagonal block, causal inside.
-      * zig-zag, src < idx: every local query sees the block's early chunk and none
-        of its late chunk -> queries [2c] x keys [:c].
-      * zig-zag, src > idx: only the local late chunk sees the block, all of it ->
-        queries [c:] x keys [2c]. Either way half a block: equal work on all devices.
+      * zig-zag, src < idx: every local query sees the block's early chunk and none of its late
+        chunk -> queries [2c] x keys [:c].
+      * zig-zag, src > idx: only the local late chunk sees the block, all of it -> queries [c:] x
+        keys [2c]. Either way half a block: equal work on all devices.
       * contiguous, src > idx: the block is entirely in the future -> skipped.
     """
-    perm = [(i, (i + 1) % n) for i in range(n)]
-    # The backward ring turns the other way. Turning the same way, its K/V transfers
-    # would be the forward's ops on the same operands, and XLA merges them (CSE): all
-    # N - 1 received blocks would then stay alive from the forward to the backward,
-    # O(full sequence) per device instead of O(local block).
-    perm_back = [(j, i) for i, j in perm]
 
-    def shift(x):
-        return lax.ppermute(x, axis_name, perm)
+    n: int
+    axis_name: str
+    zigzag: bool
+    sm_scale: float
+    block: BlockAttention
 
-    def shift_back(x):
-        return lax.ppermute(x, axis_name, perm_back)
-
-    def masks(seg_q, seg_kv, idx, src):
+    def masks(self, seg_q, seg_kv, idx, src) -> dict:
+        """The block keywords: segment ids and global token positions of the queries and the keys."""
         b, local_len = seg_q.shape
-        pos_q = _global_positions(idx, n, local_len, zigzag)
-        pos_kv = _global_positions(src, n, local_len, zigzag)
-        return {
-            "q_segment_ids": seg_q,
-            "kv_segment_ids": seg_kv,
-            "q_positions": jnp.broadcast_to(pos_q, (b, local_len)),
-            "kv_positions": jnp.broadcast_to(pos_kv, (b, local_len)),
-            "sm_scale": sm_scale,
-        }
+        pos_q = _global_positions(idx, self.n, local_len, self.zigzag)
+        pos_kv = _global_positions(src, self.n, local_len, self.zigzag)
+        return {"q_segment_ids": seg_q, "kv_segment_ids": seg_kv,
+                "q_positions": jnp.broadcast_to(pos_q, (b, local_len)),
+                "kv_positions": jnp.broadcast_to(pos_kv, (b, local_len)), "sm_scale": self.sm_scale}
 
-    def varying_zeros(shape, value=0.0):
-        return lax.pcast(jnp.full(shape, value, jnp.float32), (axis_name,), to="varying")
+    def _zeros(self, shape, value=0.0):
+        return lax.pcast(jnp.full(shape, value, jnp.float32), (self.axis_name,), to="varying")
 
-    def block_fwd(q, k, v, kw):
-        o, lse = block.forward(q, k, v, **kw)
+    def _fwd(self, q, k, v, kw):
+        o, lse = self.block.forward(q, k, v, **kw)
         return o.astype(jnp.float32), lse.astype(jnp.float32)
 
-    def block_bwd(q, k, v, out, lse, dout, kw):
-        return tuple(g.astype(jnp.float32) for g in block.backward(q, k, v, out, lse, dout, **kw))
+    def _bwd(self, q, k, v, out, lse, dout, kw):
+        return tuple(g.astype(jnp.float32) for g in self.block.backward(q, k, v, out, lse, dout, **kw))
 
-    def step_forward(q, k, v, kw, idx, src, step):
+    def forward(self, q, k, v, kw, idx, src, step):
+        """(out [B, L, H, D], lse [B, H, L]) float32 of the local queries against the block at hand."""
         if step == 0:
-            return block_fwd(q, k, v, kw)
-        if not zigzag:
-            o0 = varying_zeros(q.shape)
-            lse0 = varying_zeros((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf)
-            return lax.cond(src < idx, lambda: block_fwd(q, k, v, kw), lambda: (o0, lse0))
+            return self._fwd(q, k, v, kw)
+        if not self.zigzag:
+            o0, lse0 = self._zeros(q.shape), self._zeros((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf)
+            return lax.cond(src < idx, lambda: self._fwd(q, k, v, kw), lambda: (o0, lse0))
         c = q.shape[1] // 2
 
         def early():
-            return block_fwd(q, k[:, :c], v[:, :c], _kv_rows(kw, 0, c))
+            return self._fwd(q, k[:, :c], v[:, :c], _kv_rows(kw, 0, c))
 
         def late():
-            o, lse = block_fwd(q[:, c:], k, v, _q_rows(kw, c, 2 * c))
+            o, lse = self._fwd(q[:, c:], k, v, _q_rows(kw, c, 2 * c))
             return _pad_rows(o, 1, c, 0), _pad_rows(lse, 2, c, 0, -jnp.inf)
 
         return lax.cond(src < idx, early, late)
 
-    def step_backward(q, k, v, out, lse, dout, kw, idx, src, step):
+    def backward(self, q, k, v, out, lse, dout, kw, idx, src, step):
+        """(dq, dk, dv) float32: the block's share of the gradient, from the global out / lse / dout."""
         if step == 0:
-            return block_bwd(q, k, v, out, lse, dout, kw)
-        if not zigzag:
-            zeros = tuple(varying_zeros(x.shape) for x in (q, k, v))
-            return lax.cond(
-                src < idx, lambda: block_bwd(q, k, v, out, lse, dout, kw), lambda: zeros
-            )
+            return self._bwd(q, k, v, out, lse, dout, kw)
+        if not self.zigzag:
+            zeros = tuple(self._zeros(x.shape) for x in (q, k, v))
+            return lax.cond(src < idx, lambda: self._bwd(q, k, v, out, lse, dout, kw), lambda: zeros)
         c = q.shape[1] // 2
 
         def early():
-            dq, dk, dv = block_bwd(q, k[:, :c], v[:, :c], out, lse, dout, _kv_rows(kw, 0, c))
+            dq, dk, dv = self._bwd(q, k[:, :c], v[:, :c], out, lse, dout, _kv_rows(kw, 0, c))
             return dq, _pad_rows(dk, 1, 0, c), _pad_rows(dv, 1, 0, c)
 
         def late():
             rows = (q[:, c:], k, v, out[:, c:], lse[:, :, c:], dout[:, c:])
-            dq, dk, dv = block_bwd(*rows, _q_rows(kw, c, 2 * c))
+            dq, dk, dv = self._bwd(*rows, _q_rows(kw, c, 2 * c))
             return _pad_rows(dq, 1, c, 0), dk, dv
 
         return lax.cond(src < idx, early, late)
 
-    def forward(q, k, v, seg):
-        # q: [B, L_seq, H, D]; k, v: [B, L_seq, K, D]; seg: [B, L_seq]
-        idx = lax.axis_index(axis_name)
-        kv = (k, v, seg)
-        out = lse = None
-        for step in range(n):
-            nxt = shift(kv) if step < n - 1 else None  # issued before this block's compute
-            src = (idx - step) % n  # the device whose K/V block is here
-            kw = masks(seg, kv[2], idx, src)
-            o_b, lse_b = step_forward(q, kv[0], kv[1], kw, idx, src, step)
-            out, lse = (o_b, lse_b) if out is None else _merge(out, lse, o_b, lse_b)
-            kv = nxt
-        return out, lse  # [B, L_seq, H, D] f32, [B, H, L_seq] f32
+
+def _ring_pairs(n: int) -> list[tuple[int, int]]:
+    return [(i, (i + 1) % n) for i in range(n)]
+
+
+def _forward_ring(step: _RingStep, q, k, v, seg):
+    """The K/V blocks go round the ring (device i sends to i + 1); each is merged into the running
+    (out, lse) by the online softmax. The next transfer is issued before the current block's compute.
+
+    q: [B, L_seq, H, D]; k, v: [B, L_seq, K, D]; seg: [B, L_seq] -> out f32 [B, L_seq, H, D], lse f32 [B, H, L_seq].
+    """
+    n, axis = step.n, step.axis_name
+    idx = lax.axis_index(axis)
+    kv = (k, v, seg)
+    out = lse = None
+    for t in range(n):
+        nxt = lax.ppermute(kv, axis, _ring_pairs(n)) if t < n - 1 else None
+        src = (idx - t) % n  # the device whose K/V block is here
+        o_b, lse_b = step.forward(q, kv[0], kv[1], step.masks(seg, kv[2], idx, src), idx, src, t)
+        out, lse = (o_b, lse_b) if out is None else _merge(out, lse, o_b, lse_b)
+        kv = nxt
+    return out, lse
+
+
+def _backward_ring(step: _RingStep, q, k, v, seg, out, lse, dout):
+    """The gradient ring, turning the other way: dK/dV accumulate while they travel with their K/V
+    block and one more hop after the last step takes them home (N - 1 transfers of K/V, N of dK/dV).
+
+    Turning the same way as the forward, its K/V transfers would be the forward's ops on the same
+    operands and XLA would merge them (CSE): all N - 1 received blocks would then stay alive from the
+    forward to the backward, O(full sequence) per device instead of O(local block).
+    """
+    n, axis = step.n, step.axis_name
+    back = [(j, i) for i, j in _ring_pairs(n)]
+    idx = lax.axis_index(axis)
+    out_f, dout_f = out.astype(jnp.float32), dout.astype(jnp.float32)
+    kv = (k, v, seg)
+    dq = dkv = None
+    for t in range(n):
+        nxt = lax.ppermute(kv, axis, back) if t < n - 1 else None
+        src = (idx + t) % n
+        kw = step.masks(seg, kv[2], idx, src)
+        dq_b, dk_b, dv_b = step.backward(q, kv[0], kv[1], out_f, lse, dout_f, kw, idx, src, t)
+        dq = dq_b if dq is None else dq + dq_b
+        dkv = (dk_b, dv_b) if dkv is None else (dkv[0] + dk_b, dkv[1] + dv_b)
+        dkv = lax.ppermute(dkv, axis, back) if n > 1 else dkv
+        kv = nxt
+    return dq, dkv[0], dkv[1]
+
+
+def _make_local_attention(n: int, axis_name: str, zigzag: bool, sm_scale: float, block: BlockAttention):
+    """The per-device attention over local blocks [B, L_seq, ...]: the forward ring, and the backward
+    ring as its `jax.custom_vjp` with O(local block) residuals (q, k, v, segment ids, out, lse)."""
+    step = _RingStep(n, axis_name, zigzag, sm_scale, block)
 
     @jax.custom_vjp
     def attention(q, k, v, seg):
-        return forward(q, k, v, seg)[0].astype(q.dtype)
+        return _forward_ring(step, q, k, v, seg)[0].astype(q.dtype)
 
     def attention_fwd(q, k, v, seg):
-        out, lse = forward(q, k, v, seg)
+        out, lse = _forward_ring(step, q, k, v, seg)
         out = out.astype(q.dtype)
-        return out, (q, k, v, seg, out, lse)  # O(local block) residuals
+        return out, (q, k, v, seg, out, lse)
 
     def attention_bwd(res, dout):
-        q, k, v, seg, out, lse = res
-        idx = lax.axis_index(axis_name)
-        out_f, dout_f = out.astype(jnp.float32), dout.astype(jnp.float32)
-        kv = (k, v, seg)
-        dq = dkv = None
-        for step in range(n):
-            nxt = shift_back(kv) if step < n - 1 else None
-            src = (idx + step) % n
-            kw = masks(seg, kv[2], idx, src)
-            dq_b, dk_b, dv_b = step_backward(q, kv[0], kv[1], out_f, lse, dout_f, kw, idx, src, step)
-            dq = dq_b if dq is None else dq + dq_b
-            dkv = (dk_b, dv_b) if dkv is None else (dkv[0] + dk_b, dkv[1] + dv_b)
-            # dK/dV travel with their block; after the last step one more hop takes
-            # them home (N transfers of dK/dV, N - 1 of K/V).
-            dkv = shift_back(dkv) if n > 1 else dkv
-            kv = nxt
-        return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
+        q, k, v = res[:3]
+        dq, dk, dv = _backward_ring(step, *res, dout)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
     attention.defvjp(attention_fwd, attention_bwd)
     return attention
