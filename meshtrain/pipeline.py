@@ -54,7 +54,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from meshtrain import config as config_lib
+from meshtrain import config as config_lib, model as model_lib
 from meshtrain.config import Axis
 
 STAGE = Axis.STAGE.value
@@ -148,8 +148,6 @@ def stage_function(model):
 
     The block is the model's own (with its remat policy), its rules manual over `stage`.
     """
-    from meshtrain import model as model_lib
-
     rules = model.rules.with_manual((STAGE,))
     block = model_lib.remat_block(model.cfg)(model.cfg, rules, model.attention_fn, parent=None)
 

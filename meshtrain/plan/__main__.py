@@ -12,11 +12,12 @@ import math
 import os
 import sys
 
+import jax
 from absl import app, flags
 from ml_collections import config_flags
 
 from meshtrain import config as config_lib
-from meshtrain.plan import estimate as estimate_lib, hardware, memory
+from meshtrain.plan import estimate as estimate_lib, hardware, memory, verify
 from meshtrain.validate import validate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).", lock_config=True)
@@ -152,10 +153,7 @@ def _verify(chosen: estimate_lib.Estimate, print_table: bool) -> dict:
     """Compile on as many fake CPU devices as the mesh has; JAX must not have started yet."""
     n = math.prod(chosen.run.sizes.values())
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
-
     jax.config.update("jax_num_cpu_devices", n)
-    from meshtrain.plan import verify
 
     config = chosen.config.copy_and_resolve_references()
     with config.unlocked():

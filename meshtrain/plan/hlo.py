@@ -22,6 +22,8 @@ import re
 
 import numpy as np
 
+from meshtrain.plan.comm import attribute
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
                 "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
@@ -204,8 +206,6 @@ def group_axes(group: tuple[int, ...], mesh_shape: dict[str, int]) -> dict[str, 
 
 def bytes_by_axis(found: list[Collective], mesh_shape: dict[str, int]) -> dict[str, float]:
     """Bytes each device sends per step, attributed to mesh axes (see `attribute`)."""
-    from meshtrain.plan.comm import attribute
-
     total: dict[str, float] = collections.defaultdict(float)
     n_dev = math.prod(mesh_shape.values())
     for c in found:
