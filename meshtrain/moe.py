@@ -268,18 +268,30 @@ def moe_reference(x: jax.Array, w_router, w_gate, w_up, w_down, k: int) -> jax.A
 
 
 def expert_parallel(cfg: ModelConfig, rules: Rules):
-    """moe_ffn wrapped in the shard_map that is manual over the batch axes still automatic in `rules`."""
-    sizes = dict(rules.mesh_shape)
-    batch_axes = tuple(a for a in rules.mesh_axes("batch") if sizes.get(a, 1) > 1)
-    expert_axes = tuple(a for a in rules.mesh_axes("act_expert") if sizes.get(a, 1) > 1)
-    axis = expert_axes[0] if expert_axes else None
-    ep = sizes[axis] if axis else 1
-    fn = functools.partial(moe_ffn, cfg=cfg, axis=axis, ep=ep, batch_axes=batch_axes)
-    if not batch_axes:
-        return fn
-    w_spec = P(axis) if axis else P()
-    return jax.shard_map(fn, in_specs=(P(batch_axes), P(), w_spec, w_spec, w_spec),
-                         out_specs=(P(batch_axes), P()), axis_names=set(batch_axes), check_vma=True)
+    """moe_ffn on each device's rows: (x, router, w_gate, w_up, w_down) -> (y, stats).
+
+    The layer needs its batch axes (`rules`' "batch" entry: data, fsdp, expert) manual, so that
+    each device routes its own rows and the tokens travel over `expert` with `all_to_all`. Inside
+    a region already manual over some of them (the pipeline's, the accumulation loop's) it opens
+    a `shard_map` over the rest only, or none: nested regions compose by axis. Sizes and manual
+    axes are read from the mesh being traced.
+    """
+    batch_names = rules.mesh_axes("batch")
+    expert_name = (rules.mesh_axes("act_expert") or (None,))[0]
+
+    def apply(x, w_router, w_gate, w_up, w_down):
+        mesh = jax.sharding.get_abstract_mesh()
+        sizes, manual = dict(mesh.shape), set(getattr(mesh, "manual_axes", ()))
+        batch_axes = tuple(a for a in batch_names if sizes.get(a, 1) > 1)
+        axis = expert_name if sizes.get(expert_name, 1) > 1 else None
+        fn = functools.partial(moe_ffn, cfg=cfg, axis=axis, ep=sizes[axis] if axis else 1, batch_axes=batch_axes)
+        todo = tuple(a for a in batch_axes if a not in manual)
+        if not todo:
+            return fn(x, w_router, w_gate, w_up, w_down)
+        w_spec = P(axis) if axis in todo else P()
+        return jax.shard_map(fn, in_specs=(P(todo), P(), w_spec, w_spec, w_spec), out_specs=(P(todo), P()),
+                             axis_names=set(todo), check_vma=True)(x, w_router, w_gate, w_up, w_down)
+    return apply
 
 
 class MoeMlp(nn.Module):

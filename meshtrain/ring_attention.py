@@ -580,15 +580,18 @@ def ring_attention(
         )
     if segment_ids.shape != (b, t):
         raise ValueError(f"segment_ids.shape={segment_ids.shape} must be [B, T] = {(b, t)}.")
-    chunks = 2 * n if zigzag else n
+    inside = axis_name in getattr(mesh, "manual_axes", ())  # already in a region manual over the ring
+    chunks = (2 if zigzag else 1) * (1 if inside else n)
     if t % chunks:
-        raise ValueError(
-            f"sequence length T={t} must be divisible by {'2 * ' if zigzag else ''}"
-            f"mesh.{axis_name}={n} (= {chunks}) for ring attention (zigzag={zigzag})."
-        )
+        if inside:
+            raise ValueError(f"local sequence length L={t} must be even: zig-zag ring attention halves each block")
+        raise ValueError(f"sequence length T={t} must be divisible by {'2 * ' if zigzag else ''}mesh.{axis_name}={n} "
+                         f"(= {chunks}) for ring attention (zigzag={zigzag}).")
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     block = _resolve_block_fn(block_fn)
     local = _make_local_attention(n, axis_name, zigzag, scale, block)
+    if inside:  # the enclosing region (e.g. a pipeline stage) is manual over the ring: run per device
+        return local(q, k, v, segment_ids.astype(jnp.int32))
     x_spec, seg_spec = P(None, axis_name, None, None), P(None, axis_name)
     return jax.shard_map(
         local,
