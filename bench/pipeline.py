@@ -97,7 +97,7 @@ def main() -> None:
         rows = []
         for m in ms:
             config = make_config(args, schedule, m)
-            pipe = pipeline.Pipeline.from_config(config, args.stages)
+            pipe = pipeline.Pipeline.from_config(config, {**{a: 1 for a in config_lib.MESH_AXES}, "stage": args.stages})
             rows.append((m, pipe, step_seconds(config, args.steps)))
         slope = np.polyfit([m for m, _, _ in rows], [t for _, _, t in rows], 1)[0]
         for m, pipe, t in rows:

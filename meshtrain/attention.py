@@ -66,11 +66,20 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     return per_shard(local, (x, x, x, seg), x, batch + heads)(q, k, v, segment_ids)
 
 
-def ring(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, zigzag: bool) -> jax.Array:
+def ring(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, zigzag: bool,
+         transport: str = "ring") -> jax.Array:
     """Ring attention over `sequence` of the current mesh; the Pallas flash block on GPU."""
     block_fn = flash_attention_with_lse if jax.default_backend() == "gpu" else None
     return ring_attention.ring_attention(q, k, v, segment_ids, mesh=jax.sharding.get_abstract_mesh(),
-                                         zigzag=zigzag, block_fn=block_fn)
+                                         zigzag=zigzag, block_fn=block_fn, transport=transport)
+
+
+def in_conditional_slots(fn: AttentionFn) -> AttentionFn:
+    """`fn` as it must run inside a branch that only some stages take (a 1F1B slot): ring attention
+    moves its blocks by all-gather / reduce-scatter instead of collective-permutes."""
+    if isinstance(fn, functools.partial) and fn.func is ring:
+        return functools.partial(ring, **{**fn.keywords, "transport": "gather"})
+    return fn
 
 
 def attention_fn(config: ml_collections.ConfigDict) -> AttentionFn:

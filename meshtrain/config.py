@@ -38,6 +38,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "selective", "full", "offload")
 ATTENTION_IMPLS = ("xla", "ring", "pallas")
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
+BALANCE_SCOPES = ("batch", "sequence")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -93,6 +94,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.moe_mlp_dim = 0  # 0: same as mlp_dim
     c.model.shared_expert = False
     c.model.aux_loss_weight = 0.01
+    c.model.moe_balance_scope = "batch"  # "batch" (Switch, over all tokens) or "sequence" (per row, DeepSeek-V3)
     c.model.router_z_loss_weight = 0.001
 
     c.attention = ml_collections.ConfigDict()
@@ -199,7 +201,7 @@ def _divides(key: str, value: int, what: str, by: int, by_name: str) -> None:
 def _validate_choices(config) -> None:
     for key, choices in (("model.dtype", DTYPES), ("model.param_dtype", DTYPES),
                          ("remat.policy", REMAT_POLICIES), ("attention.impl", ATTENTION_IMPLS),
-                         ("pipeline.schedule", PIPELINE_SCHEDULES)):
+                         ("pipeline.schedule", PIPELINE_SCHEDULES), ("model.moe_balance_scope", BALANCE_SCOPES)):
         section, name = key.split(".")
         value = config[section][name]
         require(value in choices, key, value, f"must be one of {choices}")
@@ -302,6 +304,7 @@ class ModelConfig:
     moe_mlp_dim: int = 0
     shared_expert: bool = False
     aux_loss_weight: float = 0.01
+    moe_balance_scope: str = "batch"
     router_z_loss_weight: float = 0.001
 
     @classmethod

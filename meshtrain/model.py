@@ -212,7 +212,8 @@ class Transformer(nn.Module):
         """Final-norm hidden states [B,T,D] and the MoE layers' router statistics ([L/moe_every]; None if dense)."""
         x = self.embed(tokens)
         if self.pipeline is not None and not self.is_initializing():  # pipeline.py, over `stage`
-            return self.final_norm(self.pipeline.forward(self, x, positions, segment_ids)), None
+            x, stats = self.pipeline.forward(self, x, positions, segment_ids)
+            return self.final_norm(x), stats or None
         x, stats = self.layers(x, positions, segment_ids)
         return self.final_norm(x), stats
 
@@ -296,7 +297,7 @@ def abstract_params(cfg: ModelConfig) -> dict:
 def _abstract_params(cfg: ModelConfig) -> dict:
     """Traced with every axis of size 1 and no mesh: touches no device (the planner calls it before
     it fakes the devices it verifies on)."""
-    model = Transformer(cfg, Rules(tuple((axis, 1) for axis in MESH_ORDER)))
+    model = Transformer(cfg, Rules(tuple((axis, 1) for axis in MESH_ORDER)), parent=None)  # callable in a module
 
     def init():
         ids = jnp.zeros((1, 1), jnp.int32)

@@ -79,9 +79,6 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     if width % sizes["tensor"]:
         raise ConfigError("model.moe_mlp_dim", m.moe_mlp_dim,
                           f"the expert MLP width {width} must be divisible by mesh.tensor={sizes['tensor']}")
-    if sizes["stage"] > 1:
-        raise ConfigError("mesh.stage", sizes["stage"],
-                          "pipeline parallelism does not carry the MoE router losses yet; use mesh.stage=1")
 
 
 
@@ -229,13 +226,15 @@ def _inverse(perm: jax.Array) -> jax.Array:
 
 
 def moe_ffn(x: jax.Array, w_router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
-            cfg: ModelConfig, axis: str | None = None, ep: int = 1,
-            batch_axes: tuple[str, ...] = ()) -> tuple[jax.Array, dict[str, jax.Array]]:
+            cfg: ModelConfig, axis: str | None = None, ep: int = 1, row_axes: tuple[str, ...] = (),
+            token_axes: tuple[str, ...] = ()) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The MoE feed-forward of one device's rows x [b, T, D] -> ([b, T, D], stats).
 
-    Runs inside a shard_map manual over `batch_axes` (the router statistics are psum-ed
-    over them), with this device's experts w_* [E_l, ...] and the exchange over `axis`
-    (ep devices); with no axes it is the whole single-device layer.
+    Runs with this device's experts w_* [E_l, ...] and the exchange over `axis` (ep devices),
+    inside a region manual over `row_axes` (the batch axes: other devices hold other rows) and
+    `token_axes` (`sequence`: other devices hold other tokens of the same rows); the router
+    statistics are summed over both, so they are those of the whole (micro-)batch. With no axes
+    it is the whole single-device layer.
     """
     dtype = jnp.dtype(cfg.dtype)
     logits, probs, weights, experts = route(x, w_router, cfg.experts_per_token)
@@ -246,12 +245,28 @@ def moe_ffn(x: jax.Array, w_router: jax.Array, w_gate: jax.Array, w_up: jax.Arra
     else:
         y, dropped = _capacity_ffn(x, weights, experts, *w, num_experts=cfg.num_experts,
                                    cap=capacity(cfg, x.shape[1]), axis=axis, ep=ep)
+    return y, router_stats(logits, probs, experts, dropped, cfg.moe_balance_scope, row_axes, token_axes)
+
+
+def router_stats(logits, probs, experts, dropped, scope: str, row_axes=(), token_axes=()) -> dict[str, jax.Array]:
+    """{balance, z, dropped} of one MoE layer over the tokens of every device in `row_axes` x `token_axes`.
+
+    scope "batch": the Switch balance loss over all tokens at once; "sequence": per row
+    (DeepSeek-V3's sequence-wise balance), averaged over rows, which is additive over rows and so
+    decomposes exactly over micro-batches and pipeline slots.
+    """
+    every = tuple(row_axes) + tuple(token_axes)
     sums = {**router_sums(logits, probs, experts), "dropped": dropped}
-    if batch_axes:
-        sums = jax.lax.psum(sums, batch_axes)
-    stats = {"balance": load_balancing_loss(sums), "z": z_loss(sums),
-             "dropped": sums["dropped"] / jnp.sum(sums["assigned"])}
-    return y, stats
+    total = jax.lax.psum(sums, every) if every else sums
+    stats = {"z": z_loss(total), "dropped": total["dropped"] / jnp.sum(total["assigned"])}
+    if scope == "batch":
+        return {**stats, "balance": load_balancing_loss(total)}
+    rows = jax.vmap(router_sums)(logits, probs, experts)  # per row: [b, ...]
+    rows = jax.lax.psum(rows, tuple(token_axes)) if token_axes else rows
+    per_row = jax.vmap(load_balancing_loss)(rows)  # [b]
+    balance = (jnp.sum(per_row), jnp.asarray(per_row.shape[0], jnp.float32))
+    balance = jax.lax.psum(balance, tuple(row_axes)) if row_axes else balance
+    return {**stats, "balance": balance[0] / balance[1]}
 
 
 def moe_reference(x: jax.Array, w_router, w_gate, w_up, w_down, k: int) -> jax.Array:
@@ -272,26 +287,22 @@ def expert_parallel(cfg: ModelConfig, rules: Rules):
 
     The layer needs its batch axes (`rules`' "batch" entry: data, fsdp, expert) manual, so that
     each device routes its own rows and the tokens travel over `expert` with `all_to_all`. Inside
-    a region already manual over some of them (the pipeline's, the accumulation loop's) it opens
-    a `shard_map` over the rest only, or none: nested regions compose by axis. Sizes and manual
-    axes are read from the mesh being traced.
+    a region already manual over some of them (the pipeline's; `rules.manual`) it opens a
+    `shard_map` over the rest only, or none: regions compose by axis. A region manual over
+    `sequence` (ring attention inside a pipeline stage) holds a slice of each row: the statistics
+    are summed over it too.
     """
-    batch_names = rules.mesh_axes("batch")
-    expert_name = (rules.mesh_axes("act_expert") or (None,))[0]
-
-    def apply(x, w_router, w_gate, w_up, w_down):
-        mesh = jax.sharding.get_abstract_mesh()
-        sizes, manual = dict(mesh.shape), set(getattr(mesh, "manual_axes", ()))
-        batch_axes = tuple(a for a in batch_names if sizes.get(a, 1) > 1)
-        axis = expert_name if sizes.get(expert_name, 1) > 1 else None
-        fn = functools.partial(moe_ffn, cfg=cfg, axis=axis, ep=sizes[axis] if axis else 1, batch_axes=batch_axes)
-        todo = tuple(a for a in batch_axes if a not in manual)
-        if not todo:
-            return fn(x, w_router, w_gate, w_up, w_down)
-        w_spec = P(axis) if axis in todo else P()
-        return jax.shard_map(fn, in_specs=(P(todo), P(), w_spec, w_spec, w_spec), out_specs=(P(todo), P()),
-                             axis_names=set(todo), check_vma=True)(x, w_router, w_gate, w_up, w_down)
-    return apply
+    batch_axes = rules.split_axes("batch")
+    token_axes = tuple(a for a in rules.split_axes("length") if a in rules.manual)
+    axis = (rules.split_axes("act_expert") or (None,))[0]
+    fn = functools.partial(moe_ffn, cfg=cfg, axis=axis, ep=rules.size(axis) if axis else 1, row_axes=batch_axes,
+                           token_axes=token_axes)
+    todo = tuple(a for a in batch_axes if a not in rules.manual)
+    if not todo:
+        return fn
+    w_spec = P(axis) if axis in todo else P()
+    return jax.shard_map(fn, in_specs=(P(todo), P(), w_spec, w_spec, w_spec), out_specs=(P(todo), P()),
+                         axis_names=set(todo), check_vma=True)
 
 
 class MoeMlp(nn.Module):
@@ -308,6 +319,8 @@ class MoeMlp(nn.Module):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         e, d, f = cfg.num_experts, cfg.d_model, expert_mlp_dim(cfg)
         router = self._param("router", (d, e), ("embed", None))
+        # inside a region manual over `expert` (a pipeline stage) each device holds its own experts
+        e = e // math.prod(self.rules.size(a) for a in self.rules.split_axes("expert") if a in self.rules.manual)
         w_gate = self._param("w_gate", (e, d, f), ("expert", "embed", "mlp"))
         w_up = self._param("w_up", (e, d, f), ("expert", "embed", "mlp"))
         w_down = self._param("w_down", (e, f, d), ("expert", "mlp", "embed"))

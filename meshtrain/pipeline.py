@@ -46,18 +46,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from flax import linen as nn
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from meshtrain import config as config_lib, model as model_lib
-from meshtrain.config import Axis
+from meshtrain import attention as attention_lib, config as config_lib, model as model_lib, moe as moe_lib
+from meshtrain.config import BATCH_AXES, Axis
 
-STAGE = Axis.STAGE.value
+STAGE, SEQUENCE, EXPERT = Axis.STAGE.value, Axis.SEQUENCE.value, Axis.EXPERT.value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,14 +70,20 @@ class Pipeline:
     stages: int
     microbatches: int
     repeats: int = 1
+    axes: tuple[str, ...] = (STAGE,)  # the loop is manual over these: stage, the split batch axes, sequence
+    # The loop's shard_map type-checks how values vary over its axes, except around Pallas kernels:
+    # a pallas_call declares no variance, and in interpret mode (CPU) fails inside a checked region.
+    checked: bool = True
 
     @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict, stages: int) -> Pipeline | None:
-        """The configured schedule, or None when the mesh has a single stage."""
-        if stages <= 1:
+    def from_config(cls, config: ml_collections.ConfigDict, sizes: Mapping[str, int]) -> Pipeline | None:
+        """The configured schedule on a mesh of `sizes`, or None when the mesh has a single stage."""
+        if sizes[STAGE] <= 1:
             return None
         pipe = config.pipeline
-        return cls(pipe.schedule, stages, pipe.microbatches, pipe.repeats if pipe.schedule == "circular" else 1)
+        kernels = config.attention.impl == "pallas" or config.model.fused_norm or config.model.fused_loss
+        return cls(pipe.schedule, sizes[STAGE], pipe.microbatches,
+                   pipe.repeats if pipe.schedule == "circular" else 1, region_axes(sizes), checked=not kernels)
 
     @property
     def ticks(self) -> int:
@@ -120,22 +128,54 @@ class Pipeline:
         stored = np.arange(n_layers).reshape(p, v, k)  # [stage, repeat, layer]
         return stored.transpose(1, 0, 2).reshape(-1)
 
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        return tuple(a for a in BATCH_AXES if a in self.axes)
+
+    def micro_spec(self, trailing: int) -> P:
+        """How a micro-batched [B/m, m, T, *trailing] operand enters the loop: rows over the batch
+        axes, length over `sequence` (each device keeps its own block, no data moves)."""
+        seq = tuple(a for a in self.axes if a == SEQUENCE)
+        return P(self.batch_axes or None, None, seq or None, *([None] * trailing))
+
     def forward(self, model, x, positions, segment_ids):
-        """The layer stack of a bound `Transformer` on x [B,T,D] -> [B,T,D], pipelined over `stage`.
+        """The layer stack of a bound `Transformer` on x [B,T,D] -> ([B,T,D], MoE stats), pipelined
+        over `stage` (stats: each MoE layer's {balance, z, dropped} averaged over the MoE units and
+        the micro-batches; {} for a dense model).
 
         Differentiable (gpipe, circular); 1f1b uses this loop for its forward-only pass.
         """
-        stack = _chunk_function(stage_function(model))
+        rules = model.rules.with_manual(self.axes)
+        stack = _chunk_function(stage_function(model.cfg, rules, model.attention_fn))
         if model.cfg.remat_policy != "none":  # remat per stage per micro-batch: keep only its input
             stack = jax.checkpoint(stack, prevent_cse=False)
         layers = model.layers.variables["params"]
         m = self.microbatches
         split = functools.partial(_split, m=m)
-        body = functools.partial(_ring_loop, stack, p=self.stages, m=m, v=self.repeats)
-        out = jax.shard_map(
-            body, in_specs=(P(STAGE), P(), P(), P()), out_specs=P(), axis_names={STAGE}, check_vma=True,
+        body = functools.partial(_ring_loop, stack, p=self.stages, m=m, v=self.repeats,
+                                 units=model_lib.scan_unit(model.cfg)[1])
+        rows, rows_d = self.micro_spec(0), self.micro_spec(1)
+        out, stats = jax.shard_map(
+            body, in_specs=(layer_specs(model.cfg, self.axes), rows_d, rows, rows), out_specs=(rows_d, P()),
+            axis_names=set(self.axes), check_vma=self.checked,
         )(layers, split(x), split(positions), split(segment_ids))
-        return out.reshape(x.shape)
+        return out.reshape(x.shape), stats
+
+
+def region_axes(sizes: Mapping[str, int]) -> tuple[str, ...]:
+    """The axes a pipeline loop is manual over: `stage`, every split batch axis (each device runs its
+    own rows, gradients are reduced once per step, ZeRO-3 weights gathered once as they enter), and
+    `sequence` when split (ring attention runs per device inside a stage)."""
+    return (STAGE, *(a for a in BATCH_AXES if sizes[a] > 1), *((SEQUENCE,) if sizes[SEQUENCE] > 1 else ()))
+
+
+def layer_specs(cfg, axes: tuple[str, ...]):
+    """In-specs of the scanned layer parameters [L, ...] for a loop manual over `axes`: layers over
+    `stage`, experts over `expert` when the loop is manual over it (the MoE exchange runs inside);
+    everything else enters whole (ZeRO-3 `fsdp` shards are gathered once, on entry)."""
+    kept = {"layers": STAGE, **({"expert": EXPERT} if EXPERT in axes else {})}
+    return jax.tree.map(lambda box: P(*(kept.get(name) for name in box.names)),
+                        model_lib.abstract_params(cfg)["layers"], is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
 def _split(a: jax.Array, m: int) -> jax.Array:
@@ -143,18 +183,17 @@ def _split(a: jax.Array, m: int) -> jax.Array:
     return a.reshape(a.shape[0] // m, m, *a.shape[1:])
 
 
-def stage_function(model):
-    """(chunk params [k, ...], x [b,T,D], positions, segment_ids) -> x: k layers of the model's block.
-
-    The block is the model's own (with its remat policy), its rules manual over `stage`.
-    """
-    rules = model.rules.with_manual((STAGE,))
-    block = model_lib.remat_block(model.cfg)(model.cfg, rules, model.attention_fn, parent=None)
+def stage_function(cfg, rules, attention_fn):
+    """(chunk params [k, ...], x [b,T,D], positions, segment_ids) -> (x, stats): k scanned units of
+    the model's block (with its remat policy), stats summed over the chunk's MoE units ({} if dense).
+    `rules` are those of the loop's manual region."""
+    block = model_lib.remat_block(cfg)(cfg, rules, attention_fn, parent=None)
 
     def stack(chunk, x, positions, segment_ids):
         def layer(x, params):
-            return block.apply({"params": params}, x, positions, segment_ids)[0], None
-        return lax.scan(layer, x, chunk)[0]
+            return block.apply({"params": params}, x, positions, segment_ids)
+        x, stats = lax.scan(layer, x, chunk)
+        return x, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats or {})
     return stack
 
 
@@ -167,18 +206,21 @@ def _chunk_function(stack):
     return run
 
 
-def _ring_loop(stack, layers, xs, positions, segment_ids, *, p, m, v):
+def _ring_loop(stack, layers, xs, positions, segment_ids, *, p, m, v, units):
     """gpipe / circular tick loop on one stage. xs [b, m, T, D]; layers [v*k, ...] local.
 
     Stage 0 reads lap 0 from `buffer` (the embedded micro-batches) and later laps from the
     same buffer, where the activations arriving from stage p-1 are parked; after the last
-    tick the buffer of stage 0 holds the stack's output.
+    tick the buffer of stage 0 holds the stack's output. MoE statistics of the ticks that do real
+    work (not the bubble) are summed, then averaged over the `units` MoE units and the micro-batches.
     """
     s = lax.axis_index(STAGE)
     chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers)
     ring = [(j, (j + 1) % p) for j in range(p)]
     buffer = lax.pcast(xs, (STAGE,), to="varying")  # [b, m, T, D]
     incoming = jnp.zeros_like(buffer[:, 0])  # [b, T, D] from the previous stage
+    example = jax.eval_shape(stack, chunks, 0, 0, incoming, positions, segment_ids)[1]
+    stats = jax.tree.map(lambda a: lax.pcast(jnp.zeros(a.shape, a.dtype), (STAGE,), to="varying"), example)
 
     def park(buffer, incoming, t):  # stage p-1 finished micro-batch t - p on the previous tick
         slot = (t - p) % m
@@ -186,17 +228,20 @@ def _ring_loop(stack, layers, xs, positions, segment_ids, *, p, m, v):
         return lax.dynamic_update_index_in_dim(buffer, kept, slot, 1)
 
     def tick(carry, t):
-        buffer, incoming = carry
+        buffer, incoming, stats = carry
         buffer = park(buffer, incoming, t)
         i, r = (t - s) % m, jnp.clip((t - s) // m, 0, v - 1)  # micro-batch and lap of this stage
         x = jnp.where(s == 0, lax.dynamic_index_in_dim(buffer, t % m, 1, keepdims=False), incoming)
-        y = stack(chunks, r, i, x, positions, segment_ids)
-        return (buffer, lax.ppermute(y, STAGE, ring)), None
+        y, tick_stats = stack(chunks, r, i, x, positions, segment_ids)
+        working = (t >= s) & (t - s < v * m)
+        stats = jax.tree.map(lambda a, b: a + jnp.where(working, b, 0), stats, tick_stats)
+        return (buffer, lax.ppermute(y, STAGE, ring), stats), None
 
     ticks = v * m + p - 1
-    (buffer, incoming), _ = lax.scan(tick, (buffer, incoming), jnp.arange(ticks))
+    (buffer, incoming, stats), _ = lax.scan(tick, (buffer, incoming, stats), jnp.arange(ticks))
     buffer = park(buffer, incoming, ticks)
-    return lax.psum(jnp.where(s == 0, buffer, jnp.zeros_like(buffer)), STAGE)
+    stats = jax.tree.map(lambda a: lax.psum(a, STAGE) / (units * m), stats)
+    return lax.psum(jnp.where(s == 0, buffer, jnp.zeros_like(buffer)), STAGE), stats
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,34 +249,42 @@ def _ring_loop(stack, layers, xs, positions, segment_ids, *, p, m, v):
 # ---------------------------------------------------------------------------------------------
 
 
-def loss_and_grads(params, batch, model, total_tokens, accum_steps, *, batch_axes: tuple[str, ...] = ()):
+def loss_and_grads(params, batch, model, total_tokens, accum_steps):
     """((loss_sum, aux), grads) of the 1F1B schedule; the train step's drop-in for autodiff.
 
     Same contract as the train step's one-pass gradient: the differentiated loss is
-    loss_sum / total_tokens (no auxiliary losses: the MoE validator rejects MoE with mesh.stage > 1).
-    `batch_axes` (`Run.batch_axes`, every split data-parallel axis): the loop is manual over them
-    too, so each device sums its own gradients over its micro-batches and the data-parallel
-    reduction runs once, after the loop (playbook, "Data Parallelism" with gradient accumulation),
-    not in every backward slot. Under ZeRO-3 the weights are gathered once, when they enter the
-    loop (playbook, "ZeRO-3": a stage keeps
-    its weights gathered across its micro-batches), not in every slot.
+    loss_sum / total_tokens plus the MoE losses in `aux`, each averaged over the MoE units and the
+    micro-batches as under gpipe (`moe.loss_terms`). The loop is manual over `Pipeline.axes`: each
+    device sums its own gradients over its micro-batches and the data-parallel reduction runs once,
+    after the loop (playbook, "Data Parallelism" with gradient accumulation), not in every backward
+    slot; under ZeRO-3 the weights are gathered once, when they enter the loop (playbook, "ZeRO-3":
+    a stage keeps its weights gathered across its micro-batches), not in every slot.
     """
     del accum_steps  # the validator requires train.grad_accum_steps == 1 with a pipeline
     pipe = model.pipeline
-    manual = (STAGE, *batch_axes)
-    inner = model.clone(rules=model.rules.with_manual(manual), pipeline=None)
-    stack = stage_function(inner)
+    inner = model.clone(rules=model.rules.with_manual(pipe.axes), pipeline=None,
+                        attention_fn=attention_lib.in_conditional_slots(model.attention_fn))
+    stack = stage_function(inner.cfg, inner.rules, inner.attention_fn)
     outer = {k: v for k, v in params.items() if k != "layers"}
     micro = jax.tree.map(functools.partial(_split, m=pipe.microbatches), batch)
+    units = model_lib.scan_unit(model.cfg)[1]
+    specs = layer_specs(model.cfg, pipe.axes)
     body = functools.partial(_one_f_one_b_loop, stack, inner, p=pipe.stages, m=pipe.microbatches,
-                             batch_axes=batch_axes)
-    rows = P(batch_axes) if batch_axes else P()
-    loss_sum, outer_grads, layer_grads = jax.shard_map(
-        body, in_specs=(P(STAGE), P(), rows, P()), out_specs=(P(), P(), P(STAGE)),
-        axis_names=set(manual), check_vma=True,
+                             axes=pipe.axes, units=units, specs=specs)
+    loss_sum, stats, outer_grads, layer_grads = jax.shard_map(
+        body, in_specs=(specs, P(), pipe.micro_spec(0), P()), out_specs=(P(), P(), P(), specs),
+        axis_names=set(pipe.axes), check_vma=pipe.checked,
     )(params["layers"], outer, micro, total_tokens)
     grads = {**outer_grads, "layers": layer_grads}
-    return loss_sum, {}, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    aux, logged = moe_lib.loss_terms(stats or None, model.cfg)
+    return loss_sum, {**aux, **logged}, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+
+
+def aux_cotangents(stats: dict, cfg, units: int, m: int) -> dict:
+    """d(MoE losses) / d(one unit's stats of one micro-batch): the losses average the stats over the
+    `units` MoE units and the `m` micro-batches (`moe.loss_terms`), so each is a constant."""
+    weights = {"balance": cfg.aux_loss_weight, "z": cfg.router_z_loss_weight}
+    return {k: jnp.full(v.shape, weights.get(k, 0.0) / (units * m), v.dtype) for k, v in stats.items()}
 
 
 def one_f_one_b_slot(p: int, s, u):
@@ -285,7 +338,7 @@ class _Residuals:
         self._weights = jax.tree.leaves(layers)
 
     def vjp(self, x, mb):
-        """(y, pullback) of the stage on x [b, T, D] for micro-batch `mb`."""
+        """((y, stats), pullback) of the stage on x [b, T, D] for micro-batch `mb`."""
         return jax.vjp(lambda w, x: self._stack(w, x, mb["positions"], mb["segment_ids"]), self._layers, x)
 
     def _split(self, pullback):
@@ -328,13 +381,15 @@ class _SlotWork:
     after); a backward likewise. Each takes (carry, inbox, micro-batch) -> (carry, outbox).
 
     The carry holds the stash of vjp residuals, the last stage's head gradient `dy`, float32
-    gradient sums of the stage's layers (`g_layers`) and of the embedding / head (`g_outer`), and
-    the summed loss; every entry differs per stage and per data-parallel rank.
+    gradient sums of the stage's layers (`g_layers`) and of the embedding / head (`g_outer`), the
+    summed loss and the summed MoE statistics of the stage's units; every entry differs per stage
+    and per data-parallel rank.
     """
 
-    def __init__(self, stack, model, layers, outer, micro, total_tokens, *, p: int, manual: tuple[str, ...]):
+    def __init__(self, stack, model, layers, outer, micro, total_tokens, *, p: int, m: int,
+                 manual: tuple[str, ...], units: int):
         self.model, self.layers, self.outer, self.micro = model, layers, outer, micro
-        self.total_tokens, self.p, self.manual = total_tokens, p, manual
+        self.total_tokens, self.p, self.m, self.manual, self.units = total_tokens, p, m, manual, units
         self.residuals = _Residuals(stack, layers)
 
     def _embed(self, o, tokens):
@@ -345,6 +400,11 @@ class _SlotWork:
 
     def _pick(self, i):
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 1, keepdims=False), self.micro)
+
+    def _varying(self, x, axes: tuple[str, ...] | None = None):
+        """`x` varying over `axes` (default: every manual axis): a carry entry, or a cotangent."""
+        axes = self.manual if axes is None else axes
+        return jax.tree.map(lambda a: lax.pcast(a, _missing(a, axes), to="varying") if _missing(a, axes) else a, x)
 
     @staticmethod
     def _acc(sums, grads):
@@ -357,11 +417,17 @@ class _SlotWork:
 
     def initial_carry(self) -> dict:
         act = self.activation()
+
+        def probe(x):  # the stage's MoE statistics, and over which axes they vary (their cotangents must)
+            (_, stats), _ = self.residuals.vjp(lax.pcast(x, self.manual, to="varying"), self._pick(0))
+            self._stats_vma = jax.tree.map(lambda a: tuple(sorted(jax.typeof(a).manual_axis_type.varying)), stats)
+            return stats
+        stats = jax.eval_shape(probe, act)
         zeros32 = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, jnp.float32))
         carry = dict(dy=act, g_layers=zeros32(self.layers), g_outer=zeros32(self.outer),
-                     loss=jnp.zeros((), jnp.float32))
+                     loss=jnp.zeros((), jnp.float32), stats=zeros32(stats))
         stash = self.residuals.stash(self.p, lax.pcast(act, self.manual, to="varying"), self._pick(0), self.manual)
-        return {**lax.pcast(carry, self.manual, to="varying"), "stash": stash}  # the stash: see _Residuals
+        return {**self._varying(carry), "stash": stash}  # the stash: see _Residuals
 
     def branches(self) -> list:
         return [self._idle, self._forward(False, False), self._forward(True, False), self._forward(False, True),
@@ -374,14 +440,14 @@ class _SlotWork:
         def run(c, inbox, j):
             mb = self._pick(j)
             x = self._embed(self.outer, mb["inputs"]) if first else inbox
-            y, stack_vjp = self.residuals.vjp(x, mb)
-            c = {**c, "stash": self.residuals.store(c["stash"], stack_vjp, j % self.p)}
+            (y, stats), stack_vjp = self.residuals.vjp(x, mb)
+            c = {**c, "stash": self.residuals.store(c["stash"], stack_vjp, j % self.p),
+                 "stats": self._acc(c["stats"], self._varying(stats))}
             if not last:
                 return c, y
             # the last stage takes the loss at once; its backward slot (the next one) starts from dy
             loss, head_vjp = jax.vjp(lambda o, y: self._head_loss(o, y, mb), self.outer, y)
-            scale = lax.pcast((1.0 / self.total_tokens).astype(loss.dtype), self.manual, to="varying")
-            g_head, dy = head_vjp(scale)
+            g_head, dy = head_vjp(self._varying((1.0 / self.total_tokens).astype(loss.dtype)))
             c = {**c, "dy": dy, "loss": c["loss"] + loss, "g_outer": self._acc(c["g_outer"], g_head)}
             return c, jnp.zeros_like(y)
         return run
@@ -390,7 +456,10 @@ class _SlotWork:
         def run(c, inbox, j):
             mb = self._pick(j)
             g = c["dy"] if last else inbox
-            g_layers, dx = self.residuals.load(c["stash"], j % self.p)(g)
+            pullback = self.residuals.load(c["stash"], j % self.p)
+            g_stats = {k: self._varying(g, self._stats_vma[k]) for k, g in
+                       aux_cotangents(c["stats"], self.model.cfg, self.units, self.m).items()}
+            g_layers, dx = pullback((g, g_stats))
             c = {**c, "g_layers": self._acc(c["g_layers"], g_layers)}
             if not first:
                 return c, dx
@@ -400,22 +469,36 @@ class _SlotWork:
         return run
 
 
-def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m, batch_axes):
+def _missing(a, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The axes of `axes` over which `a` is not yet varying."""
+    return tuple(x for x in axes if x not in jax.typeof(a).manual_axis_type.varying)
+
+
+def _psum(x, axes):
+    return lax.psum(x, axes) if axes else x
+
+
+def _pmean(x, axes):
+    return lax.pmean(x, axes) if axes else x
+
+
+def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m, axes, units, specs):
     """One stage's 1F1B ticks: two slots per tick, each a forward or a backward (`one_f_one_b_slot`).
 
     A slot runs only its own work (`lax.switch` over `_SlotWork.branches`), then one `ppermute`
     hands each slot's output to its neighbour: activations forward, input gradients back. A forward
     keeps what its backward needs (the stage's `jax.vjp` residuals: the activations the remat policy
     saves) in a stash of p slots (stage s uses p - s of them); the backward runs from them without
-    a recompute.
+    a recompute. Returns (loss sum, MoE stats averaged over units and micro-batches, outer grads,
+    layer grads), each reduced over the data-parallel axes once.
     """
     s = lax.axis_index(STAGE)
-    manual = (STAGE, *batch_axes)
+    rest = tuple(a for a in axes if a != STAGE)
     # differentiate per stage and per data-parallel rank; reduce once at the end
-    outer = lax.pcast(outer, manual, to="varying")
-    if batch_axes:
-        layers = lax.pcast(layers, batch_axes, to="varying")
-    work = _SlotWork(stack, model, layers, outer, micro, total_tokens, p=p, manual=manual)
+    outer = lax.pcast(outer, axes, to="varying")
+    layers = jax.tree.map(lambda a: lax.pcast(a, _missing(a, rest), to="varying") if _missing(a, rest) else a,
+                          layers)
+    work = _SlotWork(stack, model, layers, outer, micro, total_tokens, p=p, m=m, manual=axes, units=units)
     branches = work.branches()
 
     def tick(carry, t):
@@ -426,19 +509,20 @@ def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m,
             inbox = lax.ppermute(out, STAGE, _slot_pairs(p, parity))
         return (c, inbox), None
 
-    inbox = lax.pcast(work.activation(), manual, to="varying")
+    inbox = lax.pcast(work.activation(), axes, to="varying")
     (c, _), _ = lax.scan(tick, (work.initial_carry(), inbox), jnp.arange(m + p - 1))
-    g_layers = lax.psum(c["g_layers"], batch_axes) if batch_axes else c["g_layers"]
-    return lax.psum(c["loss"], manual), lax.psum(c["g_outer"], manual), g_layers
+    # a layer gradient is reduced over the axes its weight is replicated on (not `expert` for experts)
+    g_layers = jax.tree.map(lambda g, spec: _psum(g, tuple(a for a in rest if a not in spec)), c["g_layers"],
+                            specs, is_leaf=lambda x: isinstance(x, P))
+    # every rank of a stage holds the same statistics (summed over the batch inside each layer)
+    stats = jax.tree.map(lambda a: _pmean(lax.psum(a, STAGE), rest) / (units * m), c["stats"])
+    return lax.psum(c["loss"], axes), stats, lax.psum(c["g_outer"], axes), g_layers
 
 
-def grads_function(pipe: Pipeline | None, default, batch_axes: tuple[str, ...] = ()):
-    """The train step's (loss_sum, aux, grads) function: 1F1B's own loop, else `default` (autodiff).
-
-    `batch_axes`: see `loss_and_grads`.
-    """
+def grads_function(pipe: Pipeline | None, default):
+    """The train step's (loss_sum, aux, grads) function: 1F1B's own loop, else `default` (autodiff)."""
     if pipe is not None and pipe.schedule == "1f1b":
-        return functools.partial(loss_and_grads, batch_axes=tuple(batch_axes))
+        return loss_and_grads
     return default
 
 
@@ -465,8 +549,8 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
         f"must be divisible by pipeline.microbatches*mesh.(data*fsdp*expert)={pipe.microbatches}*{dp}")
     req(config.train.grad_accum_steps == 1, "train.grad_accum_steps", config.train.grad_accum_steps,
         "must be 1 with mesh.stage > 1: pipeline.microbatches splits the batch instead")
-    req(config.attention.impl == "xla", "attention.impl", config.attention.impl,
-        "must be 'xla' with mesh.stage > 1 (ring/pallas attention are not supported inside the pipeline yet)")
-    for key in ("fused_norm", "fused_loss"):
-        req(not config.model[key], f"model.{key}", config.model[key],
-            "Pallas kernels are not supported with mesh.stage > 1 yet")
+    kernels = config.attention.impl == "pallas" or config.model.fused_norm or config.model.fused_loss
+    req(not (kernels and config.model.num_experts), "model.num_experts", config.model.num_experts,
+        "MoE layers and Pallas kernels (attention.impl='pallas', model.fused_*) cannot share a pipeline stage: "
+        "the kernels need the stage loop unchecked (interpret-mode pallas_call rejects variance types) and the "
+        "router statistics' gradients need it checked; drop one of them or use mesh.stage=1")

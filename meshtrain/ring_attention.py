@@ -406,8 +406,12 @@ class _RingStep:
                 "q_positions": jnp.broadcast_to(pos_q, (b, local_len)),
                 "kv_positions": jnp.broadcast_to(pos_kv, (b, local_len)), "sm_scale": self.sm_scale}
 
-    def _zeros(self, shape, value=0.0):
-        return lax.pcast(jnp.full(shape, value, jnp.float32), (self.axis_name,), to="varying")
+    @staticmethod
+    def _zeros(shape, like, value=0.0):
+        """A float32 constant that varies over the manual axes `like` varies over (a cond branch's twin)."""
+        axes = tuple(sorted(jax.typeof(like).manual_axis_type.varying))
+        out = jnp.full(shape, value, jnp.float32)
+        return lax.pcast(out, axes, to="varying") if axes else out
 
     def _fwd(self, q, k, v, kw):
         o, lse = self.block.forward(q, k, v, **kw)
@@ -421,7 +425,7 @@ class _RingStep:
         if step == 0:
             return self._fwd(q, k, v, kw)
         if not self.zigzag:
-            o0, lse0 = self._zeros(q.shape), self._zeros((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf)
+            o0, lse0 = self._zeros(q.shape, q), self._zeros((q.shape[0], q.shape[2], q.shape[1]), q, -jnp.inf)
             return lax.cond(src < idx, lambda: self._fwd(q, k, v, kw), lambda: (o0, lse0))
         c = q.shape[1] // 2
 
@@ -439,7 +443,7 @@ class _RingStep:
         if step == 0:
             return self._bwd(q, k, v, out, lse, dout, kw)
         if not self.zigzag:
-            zeros = tuple(self._zeros(x.shape) for x in (q, k, v))
+            zeros = (self._zeros(q.shape, q), self._zeros(k.shape, k), self._zeros(v.shape, v))
             return lax.cond(src < idx, lambda: self._bwd(q, k, v, out, lse, dout, kw), lambda: zeros)
         c = q.shape[1] // 2
 
@@ -466,7 +470,7 @@ def _forward_ring(step: _RingStep, q, k, v, seg):
     q: [B, L_seq, H, D]; k, v: [B, L_seq, K, D]; seg: [B, L_seq] -> out f32 [B, L_seq, H, D], lse f32 [B, H, L_seq].
     """
     n, axis = step.n, step.axis_name
-    idx = lax.axis_index(axis)
+    idx = lax.axis_index(axis) if n > 1 else 0  # a ring of one needs no bound axis
     kv = (k, v, seg)
     out = lse = None
     for t in range(n):
@@ -488,7 +492,7 @@ def _backward_ring(step: _RingStep, q, k, v, seg, out, lse, dout):
     """
     n, axis = step.n, step.axis_name
     back = [(j, i) for i, j in _ring_pairs(n)]
-    idx = lax.axis_index(axis)
+    idx = lax.axis_index(axis) if n > 1 else 0
     out_f, dout_f = out.astype(jnp.float32), dout.astype(jnp.float32)
     kv = (k, v, seg)
     dq = dkv = None
@@ -504,23 +508,72 @@ def _backward_ring(step: _RingStep, q, k, v, seg, out, lse, dout):
     return dq, dkv[0], dkv[1]
 
 
-def _make_local_attention(n: int, axis_name: str, zigzag: bool, sm_scale: float, block: BlockAttention):
+def _take(tree, i):
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
+
+
+def _forward_gathered(step: _RingStep, q, k, v, seg):
+    """The ring's blocks, received by one all-gather over the axis instead of N - 1 hops (the same
+    bytes); the blocks are visited in the ring's order, so the result is the ring's to the bit."""
+    n, axis = step.n, step.axis_name
+    idx = lax.axis_index(axis)
+    every = lax.all_gather((k, v, seg), axis)  # [N, B, L_seq, ...]
+    out = lse = None
+    for t in range(n):
+        src = (idx - t) % n
+        kv = _take(every, src)
+        o_b, lse_b = step.forward(q, kv[0], kv[1], step.masks(seg, kv[2], idx, src), idx, src, t)
+        out, lse = (o_b, lse_b) if out is None else _merge(out, lse, o_b, lse_b)
+    return out, lse
+
+
+def _backward_gathered(step: _RingStep, q, k, v, seg, out, lse, dout):
+    """The backward ring's sums, with the blocks gathered once and dK/dV of every block summed
+    into their owners by one reduce-scatter (the same bytes as the N hops of the dK/dV ring)."""
+    n, axis = step.n, step.axis_name
+    idx = lax.axis_index(axis)
+    out_f, dout_f = out.astype(jnp.float32), dout.astype(jnp.float32)
+    every = lax.all_gather((k, v, seg), axis)
+    dq = None
+    dk_all, dv_all = (jnp.zeros(every[i].shape, jnp.float32) for i in (0, 1))
+    for t in range(n):
+        src = (idx + t) % n
+        kv = _take(every, src)
+        kw = step.masks(seg, kv[2], idx, src)
+        dq_b, dk_b, dv_b = step.backward(q, kv[0], kv[1], out_f, lse, dout_f, kw, idx, src, t)
+        dq = dq_b if dq is None else dq + dq_b
+        dk_all = lax.dynamic_update_index_in_dim(dk_all, _take(dk_all, src) + dk_b, src, 0)
+        dv_all = lax.dynamic_update_index_in_dim(dv_all, _take(dv_all, src) + dv_b, src, 0)
+    dk, dv = (lax.psum_scatter(d, axis, scatter_dimension=0, tiled=False) for d in (dk_all, dv_all))
+    return dq, dk, dv
+
+
+def _make_local_attention(n: int, axis_name: str, zigzag: bool, sm_scale: float, block: BlockAttention,
+                          transport: str = "ring"):
     """The per-device attention over local blocks [B, L_seq, ...]: the forward ring, and the backward
-    ring as its `jax.custom_vjp` with O(local block) residuals (q, k, v, segment ids, out, lse)."""
+    ring as its `jax.custom_vjp` with O(local block) residuals (q, k, v, segment ids, out, lse).
+
+    `transport` "gather" moves the blocks by all-gather and dK/dV by reduce-scatter: for a ring run
+    by only some devices at a time (a 1F1B slot, a `lax.switch` whose branch differs per stage),
+    where a collective-permute would wait for every device of the mesh (XLA:CPU rendezvous over the
+    permute's whole device set), while all-gather and reduce-scatter meet per group.
+    """
     step = _RingStep(n, axis_name, zigzag, sm_scale, block)
+    forward, backward = ((_forward_gathered, _backward_gathered) if transport == "gather" and n > 1
+                         else (_forward_ring, _backward_ring))
 
     @jax.custom_vjp
     def attention(q, k, v, seg):
-        return _forward_ring(step, q, k, v, seg)[0].astype(q.dtype)
+        return forward(step, q, k, v, seg)[0].astype(q.dtype)
 
     def attention_fwd(q, k, v, seg):
-        out, lse = _forward_ring(step, q, k, v, seg)
+        out, lse = forward(step, q, k, v, seg)
         out = out.astype(q.dtype)
         return out, (q, k, v, seg, out, lse)
 
     def attention_bwd(res, dout):
         q, k, v = res[:3]
-        dq, dk, dv = _backward_ring(step, *res, dout)
+        dq, dk, dv = backward(step, *res, dout)
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
     attention.defvjp(attention_fwd, attention_bwd)
@@ -542,6 +595,7 @@ def ring_attention(
     zigzag: bool = True,
     sm_scale: float | None = None,
     block_fn: BlockForward | BlockAttention | None = None,
+    transport: str = "ring",
 ) -> Array:
     """Causal, document-masked, grouped-query ring attention over the `axis_name` ring.
 
@@ -562,6 +616,8 @@ def ring_attention(
       sm_scale: softmax scale; defaults to 1 / sqrt(D).
       block_fn: the local block computation (see the module docstring); None = jnp.
         E.g. `pallas_kernels.flash_attention.flash_attention_with_lse` on GPU.
+      transport: "ring" (collective-permutes) or "gather" (all-gather / reduce-scatter, the same
+        bytes): see `_make_local_attention`.
 
     Returns:
       [B, T_seq, H, D] attention output in the input token order, dtype of q.
@@ -589,8 +645,8 @@ def ring_attention(
                          f"(= {chunks}) for ring attention (zigzag={zigzag}).")
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     block = _resolve_block_fn(block_fn)
-    local = _make_local_attention(n, axis_name, zigzag, scale, block)
-    if inside:  # the enclosing region (e.g. a pipeline stage) is manual over the ring: run per device
+    local = _make_local_attention(n, axis_name, zigzag, scale, block, transport)
+    if inside or n == 1:  # the enclosing region (a pipeline stage) is manual over the ring, or no ring
         return local(q, k, v, segment_ids.astype(jnp.int32))
     x_spec, seg_spec = P(None, axis_name, None, None), P(None, axis_name)
     return jax.shard_map(

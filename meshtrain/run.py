@@ -49,7 +49,7 @@ class Run:
         mesh = mesh_lib.make_mesh(config, devices)
         return cls(config=config, sizes=sizes, mesh=mesh, rules=Rules.for_mesh(mesh),
                    model=ModelConfig.from_config(config),
-                   pipeline=Pipeline.from_config(config, sizes["stage"]),
+                   pipeline=Pipeline.from_config(config, sizes),
                    permutation=attention.data_permutation(config, sizes))
 
     @property

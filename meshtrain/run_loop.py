@@ -115,7 +115,7 @@ class FiniteGuard:
 class RunCheckpoints:
     """Checkpoints, preemption and non-finite steps of one run, as the loop sees them.
 
-        ckpts = RunCheckpoints(config, factory.abstract)
+        ckpts = RunCheckpoints(config, factory)
         state, start, data_state = ckpts.start(lambda: factory.create(config.seed))
         for step in range(start + 1, config.steps + 1):
             state, metrics = step_fn(state, next(it))
@@ -124,8 +124,10 @@ class RunCheckpoints:
         ckpts.close()
     """
 
-    def __init__(self, config: ml_collections.ConfigDict, abstract_state):
-        self.config, self.abstract_state = config, abstract_state
+    def __init__(self, config: ml_collections.ConfigDict, factory: StateFactory):
+        """Checkpoints hold the layers in execution order (`StateFactory.to_canonical`); the run's
+        state holds them in its schedule's order."""
+        self.config, self.factory, self.abstract_state = config, factory, factory.abstract
         self.every = int(config.checkpoint.every)
         self.ckpt = checkpoint.Checkpointer(checkpoint.checkpoint_root(config.workdir),
                                             keep=int(config.checkpoint.keep),
@@ -142,7 +144,7 @@ class RunCheckpoints:
             return create(), 0, None
         self.guard.skipped = int(restored.meta.get("skipped_steps", 0))
         log.info("resumed from %s (step %d)", restored.path, restored.step)
-        return restored.state, restored.step, restored.data_state
+        return self.factory.from_canonical(restored.state), restored.step, restored.data_state
 
     def after_step(self, step: int, state, metrics: dict, data_state: Callable[[], dict], last_step: int,
                    sync: bool = False) -> bool:
@@ -157,7 +159,7 @@ class RunCheckpoints:
         preempted = self.preemption.reached(step)
         if preempted or step == last_step or (self.every and step % self.every == 0):
             self._handle(self.guard.check())  # nothing non-finite is ever saved
-            self.ckpt.save(step, state, data_state(), self.meta(step))
+            self.ckpt.save(step, self.factory.to_canonical(state), data_state(), self.meta(step))
         if preempted:
             log.warning("preempted: checkpoint saved at step %d; exiting", step)
         return preempted
@@ -260,7 +262,7 @@ class Loop:
         config = run.config
         self.run, self.config = run, config
         self.is_main = jax.process_index() == 0
-        self.ckpts = RunCheckpoints(config, factory.abstract)
+        self.ckpts = RunCheckpoints(config, factory)
         self.eval_step = make_eval_step(factory, run.compiler_options) if config.eval_every else None
         self.peak = metrics_lib.device_peak_flops()
         self.flops_per_token = metrics_lib.flops_per_token(run.model, config.train.seq_len)

@@ -63,13 +63,15 @@ class ShardingRuleError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Rules:
-    """The table bound to a mesh shape, with ZeRO's `fsdp` switched on or off.
+    """The table bound to a mesh shape, with ZeRO's `fsdp` switched on or off, inside the manual
+    region of `manual` axes (a `shard_map`: those axes no longer appear in specs).
 
     Hashable, so it can be a static attribute of a flax module.
     """
 
     mesh_shape: tuple[tuple[str, int], ...]
     shard_fsdp: bool = True
+    manual: frozenset[str] = frozenset()
 
     @classmethod
     def for_mesh(cls, mesh: jax.sharding.Mesh, shard_fsdp: bool = True) -> Rules:
@@ -79,8 +81,15 @@ class Rules:
         return dataclasses.replace(self, shard_fsdp=False)
 
     def with_manual(self, axes: tuple[str, ...]) -> Rules:
-        """The rules inside a `shard_map` manual over `axes`: those axes no longer appear in specs."""
-        return dataclasses.replace(self, mesh_shape=tuple((a, 1 if a in axes else n) for a, n in self.mesh_shape))
+        """The rules inside a `shard_map` manual over `axes` (as well as those already manual)."""
+        return dataclasses.replace(self, manual=self.manual | frozenset(axes))
+
+    def size(self, axis: str) -> int:
+        return dict(self.mesh_shape).get(axis, 1)
+
+    def split_axes(self, name: str) -> tuple[str, ...]:
+        """The mesh axes of size > 1 that the logical `name` maps to, manual or not."""
+        return tuple(a for a in self.mesh_axes(name) if self.size(a) > 1)
 
     def mesh_axes(self, name: str | None) -> tuple[str, ...]:
         if name is None:
@@ -91,7 +100,8 @@ class Rules:
 
     def spec(self, names: tuple[str | None, ...], shape: tuple[int, ...] | None = None,
              what: str = "array") -> P:
-        """Logical names -> PartitionSpec. Skips axes used by an earlier dimension and size-1 axes.
+        """Logical names -> PartitionSpec. Skips axes used by an earlier dimension, size-1 axes and
+        manual axes.
 
         With `shape`, a dimension its axes do not divide raises ShardingRuleError.
         """
@@ -99,7 +109,8 @@ class Rules:
         used: set[str] = set()
         out = []
         for dim, name in enumerate(names):
-            axes = tuple(a for a in self.mesh_axes(name) if a not in used and sizes.get(a, 1) > 1)
+            axes = tuple(a for a in self.mesh_axes(name)
+                         if a not in used and sizes.get(a, 1) > 1 and a not in self.manual)
             used.update(axes)
             if shape is not None and axes:
                 split = math.prod(sizes[a] for a in axes)
@@ -116,7 +127,7 @@ class Rules:
 def constrain(x: jax.Array, names: tuple[str | None, ...], rules: Rules) -> jax.Array:
     """Pins an activation to the compute mapping of its logical names (needs `jax.set_mesh`, unless
     every axis of the rules is 1: nothing to pin then, and the model traces with no mesh at all)."""
-    if all(size == 1 for _, size in rules.mesh_shape):
+    if all(size == 1 or axis in rules.manual for axis, size in rules.mesh_shape):
         return x
     return jax.lax.with_sharding_constraint(x, rules.spec(names, x.shape, what="activation"))
 

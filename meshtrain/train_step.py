@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -113,18 +114,61 @@ class StateFactory:
                           rng=initial_rng(rng))
 
     def create(self, seed: int) -> TrainState:
-        """The initial state, created directly in its shardings (nothing materialised whole)."""
-        init = jax.jit(lambda rng: nn.unbox(self._init_boxed(rng)), out_shardings=self.shardings)
+        """The initial state, created directly in its shardings (nothing materialised whole).
+
+        The layers are initialised in execution order, then laid out in the schedule's storage order:
+        one seed is one model whatever the mesh and schedule.
+        """
+        init = jax.jit(lambda rng: self._reorder(nn.unbox(self._init_boxed(rng)), self._stored),
+                       out_shardings=self.shardings)
         with jax.set_mesh(self.mesh):
             return init(jax.random.key(seed))
 
+    @functools.cached_property
+    def _order(self) -> np.ndarray | None:
+        """order[q] = stored index of the q-th scanned unit to run; None when they are the same."""
+        pipe = self.model.pipeline
+        if pipe is None:
+            return None
+        order = pipe.execution_order(model_lib.scan_unit(self.model.cfg)[1])
+        return None if np.array_equal(order, np.arange(order.size)) else order
+
+    @property
+    def _stored(self) -> np.ndarray | None:
+        return None if self._order is None else np.argsort(self._order)
+
+    def _reorder(self, state: TrainState, index: np.ndarray | None) -> TrainState:
+        """Every layer-stacked leaf (first logical name "layers": parameters and their optimizer
+        moments) taken along its first dimension at `index`."""
+        if index is None:
+            return state
+        stacked = jax.tree.map(lambda x: _is_box(x) and bool(x.names) and x.names[0] == "layers", self.boxed,
+                               is_leaf=_is_box)
+        return jax.tree.map(lambda a, s: a[index] if s else a, state, stacked)
+
+    def to_canonical(self, state: TrainState) -> TrainState:
+        """The state with its layers in execution order: how checkpoints and exports hold them, so
+        their meaning never depends on the schedule that wrote them (identity unless circular)."""
+        return self._convert(state, self._order)
+
+    def from_canonical(self, state: TrainState) -> TrainState:
+        """The inverse of `to_canonical`: execution order -> this schedule's storage order."""
+        return self._convert(state, self._stored)
+
+    def _convert(self, state: TrainState, index: np.ndarray | None) -> TrainState:
+        if index is None:
+            return state
+        with jax.set_mesh(self.mesh):
+            return jax.jit(lambda s: self._reorder(s, index), out_shardings=self.shardings)(state)
+
     def from_params(self, params: dict, seed: int) -> TrainState:
-        """The state at step 0 around given parameters (e.g. imported weights, already in
-        `shardings.params`): the optimizer state is initialised from them inside one jit whose
-        outputs are the factory's shardings, and the run's RNG derives from `seed`."""
-        def init(params):
-            return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
-                              rng=initial_rng(jax.random.key(seed)))
+        """The state at step 0 around given parameters in execution order (e.g. imported weights,
+        already in `shardings.params`): the optimizer state is initialised from them inside one jit
+        whose outputs are the factory's shardings, and the run's RNG derives from `seed`."""
+        def init(params):  # params in execution order (as imported) -> the schedule's storage order
+            state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
+                               rng=initial_rng(jax.random.key(seed)))
+            return self._reorder(state, self._stored)
         with jax.set_mesh(self.mesh):
             return jax.jit(init, out_shardings=self.shardings, donate_argnums=0)(params)
 
@@ -269,7 +313,7 @@ def build(run: Run) -> tuple[StateFactory, Callable]:
     micro = config.train.batch_size // config.train.grad_accum_steps
     factory = StateFactory(model, tx, run.mesh, Placement.for_zero_stage(run.rules, config.train.zero_stage),
                            (micro, config.train.seq_len))
-    grads_fn = pipeline_lib.grads_function(run.pipeline, _grads_one_pass, run.batch_axes)
+    grads_fn = pipeline_lib.grads_function(run.pipeline, _grads_one_pass)
     step = jit_train_step(factory, optimizer_lib.learning_rate_schedule(config), run.batch_sharding,
                           accum_steps=config.train.grad_accum_steps, manual_axes=run.accumulation_axes,
                           grads_fn=grads_fn, grad_clip=config.train.grad_clip,

@@ -24,7 +24,7 @@ from meshtrain import (
     pipeline as pipeline_lib,
     train_step as train_step_lib,
 )
-from meshtrain.config import BATCH_AXES, ModelConfig
+from meshtrain.config import ModelConfig
 from meshtrain.sharding_rules import Rules
 from meshtrain.validate import validate
 from tests.hlo_utils import collectives_by_computation
@@ -46,6 +46,10 @@ def _mesh(config):
     n = int(np.prod(list(sizes.values())))
     validate(config, n)
     return mesh_lib.make_mesh(config, jax.devices()[:n])
+
+
+def _sizes(**sizes) -> dict[str, int]:
+    return {a: sizes.get(a, 1) for a in config_lib.MESH_AXES}
 
 
 def _autodiff(params, batch, model, total_tokens, accum_steps):
@@ -81,9 +85,9 @@ def _pipelined(schedule: str, mesh_items: tuple, microbatches: int = M, batch: i
     """(pipeline, mesh, compiled (params, batch) -> (loss_sum, aux, grads)) as the train step builds it."""
     config = _config(schedule, dict(mesh_items), microbatches, batch, **{"train.zero_stage": zero})
     mesh = _mesh(config)
-    pipe = pipeline_lib.Pipeline.from_config(config, mesh.shape["stage"])
+    pipe = pipeline_lib.Pipeline.from_config(config, dict(mesh.shape))
     model = model_lib.Transformer(ModelConfig.from_config(config), Rules.for_mesh(mesh), pipeline=pipe)
-    fn = pipeline_lib.grads_function(pipe, _autodiff, tuple(a for a in BATCH_AXES if mesh.shape[a] > 1))
+    fn = pipeline_lib.grads_function(pipe, _autodiff)
     factory = train_step_lib.StateFactory(model, optax.sgd(0.1), mesh,
                                           train_step_lib.Placement.for_zero_stage(model.rules, zero),
                                           (batch, SEQ))
@@ -207,13 +211,13 @@ def test_validation_names_the_key(overrides, key):
 
 def test_describe_reports_ticks_bubble_in_flight():
     p, m = 4, 8
-    line = pipeline_lib.Pipeline.from_config(_config("1f1b", {"stage": p}, microbatches=m), p).describe()
+    line = pipeline_lib.Pipeline.from_config(_config("1f1b", {"stage": p}, microbatches=m), _sizes(stage=p)).describe()
     ticks = m + p - 1  # the playbook's 1F1B: the same bubble as all-forward-all-backward
     assert line == (f"pipeline 1f1b: {p} stages x 1 repeats, {m} micro-batches, {ticks} ticks, "
                     f"bubble {(p - 1) / ticks:.1%}, in flight per stage {[p - s for s in range(p)]}")
     circular = pipeline_lib.Pipeline("circular", 4, 8, 2)
     assert (circular.ticks, round(circular.bubble, 4)) == (19, round(3 / 19, 4))
-    assert pipeline_lib.Pipeline.from_config(_config("gpipe", {}), 1) is None
+    assert pipeline_lib.Pipeline.from_config(_config("gpipe", {}), _sizes()) is None
     run = resolve(_config("gpipe", {"stage": 2}))
     assert run.describe() == ["mesh stage=2 (2 devices, 1 process(es))", run.pipeline.describe()]
 
@@ -271,7 +275,7 @@ def test_one_f_one_b_stash_keeps_activations_not_weights():
     with jax.set_mesh(mesh):
         params = nn.unbox(model.init(jax.random.key(0), batch["inputs"], batch["positions"],
                                      batch["segment_ids"])["params"])
-        residuals = pipeline_lib._Residuals(pipeline_lib.stage_function(model.bind({"params": params})),
+        residuals = pipeline_lib._Residuals(pipeline_lib.stage_function(model.cfg, model.rules, model.attention_fn),
                                             params["layers"])
         mb = {k: v[:2] for k, v in batch.items()}
         x = jnp.zeros((2, SEQ, config.model.d_model), jnp.float32)
