@@ -3,16 +3,28 @@
 Playbook, "Pipeline Parallelism": the layer stack is cut into p stages along depth, the
 batch into m micro-batches, and every device of the `stage` axis runs its own stage on a
 different micro-batch at each clock tick. Activations move to the next stage with one
-`lax.ppermute` over `stage` per tick (inside `jax.shard_map`, manual over `stage` only:
-`data`, `fsdp`, `tensor` stay with the partitioner). The embedding and the output head
-stay outside the pipelined stack.
+`lax.ppermute` over `stage` per tick. The embedding and the output head stay outside the
+pipelined stack (gpipe, circular).
+
+The loop's region. The tick loop is one `jax.shard_map` manual over `stage`, every split batch
+axis (`data`, `fsdp`, `expert`) and `sequence` when it is split (`Pipeline.axes`); `tensor`
+stays with the partitioner. So each device runs its own rows, the data-parallel gradient
+reduction happens once, as the loop's inputs are transposed, and ZeRO-3 weights are gathered once
+as they enter; the parts that need those axes manual run inside directly (regions compose by
+axis): ring attention per device over `sequence`, the MoE exchange over `expert` (expert weights
+enter split over it), the Pallas kernels per shard. MoE router statistics travel with the
+activations and come out averaged over the MoE units and micro-batches, as the losses use them.
+Inside a 1F1B slot (a `lax.switch` whose branch differs per stage) ring attention moves its
+blocks by all-gather and reduce-scatter: a collective-permute there would wait for every device.
 
 Layout. The scanned layer parameters [L, ...] are sharded over `stage` on their first
 dimension (rule 'layers' -> stage), so stage s stores the contiguous block
 [s*v*k, (s+1)*v*k) of v*k layers, seen as [v repeats, k layers]. Stage s runs its chunk r
 as layers (r*p + s)*k ... : for gpipe and 1f1b (v = 1) this is the stored order; for the
 circular schedule the stored order is a fixed permutation of the execution order
-(`execution_order`), the price of keeping each stage's weights local.
+(`execution_order`), the price of keeping each stage's weights local. Initialisation,
+checkpoints and exports hold the execution order (`StateFactory.to_canonical`), so a seed is one
+model and a checkpoint one meaning whatever the schedule.
 
 Schedules (`config.pipeline.schedule`):
 
@@ -540,8 +552,10 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     v = pipe.repeats
     req(pipe.schedule == "circular" or v == 1, "pipeline.repeats", v,
         f"repeats > 1 needs pipeline.schedule='circular' (got {pipe.schedule!r})")
-    req(config.model.n_layers % (p * v) == 0, "model.n_layers", config.model.n_layers,
-        f"layers must be divisible by mesh.stage*pipeline.repeats={p}*{v}")
+    unit = config.model.moe_every if config.model.num_experts else 1  # the scanned unit: moe_every layers
+    req(config.model.n_layers % (p * v * unit) == 0, "model.n_layers", config.model.n_layers,
+        f"the {config.model.n_layers // unit} scanned units of {unit} layer(s) must be divisible by "
+        f"mesh.stage*pipeline.repeats={p}*{v}")
     req(pipe.microbatches >= p, "pipeline.microbatches", pipe.microbatches,
         f"must be >= mesh.stage={p} (every stage needs a micro-batch to work on)")
     dp = config_lib.data_parallel_size(sizes)

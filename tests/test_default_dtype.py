@@ -15,6 +15,7 @@ suites' job (test_parallel_equivalence, test_pipeline, test_moe_train, test_atte
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 import pytest
@@ -121,6 +122,43 @@ def test_trains_in_default_dtype_like_float32(kind, mesh, overrides):
     perm = attention.data_permutation(config, sizes)  # ring attention's zig-zag token order
     if perm is not None:
         batches = [{k: v[:, perm] for k, v in b.items()} for b in batches]
+    records, _, _ = utils.train(config, batches)
+    got = np.array([[r["loss"], r["grad_norm"]] for r in records])
+    assert np.isfinite(got).all(), got
+    np.testing.assert_allclose(got, want, rtol=BF16_RTOL)
+
+
+# test_compose: the triples that pair `stage` with `sequence` or `expert`, or `sequence` with
+# `expert` (the other triples are the meshes above), and the Pallas kernels in stages and beside MoE.
+COMPOSED = [t for t in itertools.combinations(config_lib.MESH_AXES, 3)
+            if {"stage", "sequence"} <= set(t) or {"stage", "expert"} <= set(t) or {"sequence", "expert"} <= set(t)]
+KERNELS = {"attention.impl": "pallas", "model.fused_norm": True, "model.fused_loss": True}
+COMPOSED_CASES = [pytest.param(dict.fromkeys(t, 2), {}, id="-".join(t)) for t in COMPOSED] + [
+    pytest.param({"stage": 2, "data": 2, "tensor": 2}, KERNELS, id="kernels-stage-data-tensor"),
+    pytest.param({"expert": 2, "data": 2}, KERNELS, id="kernels-expert-data")]
+
+
+@functools.cache
+def _composed_reference(moe: bool, ring: bool) -> tuple[list[dict], np.ndarray]:
+    config = utils.composed_config({"expert": 2 if moe else 1, "sequence": 2 if ring else 1})
+    for axis in utils.AXES:
+        config.mesh[axis] = 8 if axis == "data" else 1
+    batches = utils.synthetic_batches(config, STEPS)
+    records, _, _ = utils.train(config, batches)
+    return batches, np.array([[r["loss"], r["grad_norm"]] for r in records])
+
+
+@pytest.mark.parametrize("mesh, overrides", COMPOSED_CASES)
+def test_composed_mesh_trains_in_default_dtype_like_float32(mesh, overrides):
+    config = utils.composed_config(mesh)
+    for key, value in overrides.items():
+        section, leaf = key.split(".")
+        config[section][leaf] = value
+    config.model.dtype = config_lib.default_config().model.dtype
+    batches, want = _composed_reference("expert" in mesh, "sequence" in mesh)
+    run = utils.resolve(config)
+    if run.permutation is not None:
+        batches = [{k: v[:, run.permutation] for k, v in b.items()} for b in batches]
     records, _, _ = utils.train(config, batches)
     got = np.array([[r["loss"], r["grad_norm"]] for r in records])
     assert np.isfinite(got).all(), got

@@ -202,6 +202,8 @@ def test_train_step_with_1f1b_equals_single_device(mesh, zero):
     ({"train.batch_size": 6}, "train.batch_size"),
     ({"train.grad_accum_steps": 2, "train.batch_size": 16}, "train.grad_accum_steps"),
     ({"pipeline.repeats": 2, "pipeline.schedule": "gpipe"}, "pipeline.repeats"),
+    ({"model.num_experts": 4, "model.moe_every": 2, "model.n_layers": 2}, "model.n_layers"),
+    ({"model.num_experts": 4, "attention.impl": "pallas"}, "model.num_experts"),
 ])
 def test_validation_names_the_key(overrides, key):
     config = _config("gpipe", {"stage": 2, "data": 2}, **overrides)

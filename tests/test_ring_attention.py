@@ -60,7 +60,7 @@ def assert_close(actual, expected):
         chex.assert_trees_all_close(a, e, rtol=RTOL, atol=RTOL * float(jnp.max(jnp.abs(e))))
 
 
-def check_against_dense(mesh, t, h, kh, zigzag, shard=None, docs=None, block_fn=None):
+def check_against_dense(mesh, t, h, kh, zigzag, shard=None, docs=None, block_fn=None, transport="ring"):
     """Ring attention on `mesh` (inputs in the layout's token order) vs the dense reference."""
     q, k, v, ct, seg = make_inputs(t, h, kh, docs=docs)
     n = mesh.shape["sequence"]
@@ -74,7 +74,7 @@ def check_against_dense(mesh, t, h, kh, zigzag, shard=None, docs=None, block_fn=
 
         def attn(q_, k_, v_):
             return ra.ring_attention(
-                q_, k_, v_, seg_p, mesh=mesh, zigzag=zigzag, block_fn=block_fn
+                q_, k_, v_, seg_p, mesh=mesh, zigzag=zigzag, block_fn=block_fn, transport=transport
             )
 
         out, grads = value_and_grads(attn, q_p, k_p, v_p, ct_p)
@@ -88,6 +88,17 @@ def check_against_dense(mesh, t, h, kh, zigzag, shard=None, docs=None, block_fn=
 @pytest.mark.parametrize(("h", "kh"), [(4, 2), (4, 1)])
 def test_matches_dense(sequence, zigzag, h, kh):
     check_against_dense(make_mesh(sequence), t=32, h=h, kh=kh, zigzag=zigzag)
+
+
+@pytest.mark.parametrize("sequence", [2, 4])
+@pytest.mark.parametrize("zigzag", [True, False])
+def test_gather_transport_matches_the_ring(sequence, zigzag):
+    """transport="gather" (all-gather / reduce-scatter, for 1F1B slots) visits the same blocks in the
+    same order: equal to the ring's output and gradients, and to the dense reference."""
+    mesh = make_mesh(sequence)
+    ring = check_against_dense(mesh, t=32, h=4, kh=2, zigzag=zigzag)
+    gathered = check_against_dense(mesh, t=32, h=4, kh=2, zigzag=zigzag, transport="gather")
+    np.testing.assert_allclose(np.asarray(gathered), np.asarray(ring), rtol=1e-6, atol=1e-7)
 
 
 def test_matches_dense_on_data_sequence_tensor_mesh():

@@ -48,6 +48,29 @@ def tiny_config(mesh: dict | None = None, **overrides):
     return c
 
 
+def composed_config(mesh: dict):
+    """The tiny config with what each axis of `mesh` brings along (tests/test_compose.py, bench/compose.py):
+    the MoE with `expert` (sequence-wise balance loss; dropless with `sequence`), ring attention with
+    `sequence`, the 1F1B schedule with `stage`, ZeRO-3 with `fsdp`."""
+    moe, ring = mesh.get("expert", 1) > 1, mesh.get("sequence", 1) > 1
+    if moe:
+        c = load_config_file("tiny_moe")
+        c.model.dtype, c.data.source = "float32", "synthetic"
+        for axis in AXES:
+            c.mesh[axis] = mesh.get(axis, 1)
+        c.model.moe_balance_scope = "sequence"
+        c.model.moe_dropless = ring
+    else:
+        c = tiny_config(mesh)
+    c.train.seq_len, c.train.warmup_steps = 32, 1
+    if ring:
+        c.attention.impl = "ring"
+    if mesh.get("stage", 1) > 1:
+        c.pipeline.schedule, c.pipeline.microbatches = "1f1b", 2
+    c.train.zero_stage = 3 if mesh.get("fsdp", 1) > 1 else 1
+    return c
+
+
 def devices_for(config) -> list:
     """The first (product of the mesh axes) devices."""
     n = int(np.prod([max(config.mesh[a], 1) for a in AXES]))
