@@ -165,7 +165,7 @@ class Pipeline:
         m = self.microbatches
         split = functools.partial(_split, m=m)
         body = functools.partial(_ring_loop, stack, p=self.stages, m=m, v=self.repeats,
-                                 units=model_lib.scan_unit(model.cfg)[1])
+                                 units=model_lib.scan_unit(model.cfg)[1], axes=self.axes)
         rows, rows_d = self.micro_spec(0), self.micro_spec(1)
         out, stats = jax.shard_map(
             body, in_specs=(layer_specs(model.cfg, self.axes), rows_d, rows, rows), out_specs=(rows_d, P()),
@@ -218,15 +218,24 @@ def _chunk_function(stack):
     return run
 
 
-def _ring_loop(stack, layers, xs, positions, segment_ids, *, p, m, v, units):
+def _vary(tree, axes: tuple[str, ...]):
+    """Every leaf made varying over `axes` (those it does not vary over yet)."""
+    return jax.tree.map(lambda a: lax.pcast(a, _missing(a, axes), to="varying") if _missing(a, axes) else a, tree)
+
+
+def _ring_loop(stack, layers, xs, positions, segment_ids, *, p, m, v, units, axes):
     """gpipe / circular tick loop on one stage. xs [b, m, T, D]; layers [v*k, ...] local.
 
     Stage 0 reads lap 0 from `buffer` (the embedded micro-batches) and later laps from the
     same buffer, where the activations arriving from stage p-1 are parked; after the last
     tick the buffer of stage 0 holds the stack's output. MoE statistics of the ticks that do real
     work (not the bubble) are summed, then averaged over the `units` MoE units and the micro-batches.
+
+    The weights are made per-device over the loop's other axes as they enter: the transpose of that
+    (a psum over the batch axes) then runs once per step, not in every tick's backward.
     """
     s = lax.axis_index(STAGE)
+    layers = _vary(layers, axes)
     chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers)
     ring = [(j, (j + 1) % p) for j in range(p)]
     buffer = lax.pcast(xs, (STAGE,), to="varying")  # [b, m, T, D]
@@ -415,8 +424,7 @@ class _SlotWork:
 
     def _varying(self, x, axes: tuple[str, ...] | None = None):
         """`x` varying over `axes` (default: every manual axis): a carry entry, or a cotangent."""
-        axes = self.manual if axes is None else axes
-        return jax.tree.map(lambda a: lax.pcast(a, _missing(a, axes), to="varying") if _missing(a, axes) else a, x)
+        return _vary(x, self.manual if axes is None else axes)
 
     @staticmethod
     def _acc(sums, grads):
@@ -508,8 +516,7 @@ def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m,
     rest = tuple(a for a in axes if a != STAGE)
     # differentiate per stage and per data-parallel rank; reduce once at the end
     outer = lax.pcast(outer, axes, to="varying")
-    layers = jax.tree.map(lambda a: lax.pcast(a, _missing(a, rest), to="varying") if _missing(a, rest) else a,
-                          layers)
+    layers = _vary(layers, rest)
     work = _SlotWork(stack, model, layers, outer, micro, total_tokens, p=p, m=m, manual=axes, units=units)
     branches = work.branches()
 

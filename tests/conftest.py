@@ -26,6 +26,17 @@ import pytest  # noqa: E402
 from tests.utils import persistent_compilation_cache  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_compilation_cache(tmp_path_factory):
+    """One persistent compilation cache for the whole run, shared by the xdist workers (under
+    pytest's base temp folder, which pytest cleans): a program compiled by one test (the float32
+    references, the same step on two meshes of equal shape...) is loaded by the next."""
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    jax.config.update("jax_compilation_cache_dir", str(root / "jax_cache_shared"))
+    yield
+
+
 @pytest.fixture(scope="module")
 def compilation_cache(tmp_path_factory):
     """JAX's persistent compilation cache in a folder of this test session (one per worker), for
