@@ -5,7 +5,8 @@ applied to meshtrain's implementation (`train_step.py`, `model.py`, `sharding_ru
 
 * batch axes (`data`, `fsdp`, `expert` for dense layers, and `sequence`, over which the
   parameters are replicated): gradient all-reduce; under ZeRO-2/3 a reduce-scatter over
-  `fsdp` first, then the all-reduce of the shard over the other axes;
+  `fsdp` first, then the all-reduce of the shard over the other axes; with a pipeline the layer
+  gradients once per step (the stage loop is manual over the batch axes);
 * ZeRO-1/2: all-gather of the updated parameters over `fsdp`; ZeRO-3: all-gather of every
   weight in the forward pass and of each rematerialised layer again in the backward pass,
   per micro-batch (the playbook's 3 Psi against 2 Psi);
@@ -94,18 +95,18 @@ def _gradient_and_zero(run: Step, remat: str, backend: Backend) -> list[Coll]:
     batch_axes = [a for a in ("data", "fsdp", "expert", "sequence") if s[a] > 1]
     per_micro = run.grad_accum if run.zero_stage >= 3 else 1  # ZeRO-3 has no manual accumulation loop
     out = []
+    pipelined = s["stage"] > 1
+    one_f_one_b = pipelined and run.pipeline_schedule == "1f1b"
     for leaf in param_table(run.model):
-        # Under gpipe / circular each tick's backward (autodiff of the tick loop) reduces the stage's
-        # layer gradients over the batch axes inside the loop (observed in the compiled HLO).
-        runs = run.pipeline_ticks if (s["stage"] > 1 and leaf.in_layers) else per_micro
+        runs = per_micro
         full = local_size(leaf, place["compute"]) * pb
         used = _spec_axes(leaf, place["compute"])
         reduce = {a: s[a] for a in batch_axes if a not in used}
-        one_f_one_b = s["stage"] > 1 and run.pipeline_schedule == "1f1b"
-        if one_f_one_b:
-            # 1F1B's loop is manual over every batch axis: each gradient is all-reduced once, after
-            # it, the embedding / final norm / head ones together with `stage` (first and last stage
-            # meet); under ZeRO-3 the weights are gathered once, as they enter the loop.
+        if (pipelined and leaf.in_layers) or one_f_one_b:
+            # A pipeline's loop is manual over every batch axis and the weights enter it per device:
+            # each layer gradient is all-reduced once, as the loop's input is transposed. 1F1B's loop
+            # also holds the embedding, final norm and head: theirs are reduced with `stage` (first and
+            # last stage meet). Under ZeRO-3 the weights are gathered once, as they enter.
             axes = reduce if leaf.in_layers else {"stage": s["stage"], **reduce}
             if axes:
                 out.append(Coll("all-reduce", full, axes, 1, f"grad {leaf.path}"))
@@ -129,7 +130,7 @@ def _gradient_and_zero(run: Step, remat: str, backend: Backend) -> list[Coll]:
         if s["fsdp"] > 1 and run.zero_stage in (1, 2) and not manual and "fsdp" in _spec_axes(leaf, place["optimizer"]):
             out.append(Coll("all-gather", full, {"fsdp": s["fsdp"]}, 1, f"updated {leaf.path}"))
         if s["fsdp"] > 1 and run.zero_stage >= 3 and "fsdp" in _spec_axes(leaf, place["params"]):
-            passes = 2 if (leaf.in_layers and remat != "none" and not one_f_one_b) else 1
+            passes = 2 if (leaf.in_layers and remat != "none" and not pipelined) else 1
             out.append(Coll("all-gather", full, {"fsdp": s["fsdp"]}, passes * runs, f"gather {leaf.path}"))
     return out
 
