@@ -70,6 +70,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain import attention as attention_lib, config as config_lib, model as model_lib, moe as moe_lib
 from meshtrain.config import BATCH_AXES, Axis
+from meshtrain.sharding_rules import vary, varying
 
 STAGE, SEQUENCE, EXPERT = Axis.STAGE.value, Axis.SEQUENCE.value, Axis.EXPERT.value
 
@@ -218,11 +219,6 @@ def _chunk_function(stack):
     return run
 
 
-def _vary(tree, axes: tuple[str, ...]):
-    """Every leaf made varying over `axes` (those it does not vary over yet)."""
-    return jax.tree.map(lambda a: lax.pcast(a, _missing(a, axes), to="varying") if _missing(a, axes) else a, tree)
-
-
 def _ring_loop(stack, layers, xs, positions, segment_ids, *, p, m, v, units, axes):
     """gpipe / circular tick loop on one stage. xs [b, m, T, D]; layers [v*k, ...] local.
 
@@ -235,7 +231,7 @@ def _ring_loop(stack, layers, xs, positions, segment_ids, *, p, m, v, units, axe
     (a psum over the batch axes) then runs once per step, not in every tick's backward.
     """
     s = lax.axis_index(STAGE)
-    layers = _vary(layers, axes)
+    layers = vary(layers, axes)
     chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers)
     ring = [(j, (j + 1) % p) for j in range(p)]
     buffer = lax.pcast(xs, (STAGE,), to="varying")  # [b, m, T, D]
@@ -384,10 +380,8 @@ class _Residuals:
         if kinds != self._kinds or len(kept) != len(stash):
             raise RuntimeError("1f1b: a forward slot's vjp residuals differ from the traced structure")
 
-        def varying(r):
-            missing = tuple(a for a in self._axes if a not in jax.typeof(r).manual_axis_type.varying)
-            return lax.pcast(r, missing, to="varying") if missing else r
-        return [lax.dynamic_update_index_in_dim(buf, varying(r), slot, 0) for buf, r in zip(stash, kept, strict=True)]
+        return [lax.dynamic_update_index_in_dim(buf, vary(r, self._axes), slot, 0)
+                for buf, r in zip(stash, kept, strict=True)]
 
     def load(self, stash: list[jax.Array], slot):
         """The pullback of the forward stored in `slot`."""
@@ -424,7 +418,7 @@ class _SlotWork:
 
     def _varying(self, x, axes: tuple[str, ...] | None = None):
         """`x` varying over `axes` (default: every manual axis): a carry entry, or a cotangent."""
-        return _vary(x, self.manual if axes is None else axes)
+        return vary(x, self.manual if axes is None else axes)
 
     @staticmethod
     def _acc(sums, grads):
@@ -440,7 +434,7 @@ class _SlotWork:
 
         def probe(x):  # the stage's MoE statistics, and over which axes they vary (their cotangents must)
             (_, stats), _ = self.residuals.vjp(lax.pcast(x, self.manual, to="varying"), self._pick(0))
-            self._stats_vma = jax.tree.map(lambda a: tuple(sorted(jax.typeof(a).manual_axis_type.varying)), stats)
+            self._stats_vma = jax.tree.map(lambda a: tuple(sorted(varying(a))), stats)
             return stats
         stats = jax.eval_shape(probe, act)
         zeros32 = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, jnp.float32))
@@ -489,11 +483,6 @@ class _SlotWork:
         return run
 
 
-def _missing(a, axes: tuple[str, ...]) -> tuple[str, ...]:
-    """The axes of `axes` over which `a` is not yet varying."""
-    return tuple(x for x in axes if x not in jax.typeof(a).manual_axis_type.varying)
-
-
 def _psum(x, axes):
     return lax.psum(x, axes) if axes else x
 
@@ -516,7 +505,7 @@ def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m,
     rest = tuple(a for a in axes if a != STAGE)
     # differentiate per stage and per data-parallel rank; reduce once at the end
     outer = lax.pcast(outer, axes, to="varying")
-    layers = _vary(layers, rest)
+    layers = vary(layers, rest)
     work = _SlotWork(stack, model, layers, outer, micro, total_tokens, p=p, m=m, manual=axes, units=units)
     branches = work.branches()
 

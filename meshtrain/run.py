@@ -71,21 +71,29 @@ class Run:
         return NamedSharding(self.mesh, self.batch_spec)
 
     @property
-    def accumulation_axes(self) -> tuple[str, ...]:
-        """The batch axes the gradient-accumulation loop is manual over (`train_step.accumulate_gradients`).
-
-        Those over which the parameters are replicated, so each device accumulates locally and the
-        data-parallel reduction runs once per step. None (the loop stays automatic, reducing per
-        micro-batch) under ZeRO-3, where the partitioner rejects a loop manual over `data` with
-        fsdp-sharded parameters and tensor parallelism together, and when the model runs a shard_map
-        of its own (MoE exchange, ring attention, Pallas kernels): jax 0.10 cannot differentiate a
-        shard_map nested in another one.
-        """
+    def kernels(self) -> bool:
+        """Whether the model runs Pallas kernels (their manual regions then go unchecked)."""
         m = self.model
-        nested = m.num_experts > 0 or m.attention_impl != "xla" or m.fused_norm or m.fused_loss
-        if self.config.train.zero_stage >= 3 or nested:
+        return m.attention_impl == "pallas" or m.fused_norm or m.fused_loss
+
+    @property
+    def accumulation_axes(self) -> tuple[str, ...]:
+        """The axes the gradient-accumulation loop is manual over (`train_step.accumulate_gradients`).
+
+        The split batch axes over which the parameters are replicated, so each device accumulates
+        locally and the data-parallel reduction runs once per step, plus `sequence` under ring
+        attention (the ring then runs per device inside). Under ZeRO-3 `fsdp` stays automatic:
+        each micro-batch gathers its weights and reduce-scatters its gradient (gradient shards
+        accumulate; no full-size buffer). An MoE layer under ZeRO-3 with `fsdp` split would need its
+        own shard_map over `fsdp` nested in the loop, which jax 0.10 cannot differentiate: there the
+        loop stays automatic and reduces per micro-batch.
+        """
+        zero3 = self.config.train.zero_stage >= 3
+        if zero3 and self.model.num_experts and self.sizes["fsdp"] > 1:
             return ()
-        return self.batch_axes
+        axes = tuple(a for a in self.batch_axes if not (zero3 and a == "fsdp"))
+        ring = self.model.attention_impl == "ring" and self.sizes["sequence"] > 1
+        return axes + (("sequence",) if ring else ())
 
     @property
     def compiler_options(self) -> dict[str, str]:

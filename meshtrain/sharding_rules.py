@@ -91,6 +91,10 @@ class Rules:
         """The mesh axes of size > 1 that the logical `name` maps to, manual or not."""
         return tuple(a for a in self.mesh_axes(name) if self.size(a) > 1)
 
+    def shards(self, name: str) -> int:
+        """Into how many blocks the logical `name` is split on the automatic axes (1 if none)."""
+        return math.prod(self.size(a) for a in self.split_axes(name) if a not in self.manual)
+
     def mesh_axes(self, name: str | None) -> tuple[str, ...]:
         if name is None:
             return ()
@@ -149,6 +153,20 @@ def per_shard(fn, in_specs, out_specs, axes: tuple[str, ...]):
     if not axes:
         return fn
     return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names=set(axes), check_vma=False)
+
+
+def varying(a) -> frozenset[str]:
+    """The manual axes `a` varies over (inside a checked `shard_map`; none elsewhere)."""
+    return jax.typeof(a).manual_axis_type.varying
+
+
+def vary(tree, axes: tuple[str, ...]):
+    """Every leaf made varying over `axes` (`lax.pcast` over those it does not vary over yet): a
+    value each device of a manual region will hold and differentiate on its own."""
+    def one(a):
+        missing = tuple(x for x in axes if x not in varying(a))
+        return jax.lax.pcast(a, missing, to="varying") if missing else a
+    return jax.tree.map(one, tree)
 
 
 def named(mesh: jax.sharding.Mesh, specs):

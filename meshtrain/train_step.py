@@ -38,7 +38,7 @@ from meshtrain import (
     optimizer as optimizer_lib,
     pipeline as pipeline_lib,
 )
-from meshtrain.sharding_rules import Rules, named
+from meshtrain.sharding_rules import Rules, named, vary
 
 if TYPE_CHECKING:
     from meshtrain.run import Run
@@ -215,51 +215,63 @@ def _fsdp_dim(spec: P) -> int | None:
     return None
 
 
-def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, manual_axes, grad_specs):
+def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, manual_axes, grad_specs,
+                         checked: bool = True):
     """Gradient accumulation (playbook "Gradient accumulation" + "Interplay with gradient accumulation").
 
-    The micro-batch loop runs inside a `jax.shard_map` that is manual over `manual_axes`, the
-    batch axes over which the parameters are replicated, so every device accumulates its own
-    local gradient and the data-parallel reduction happens once, after the loop: a psum over
-    `data` (and `fsdp` under ZeRO-0/1), a reduce-scatter over `fsdp` under ZeRO-2 (each device
-    keeps its gradient shard). The other axes (tensor, ZeRO-3 fsdp, expert...) stay automatic.
+    The micro-batch loop runs inside a `jax.shard_map` that is manual over `manual_axes`
+    (`Run.accumulation_axes`: the split batch axes over which the parameters are replicated, and
+    `sequence` under ring attention), so every device accumulates its own local gradient and the
+    data-parallel reduction happens once, after the loop, hierarchically: a reduce-scatter over
+    `fsdp` first where the gradient rests sharded (ZeRO-2), then the all-reduce of the shard over
+    the other axes, so `data` moves 1/fsdp of the gradient. The other axes (tensor, ZeRO-3's fsdp)
+    stay automatic: under ZeRO-3 each micro-batch gathers the weights and reduce-scatters its
+    gradient over `fsdp`, and the loop accumulates the shards. MoE layers, ring attention and the
+    Pallas kernels run inside (regions compose by axis); `checked` is False around Pallas kernels.
     """
     micro_batches = jax.tree.map(functools.partial(_split_micro, accum=accum_steps), batch)
     if not manual_axes:
         return _accumulate_local(params, micro_batches, model, total_tokens, accum_steps)
     inner = model.clone(rules=model.rules.with_manual(manual_axes))
-    reduce_axes = tuple(a for a in manual_axes if a != "fsdp")
     scatter_fsdp = "fsdp" in manual_axes
+    split = ("expert",) if "expert" in manual_axes else ()  # expert weights enter split: the exchange runs inside
+    is_spec = functools.partial(jax.tree.map, is_leaf=lambda x: isinstance(x, P))
+
+    def entering(spec: P) -> P:
+        return P(*[e if e in split else None for e in spec])
 
     def local(params, micro_batches, total_tokens):
-        params = jax.lax.pcast(params, manual_axes, to="varying")  # each device differentiates its own copy
+        params = vary(params, manual_axes)  # each device differentiates its own copy
         loss_sum, aux, grads = _accumulate_local(params, micro_batches, inner, total_tokens, accum_steps, manual_axes)
 
         def reduce(g, spec):
+            over = tuple(a for a in manual_axes if a not in spec)  # not over the axes the weight is split on
             dim = _fsdp_dim(spec) if scatter_fsdp else None
-            g = jax.lax.psum(g, reduce_axes) if reduce_axes else g
-            if scatter_fsdp:
-                g = (jax.lax.psum(g, "fsdp") if dim is None
-                     else jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dim, tiled=True))
-            return g
-        grads = jax.tree.map(reduce, grads, grad_specs, is_leaf=lambda x: isinstance(x, P))
+            if dim is not None:  # the shard first: the other axes then move 1/fsdp of it
+                g = jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dim, tiled=True)
+                over = tuple(a for a in over if a != "fsdp")
+            return jax.lax.psum(g, over) if over else g
+        grads = is_spec(reduce, grads, grad_specs)
         return jax.lax.psum(loss_sum, manual_axes), jax.tree.map(lambda a: jax.lax.pmean(a, manual_axes), aux), grads
 
-    def manual_only(spec: P) -> P:
-        return P(*[("fsdp" if _fsdp_dim(P(e)) == 0 and scatter_fsdp else None) for e in spec])
+    def leaving(spec: P) -> P:
+        return P(*[("fsdp" if _fsdp_dim(P(e)) == 0 and scatter_fsdp else (e if e in split else None)) for e in spec])
 
-    grad_out_specs = jax.tree.map(manual_only, grad_specs, is_leaf=lambda x: isinstance(x, P))
-    batch_in = jax.tree.map(lambda _: P(None, manual_axes), micro_batches)
+    grad_out_specs = is_spec(leaving, grad_specs)
+    param_in_specs = is_spec(entering, grad_specs)
+    rows = tuple(a for a in manual_axes if a != "sequence")
+    length = ("sequence",) if "sequence" in manual_axes else ()
+    batch_in = jax.tree.map(lambda _: P(None, rows or None, length or None), micro_batches)
     return jax.shard_map(
-        local, in_specs=(P(), batch_in, P()), out_specs=(P(), P(), grad_out_specs),
-        axis_names=set(manual_axes), check_vma=True,
+        local, in_specs=(param_in_specs, batch_in, P()), out_specs=(P(), P(), grad_out_specs),
+        axis_names=set(manual_axes), check_vma=checked,
     )(params, micro_batches, total_tokens)
 
 
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_lib.Transformer,
                tx: optax.GradientTransformation, schedule: optax.Schedule, grad_specs,
                accum_steps: int, manual_axes: tuple[str, ...], grad_clip: float = 0.0,
-               grads_fn: Callable = _grads_one_pass) -> tuple[TrainState, dict[str, jax.Array]]:
+               grads_fn: Callable = _grads_one_pass, checked: bool = True) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step over the global batch [B, T]; returns the new state and scalar metrics.
 
     `grads_fn` -> (loss_sum, aux, grads): autodiff of the loss, or the 1F1B pipeline's own loop.
@@ -271,7 +283,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_l
     else:
         loss_sum, aux, grads = accumulate_gradients(
             state.params, batch, model=model, total_tokens=total_tokens, accum_steps=accum_steps,
-            manual_axes=manual_axes, grad_specs=grad_specs)
+            manual_axes=manual_axes, grad_specs=grad_specs, checked=checked)
     grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, grad_specs)
     grad_norm = optax.tree.norm(grads)  # computed once: logged, checked, and the clipping's norm
     loss = loss_sum / total_tokens
@@ -293,11 +305,12 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_l
 
 def jit_train_step(factory: StateFactory, schedule: optax.Schedule, batch_sharding: NamedSharding, *,
                    accum_steps: int = 1, manual_axes: tuple[str, ...] = (), grads_fn: Callable = _grads_one_pass,
-                   grad_clip: float = 0.0, compiler_options: dict[str, str] | None = None) -> Callable:
+                   grad_clip: float = 0.0, compiler_options: dict[str, str] | None = None,
+                   checked: bool = True) -> Callable:
     """The step jitted once: explicit in/out shardings, the state donated."""
     step = functools.partial(train_step, model=factory.model, tx=factory.tx, schedule=schedule,
                              grad_specs=factory.grad_specs, accum_steps=accum_steps, manual_axes=manual_axes,
-                             grad_clip=grad_clip, grads_fn=grads_fn)
+                             grad_clip=grad_clip, grads_fn=grads_fn, checked=checked)
     replicated = NamedSharding(factory.mesh, P())
     return jax.jit(step, in_shardings=(factory.shardings, batch_sharding),
                    out_shardings=(factory.shardings, replicated), donate_argnums=0,
@@ -317,5 +330,5 @@ def build(run: Run) -> tuple[StateFactory, Callable]:
     step = jit_train_step(factory, optimizer_lib.learning_rate_schedule(config), run.batch_sharding,
                           accum_steps=config.train.grad_accum_steps, manual_axes=run.accumulation_axes,
                           grads_fn=grads_fn, grad_clip=config.train.grad_clip,
-                          compiler_options=run.compiler_options)
+                          compiler_options=run.compiler_options, checked=not run.kernels)
     return factory, step
