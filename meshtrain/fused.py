@@ -27,14 +27,21 @@ def fused_rms_norm(x: jax.Array, weight: jax.Array, *, eps: float) -> jax.Array:
     return per_shard(local, (spec, P()), spec, batch + length)(x, weight)
 
 
-def fused_loss_sum(hidden: jax.Array, w_out: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
-    """Pallas output projection + cross-entropy summed over tokens: hidden [B,T,D], w_out [D,V] whole."""
+def fused_loss_sum(hidden: jax.Array, w_out: jax.Array, targets: jax.Array, mask: jax.Array, *,
+                   vocab_split: bool = False) -> jax.Array:
+    """Pallas output projection + cross-entropy summed over tokens: hidden [B,T,D], w_out [D,V].
+
+    Each device runs the kernel on its rows. When `vocab_split` (the head's vocabulary rests split
+    over `tensor`) each device also keeps its vocabulary block and the kernel combines the per-token
+    log-sum-exp over `tensor`: per token two floats cross the axis instead of the [D, V] head.
+    """
     rows = auto_axes(BATCH_AXES + ("sequence",))
+    vocab = auto_axes(("tensor",)) if vocab_split else ()
     row_spec = P(rows or None)
     d = hidden.shape[-1]
 
     def local(hidden, w_out, targets, mask):
-        loss = fused_cross_entropy(hidden, w_out, targets, mask)
+        loss = fused_cross_entropy(hidden, w_out, targets, mask, vocab_axis=vocab[0] if vocab else None)
         return jax.lax.psum(loss, rows) if rows else loss
-    return per_shard(local, (row_spec, P(), row_spec, row_spec), P(), rows)(
+    return per_shard(local, (row_spec, P(None, vocab or None), row_spec, row_spec), P(), rows + vocab)(
         hidden.reshape(-1, d), w_out, targets.reshape(-1), mask.reshape(-1))

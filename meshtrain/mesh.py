@@ -115,9 +115,28 @@ def _hybrid_device_array(ici: tuple[int, ...], dcn: tuple[int, ...], devices: li
 CPU_COMPILER_OPTIONS: dict[str, str] = {"xla_disable_hlo_passes": "all-reduce-promotion"}
 
 
+# Playbook, "Data Parallelism" (overlap) and "ZeRO-3" (prefetch): on GPU the collectives should run
+# behind compute. XLA:GPU's latency-hiding scheduler orders each asynchronous start/done pair
+# around independent compute; the collective pipeliner moves a scanned layer's all-gather into the
+# previous iteration and its reduce-scatter / all-reduce into the next, so layer i's weights are
+# gathered while layer i-1 computes (FSDP's prefetch), and the while-loop double buffering unrolls
+# the layer scan by two so that the moved collectives have a neighbour to hide behind.
+# `bench/gpu/overlap.py` counts the pairs and the compute between them on the first GPU run.
+GPU_COMPILER_OPTIONS: dict[str, str] = {
+    "xla_gpu_enable_latency_hiding_scheduler": "true",
+    "xla_gpu_enable_pipelined_all_gather": "true",
+    "xla_gpu_enable_pipelined_reduce_scatter": "true",
+    "xla_gpu_enable_pipelined_all_reduce": "true",
+    "xla_gpu_enable_while_loop_double_buffering": "true",
+}
+
+
 def compiler_options(mesh: jax.sharding.Mesh) -> dict[str, str]:
     """XLA options for programs compiled over `mesh` (`jax.jit(..., compiler_options=...)`)."""
-    return dict(CPU_COMPILER_OPTIONS) if mesh.devices.flat[0].platform == "cpu" else {}
+    platform = mesh.devices.flat[0].platform
+    if platform == "cpu":
+        return dict(CPU_COMPILER_OPTIONS)
+    return dict(GPU_COMPILER_OPTIONS) if platform in ("gpu", "cuda", "rocm") and mesh.size > 1 else {}
 
 
 def single_device_mesh(device: jax.Device | None = None) -> jax.sharding.Mesh:

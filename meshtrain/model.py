@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from typing import Any
 
@@ -81,6 +82,26 @@ class RMSNorm(nn.Module):
         return (normed * scale.astype(jnp.float32)).astype(x.dtype)
 
 
+def column_parallel(x: jax.Array, weights: tuple[jax.Array, ...], name: str, rules: Rules, dtype) -> list[jax.Array]:
+    """x [B,T,D] times column-parallel weights [D, n_i, ...] (dim 1 the logical `name`) as one matmul.
+
+    Playbook, "Tensor Parallelism": Q, K and V (and the MLP's gate and up) read the same input, so
+    its gradient is one sum over all their columns. Each weight is viewed as [D, shards, n_i/shards,
+    ...] (`shards`: the devices splitting `name`) and the blocks are joined per shard, which keeps
+    the join local to each device; one matmul then gives one partial input gradient, reduced over
+    `tensor` once instead of once per weight (the fused QKV projection of Megatron-LM). The output
+    is pinned to whole sequences split by `name`, so under sequence parallelism the activation is
+    gathered, not the weights.
+    """
+    shards = rules.shards(name)
+    blocks = [w.astype(dtype).reshape(w.shape[0], shards, w.shape[1] // shards, *w.shape[2:]) for w in weights]
+    y = jnp.einsum("btd,dsn...->btsn...", x, jnp.concatenate(blocks, axis=2))
+    y = constrain(y, ("batch", "length", f"act_{name}") + (None,) * (y.ndim - 3), rules)
+    cuts = list(itertools.accumulate(b.shape[2] for b in blocks))[:-1]
+    parts = jnp.split(y, cuts, axis=3)
+    return [part.reshape(*x.shape[:2], *w.shape[1:]) for part, w in zip(parts, weights, strict=True)]
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention; heads split over `tensor` (Megatron column/row parallel)."""
 
@@ -96,9 +117,7 @@ class Attention(nn.Module):
         wk = _param(self, "wk", (d, kv, dh), ("embed", "kv_heads", "head_dim"))
         wv = _param(self, "wv", (d, kv, dh), ("embed", "kv_heads", "head_dim"))
         wo = _param(self, "wo", (h, dh, d), ("heads", "head_dim", "embed"))
-        q = jnp.einsum("btd,dhk->bthk", x, wq.astype(dtype))
-        k = jnp.einsum("btd,dhk->bthk", x, wk.astype(dtype))
-        v = jnp.einsum("btd,dhk->bthk", x, wv.astype(dtype))
+        q, k, v = column_parallel(x, (wq, wk, wv), "heads", self.rules, dtype)
         q = constrain(rope(q, positions, cfg.rope_theta), ("batch", "length", "act_heads", None), self.rules)
         k = constrain(rope(k, positions, cfg.rope_theta), ("batch", "length", "act_kv_heads", None), self.rules)
         v = constrain(v, ("batch", "length", "act_kv_heads", None), self.rules)
@@ -119,8 +138,7 @@ class Mlp(nn.Module):
         w_gate = _param(self, "w_gate", (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"))
         w_up = _param(self, "w_up", (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"))
         w_down = _param(self, "w_down", (cfg.mlp_dim, cfg.d_model), ("mlp", "embed"))
-        gate = jnp.einsum("btd,df->btf", x, w_gate.astype(dtype))
-        up = jnp.einsum("btd,df->btf", x, w_up.astype(dtype))
+        gate, up = column_parallel(x, (w_gate, w_up), "mlp", self.rules, dtype)
         hidden = constrain(nn.silu(gate) * up, ("batch", "length", "act_mlp"), self.rules)
         return jnp.einsum("btf,fd->btd", hidden, w_down.astype(dtype))
 
@@ -253,7 +271,8 @@ class Transformer(nn.Module):
         for name, value in metrics.items():
             self.sow("metrics", name, value, reduce_fn=lambda _, new: new, init_fn=lambda: jnp.zeros(()))
         if self.cfg.fused_loss:
-            return fused_loss_sum(x, self.head_weight().astype(x.dtype), batch["targets"], batch["loss_mask"]), aux
+            return fused_loss_sum(x, self.head_weight().astype(x.dtype), batch["targets"], batch["loss_mask"],
+                                  vocab_split=self._vocab_split() and not self.cfg.tie_embeddings), aux
         return cross_entropy_sum(self._logits(x), batch["targets"], batch["loss_mask"], self._vocab_split()), aux
 
     def _vocab_split(self) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -68,8 +69,10 @@ class Placement:
     @classmethod
     def for_zero_stage(cls, rules: Rules, zero_stage: int) -> Placement:
         replicated = rules.without_fsdp()
+        # ZeRO-1 reduce-scatters the gradient to the optimizer's shards as ZeRO-2 does (playbook, "ZeRO-1"):
+        # in one compiled step the whole local gradient exists once either way, so the two compile alike.
         return cls(params=rules if zero_stage >= 3 else replicated,
-                   grads=rules if zero_stage >= 2 else replicated,
+                   grads=rules if zero_stage >= 1 else replicated,
                    opt_state=rules if zero_stage >= 1 else replicated)
 
 
@@ -182,22 +185,30 @@ def _split_micro(x: jax.Array, accum: int) -> jax.Array:
     return jnp.swapaxes(x.reshape(b // accum, accum, *x.shape[1:]), 0, 1)
 
 
-def _grads_one_pass(params, batch, model, total_tokens, accum_steps):
-    """((loss_sum, aux), grads) of one (micro-)batch; the loss is pre-divided by the global token count."""
+def _grads_one_pass(params, batch, model, total_tokens, accum_steps, copies: int = 1):
+    """((loss_sum, aux), grads) of one (micro-)batch; the loss is pre-divided by the global token count.
+
+    `copies`: on how many devices of an enclosing manual region each device's `aux` (MoE losses of
+    statistics summed over the region) is the same value. Each device adds it to its own loss, and
+    the backward of that implicit broadcast sums the copies' cotangents, so each adds 1/copies.
+    """
     def loss_fn(params, micro):
         # `aux` holds auxiliary losses (added); the model sows logged-only scalars into "metrics".
         (loss_sum, aux), sown = model.apply({"params": params}, micro, method=model_lib.Transformer.loss,
                                             mutable=["metrics"])
-        return loss_sum / total_tokens + sum(aux.values()) / accum_steps, (loss_sum, {**aux, **sown.get("metrics", {})})
+        added = sum(aux.values()) / (accum_steps * copies)
+        return loss_sum / total_tokens + added, (loss_sum, {**aux, **sown.get("metrics", {})})
     (_, (loss_sum, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
     return loss_sum, aux, grads
 
 
 def _accumulate_local(params, micro_batches, model, total_tokens, accum_steps, varying_axes=()):
     """Scan over micro-batches summing float32 gradients; no collective over the batch axes inside."""
+    copies = math.prod(model.rules.size(a) for a in varying_axes)
+
     def accumulate(carry, micro):
         grads_acc, loss_acc = carry
-        loss_sum, aux, grads = _grads_one_pass(params, micro, model, total_tokens, accum_steps)
+        loss_sum, aux, grads = _grads_one_pass(params, micro, model, total_tokens, accum_steps, copies)
         grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
         return (grads_acc, loss_acc + loss_sum), aux
 
@@ -278,7 +289,9 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_l
     `grad_clip` > 0 scales the gradients to at most that global norm before `tx`.
     """
     total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
-    if accum_steps == 1:
+    # One micro-batch still goes through the manual loop (its hand-written, once-per-step reduction)
+    # unless a pipeline's stage loop, itself manual over the batch axes, reduces the gradients.
+    if accum_steps == 1 and (model.pipeline is not None or not manual_axes):
         loss_sum, aux, grads = grads_fn(state.params, batch, model, total_tokens, 1)
     else:
         loss_sum, aux, grads = accumulate_gradients(

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.hlo_utils import collectives_by_computation
-from tests.utils import resolve, run_steps, synthetic_batches, tiny_config
+from tests.utils import AXES, load_config_file, resolve, run_steps, synthetic_batches, tiny_config
 
 
 @pytest.mark.parametrize("mesh", [{}, {"data": 2, "fsdp": 2}], ids=["1dev", "data2-fsdp2"])
@@ -40,3 +40,37 @@ def test_no_gradient_collective_inside_micro_batch_loop():
     n_params = sum(x.size for x in jax.tree.leaves(factory.abstract.params))
     reduced = sum(elems for kind, elems in by_comp["ENTRY"] if kind == "all-reduce")
     assert n_params <= reduced <= n_params + 8  # every gradient once, plus scalars
+
+
+def _moe_config(mesh: dict, **overrides):
+    c = load_config_file("tiny_moe")
+    c.model.dtype, c.data.source = "float32", "synthetic"
+    c.train.seq_len, c.train.warmup_steps = 32, 1
+    for axis in AXES:
+        c.mesh[axis] = mesh.get(axis, 1)
+    for key, value in overrides.items():
+        section, leaf = key.split(".")
+        c[section][leaf] = value
+    return c
+
+
+FEATURES = [
+    ("moe", {"data": 2, "expert": 2}, {}),
+    ("moe-zero3", {"fsdp": 2, "expert": 2}, {"train.zero_stage": 3}),
+    ("ring", {"sequence": 2, "data": 2}, {"attention.impl": "ring"}),
+    ("zero3", {"fsdp": 2, "data": 2}, {"train.zero_stage": 3}),
+]
+
+
+@pytest.mark.parametrize("name, mesh, overrides", FEATURES, ids=[f[0] for f in FEATURES])
+def test_accumulation_with_each_feature_equals_one_device_one_batch(name, mesh, overrides):
+    """The manual accumulation loop (MoE exchange and router losses, ring attention, ZeRO-3 shards
+    inside) on a mesh == one device, one batch: 2 steps, float32 (composite: 1e-4)."""
+    make = _moe_config if name.startswith("moe") else (lambda m, **o: tiny_config(m, **{"train.seq_len": 32, **o}))
+    single = make({}, **{"train.batch_size": 16, **overrides})
+    batches = synthetic_batches(single, 2, seed=5)
+    ref_losses, ref_params, _ = run_steps(single, batches)
+    accum = make(mesh, **{"train.batch_size": 16, "train.grad_accum_steps": 2, **overrides})
+    losses, params, _ = run_steps(accum, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+    chex.assert_trees_all_close(params, ref_params, rtol=1e-4, atol=1e-5)

@@ -62,7 +62,7 @@ def test_llama3_8b_parameter_count():
 def test_state_memory_follows_zero_placement():
     config = tiny_config({"fsdp": 8})
     n = memory.num_params(ModelConfig.from_config(config))
-    for stage, (p, g, o) in {0: (1, 1, 1), 1: (1, 1, 8), 2: (1, 8, 8), 3: (8, 8, 8)}.items():
+    for stage, (p, g, o) in {0: (1, 1, 1), 1: (1, 8, 8), 2: (1, 8, 8), 3: (8, 8, 8)}.items():
         with config.unlocked():
             config.train.zero_stage = stage
         state = memory.state_memory(memory.Step.from_config(config, validate(config, 8)))
@@ -151,3 +151,34 @@ def test_in_node_axes_and_time_model():
     config = load_config_file("llama3_8b")
     est = estimate.estimate(config, validate(config, 64), hardware.get_gpu("h100"))
     assert est.step_seconds >= est.compute_seconds > 0 and 0 < est.mfu <= estimate.EFFICIENCY
+
+
+SCHEDULED = """HloModule step, is_scheduled=true
+
+%rs_body (a: f32[8]) -> f32[2] {
+  %a = f32[8]{0} parameter(0)
+  ROOT %rs = f32[2]{0} reduce-scatter(%a), replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (p: f32[8], w: f32[8,8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %w = f32[8,8]{1,0} parameter(1)
+  %ag-start = (f32[2]{0}, f32[8]{0}) all-gather-start(%p), replica_groups={{0,1,2,3}}, dimensions={0}
+  %f1 = f32[8]{0} fusion(%p), kind=kLoop, calls=%fused
+  %gemm = (f32[8,8]{1,0}, s8[16]{0}) custom-call(%w, %w), custom_call_target="__cublas$gemm"
+  %ag-done = f32[8]{0} all-gather-done(%ag-start)
+  %rs-start = ((f32[8]{0}), f32[2]{0}) async-start(%f1), calls=%rs_body
+  %rs-done = f32[2]{0} async-done(%rs-start)
+  %ar-start = f32[8]{0} all-reduce-start(%ag-done), replica_groups={{0,1,2,3}}, to_apply=%add
+  %f2 = f32[8]{0} fusion(%ag-done), kind=kLoop, calls=%fused
+  ROOT %ar-done = f32[8]{0} all-reduce-done(%ar-start)
+}
+"""
+
+
+def test_async_overlap_counts_compute_between_start_and_done():
+    pairs = {p.kind: p for p in hlo.async_overlap(SCHEDULED)}
+    assert set(pairs) == {"all-gather", "reduce-scatter", "all-reduce"}
+    assert pairs["all-gather"].compute_between == 2 and pairs["all-gather"].overlapped
+    assert pairs["reduce-scatter"].compute_between == 0 and not pairs["reduce-scatter"].overlapped
+    assert pairs["all-reduce"].compute_between == 1

@@ -69,9 +69,10 @@ class CrossEntropyBlockSizes:
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
-    vocab: int  # true vocabulary size; columns past it are padding
+    vocab: int  # true vocabulary size (of this shard); columns past it are padding
     blocks: CrossEntropyBlockSizes
     interpret: bool
+    vocab_axis: str | None = None  # mesh axis the vocabulary is split over (inside a shard_map)
 
 
 def _logits_tile(h_ref, w_ref, cfg: _Config):
@@ -183,21 +184,39 @@ def _backward(cfg: _Config, h, w, labels, lse, scale):
     return dh, dw
 
 
+def _combine(cfg: _Config, lse, target):
+    """Per-token log-sum-exp and target logit over the whole vocabulary from this shard's.
+
+    lse = max + log(sum over shards of exp(lse_shard - max)); the target logit lives on one shard
+    (labels outside a shard hit no column there and add 0).
+    """
+    if cfg.vocab_axis is None:
+        return lse, target
+    top = lax.pmax(lax.stop_gradient(lse), cfg.vocab_axis)
+    lse = top + jnp.log(lax.psum(jnp.exp(lse - top), cfg.vocab_axis))
+    return lse, lax.psum(target, cfg.vocab_axis)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _loss_sum(cfg, h, w, labels, mask):
-    lse, target = _forward(cfg, h, w, labels)
+    lse, target = _combine(cfg, *_forward(cfg, h, w, labels))
     return jnp.sum(mask * (lse - target))
 
 
 def _loss_sum_fwd(cfg, h, w, labels, mask):
-    lse, target = _forward(cfg, h, w, labels)
+    lse, target = _combine(cfg, *_forward(cfg, h, w, labels))
     token_loss = lse - target
     return jnp.sum(mask * token_loss), (h, w, labels, mask, lse, token_loss)
 
 
 def _loss_sum_bwd(cfg, residuals, g):
     h, w, labels, mask, lse, token_loss = residuals
-    dh, dw = _backward(cfg, h, w, labels, lse, mask * g)
+    # Every shard's loss is the whole loss: the cotangent of the shared value is their sum. With the
+    # global lse each shard forms its own columns of softmax - onehot: dw is its shard's gradient;
+    # dh and the mask's cotangent are this shard's share, which the enclosing shard_map adds over
+    # the axis (their inputs are replicated over it).
+    total = g if cfg.vocab_axis is None else lax.psum(g, cfg.vocab_axis)
+    dh, dw = _backward(cfg, h, w, labels, lse, mask * total)
     return dh.astype(h.dtype), dw.astype(w.dtype), None, g * token_loss
 
 
@@ -235,11 +254,18 @@ def fused_cross_entropy(
     *,
     block_sizes: CrossEntropyBlockSizes | None = None,
     interpret: bool | None = None,
+    vocab_axis: str | None = None,
 ) -> jax.Array:
     """Masked sum of token cross-entropies of softmax(hidden @ w_out).
 
     The trainer divides by a global token count, so the sum (not the mean) is
     returned. Gradients flow to hidden and w_out (and to a float mask).
+
+    With `vocab_axis` (inside a `shard_map` with check_vma=False, manual over that mesh axis),
+    `w_out` is this device's contiguous block of the vocabulary, in axis order, and `labels` stay
+    global ids: each device computes its block's log-sum-exp and target logit, and one combine
+    over the axis (pmax + psum of [N] vectors) gives the whole vocabulary's. The [D, V] head is
+    never gathered (playbook, "Tensor Parallelism": the vocabulary-parallel cross-entropy).
 
     Args:
         hidden: [N, D] final hidden states.
@@ -258,8 +284,11 @@ def fused_cross_entropy(
     _validate(hidden, w_out, labels, mask)
     (n, d), v = hidden.shape, w_out.shape[1]
     blocks = (block_sizes or CrossEntropyBlockSizes()).fit(n, v, d)
-    cfg = _Config(vocab=v, blocks=blocks, interpret=resolve_interpret(interpret))
+    cfg = _Config(vocab=v, blocks=blocks, interpret=resolve_interpret(interpret), vocab_axis=vocab_axis)
     mask = mask.astype(jnp.float32)
+    if vocab_axis is not None:  # this shard's columns are [offset, offset + v); other labels hit no column
+        labels = labels - lax.axis_index(vocab_axis) * v
+        labels = jnp.where((labels >= 0) & (labels < v), labels, -1)  # not a padding column either
     h = _pad(_pad(hidden, 0, blocks.block_n), 1, blocks.block_d)
     w = _pad(_pad(w_out, 0, blocks.block_d), 1, blocks.block_v)
     labels_p = _pad(labels.astype(jnp.int32), 0, blocks.block_n)

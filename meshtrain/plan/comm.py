@@ -41,25 +41,20 @@ from meshtrain.plan.memory import Step, dtype_bytes, local_size, param_table
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    """What the compiler emits. GPU: reduce-scatters, summed input-gradients before one all-reduce.
+    """What the compiler emits. GPU: reduce-scatters as such.
 
-    The CPU backend (used by `--verify`) emits all-reduce + dynamic-slice for a reduce-scatter,
-    all-reduces each matmul's input-gradient separately, and runs bf16 collectives in float32.
+    The CPU backend (used by `--verify`) writes the partitioner's reduce-scatters (ZeRO-3, sequence
+    parallelism) as all-reduce + dynamic-slice, and runs bf16 collectives in float32; a
+    reduce-scatter written by hand (`lax.psum_scatter`) stays one.
     """
 
     name: str = "gpu"
     reduce_scatter_as_all_reduce: bool = False
-    reassociate: bool = True
     min_collective_bytes: int = 1
-    # ZeRO-2 with the manual accumulation loop: CPU's all-reduce stand-in for psum_scatter leaves the whole
-    # gradient on every device and the partitioner updates the replicated parameters from it
-    # without the ZeRO-1/2 all-gather (observed in the compiled HLO).
-    gathers_after_manual_scatter: bool = True
 
 
 GPU = Backend()
-CPU = Backend("cpu", reduce_scatter_as_all_reduce=True, reassociate=False, min_collective_bytes=4,
-              gathers_after_manual_scatter=False)
+CPU = Backend("cpu", reduce_scatter_as_all_reduce=True, min_collective_bytes=4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +64,7 @@ class Coll:
     axes: dict[str, int]
     count: float
     what: str
+    manual: bool = False  # written by hand in a shard_map (a reduce-scatter stays one on every backend)
 
 
 def attribute(kind: str, full_bytes: float, axes: dict[str, int]) -> dict[str, float]:
@@ -113,21 +109,15 @@ def _gradient_and_zero(run: Step, remat: str, backend: Backend) -> list[Coll]:
             reduce = {}
             runs = 1
         sharded = "fsdp" in reduce and "fsdp" in _spec_axes(leaf, place["grads"])
+        by_hand = run.zero_stage < 3  # the accumulation loop's psum_scatter; ZeRO-3's comes from the partitioner
         if sharded:
-            out.append(Coll("reduce-scatter", full, {"fsdp": s["fsdp"]}, runs, f"grad {leaf.path}"))
+            out.append(Coll("reduce-scatter", full, {"fsdp": s["fsdp"]}, runs, f"grad {leaf.path}", by_hand))
             rest = {a: n for a, n in reduce.items() if a != "fsdp"}
             if rest:
                 out.append(Coll("all-reduce", full / s["fsdp"], rest, runs, f"grad {leaf.path}"))
-        elif "sequence" in reduce and len(reduce) > 1:
-            # Ring attention: the partitioner reduces over `sequence` and over the other batch axes in
-            # two separate full-size all-reduces (observed in the compiled HLO), not hierarchically.
-            out.append(Coll("all-reduce", full, {"sequence": s["sequence"]}, runs, f"grad {leaf.path}"))
-            rest = {a: n for a, n in reduce.items() if a != "sequence"}
-            out.append(Coll("all-reduce", full, rest, runs, f"grad {leaf.path}"))
         elif reduce:
             out.append(Coll("all-reduce", full, reduce, runs, f"grad {leaf.path}"))
-        manual = run.grad_accum > 1 and run.zero_stage == 2 and not backend.gathers_after_manual_scatter
-        if s["fsdp"] > 1 and run.zero_stage in (1, 2) and not manual and "fsdp" in _spec_axes(leaf, place["optimizer"]):
+        if s["fsdp"] > 1 and run.zero_stage in (1, 2) and "fsdp" in _spec_axes(leaf, place["optimizer"]):
             out.append(Coll("all-gather", full, {"fsdp": s["fsdp"]}, 1, f"updated {leaf.path}"))
         if s["fsdp"] > 1 and run.zero_stage >= 3 and "fsdp" in _spec_axes(leaf, place["params"]):
             passes = 2 if (leaf.in_layers and remat != "none" and not pipelined) else 1
@@ -145,7 +135,7 @@ def _activations(run: Step, remat: str, backend: Backend) -> list[Coll]:
     out = []
     if s["tensor"] > 1:
         tp = {"tensor": s["tensor"]}
-        backward = 2 if backend.reassociate else 5  # q,k,v and gate,up input-gradients, summed or not
+        backward = 2  # the fused q,k,v and gate,up projections: one input gradient each (`model.column_parallel`)
         # full remat recomputes the layer forward in the backward: the attention output's reduction is
         # needed again (the MLP input depends on it), the layer's final MLP reduction is not (dead code).
         recompute = 1 if remat == "full" else 0
@@ -193,7 +183,8 @@ def step_collectives(run: Step, remat: str, backend: Backend = GPU) -> list[Coll
     """Every collective of one optimizer step, with how many times it runs."""
     colls = _gradient_and_zero(run, remat, backend) + _activations(run, remat, backend)
     if backend.reduce_scatter_as_all_reduce:
-        colls = [dataclasses.replace(c, kind="all-reduce") if c.kind == "reduce-scatter" else c for c in colls]
+        colls = [dataclasses.replace(c, kind="all-reduce") if c.kind == "reduce-scatter" and not c.manual else c
+                 for c in colls]
     return colls
 
 

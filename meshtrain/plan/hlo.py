@@ -226,3 +226,54 @@ def bytes_by_axis(found: list[Collective], mesh_shape: dict[str, int]) -> dict[s
         for axis, nbytes in attribute(c.kind, full, group_axes(group, mesh_shape)).items():
             total[axis] += nbytes * c.count
     return dict(total)
+
+
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_START = re.compile(r"\s(" + "|".join(KINDS) + r")-start\(|\sasync-start\(")
+_DONE = re.compile(r"\s(?:" + "|".join(KINDS) + r"|async)-done\(\s*%?([\w.\-]+)")
+_COMPUTE = re.compile(r"\s(?:fusion|custom-call|dot|convolution)\(")
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncPair:
+    """An asynchronous collective in a scheduled module: its kind, where, and the compute between."""
+
+    kind: str
+    computation: str
+    compute_between: int  # fusions / GEMM custom-calls / dots scheduled between its start and done
+
+    @property
+    def overlapped(self) -> bool:
+        return self.compute_between > 0
+
+
+def async_overlap(hlo: str) -> list[AsyncPair]:
+    """Every asynchronous start/done pair of a scheduled module (GPU compiles; CPU has none) with
+    the compute instructions the scheduler placed between them: the overlap the latency-hiding
+    scheduler achieved (playbook, "Data Parallelism": overlap gradient reduction with backward)."""
+    comps, _ = _computations(hlo)
+    pairs = []
+    for comp, lines in comps.items():
+        open_: dict[str, list] = {}  # start name -> [kind, compute count]
+        for line in lines:
+            if (done := _DONE.search(line)) and done.group(1) in open_:
+                kind, between = open_.pop(done.group(1))
+                pairs.append(AsyncPair(kind, comp, between))
+                continue
+            if (start := _START.search(line)) and (name := _NAME.match(line)):
+                kind = start.group(1) or _async_kind(line, comps)
+                open_[name.group(1)] = [kind, 0]
+                continue
+            if _COMPUTE.search(line):
+                for entry in open_.values():
+                    entry[1] += 1
+    return pairs
+
+
+def _async_kind(line: str, comps: dict[str, list[str]]) -> str:
+    """The collective an `async-start` wraps (reduce-scatter, all-to-all on XLA:GPU), by its callee."""
+    callee = _CALLEE.search(line)
+    for body in comps.get(callee.group(1), []) if callee else []:
+        if m := _OP.match(body):
+            return m.group(2)
+    return "async"

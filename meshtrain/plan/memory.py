@@ -151,7 +151,7 @@ class Step:
         rules = self.rules
         flat = rules.without_fsdp()
         z = self.zero_stage
-        return {"params": rules if z >= 3 else flat, "grads": rules if z >= 2 else flat,
+        return {"params": rules if z >= 3 else flat, "grads": rules if z >= 1 else flat,
                 "optimizer": rules if z >= 1 else flat, "compute": flat}
 
 

@@ -4,7 +4,7 @@ Nothing is allocated: the state is `factory.abstract` (ShapeDtypeStructs with sh
 batch is [B, T] ShapeDtypeStructs, so the real llama3_8b shapes compile on a laptop's fake CPU
 devices. `memory_analysis()` gives per-device argument / temporary bytes; the HLO gives the
 collectives (see `hlo.py`). The comparison uses the CPU backend's conventions (`comm.CPU`):
-all-reduce + dynamic-slice for reduce-scatter, float32 collectives, per-matmul input gradients.
+all-reduce + dynamic-slice for the partitioner's reduce-scatters, float32 collectives.
 """
 
 from __future__ import annotations
@@ -75,6 +75,14 @@ def compile_step(config: ml_collections.ConfigDict, devices: list | None = None)
     return compiled, run, time.perf_counter() - start
 
 
+def compiler_bytes(compiled, run: Run) -> dict[str, float]:
+    """Bytes one device sends per step over each mesh axis, counted from the compiled HLO."""
+    pipe = run.pipeline
+    weights = pipe.slot_branch_share() if pipe is not None and pipe.schedule == "1f1b" else None
+    found = hlo.collectives(compiled.as_text(), math.prod(run.sizes.values()), weights)
+    return hlo.bytes_by_axis(found, dict(run.mesh.shape))  # device order: the mesh's
+
+
 def verify(config: ml_collections.ConfigDict, devices: list | None = None) -> Verification:
     """Compiles the configured step on `devices` and compares memory and per-axis bytes with the model."""
     compiled, run, seconds = compile_step(config, devices)
@@ -90,9 +98,6 @@ def verify(config: ml_collections.ConfigDict, devices: list | None = None) -> Ve
     state = mem["params"] + mem["optimizer"]
     temp = mem["grads"] + mem["activations"] + mem["temporaries"]
     model = {"state": state, "temp": temp, "peak": state + batch_bytes + temp}
-    pipe = run.pipeline
-    weights = pipe.slot_branch_share() if pipe is not None and pipe.schedule == "1f1b" else None
-    found = hlo.collectives(compiled.as_text(), math.prod(sizes.values()), weights)
-    compiler_comm = hlo.bytes_by_axis(found, dict(run.mesh.shape))  # device order: the mesh's
+    compiler_comm = compiler_bytes(compiled, run)
     model_comm = comm.bytes_by_axis(comm.step_collectives(step, config.remat.policy, comm.CPU))
     return Verification(sizes, seconds, comp, model, compiler_comm, model_comm)

@@ -1,0 +1,221 @@
+"""The bytes a step must move, axis by axis: the playbook's minimum, and the figures of named choices.
+
+`bench/comm.py` sets these beside the compiler's bytes (`verify.compiler_bytes`). Each figure is a
+`Term`: bytes one device sends per step over one mesh axis, with its formula and its kind:
+
+* "minimum": what the playbook's algorithm must send (appendix A0's ring collectives; sections
+  "Data Parallelism", "ZeRO", "Tensor Parallelism", "Context Parallelism", "Pipeline
+  Parallelism", "Expert parallelism");
+* "choice": what a design choice adds beyond that minimum, named with its memory or schedule
+  price (e.g. ZeRO-3 re-gathering the weights for each micro-batch instead of keeping them);
+* "cpu": what XLA:CPU emits where the GPU compiler emits the minimum (the ledger runs on CPU:
+  its partitioner writes a reduce-scatter as all-reduce + slice, and does not sum a layer's
+  input gradients before reducing them).
+
+Notation: N_a the size of axis a; Psi_l the bytes of parameter l on one device (after the tensor,
+stage and expert splits; float32 gradients); A gradient-accumulation steps; x the [tokens, D]
+residual of one device's micro-batch; L the layers on one stage; p stages, m micro-batches, v
+repeats. A ring all-reduce over N devices sends 2(N-1)/N of its buffer per device, an all-gather
+or reduce-scatter (N-1)/N of the whole; a reduction over several axes runs hierarchically (the
+innermost axis at full size, the next on the reduced shard: `comm.attribute`).
+
+The playbook's A3 arithmetic is corrected where it is off (see `comm.py`'s module docstring).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+from meshtrain.plan.comm import attribute
+from meshtrain.plan.memory import Step, dtype_bytes, local_size, param_table
+
+BATCH = ("data", "fsdp", "expert", "sequence")
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+    axis: str
+    kind: str  # minimum | choice | cpu
+    what: str
+    formula: str
+    bytes: float
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n
+
+
+def _axes(spec) -> set[str]:
+    return {a for e in spec if e for a in ((e,) if isinstance(e, str) else e)}
+
+
+class Ledger:
+    """The terms of one configured step (`Step` from the config and the mesh sizes)."""
+
+    def __init__(self, step: Step, remat: str, schedule: str, cpu: bool = True):
+        self.step, self.remat, self.schedule, self.cpu = step, remat, schedule, cpu
+        self.s = step.sizes
+        self.terms: list[Term] = []
+
+    def add(self, axis: str, kind: str, what: str, formula: str, nbytes: float) -> None:
+        if nbytes > 0 and self.s.get(axis, 1) > 1:
+            self.terms.append(Term(axis, kind, what, formula, nbytes))
+
+    def by_axis(self, kinds: tuple[str, ...] = ("minimum", "choice", "cpu")) -> dict[str, float]:
+        out: dict[str, float] = collections.defaultdict(float)
+        for t in self.terms:
+            if t.kind in kinds:
+                out[t.axis] += t.bytes
+        return dict(out)
+
+    @classmethod
+    def of(cls, config, sizes: dict[str, int], cpu: bool = True) -> Ledger:
+        ledger = cls(Step.from_config(config, sizes), config.remat.policy, config.pipeline.schedule, cpu)
+        ledger.gradients()
+        ledger.tensor()
+        ledger.sequence()
+        ledger.stage()
+        ledger.expert()
+        return ledger
+
+    # ---- gradients and ZeRO ------------------------------------------------------------------
+
+    def gradients(self) -> None:
+        """Data parallelism and ZeRO: each parameter's gradient reduced over the batch axes it is
+        replicated on, once per step; ZeRO's gathers over `fsdp`."""
+        st, s = self.step, self.s
+        place = st.placement()
+        a, z, nf = st.grad_accum, st.zero_stage, s["fsdp"]
+        grouped: dict[tuple, float] = collections.defaultdict(float)
+        for leaf in param_table(st.model):
+            psi = local_size(leaf, place["compute"]) * 4
+            used = _axes(place["compute"].spec(leaf.names, leaf.shape))
+            reduce = tuple(x for x in BATCH if s[x] > 1 and x not in used)
+            rest = tuple(x for x in reduce if x != "fsdp")
+            shards = z >= 1 and "fsdp" in reduce and "fsdp" in _axes(place["optimizer"].spec(leaf.names, leaf.shape))
+            zero3 = z >= 3 and shards
+            grouped[(reduce, rest, shards, zero3, leaf.in_layers)] += psi
+        for (reduce, rest, shards, zero3, in_layers), psi in grouped.items():
+            where = "layer" if in_layers else "embedding/norm/head"
+            if not shards:
+                for axis, b in attribute("all-reduce", psi, dict((x, s[x]) for x in reduce)).items():
+                    self.add(axis, "minimum", f"{where} gradient all-reduce",
+                             f"2(N-1)/N Psi over {'x'.join(reduce)}, hierarchical", b)
+                continue
+            self.add("fsdp", "minimum", f"{where} gradient reduce-scatter", "(N_f-1)/N_f Psi", _ring(nf) * psi)
+            if zero3 and a > 1:
+                self.add("fsdp", "choice", f"{where} gradient reduce-scatter per micro-batch",
+                         "(A-1)(N_f-1)/N_f Psi: gradient shards accumulate (a whole-size accumulator would "
+                         "cost Psi (1-1/N_f) of memory)", (a - 1) * _ring(nf) * psi)
+            for axis, b in attribute("all-reduce", psi / nf, dict((x, s[x]) for x in rest)).items():
+                self.add(axis, "minimum", f"{where} gradient shard all-reduce",
+                         f"2(N-1)/N Psi/N_f over {'x'.join(rest)}", b)
+            if not zero3:
+                self.add("fsdp", "minimum", f"{where} updated-parameter all-gather (ZeRO-1/2)",
+                         "(N_f-1)/N_f Psi", _ring(nf) * psi)
+                continue
+            self.add("fsdp", "minimum", f"{where} weight all-gathers (ZeRO-3: forward, backward)",
+                     "2 (N_f-1)/N_f Psi", 2 * _ring(nf) * psi)
+            if a > 1:
+                self.add("fsdp", "choice", f"{where} weights re-gathered per micro-batch",
+                         "2(A-1)(N_f-1)/N_f Psi (keeping them gathered would cost Psi (1-1/N_f) of memory)",
+                         2 * (a - 1) * _ring(nf) * psi)
+            if self.cpu and s["stage"] == 1:
+                self.add("fsdp", "cpu", f"{where} reduce-scatter written as all-reduce + slice",
+                         "A (N_f-1)/N_f Psi (the GPU compiler's ReduceScatterCreator forms a reduce-scatter)",
+                         a * _ring(nf) * psi)
+
+    # ---- activations -------------------------------------------------------------------------
+
+    def _x(self) -> float:
+        st = self.step
+        return st.micro_tokens * st.model.d_model * dtype_bytes(st.model.dtype) * 1.0
+
+    def tensor(self) -> None:
+        """Megatron TP: per layer two all-reduces of x forward (attention and MLP outputs), two
+        backward (their inputs' gradients); with SP each is a reduce-scatter + all-gather (same bytes).
+        The vocabulary-split head adds its input gradient and the cross-entropy's per-token
+        max / sum-exp / target (three reductions of [tokens] floats)."""
+        st, s = self.step, self.s
+        nt = s["tensor"]
+        if nt == 1:
+            return
+        a, layers, x = st.grad_accum, st.model.n_layers // s["stage"], self._x()
+        count = a * (4 * layers + 1)
+        self.add("tensor", "minimum", "TP/SP activation reductions", "A (4L+1) 2(N_t-1)/N_t x",
+                 count * 2 * _ring(nt) * x)
+        lse = a * 3 * st.micro_tokens * 4
+        self.add("tensor", "minimum", "vocab-parallel cross-entropy", "A 3 2(N_t-1)/N_t tokens 4B", 2 * _ring(nt) * lse)
+        if self.remat == "full":
+            self.add("tensor", "choice", "full remat re-runs the attention output's reduction",
+                     "A L 2(N_t-1)/N_t x", a * layers * 2 * _ring(nt) * x)
+        if not st.model.sequence_parallel:
+            return
+        if self.remat != "none":
+            self.add("tensor", "choice", "remat re-gathers the attention and MLP inputs in the backward",
+                     "A 2L (N_t-1)/N_t x (keeping them costs 2L x (N_t-1)/N_t of activation memory)",
+                     a * 2 * layers * _ring(nt) * x)
+        if self.cpu:
+            self.add("tensor", "cpu", "SP reduce-scatters written as all-reduce + slice", "A (4L+1) (N_t-1)/N_t x",
+                     count * _ring(nt) * x)
+
+    def sequence(self) -> None:
+        """Ring attention: K/V pass N-1 hops forward; backward K/V N-1 hops and dK/dV N hops (home)."""
+        st, s = self.step, self.s
+        n = s["sequence"]
+        if n == 1 or st.model.num_experts < 0:
+            return
+        m = st.model
+        kv = 2 * st.micro_tokens * (m.n_kv_heads // s["tensor"]) * m.head_dim * dtype_bytes(m.dtype)
+        per = st.grad_accum * (m.n_layers // s["stage"])
+        self.add("sequence", "minimum", "ring K/V and dK/dV", "A L ((N-1) + (N-1) + N) kv", per * (3 * n - 2) * kv)
+        if self.remat != "none":
+            self.add("sequence", "choice", "remat re-runs the forward ring in the backward",
+                     "A L (N-1) kv", per * (n - 1) * kv)
+
+    def stage(self) -> None:
+        """Pipeline: each micro-batch's activation crosses each stage boundary once forward, its
+        gradient once backward: 2 m (p v - 1)/p act per device on average."""
+        st, s = self.step, self.s
+        p = s["stage"]
+        if p == 1:
+            return
+        v = st.pipeline_repeats if self.schedule == "circular" else 1
+        m = st.microbatches
+        act = self._x() * st.grad_accum / m
+        self.add("stage", "minimum", "activations and their gradients", "2 m (p v - 1)/p act",
+                 2 * m * (p * v - 1) / p * act)
+        ticks = v * m + p - 1
+        if self.schedule == "1f1b":
+            self.add("stage", "choice", "a permute every tick, idle warm-up/cool-down ticks included",
+                     "2 (p-1) (p-1)/p act (one SPMD program: every device takes part in every tick)",
+                     2 * (p - 1) * (p - 1) / p * act)
+            head = sum(local_size(leaf, st.placement()["compute"]) * 4 for leaf in param_table(st.model)
+                       if not leaf.in_layers)
+            self.add("stage", "choice", "embedding/norm/head gradients all-reduced over stage",
+                     "2(p-1)/p Psi_outer (1F1B keeps them on every stage)", 2 * _ring(p) * head)
+        else:
+            self.add("stage", "choice", "a permute every tick on every stage, the wrap-around included",
+                     "2 (v m + p - 1) act - minimum (the ring-buffer loop)",
+                     2 * ticks * act - 2 * m * (p * v - 1) / p * act)
+            self.add("stage", "choice", "stack output all-reduced over stage, and its gradient",
+                     "2 2(p-1)/p x (the head runs replicated over stage)", 2 * 2 * _ring(p) * self._x())
+
+    def expert(self) -> None:
+        """EP: dispatch and combine all-to-alls forward, their transposes backward, per MoE layer."""
+        st, s = self.step, self.s
+        ne, m = s["expert"], st.model
+        if ne == 1 or not m.num_experts:
+            return
+        layers = math.ceil(m.n_layers // s["stage"] / m.moe_every)
+        slots = st.micro_tokens * m.experts_per_token * (1.0 if m.moe_dropless else m.capacity_factor)
+        buf = slots * m.d_model * dtype_bytes(m.dtype)
+        minimum = st.grad_accum * layers * 4 * _ring(ne) * buf
+        self.add("expert", "minimum", "dispatch/combine all-to-alls", "A L_moe 4 (N_e-1)/N_e k cf tokens D", minimum)
+        if m.moe_dropless:
+            worst = ne * min(m.experts_per_token, m.num_experts // ne) / m.experts_per_token
+            self.add("expert", "choice", "dropless buffers sized for the worst case",
+                     "(N_e min(k, E/N_e)/k - 1) x minimum (no ragged all-to-all on XLA:CPU; the counts travel "
+                     "beside them)", (worst - 1) * minimum)
