@@ -1,0 +1,209 @@
+"""Pipeline schedules as slot tables: which stage runs which operation on which micro-batch when.
+
+Playbook, "Pipeline Parallelism": "GPipe", "One-forward-one-backward", "Interleaving stages",
+"Zero Bubble and DualPipe". A schedule is, per stage, an ordered list of operations
+
+* F(j, c): the forward of micro-batch j through the stage's model chunk c (of v chunks; chunk c of
+  stage s holds the layers of virtual stage c * p + s),
+* B(j, c): the input-gradient part of its backward (on the critical path: sent upstream at once),
+* W(j, c): the weight-gradient part (needed only by the optimizer step),
+
+and `simulate` runs those lists tick by tick (every operation one unit of time, a result usable
+by a neighbour on the next tick), each stage taking its next operation as soon as what it needs
+exists. The result is the executed table [ticks, p]; `check` verifies it against every dependency
+and `bubble` counts its idle share. Schedules that fuse B and W (gpipe, 1f1b, interleaved_1f1b)
+run W right after its B.
+
+Bubble ratios (idle time of a stage over its busy time, F = B = W = one unit):
+
+* gpipe and 1f1b: (p - 1) / m, the playbook's formula (1F1B changes memory, not the bubble);
+* interleaved_1f1b: (p - 1) / (v m);
+* zero_bubble (ZB-H1): (p - 1) / (3 m): a stage idles only for the F + B - W = 1 unit per
+  upstream stage that the delayed W slots cannot fill, a third of 1F1B's 3 units.
+
+Activations held: a stage holds a micro-batch's activations from its F to its W. 1f1b holds at most
+p - s on stage s, zero_bubble at most p on every stage (1F1B's peak: ZB-H1's "same memory as
+1F1B"), interleaved_1f1b at
+most (p - s - 1) * 2 + (v - 1) * p + 1 chunk activations, each 1/v of a stage's layers: about
+(1 + (p - 1)/(v p)) times 1F1B's, independent of m. `in_flight` counts them from the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+F, B, W = "F", "B", "W"
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    kind: str  # F | B | W
+    micro: int
+    chunk: int = 0
+
+
+def _fused(order: list[Op]) -> list[Op]:
+    """B immediately followed by its W (schedules that do not split the backward)."""
+    out = []
+    for op in order:
+        out.append(op)
+        if op.kind == B:
+            out.append(Op(W, op.micro, op.chunk))
+    return out
+
+
+def stage_orders(schedule: str, p: int, m: int, v: int = 1) -> list[list[Op]]:
+    """Each stage's operations in the order it runs them."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r}: expected one of {SCHEDULES}")
+    if schedule != "interleaved_1f1b":
+        v = 1
+    if schedule == "gpipe":
+        return [_fused([Op(F, j) for j in range(m)] + [Op(B, j) for j in range(m)]) for _ in range(p)]
+    if schedule == "interleaved_1f1b":
+        if m % p:
+            raise ValueError(f"interleaved_1f1b needs micro-batches divisible by stages: m={m}, p={p}")
+        return [_fused(_one_f_one_b(_interleaved(p, m, v, forward=True), _interleaved(p, m, v, forward=False),
+                                    min((p - s - 1) * 2 + (v - 1) * p, m * v))) for s in range(p)]
+    forwards = [Op(F, j) for j in range(m)]
+    backwards = [Op(B, j) for j in range(m)]
+    if schedule == "1f1b":
+        return [_fused(_one_f_one_b(forwards, backwards, min(p - s - 1, m))) for s in range(p)]
+    return [_zero_bubble_order(p, m, s) for s in range(p)]
+
+
+def _interleaved(p: int, m: int, v: int, forward: bool) -> list[Op]:
+    """Megatron's interleaved order: groups of p micro-batches run chunk by chunk (backward: last chunk first)."""
+    ops = []
+    for i in range(m * v):
+        chunk = (i // p) % v
+        ops.append(Op(F if forward else B, (i // (p * v)) * p + i % p, chunk if forward else v - 1 - chunk))
+    return ops
+
+
+def _one_f_one_b(forwards: list[Op], backwards: list[Op], warmup: int) -> list[Op]:
+    """warmup forwards, then one forward and one backward alternately, then the remaining backwards."""
+    order = forwards[:warmup]
+    rest_f, rest_b = forwards[warmup:], list(backwards)
+    while rest_f:
+        order += [rest_f.pop(0), rest_b.pop(0)]
+    return order + rest_b
+
+
+def _zero_bubble_order(p: int, m: int, s: int) -> list[Op]:
+    """ZB-H1 (Qi et al. 2023): 1F1B's F / B order with each W split off and deferred: stage s runs
+    its first s backwards without their W (B is on the critical path, W is not), then one W after
+    each B, and the deferred W last, in the ticks where 1F1B would idle. A stage then holds at most
+    p micro-batches' activations (1F1B's peak, on its stage 0)."""
+    warmup = min(p - s - 1, m)
+    order = [Op(F, j) for j in range(warmup)]
+    next_f, next_b, next_w = warmup, 0, 0
+    while next_b < m:
+        if next_f < m:
+            order.append(Op(F, next_f))
+            next_f += 1
+        order.append(Op(B, next_b))
+        next_b += 1
+        if next_b > s or next_f == m:  # the first s W are deferred
+            order.append(Op(W, next_w))
+            next_w += 1
+    return order + [Op(W, j) for j in range(next_w, m)]
+
+
+def _ready(op: Op, s: int, p: int, v: int, done: dict, split: bool) -> bool:
+    """Whether what `op` on stage `s` needs finished on an earlier tick (done: (kind, stage, j, c) -> tick).
+
+    A gradient leaves a stage after its B when the backward is split (zero_bubble), after its W
+    when B and W are one backward (the others)."""
+    sent = B if split else W
+    if op.kind == F:
+        if s > 0:
+            return (F, s - 1, op.micro, op.chunk) in done
+        return op.chunk == 0 or (F, p - 1, op.micro, op.chunk - 1) in done
+    if op.kind == B:
+        if (F, s, op.micro, op.chunk) not in done:
+            return False
+        if s < p - 1:
+            return (sent, s + 1, op.micro, op.chunk) in done
+        return op.chunk == v - 1 or (sent, 0, op.micro, op.chunk + 1) in done
+    return (B, s, op.micro, op.chunk) in done
+
+
+def simulate(schedule: str, p: int, m: int, v: int = 1) -> list[list[Op | None]]:
+    """The executed table: table[t][s] the operation stage s runs in tick t (None: idle)."""
+    v = v if schedule == "interleaved_1f1b" else 1
+    orders = stage_orders(schedule, p, m, v)
+    position = [0] * p
+    done: dict[tuple, int] = {}
+    table: list[list[Op | None]] = []
+    total = sum(len(o) for o in orders)
+    while sum(position) < total:
+        if len(table) > 4 * total + 4 * p:
+            raise RuntimeError(f"{schedule} p={p} m={m} v={v}: the stage orders deadlock")
+        row: list[Op | None] = []
+        for s in range(p):
+            op = orders[s][position[s]] if position[s] < len(orders[s]) else None
+            row.append(op if op is not None and _ready(op, s, p, v, done, schedule == "zero_bubble") else None)
+        for s, op in enumerate(row):
+            if op is not None:
+                done[(op.kind, s, op.micro, op.chunk)] = len(table)
+                position[s] += 1
+        table.append(row)
+    return table
+
+
+def check(table: list[list[Op | None]], p: int, m: int, v: int = 1, split: bool = False) -> None:
+    """Raises AssertionError unless every F, B and W of every (micro-batch, chunk) runs exactly once
+    on every stage and never before what it needs."""
+    seen: dict[tuple, int] = {}
+    for t, row in enumerate(table):
+        for s, op in enumerate(row):
+            if op is None:
+                continue
+            key = (op.kind, s, op.micro, op.chunk)
+            assert key not in seen, f"{key} runs twice (ticks {seen[key]} and {t})"
+            earlier = {k for k, when in seen.items() if when < t}
+            assert _ready(op, s, p, v, dict.fromkeys(earlier, 0), split), f"{key} at tick {t} runs before its inputs"
+            seen[key] = t
+    expected = {(k, s, j, c) for k in (F, B, W) for s in range(p) for j in range(m) for c in range(v)}
+    missing, extra = sorted(expected - set(seen))[:4], sorted(set(seen) - expected)[:4]
+    assert not missing and not extra, f"missing {missing}, extra {extra}"
+
+
+def bubble(table: list[list[Op | None]]) -> float:
+    """Idle over busy time of a stage (the playbook's t_bubble / t_ideal), from the executed table."""
+    p = len(table[0])
+    busy = sum(op is not None for row in table for op in row)
+    return (len(table) * p - busy) / busy
+
+
+def formula(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """The schedule's bubble ratio (module docstring)."""
+    if schedule == "interleaved_1f1b":
+        return (p - 1) / (v * m)
+    if schedule == "zero_bubble":
+        return (p - 1) / (3 * m)
+    return (p - 1) / m
+
+
+def in_flight(table: list[list[Op | None]]) -> list[int]:
+    """Per stage, the most micro-batch chunks whose activations it holds at once (from its F to its W)."""
+    p = len(table[0])
+    peak, live = [0] * p, [0] * p
+    for row in table:
+        for s, op in enumerate(row):
+            if op is not None and op.kind == F:
+                live[s] += 1
+                peak[s] = max(peak[s], live[s])
+            elif op is not None and op.kind == W:
+                live[s] -= 1
+    return peak
+
+
+def summary(schedule: str, p: int, m: int, v: int = 1) -> str:
+    """One line for the run's start: ticks, bubble, in-flight activations per stage."""
+    table = simulate(schedule, p, m, v)
+    return (f"{schedule}: p={p} m={m}" + (f" v={v}" if schedule == "interleaved_1f1b" else "")
+            + f", {len(table)} ticks, bubble {bubble(table):.3f} of busy time, "
+            f"in flight per stage {in_flight(table)}")

@@ -1,0 +1,53 @@
+"""Pipeline slot tables (`meshtrain/schedules.py`): every dependency respected, every F / B / W of
+every micro-batch exactly once, and the executed tables' bubble equal to each schedule's formula."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshtrain import schedules
+
+GRID = [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)]
+
+
+@pytest.mark.parametrize("schedule", schedules.SCHEDULES)
+@pytest.mark.parametrize("p, m", GRID)
+def test_table_respects_dependencies_and_meets_its_bubble_formula(schedule, p, m):
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    table = schedules.simulate(schedule, p, m, v)
+    schedules.check(table, p, m, v, split=schedule == "zero_bubble")
+    assert schedules.bubble(table) == pytest.approx(schedules.formula(schedule, p, m, v), rel=1e-12)
+
+
+@pytest.mark.parametrize("p, m", GRID)
+def test_zero_bubble_is_a_third_of_1f1b_at_the_same_peak_memory(p, m):
+    zb, one = schedules.simulate("zero_bubble", p, m), schedules.simulate("1f1b", p, m)
+    assert schedules.bubble(zb) <= 0.4 * schedules.bubble(one)
+    assert max(schedules.in_flight(zb)) <= max(schedules.in_flight(one)) == p
+
+
+@pytest.mark.parametrize("p, v", [(2, 2), (4, 2), (4, 4), (8, 2)])
+def test_interleaved_activations_are_bounded_independent_of_m(p, v):
+    """Stage s holds at most (p - s - 1) * 2 + (v - 1) * p + 1 chunk activations, whatever m."""
+    bound = [(p - s - 1) * 2 + (v - 1) * p + 1 for s in range(p)]
+    for m in (p, 4 * p, 8 * p):
+        held = schedules.in_flight(schedules.simulate("interleaved_1f1b", p, m, v))
+        assert all(h <= b for h, b in zip(held, bound, strict=True)), (m, held, bound)
+    assert schedules.in_flight(schedules.simulate("interleaved_1f1b", p, 8 * p, v)) == \
+        schedules.in_flight(schedules.simulate("interleaved_1f1b", p, 4 * p, v))
+
+
+def test_check_rejects_a_table_that_uses_a_gradient_before_it_exists():
+    table = schedules.simulate("1f1b", 2, 2)
+    swapped = [list(row) for row in table]
+    t = next(i for i, row in enumerate(swapped) if row[0] is not None and row[0].kind == schedules.B)
+    swapped[t - 1][0], swapped[t][0] = swapped[t][0], swapped[t - 1][0]
+    with pytest.raises(AssertionError):
+        schedules.check(swapped, 2, 2)
+
+
+def test_unknown_schedule_and_indivisible_interleaving_are_refused():
+    with pytest.raises(ValueError, match="expected one of"):
+        schedules.stage_orders("dualpipe", 2, 4)
+    with pytest.raises(ValueError, match="divisible"):
+        schedules.stage_orders("interleaved_1f1b", 4, 6, 2)
