@@ -19,6 +19,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from meshtrain import (
+    cli,
     config as config_lib,
     data,
     hf,
@@ -118,4 +119,4 @@ def _exit(code: int) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

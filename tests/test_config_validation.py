@@ -1,5 +1,6 @@
 """Bad configs end with one ValueError naming the key, before anything compiles."""
 
+import os
 import subprocess
 import sys
 
@@ -70,3 +71,17 @@ def test_cli_rejects_bad_value_and_unknown_key(tmp_path):
                              env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
     assert unknown.returncode != 0 and "nonexistent" in unknown.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("flag, expected", [
+    ("--config.model.n_layer=3", "--config.model.n_layer: config.model has no key 'n_layer'; closest: n_layers"),
+    ("--config.modl.n_layers=3", "config has no key 'modl'; closest: model"),
+    ("--config.model.n_layers=abc", "--config.model.n_layers=abc"),
+])
+def test_a_bad_override_is_one_line_and_exit_code_2(flag, expected, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "meshtrain.train", "--config", str(ROOT / "configs/tiny.py"), flag],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr[-2000:]
+    assert expected in result.stderr

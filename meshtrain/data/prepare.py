@@ -13,7 +13,7 @@ import sys
 from absl import app
 from ml_collections import config_flags
 
-from meshtrain import data as data_lib
+from meshtrain import cli, data as data_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
 
@@ -47,4 +47,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -16,7 +16,7 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from meshtrain import config as config_lib
+from meshtrain import cli, config as config_lib
 from meshtrain.plan import estimate as estimate_lib, hardware, memory, verify
 from meshtrain.validate import validate
 
@@ -166,4 +166,4 @@ def _verify(chosen: estimate_lib.Estimate, print_table: bool) -> dict:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -1,0 +1,72 @@
+"""Flag parsing shared by meshtrain's commands: a bad `--config.*` flag is one line and exit code 2.
+
+ml_collections applies `--config.a.b=v` overrides while absl parses the command line, before any
+command code runs; a mistyped key would end there in a long traceback. `parse_flags` (absl's
+`app.run(main, flags_parser=parse_flags)`) turns it into one line naming the key and the closest
+valid keys, like every other config error (`config.ConfigError`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import pathlib
+import sys
+
+import ml_collections
+from absl import flags
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    try:
+        return flags.FLAGS(argv)
+    except (AttributeError, KeyError, TypeError, ValueError, flags.Error) as e:
+        print(f"error: {describe(argv, e)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def describe(argv: list[str], error: Exception) -> str:
+    """One line for a failed parse: the unknown key and its closest siblings, or absl's own message."""
+    config = _config_file(argv)
+    if config is not None:
+        for arg in argv[1:]:
+            if arg.startswith("--config.") and (missing := _missing_key(config, arg[len("--config."):].split("=")[0])):
+                return missing
+    text = str(error).strip()
+    if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":  # a repr'd message
+        text = text[1:-1]
+    return " ".join(part.strip() for part in text.replace("\\n", "\n").splitlines())
+
+
+def _config_file(argv: list[str]) -> ml_collections.ConfigDict | None:
+    """The config the command line names (`--config PATH` or `--config=PATH`), loaded, or None."""
+    path = None
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+    if path is None or not pathlib.Path(path.split(":")[0]).is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("meshtrain_cli_config", path.split(":")[0])
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        return module.get_config()
+    except Exception:  # noqa: BLE001 - the config file's own error is reported by the command
+        return None
+
+
+def _missing_key(config: ml_collections.ConfigDict, dotted: str) -> str | None:
+    node, parts = config, dotted.split(".")
+    for depth, name in enumerate(parts):
+        if not isinstance(node, ml_collections.ConfigDict):
+            return None
+        if name not in node:
+            parent = ".".join(["config", *parts[:depth]])
+            keys = sorted(node.keys())
+            close = difflib.get_close_matches(name, keys, n=3, cutoff=0.5)
+            hint = f"closest: {', '.join(close)}" if close else f"valid keys: {', '.join(keys)}"
+            return f"--config.{dotted}: {parent} has no key {name!r}; {hint}"
+        node = node[name]
+    return None
