@@ -20,7 +20,6 @@ import importlib.util
 import json
 import math
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -43,6 +42,7 @@ from meshtrain import (  # noqa: E402
     config as config_lib,
     data,
     model as model_lib,
+    run_loop,
     train_step as train_step_lib,
 )
 from meshtrain.config import ModelConfig  # noqa: E402
@@ -202,7 +202,7 @@ def bench_crash_trials(trials: int, root: str, seed: int = 0) -> dict:
         wait_for, deadline = expected + (2 if trial == 0 else 0), time.monotonic() + 300
         while True:
             text = open(log_path).read()
-            if any(int(s) > wait_for for s in re.findall(r"\] step (\d+) \|", text)) or proc.poll() is not None:
+            if any(s > wait_for for s in run_loop.logged_steps(text)) or proc.poll() is not None:
                 break
             if time.monotonic() > deadline:
                 proc.kill()
@@ -214,8 +214,8 @@ def bench_crash_trials(trials: int, root: str, seed: int = 0) -> dict:
         out["killed_mid_save"] += any("orbax-checkpoint-tmp" in name for name in os.listdir(ckpt_root))
         proc.kill()
         proc.wait()
-        resumed = re.findall(r"resumed from \S+ \(step (\d+)\)", open(log_path).read())
-        out["resumed_ok"] += int(resumed[0]) == expected if resumed else expected == 0
+        resumed = run_loop.resumed_step(open(log_path).read())
+        out["resumed_ok"] += resumed == expected if resumed is not None else expected == 0
         ckpt = checkpoint_lib.Checkpointer(ckpt_root, read_only=True)
         latest = ckpt.latest_step()
         if latest is None:
@@ -264,6 +264,14 @@ def main() -> None:
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(results))
+    if args.crash_trials:
+        c = results["crash_trials"]
+        failed = [f"{name} {c[key]}/{args.crash_trials}" for name, key in
+                  (("trials run", "trials"), ("bitwise correct", "bitwise_ok"), ("resumed", "resumed_ok"))
+                  if c[key] < args.crash_trials]
+        if failed:  # a benchmark that ran fewer trials than asked proves nothing
+            print(f"FAIL: crash trials: {', '.join(failed)}", file=sys.stderr)
+            sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ saves and stops. Checkpoint storage itself is `checkpoint.py`.
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -218,6 +219,22 @@ def evaluate(run: Run, eval_step, params) -> float:
     finally:
         it.close()
     return total_loss / max(total_tokens, 1.0)
+
+
+_LOGGED_STEP = re.compile(r"\bstep (\d+) \| loss ")
+_RESUMED = re.compile(r"resumed from \S+ \(step (\d+)\)")
+
+
+def logged_steps(text: str) -> list[int]:
+    """The steps whose log lines (`format_record`) appear in a run's output: the one reader of that
+    format, for tests and benchmarks that watch a training process."""
+    return [int(s) for s in _LOGGED_STEP.findall(text)]
+
+
+def resumed_step(text: str) -> int | None:
+    """The step a run's output says it resumed from (`Loop.start`), or None."""
+    found = _RESUMED.findall(text)
+    return int(found[0]) if found else None
 
 
 def format_record(record: dict) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import checkpoint as checkpoint_lib, data, train_step as train_step_lib
+from meshtrain import checkpoint as checkpoint_lib, data, run_loop, train_step as train_step_lib
 from meshtrain.run import Run
 from tests.utils import ROOT, cli_args, config_for, load, subprocess_env
 
@@ -64,11 +63,10 @@ class Trial:
             return f.read()
 
     def steps(self) -> list[int]:
-        return [int(s) for s in re.findall(r"\bstep (\d+) \| loss", self.output())]
+        return run_loop.logged_steps(self.output())
 
     def resumed_from(self) -> int | None:
-        found = re.findall(r"resumed from \S+ \(step (\d+)\)", self.output())
-        return int(found[0]) if found else None
+        return run_loop.resumed_step(self.output())
 
     def wait_for_step_after(self, start: int) -> None:
         deadline = time.monotonic() + WAIT_S
