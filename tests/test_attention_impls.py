@@ -20,12 +20,19 @@ def _permuted(batches, perm):
     return [{k: v[:, perm] for k, v in b.items()} for b in batches]
 
 
-@pytest.mark.parametrize("mesh,accum", [({"sequence": 4}, 1), ({"data": 2, "sequence": 2, "tensor": 2}, 2),
-                                        ({"data": 8}, 1)],
-                         ids=["sequence4", "data2-sequence2-tensor2-accum2", "data8-ring-degenerate"])
-def test_ring_attention_trains_like_single_device(tiny_reference, mesh, accum):
+RING_3D = {"data": 2, "sequence": 2, "tensor": 2}
+
+
+@pytest.mark.parametrize("mesh,accum,sp", [({"sequence": 4}, 1, False), (RING_3D, 2, False), (RING_3D, 1, True),
+                                           ({"data": 8}, 1, False)],
+                         ids=["sequence4", "data2-sequence2-tensor2-accum2", "data2-sequence2-tensor2-sp",
+                              "data8-ring-degenerate"])
+def test_ring_attention_trains_like_single_device(tiny_reference, mesh, accum, sp):
+    """Ring attention alone, with TP and accumulation, and with sequence parallelism over `tensor`
+    (the norm regions split over `tensor` on top of the ring's `sequence` split)."""
     batches, ref_losses, ref_params = tiny_reference
-    config = tiny_config(mesh, **{"attention.impl": "ring", "train.grad_accum_steps": accum})
+    config = tiny_config(mesh, **{"attention.impl": "ring", "train.grad_accum_steps": accum,
+                                  "model.sequence_parallel": sp})
     sizes = validate(config, int(np.prod(list(mesh.values()))))
     losses, params, _ = run_steps(config, _permuted(batches, attention.data_permutation(config, sizes)))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
