@@ -25,7 +25,8 @@ INSTALL_REQUIRES = [
 HF_TEST = ["torch==2.13.0", "transformers==5.23.0", "safetensors==0.8.0"]
 
 EXTRAS = {
-    "test": ["pytest==9.0.3", "pytest-xdist==3.8.0", *HF_TEST],
+    # tokenizers / sentencepiece: the tokenizer.json and .model readers (data.tokenizer)
+    "test": ["pytest==9.0.3", "pytest-xdist==3.8.0", "tokenizers==0.23.3", "sentencepiece==0.2.3", *HF_TEST],
     "gpu": ["jax[cuda12]==0.10.2"],
 }
 

@@ -8,6 +8,8 @@ import sys
 
 import numpy as np
 import pytest
+import sentencepiece
+import tokenizers as hf_tokenizers
 
 from meshtrain import config as config_lib, data
 from meshtrain.data import corpus, sources, text_files, tokenizers
@@ -168,3 +170,39 @@ def test_prepare_command_prints_sizes(tmp_path):
     bad = subprocess.run([*command[:-2], "--config.data.files=/no/such/dir/*"], check=False, capture_output=True,
                          text=True, timeout=120, cwd=REPO, env=env)
     assert bad.returncode != 0 and "config.data.files='/no/such/dir/*': the glob matches no files" in bad.stderr
+
+
+TEXT = ["def add(a, b):\n    return a + b\n", "class Point:\n    x: int = 0\n", "import os\nprint(os.getcwd())\n"] * 20
+
+
+def test_tokenizer_json_encodes_and_decodes(tmp_path):
+    """A tiny BPE `tokenizer.json` built here: ids within its vocabulary, BOS / EOS found, round trip."""
+    tok = hf_tokenizers.Tokenizer(hf_tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = hf_tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = hf_tokenizers.decoders.ByteLevel()
+    trainer = hf_tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+                                                initial_alphabet=hf_tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TEXT, trainer)
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    loaded = tokenizers.load_tokenizer(str(path))
+    assert (loaded.bos_id, loaded.eos_id, loaded.pad_id) == (1, 2, 3)
+    ids = loaded.encode(TEXT[0])
+    assert ids.dtype == np.int32 and 0 <= ids.min() and ids.max() < loaded.vocab_size
+    assert len(ids) < len(TEXT[0])  # merges learned from the text
+    assert loaded.decode(ids) == TEXT[0]
+
+
+def test_sentencepiece_model_encodes_and_decodes(tmp_path):
+    """A tiny sentencepiece model trained here: ids within its vocabulary, BOS / EOS / PAD, round trip."""
+    prefix = tmp_path / "sp"
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(TEXT), model_prefix=str(prefix), vocab_size=64,
+                                             model_type="bpe", pad_id=3, character_coverage=1.0,
+                                             normalization_rule_name="identity", remove_extra_whitespaces=False,
+                                             minloglevel=2)
+    loaded = tokenizers.load_tokenizer(f"{prefix}.model")
+    assert (loaded.bos_id, loaded.eos_id, loaded.pad_id) == (1, 2, 3)
+    assert loaded.vocab_size == 64 and loaded.name.startswith("sp-")
+    ids = loaded.encode("def add(a, b):")
+    assert ids.dtype == np.int32 and 0 <= ids.min() and ids.max() < 64
+    assert loaded.decode(ids) == "def add(a, b):"
