@@ -31,13 +31,23 @@ def unsharded():
     return _bytes(state), _bytes(state.params), _bytes(state.opt_state)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_state_bytes_per_device(unsharded, stage):
     total, params, opt = unsharded
     factory, memory, batch_bytes = _compiled(tiny_config({"fsdp": 8}, **{"train.zero_stage": stage}))
     state_bytes = memory.argument_size_in_bytes - batch_bytes
-    expected = {0: total, 1: params + opt / 8, 3: total / 8}[stage]
+    expected = {0: total, 1: params + opt / 8, 2: params + opt / 8, 3: total / 8}[stage]  # gradients are not state
     assert abs(state_bytes - expected) <= 0.05 * expected, (stage, state_bytes, expected)
-    if stage == 1:  # only the optimizer state is sharded
+    if stage in (1, 2):  # only the optimizer state is sharded between steps
         specs = jax.tree.leaves(factory.specs.params, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
         assert all("fsdp" not in str(s) for s in specs)
+
+
+def test_zero2_gradient_rests_sharded_in_temp_memory(unsharded):
+    """ZeRO-2 (and ZeRO-1, which compiles alike: the gradient is reduce-scattered to the optimizer's
+    shards) holds the reduced gradient as a 1/N shard: the compiled step's temp memory is at least
+    (N-1)/N of the gradient's bytes below ZeRO-0's on fsdp=8."""
+    _, params, _ = unsharded  # float32 gradients: as many bytes as the float32 parameters
+    temps = {stage: _compiled(tiny_config({"fsdp": 8}, **{"train.zero_stage": stage}))[1].temp_size_in_bytes
+             for stage in (0, 2)}
+    assert temps[0] - temps[2] >= (1 - 1 / 8) * params, temps
