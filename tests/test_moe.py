@@ -111,6 +111,27 @@ def test_capacity_drops_overflow_and_counts_it():
     np.testing.assert_allclose(float(stats["dropped"]), float(1 - keep.mean()), rtol=1e-6)
 
 
+def test_skewed_router_drops_under_capacity_and_not_dropless():
+    """Every token prefers experts 0 and 1: capacity (factor 1) drops most choices, dropless keeps all
+    and equals the per-token reference under expert parallelism (values and gradients)."""
+    params, x, cot = _inputs(2)
+    x = x.at[..., 0].set(5.0)  # a constant feature the router reads ...
+    params["router"] = params["router"].at[0, :2].set(10.0).at[0, 2:].set(-10.0)  # ... towards experts 0, 1
+    _, _, _, experts = moe.route(x, params["router"], K)
+    assert set(np.unique(np.asarray(experts)).tolist()) == {0, 1}
+    capped = dataclasses.replace(CFG, capacity_factor=1.0)
+    _, stats, _ = _layer_vjp(capped, {"data": 2, "expert": 4}, params, x, cot)
+    assert float(stats["dropped"]) > 0.5
+    y_ref, g_ref = _reference_vjp(params, x, cot)
+    y, stats, grads = _layer_vjp(dataclasses.replace(capped, moe_dropless=True), {"data": 2, "expert": 4},
+                                 params, x, cot)
+    assert float(stats["dropped"]) == 0.0
+    np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(grads[1], g_ref[1], atol=1e-5, rtol=1e-5)
+    for name in params:
+        np.testing.assert_allclose(grads[0][name], g_ref[0][name], atol=1e-5, rtol=1e-5, err_msg=name)
+
+
 def test_capacity_slots_hand_made():
     # one row, 3 tokens, E = 3, k = 2, C = 2: first choices fill the queues before second choices
     experts = jnp.array([[[0, 1], [0, 2], [0, 1]]])
