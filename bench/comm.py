@@ -66,7 +66,7 @@ CASES = [
 
 
 def case_config(mesh: dict, overrides: dict):
-    from tests.utils import load_config_file, tiny_config
+    from tests.utils import apply_overrides, load_config_file, tiny_config
 
     overrides = dict(overrides)
     if overrides.pop("moe", False):
@@ -76,13 +76,7 @@ def case_config(mesh: dict, overrides: dict):
             config.mesh[axis] = mesh.get(axis, 1)
     else:
         config = tiny_config(mesh)
-    for key, value in overrides.items():
-        *parents, leaf = key.split(".")
-        node = config
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
-    return config
+    return apply_overrides(config, overrides)
 
 
 def measure(name: str, mesh: dict, overrides: dict) -> dict:

@@ -39,13 +39,18 @@ def tiny_config(mesh: dict | None = None, **overrides):
         c.mesh[axis] = 1
     for axis, size in (mesh or {}).items():
         c.mesh[axis] = size
+    return apply_overrides(c, overrides)
+
+
+def apply_overrides(config, overrides: dict):
+    """`config` with each dotted key of `overrides` ("train.zero_stage": 3) set; returns it."""
     for key, value in overrides.items():
         *parents, leaf = key.split(".")
-        node = c
-        for p in parents:
-            node = node[p]
+        node = config
+        for part in parents:
+            node = node[part]
         node[leaf] = value
-    return c
+    return config
 
 
 def composed_config(mesh: dict):
