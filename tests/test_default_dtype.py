@@ -88,6 +88,8 @@ CASES = [
     _case("dense", {"data": 8}, **{"attention.impl": "pallas", "model.fused_norm": True, "model.fused_loss": True}),
     _case("dense", {"data": 2}, **{"attention.impl": "pallas", "model.fused_norm": True, "model.fused_loss": True,
                                    "train.grad_accum_steps": 2}),
+    # test_pallas_cross_entropy: the fused loss on the head's vocabulary shard
+    _case("dense", {"data": 2, "tensor": 2}, **{"model.fused_loss": True}),
     # test_pipeline: every schedule on its meshes, more micro-batches, ZeRO-3 under 1F1B
     *[_case("pipeline", mesh, **{"pipeline.schedule": s, "pipeline.repeats": 2 if s == "circular" else 1})
       for s in ("gpipe", "circular", "1f1b") for mesh in ({"stage": 4}, {"stage": 2, "data": 2, "tensor": 2})],
