@@ -29,11 +29,7 @@ sys.path.insert(0, str(ROOT))
 LIMIT = 1.05
 ACC4 = {"train.grad_accum_steps": 4, "train.batch_size": 32}
 # Cases whose excess is known and not yet removed: reported, not failed.
-OPEN = {
-    "tp ring 1f1b": "inside a 1F1B slot the ring's K/V travel by all-gather over `sequence` (a permute in a "
-                    "conditional deadlocks XLA:CPU), and the partitioner replicates their heads over `tensor` "
-                    "around that gather: the tensor and sequence rows carry the excess",
-}
+OPEN: dict[str, str] = {}
 
 # name, mesh, overrides (dotted keys; "moe": the tiny MoE config)
 CASES = [

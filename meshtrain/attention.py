@@ -70,8 +70,12 @@ def ring(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, zi
          transport: str = "ring") -> jax.Array:
     """Ring attention over `sequence` of the current mesh; the Pallas flash block on GPU."""
     block_fn = flash_attention_with_lse if jax.default_backend() == "gpu" else None
-    return ring_attention.ring_attention(q, k, v, segment_ids, mesh=jax.sharding.get_abstract_mesh(),
-                                         zigzag=zigzag, block_fn=block_fn, transport=transport)
+    mesh = jax.sharding.get_abstract_mesh()
+    heads = auto_axes(("tensor",))
+    if heads and k.shape[2] % mesh.shape["tensor"]:
+        heads = ()  # K/V heads replicated over `tensor`: nothing to keep apart
+    return ring_attention.ring_attention(q, k, v, segment_ids, mesh=mesh, zigzag=zigzag, block_fn=block_fn,
+                                         transport=transport, heads_axes=heads)
 
 
 def in_conditional_slots(fn: AttentionFn) -> AttentionFn:

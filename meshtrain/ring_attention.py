@@ -396,6 +396,7 @@ class _RingStep:
     zigzag: bool
     sm_scale: float
     block: BlockAttention
+    heads: tuple[str, ...] = ()  # automatic mesh axes splitting the heads (the gathered transport's)
 
     def masks(self, seg_q, seg_kv, idx, src) -> dict:
         """The block keywords: segment ids and global token positions of the queries and the keys."""
@@ -512,12 +513,37 @@ def _take(tree, i):
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
 
+def _per_head_shard(collective, heads: tuple[str, ...], in_dims: tuple, out_dims: tuple):
+    """`collective` (over the ring's axis) run on each device's heads when the automatic axes
+    `heads` split them: under a still-automatic `tensor`, the partitioner replicates an
+    all-gather's or reduce-scatter's operand over it first (a collective-permute passes the
+    sharding through), so the K/V heads would cross `tensor` for nothing."""
+    if not heads:
+        return collective
+    def specs(dims):
+        return tuple(P() if d is None else P(*([None] * d), heads) for d in dims)
+    return jax.shard_map(collective, in_specs=specs(in_dims), out_specs=specs(out_dims), axis_names=set(heads))
+
+
+def _gather_blocks(step: _RingStep, k, v, seg):
+    """Every device's (k, v, seg) block, stacked [N, B, L_seq, ...] in device order."""
+    gather = _per_head_shard(lambda *x: lax.all_gather(x, step.axis_name), step.heads, (2, 2, None), (3, 3, None))
+    return gather(k, v, seg)
+
+
+def _scatter_sums(step: _RingStep, dk_all, dv_all):
+    """dK / dV [N, B, L_seq, K, D] of every block summed into their owners: [B, L_seq, K, D]."""
+    def scatter(*d):
+        return tuple(lax.psum_scatter(x, step.axis_name, scatter_dimension=0, tiled=False) for x in d)
+    return _per_head_shard(scatter, step.heads, (3, 3), (2, 2))(dk_all, dv_all)
+
+
 def _forward_gathered(step: _RingStep, q, k, v, seg):
     """The ring's blocks, received by one all-gather over the axis instead of N - 1 hops (the same
     bytes); the blocks are visited in the ring's order, so the result is the ring's to the bit."""
     n, axis = step.n, step.axis_name
     idx = lax.axis_index(axis)
-    every = lax.all_gather((k, v, seg), axis)  # [N, B, L_seq, ...]
+    every = _gather_blocks(step, k, v, seg)  # [N, B, L_seq, ...]
     out = lse = None
     for t in range(n):
         src = (idx - t) % n
@@ -533,7 +559,7 @@ def _backward_gathered(step: _RingStep, q, k, v, seg, out, lse, dout):
     n, axis = step.n, step.axis_name
     idx = lax.axis_index(axis)
     out_f, dout_f = out.astype(jnp.float32), dout.astype(jnp.float32)
-    every = lax.all_gather((k, v, seg), axis)
+    every = _gather_blocks(step, k, v, seg)
     dq = None
     dk_all, dv_all = (jnp.zeros(every[i].shape, jnp.float32) for i in (0, 1))
     for t in range(n):
@@ -544,21 +570,22 @@ def _backward_gathered(step: _RingStep, q, k, v, seg, out, lse, dout):
         dq = dq_b if dq is None else dq + dq_b
         dk_all = lax.dynamic_update_index_in_dim(dk_all, _take(dk_all, src) + dk_b, src, 0)
         dv_all = lax.dynamic_update_index_in_dim(dv_all, _take(dv_all, src) + dv_b, src, 0)
-    dk, dv = (lax.psum_scatter(d, axis, scatter_dimension=0, tiled=False) for d in (dk_all, dv_all))
+    dk, dv = _scatter_sums(step, dk_all, dv_all)
     return dq, dk, dv
 
 
 def _make_local_attention(n: int, axis_name: str, zigzag: bool, sm_scale: float, block: BlockAttention,
-                          transport: str = "ring"):
+                          transport: str = "ring", heads: tuple[str, ...] = ()):
     """The per-device attention over local blocks [B, L_seq, ...]: the forward ring, and the backward
     ring as its `jax.custom_vjp` with O(local block) residuals (q, k, v, segment ids, out, lse).
 
     `transport` "gather" moves the blocks by all-gather and dK/dV by reduce-scatter: for a ring run
     by only some devices at a time (a 1F1B slot, a `lax.switch` whose branch differs per stage),
     where a collective-permute would wait for every device of the mesh (XLA:CPU rendezvous over the
-    permute's whole device set), while all-gather and reduce-scatter meet per group.
+    permute's whole device set), while all-gather and reduce-scatter meet per group. `heads`: the
+    automatic axes that split the K/V heads, across which those two collectives run per shard.
     """
-    step = _RingStep(n, axis_name, zigzag, sm_scale, block)
+    step = _RingStep(n, axis_name, zigzag, sm_scale, block, heads if transport == "gather" else ())
     forward, backward = ((_forward_gathered, _backward_gathered) if transport == "gather" and n > 1
                          else (_forward_ring, _backward_ring))
 
@@ -596,6 +623,7 @@ def ring_attention(
     sm_scale: float | None = None,
     block_fn: BlockForward | BlockAttention | None = None,
     transport: str = "ring",
+    heads_axes: tuple[str, ...] = (),
 ) -> Array:
     """Causal, document-masked, grouped-query ring attention over the `axis_name` ring.
 
@@ -618,6 +646,8 @@ def ring_attention(
         E.g. `pallas_kernels.flash_attention.flash_attention_with_lse` on GPU.
       transport: "ring" (collective-permutes) or "gather" (all-gather / reduce-scatter, the same
         bytes): see `_make_local_attention`.
+      heads_axes: automatic mesh axes that split the heads (K and H) of q, k and v; the gathered
+        transport moves each device's heads only.
 
     Returns:
       [B, T_seq, H, D] attention output in the input token order, dtype of q.
@@ -645,7 +675,11 @@ def ring_attention(
                          f"(= {chunks}) for ring attention (zigzag={zigzag}).")
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     block = _resolve_block_fn(block_fn)
-    local = _make_local_attention(n, axis_name, zigzag, scale, block, transport)
+    heads_axes = tuple(a for a in heads_axes if mesh.shape[a] > 1)
+    if heads_axes and k.shape[2] % math.prod(mesh.shape[a] for a in heads_axes):
+        raise ValueError(f"K={k.shape[2]} key/value heads do not split over {heads_axes} "
+                         f"({[mesh.shape[a] for a in heads_axes]} ways)")
+    local = _make_local_attention(n, axis_name, zigzag, scale, block, transport, heads_axes)
     if inside or n == 1:  # the enclosing region (a pipeline stage) is manual over the ring, or no ring
         return local(q, k, v, segment_ids.astype(jnp.int32))
     x_spec, seg_spec = P(None, axis_name, None, None), P(None, axis_name)

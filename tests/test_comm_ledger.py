@@ -3,7 +3,8 @@
 The compiler's bytes per axis (counted from the HLO) against `plan/ledger.py`'s figures, within 5%,
 for the meshes the gradient-reduction fixes touched: ZeRO-1 and ZeRO-3 with accumulation (reduced
 once per step, hierarchically), TP with fused column-parallel projections, ring attention beside
-`data`, and gpipe (layer gradients reduced once per step). `python bench/comm.py` runs the full list.
+`data`, gpipe (layer gradients reduced once per step), and ring attention inside 1F1B slots beside
+`tensor` (K/V gathered per head shard). `python bench/comm.py` runs the full list.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ CASES = [
     ({"tensor": 4, "data": 2}, {"train.zero_stage": 0}),
     ({"sequence": 4, "data": 2}, {"train.zero_stage": 0, "attention.impl": "ring"}),
     ({"stage": 2, "data": 4}, {"train.zero_stage": 0, "pipeline.microbatches": 8, "train.batch_size": 32}),
+    # ring inside 1F1B slots (gathered transport) beside tensor: each device gathers its own K/V heads
+    ({"stage": 2, "sequence": 2, "tensor": 2}, {"train.zero_stage": 0, "attention.impl": "ring",
+                                                "pipeline.schedule": "1f1b"}),
 ]
 
 

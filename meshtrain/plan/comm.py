@@ -160,8 +160,15 @@ def _activations(run: Step, remat: str, backend: Backend) -> list[Coll]:
         # forward ring (N-1 K/V hops), again when the layer is recomputed, the backward ring's K/V
         # (N-1) and its dK/dV, which travel one more hop home (N).
         n = s["sequence"]
-        hops = (n - 1) * (2 + (1 if remat != "none" else 0)) + n
-        out.append(Coll("collective-permute", kv, {"sequence": s["sequence"]}, layers * hops * micro, "ring K/V"))
+        if s["stage"] > 1 and run.pipeline_schedule == "1f1b":
+            # inside 1F1B slots: one all-gather of the blocks forward, one backward (the recomputed
+            # forward shares it), and one reduce-scatter of dK/dV, written by hand
+            seq = {"sequence": n}
+            out.append(Coll("all-gather", kv * n, seq, layers * 2 * micro, "ring K/V (gathered)", manual=True))
+            out.append(Coll("reduce-scatter", kv * n, seq, layers * micro, "ring dK/dV (scattered)", manual=True))
+        else:
+            hops = (n - 1) * (2 + (1 if remat != "none" else 0)) + n
+            out.append(Coll("collective-permute", kv, {"sequence": n}, layers * hops * micro, "ring K/V"))
     if s["stage"] > 1:
         xm = x * run.grad_accum // run.microbatches
         p = s["stage"]

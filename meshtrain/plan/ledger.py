@@ -88,11 +88,15 @@ class Ledger:
         st, s = self.step, self.s
         place = st.placement()
         a, z, nf = st.grad_accum, st.zero_stage, s["fsdp"]
+        # 1F1B keeps the embedding/norm/head on every stage: their gradients are summed over stage too
+        outer_over_stage = self.schedule == "1f1b" and s["stage"] > 1
         grouped: dict[tuple, float] = collections.defaultdict(float)
         for leaf in param_table(st.model):
             psi = local_size(leaf, place["compute"]) * 4
             used = _axes(place["compute"].spec(leaf.names, leaf.shape))
             reduce = tuple(x for x in BATCH if s[x] > 1 and x not in used)
+            if outer_over_stage and not leaf.in_layers:  # mesh order: stage sits between data and fsdp
+                reduce = tuple(x for x in ("data", "stage") + BATCH[1:] if x in reduce or x == "stage")
             rest = tuple(x for x in reduce if x != "fsdp")
             shards = z >= 1 and "fsdp" in reduce and "fsdp" in _axes(place["optimizer"].spec(leaf.names, leaf.shape))
             zero3 = z >= 3 and shards
@@ -101,8 +105,8 @@ class Ledger:
             where = "layer" if in_layers else "embedding/norm/head"
             if not shards:
                 for axis, b in attribute("all-reduce", psi, dict((x, s[x]) for x in reduce)).items():
-                    self.add(axis, "minimum", f"{where} gradient all-reduce",
-                             f"2(N-1)/N Psi over {'x'.join(reduce)}, hierarchical", b)
+                    self._reduction(axis, b, f"{where} gradient all-reduce",
+                                    f"2(N-1)/N Psi over {'x'.join(reduce)}, hierarchical")
                 continue
             self.add("fsdp", "minimum", f"{where} gradient reduce-scatter", "(N_f-1)/N_f Psi", _ring(nf) * psi)
             if zero3 and a > 1:
@@ -110,8 +114,8 @@ class Ledger:
                          "(A-1)(N_f-1)/N_f Psi: gradient shards accumulate (a whole-size accumulator would "
                          "cost Psi (1-1/N_f) of memory)", (a - 1) * _ring(nf) * psi)
             for axis, b in attribute("all-reduce", psi / nf, dict((x, s[x]) for x in rest)).items():
-                self.add(axis, "minimum", f"{where} gradient shard all-reduce",
-                         f"2(N-1)/N Psi/N_f over {'x'.join(rest)}", b)
+                self._reduction(axis, b, f"{where} gradient shard all-reduce",
+                                f"2(N-1)/N Psi/N_f over {'x'.join(rest)}")
             if not zero3:
                 self.add("fsdp", "minimum", f"{where} updated-parameter all-gather (ZeRO-1/2)",
                          "(N_f-1)/N_f Psi", _ring(nf) * psi)
@@ -126,6 +130,16 @@ class Ledger:
                 self.add("fsdp", "cpu", f"{where} reduce-scatter written as all-reduce + slice",
                          "A (N_f-1)/N_f Psi (the GPU compiler's ReduceScatterCreator forms a reduce-scatter)",
                          a * _ring(nf) * psi)
+
+    def _reduction(self, axis: str, nbytes: float, what: str, formula: str) -> None:
+        """A gradient reduction's share on `axis`: the playbook's minimum over the batch axes; over
+        `stage` (1F1B's embedding/norm/head, present on every stage) a choice of the schedule."""
+        if axis == "stage":
+            self.add(axis, "choice", "embedding/norm/head gradients summed over stage",
+                     f"{formula} (1F1B keeps them on every stage; the hierarchical reduction crosses stage "
+                     "with the shard the batch axes inside it leave)", nbytes)
+        else:
+            self.add(axis, "minimum", what, formula, nbytes)
 
     # ---- activations -------------------------------------------------------------------------
 
@@ -143,11 +157,14 @@ class Ledger:
         if nt == 1:
             return
         a, layers, x = st.grad_accum, st.model.n_layers // s["stage"], self._x()
-        count = a * (4 * layers + 1)
-        self.add("tensor", "minimum", "TP/SP activation reductions", "A (4L+1) 2(N_t-1)/N_t x",
+        # the head: on every device, except under 1F1B where only the last stage runs it (1/p per device)
+        head, per = (1 / s["stage"], "/p") if self.schedule == "1f1b" and s["stage"] > 1 else (1, "")
+        count = a * (4 * layers + head)
+        self.add("tensor", "minimum", "TP/SP activation reductions", f"A (4L+1{per}) 2(N_t-1)/N_t x",
                  count * 2 * _ring(nt) * x)
-        lse = a * 3 * st.micro_tokens * 4
-        self.add("tensor", "minimum", "vocab-parallel cross-entropy", "A 3 2(N_t-1)/N_t tokens 4B", 2 * _ring(nt) * lse)
+        lse = a * head * 3 * st.micro_tokens * 4
+        self.add("tensor", "minimum", "vocab-parallel cross-entropy", f"A 3{per} 2(N_t-1)/N_t tokens 4B",
+                 2 * _ring(nt) * lse)
         if self.remat == "full":
             self.add("tensor", "choice", "full remat re-runs the attention output's reduction",
                      "A L 2(N_t-1)/N_t x", a * layers * 2 * _ring(nt) * x)
@@ -158,11 +175,16 @@ class Ledger:
                      "A 2L (N_t-1)/N_t x (keeping them costs 2L x (N_t-1)/N_t of activation memory)",
                      a * 2 * layers * _ring(nt) * x)
         if self.cpu:
-            self.add("tensor", "cpu", "SP reduce-scatters written as all-reduce + slice", "A (4L+1) (N_t-1)/N_t x",
-                     count * _ring(nt) * x)
+            self.add("tensor", "cpu", "SP reduce-scatters written as all-reduce + slice",
+                     f"A (4L+1{per}) (N_t-1)/N_t x", count * _ring(nt) * x)
 
     def sequence(self) -> None:
-        """Ring attention: K/V pass N-1 hops forward; backward K/V N-1 hops and dK/dV N hops (home)."""
+        """Ring attention: K/V pass N-1 hops forward; backward K/V N-1 hops and dK/dV N hops (home).
+
+        Inside 1F1B slots the blocks move by all-gather and dK/dV by reduce-scatter
+        (`ring_attention`'s gathered transport): dK/dV cost N-1 blocks, and the backward's one
+        gather serves the recomputed forward too (the compiler merges the two identical gathers).
+        """
         st, s = self.step, self.s
         n = s["sequence"]
         if n == 1 or st.model.num_experts < 0:
@@ -170,6 +192,10 @@ class Ledger:
         m = st.model
         kv = 2 * st.micro_tokens * (m.n_kv_heads // s["tensor"]) * m.head_dim * dtype_bytes(m.dtype)
         per = st.grad_accum * (m.n_layers // s["stage"])
+        if self.schedule == "1f1b" and s["stage"] > 1:
+            self.add("sequence", "minimum", "gathered K/V and reduce-scattered dK/dV", "A L 3 (N-1) kv",
+                     per * 3 * (n - 1) * kv)
+            return
         self.add("sequence", "minimum", "ring K/V and dK/dV", "A L ((N-1) + (N-1) + N) kv", per * (3 * n - 2) * kv)
         if self.remat != "none":
             self.add("sequence", "choice", "remat re-runs the forward ring in the backward",
@@ -192,10 +218,6 @@ class Ledger:
             self.add("stage", "choice", "a permute every tick, idle warm-up/cool-down ticks included",
                      "2 (p-1) (p-1)/p act (one SPMD program: every device takes part in every tick)",
                      2 * (p - 1) * (p - 1) / p * act)
-            head = sum(local_size(leaf, st.placement()["compute"]) * 4 for leaf in param_table(st.model)
-                       if not leaf.in_layers)
-            self.add("stage", "choice", "embedding/norm/head gradients all-reduced over stage",
-                     "2(p-1)/p Psi_outer (1F1B keeps them on every stage)", 2 * _ring(p) * head)
         else:
             self.add("stage", "choice", "a permute every tick on every stage, the wrap-around included",
                      "2 (v m + p - 1) act - minimum (the ring-buffer loop)",
