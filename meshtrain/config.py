@@ -37,7 +37,7 @@ BATCH_AXES: tuple[str, ...] = (Axis.DATA.value, Axis.FSDP.value, Axis.EXPERT.val
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "selective", "full", "offload")
 ATTENTION_IMPLS = ("xla", "ring", "pallas")
-PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble")
 BALANCE_SCOPES = ("batch", "sequence")
 
 

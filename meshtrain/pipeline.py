@@ -68,11 +68,13 @@ from flax import linen as nn
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from meshtrain import attention as attention_lib, config as config_lib, model as model_lib, moe as moe_lib
+from meshtrain import attention as attention_lib, config as config_lib, model as model_lib, moe as moe_lib, schedules
 from meshtrain.config import BATCH_AXES, Axis
 from meshtrain.sharding_rules import vary, varying
 
 STAGE, SEQUENCE, EXPERT = Axis.STAGE.value, Axis.SEQUENCE.value, Axis.EXPERT.value
+TABLE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")  # run from `schedules` slot tables (`pipeline_tables`)
+CHUNKED_SCHEDULES = ("circular", "interleaved_1f1b")  # v = pipeline.repeats chunks per stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,24 +98,38 @@ class Pipeline:
         pipe = config.pipeline
         kernels = config.attention.impl == "pallas" or config.model.fused_norm or config.model.fused_loss
         return cls(pipe.schedule, sizes[STAGE], pipe.microbatches,
-                   pipe.repeats if pipe.schedule == "circular" else 1, region_axes(sizes), checked=not kernels)
+                   pipe.repeats if pipe.schedule in CHUNKED_SCHEDULES else 1, region_axes(sizes), checked=not kernels)
+
+    @functools.cached_property
+    def _table(self):
+        """The slot table of a table schedule (`schedules.simulate`)."""
+        return schedules.simulate(self.schedule, self.stages, self.microbatches, self.repeats)
 
     @property
     def ticks(self) -> int:
-        """Trip count of the tick loop."""
+        """Trip count of the tick loop (a slot table: one F, B or W per stage per tick)."""
         p, m, v = self.stages, self.microbatches, self.repeats
+        if self.schedule in TABLE_SCHEDULES:
+            return len(self._table)
         return v * m + p - 1  # 1f1b: one forward slot and one backward slot per tick
 
     @property
     def bubble(self) -> float:
         """Idle fraction of the ticks, 1 - v*m/ticks: gpipe and 1f1b (p-1)/(m+p-1), circular
-        (p-1)/(v*m+p-1) (the playbook's (p-1)/(v*m) is relative to the ideal time).
+        (p-1)/(v*m+p-1) (the playbook's (p-1)/(v*m) is relative to the ideal time). Slot tables:
+        the idle share of the table's (tick, stage) cells, F, B and W one unit each.
         """
+        if self.schedule in TABLE_SCHEDULES:
+            busy = sum(op is not None for row in self._table for op in row)
+            return 1 - busy / (len(self._table) * self.stages)
         return 1 - self.repeats * self.microbatches / self.ticks
 
     def in_flight(self) -> tuple[int, ...]:
-        """Per stage: micro-batch activations held for the backward at the peak."""
+        """Per stage: micro-batch activations held for the backward at the peak (slot tables: chunk
+        activations, each 1/v of a stage's layers)."""
         p, m, v = self.stages, self.microbatches, self.repeats
+        if self.schedule in TABLE_SCHEDULES:
+            return tuple(schedules.in_flight(self._table))
         if self.schedule == "1f1b":
             return tuple(min(m, p - s) for s in range(p))
         return (v * m,) * p
@@ -130,9 +146,12 @@ class Pipeline:
 
     def describe(self) -> str:
         """One line for the start-of-run log: schedule, ticks, bubble, in-flight micro-batches per stage."""
-        return (f"pipeline {self.schedule}: {self.stages} stages x {self.repeats} repeats, {self.microbatches} "
+        line = (f"pipeline {self.schedule}: {self.stages} stages x {self.repeats} repeats, {self.microbatches} "
                 f"micro-batches, {self.ticks} ticks, bubble {self.bubble:.1%}, "
                 f"in flight per stage {list(self.in_flight())}")
+        if self.schedule in TABLE_SCHEDULES:  # the playbook's ratio: idle over busy time of a stage
+            line += f", idle/busy {schedules.bubble(self._table):.3f}"
+        return line
 
     def execution_order(self, n_layers: int) -> np.ndarray:
         """order[q] = stored index of the layer that runs q-th (identity unless circular)."""
@@ -346,47 +365,50 @@ class _Residuals:
     and its backward slot.
 
     The stage weights are residuals too; they are the same arrays in every slot, so they are not
-    stashed: a backward rebuilds the pullback from the stashed activations and the live weights.
+    stashed: a backward rebuilds the pullback from the stashed activations and the live weights
+    (`w`: the stage's layers by default, a chunk of them under a slot table).
     The pullback's structure comes from one abstract trace; every forward slot's vjp has the same.
     """
 
     def __init__(self, stack, layers):
         self._stack, self._layers = stack, layers
-        self._weights = jax.tree.leaves(layers)
 
-    def vjp(self, x, mb):
-        """((y, stats), pullback) of the stage on x [b, T, D] for micro-batch `mb`."""
-        return jax.vjp(lambda w, x: self._stack(w, x, mb["positions"], mb["segment_ids"]), self._layers, x)
+    def vjp(self, x, mb, w=None):
+        """((y, stats), pullback) of the stage (weights `w`) on x [b, T, D] for micro-batch `mb`."""
+        w = self._layers if w is None else w
+        return jax.vjp(lambda w, x: self._stack(w, x, mb["positions"], mb["segment_ids"]), w, x)
 
-    def _split(self, pullback):
+    def _split(self, pullback, w):
+        weights = jax.tree.leaves(self._layers if w is None else w)
         leaves, treedef = jax.tree.flatten(pullback)
-        kinds = tuple(next((i for i, w in enumerate(self._weights) if leaf is w), None) for leaf in leaves)
+        kinds = tuple(next((i for i, a in enumerate(weights) if leaf is a), None) for leaf in leaves)
         return [leaf for leaf, k in zip(leaves, kinds, strict=True) if k is None], kinds, treedef
 
-    def stash(self, slots: int, x, mb, axes: tuple[str, ...]) -> list[jax.Array]:
+    def stash(self, slots: int, x, mb, axes: tuple[str, ...], w=None) -> list[jax.Array]:
         """Zeroed [slots, ...] buffers for the non-weight residuals, varying over the manual `axes`
         (a slot index differs per stage, so every buffer does)."""
         self._axes = axes
 
         def probe(x):
-            _, pullback = self.vjp(x, mb)
-            kept, self._kinds, self._treedef = self._split(pullback)
+            _, pullback = self.vjp(x, mb, w)
+            kept, self._kinds, self._treedef = self._split(pullback, w)
             return kept
         zeros = [jnp.zeros((slots, *a.shape), a.dtype) for a in jax.eval_shape(probe, x)]
         return [lax.pcast(z, axes, to="varying") for z in zeros] if axes else zeros
 
-    def store(self, stash: list[jax.Array], pullback, slot) -> list[jax.Array]:
-        kept, kinds, _ = self._split(pullback)
+    def store(self, stash: list[jax.Array], pullback, slot, w=None) -> list[jax.Array]:
+        kept, kinds, _ = self._split(pullback, w)
         if kinds != self._kinds or len(kept) != len(stash):
-            raise RuntimeError("1f1b: a forward slot's vjp residuals differ from the traced structure")
+            raise RuntimeError("pipeline: a forward slot's vjp residuals differ from the traced structure")
 
         return [lax.dynamic_update_index_in_dim(buf, vary(r, self._axes), slot, 0)
                 for buf, r in zip(stash, kept, strict=True)]
 
-    def load(self, stash: list[jax.Array], slot):
-        """The pullback of the forward stored in `slot`."""
+    def load(self, stash: list[jax.Array], slot, w=None):
+        """The pullback of the forward stored in `slot` (weights `w`)."""
+        weights = jax.tree.leaves(self._layers if w is None else w)
         kept = iter([lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False) for buf in stash])
-        leaves = [self._weights[k] if k is not None else next(kept) for k in self._kinds]
+        leaves = [weights[k] if k is not None else next(kept) for k in self._kinds]
         return jax.tree.unflatten(self._treedef, leaves)
 
 
@@ -528,9 +550,13 @@ def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m,
 
 
 def grads_function(pipe: Pipeline | None, default):
-    """The train step's (loss_sum, aux, grads) function: 1F1B's own loop, else `default` (autodiff)."""
+    """The train step's (loss_sum, aux, grads) function: 1F1B's own loop, the slot-table loop of
+    interleaved 1F1B and zero bubble (`pipeline_tables`), else `default` (autodiff)."""
     if pipe is not None and pipe.schedule == "1f1b":
         return loss_and_grads
+    if pipe is not None and pipe.schedule in TABLE_SCHEDULES:
+        from meshtrain import pipeline_tables  # imports this module
+        return pipeline_tables.loss_and_grads
     return default
 
 
@@ -546,8 +572,10 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     if p == 1:
         return
     v = pipe.repeats
-    req(pipe.schedule == "circular" or v == 1, "pipeline.repeats", v,
-        f"repeats > 1 needs pipeline.schedule='circular' (got {pipe.schedule!r})")
+    req(pipe.schedule in CHUNKED_SCHEDULES or v == 1, "pipeline.repeats", v,
+        f"repeats > 1 needs pipeline.schedule in {CHUNKED_SCHEDULES} (got {pipe.schedule!r})")
+    req(pipe.schedule != "interleaved_1f1b" or pipe.microbatches % p == 0, "pipeline.microbatches",
+        pipe.microbatches, f"interleaved_1f1b runs micro-batches in groups of mesh.stage={p}: must be divisible by it")
     unit = config.model.moe_every if config.model.num_experts else 1  # the scanned unit: moe_every layers
     req(config.model.n_layers % (p * v * unit) == 0, "model.n_layers", config.model.n_layers,
         f"the {config.model.n_layers // unit} scanned units of {unit} layer(s) must be divisible by "
