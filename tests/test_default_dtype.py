@@ -97,6 +97,15 @@ CASES = [
     _case("pipeline", {"stage": 2, "data": 4}, **{"pipeline.schedule": "1f1b"}),
     _case("pipeline", {"stage": 4, "data": 2}, **{"pipeline.microbatches": 8, "train.batch_size": 16}),
     _case("pipeline", {"stage": 2, "fsdp": 2}, **{"pipeline.schedule": "1f1b", "train.zero_stage": 3}),
+    # test_pipeline_tables: the slot-table schedules on their meshes
+    *[_case("pipeline", mesh, **{"pipeline.schedule": s, "pipeline.repeats": 2 if s == "interleaved_1f1b" else 1,
+                                 "train.zero_stage": zero})
+      for s, mesh, zero in [("interleaved_1f1b", {"stage": 2, "data": 2, "tensor": 2}, 1),
+                            ("zero_bubble", {"stage": 2, "data": 2, "tensor": 2}, 1),
+                            ("zero_bubble", {"stage": 2, "fsdp": 2, "tensor": 2}, 3),
+                            ("interleaved_1f1b", {"stage": 4, "data": 2}, 1),
+                            ("zero_bubble", {"stage": 4, "tensor": 2}, 1),
+                            ("interleaved_1f1b", {"stage": 4, "fsdp": 2}, 3)]],
     # test_moe_train: expert parallelism alone, with data (the README's command), tensor, accumulation
     _case("moe", {"expert": 8}),
     _case("moe", {"expert": 4, "data": 2}),

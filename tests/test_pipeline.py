@@ -38,7 +38,8 @@ CASES = [(schedule, mesh) for schedule in ("gpipe", "circular", "1f1b")
 def _config(schedule: str, mesh: dict, microbatches: int = M, batch: int = 8, **overrides):
     return tiny_config(mesh, **{"train.seq_len": SEQ, "train.batch_size": batch, "model.n_layers": LAYERS,
                                 "pipeline.schedule": schedule, "pipeline.microbatches": microbatches,
-                                "pipeline.repeats": 2 if schedule == "circular" else 1, **overrides})
+                                "pipeline.repeats": 2 if schedule in ("circular", "interleaved_1f1b") else 1,
+                                **overrides})
 
 
 def _mesh(config):
