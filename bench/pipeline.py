@@ -1,6 +1,7 @@
 """Pipeline step time on CPU for p stages and m micro-batches, measured bubble beside the formula.
 
-    python bench/pipeline.py [--stages 4] [--microbatches 4,8,16,32] [--schedules gpipe,1f1b,circular]
+    python bench/pipeline.py [--stages 4] [--microbatches 4,8,16,32]
+                             [--schedules gpipe,circular,1f1b,interleaved_1f1b,zero_bubble]
 
 Playbook, "Pipeline Parallelism". The micro-batch size is fixed (`--rows` rows of `--seq_len`
 tokens), so the global batch grows with m. Each (schedule, m) runs the real train step
@@ -15,7 +16,10 @@ The slope dt/dm of a least-squares line through the m values is the cost of one 
 micro-batch in steady state; the time-based bubble of a point is
 1 - m * slope / t(m), the share of the step that the micro-batches' own work does not
 explain (the fixed cost c, embedding, head and optimizer included). It is printed beside
-the schedule's tick formula 1 - v*m/ticks. Prints a table and one JSON line.
+the schedule's tick formula 1 - v*m/ticks (slot tables: the idle share of the table's cells).
+`temp MiB` is the compiled step's temporary memory per device (XLA's memory analysis): it grows
+with m under gpipe and circular, and stays flat under 1f1b, interleaved_1f1b and zero_bubble.
+The slot-table pictures: `python bench/schedules.py --draw DIR`. Prints a table and one JSON line.
 """
 
 from __future__ import annotations
@@ -23,10 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import statistics
+import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 
@@ -46,7 +53,8 @@ def make_config(args, schedule: str, microbatches: int):
     c.model.update(vocab_size=264, d_model=args.d_model, n_layers=args.layers, n_heads=8, n_kv_heads=4,
                    head_dim=args.d_model // 8, mlp_dim=3 * args.d_model, dtype="float32")
     c.train.update(batch_size=args.rows * microbatches, seq_len=args.seq_len)
-    c.pipeline.update(schedule=schedule, microbatches=microbatches, repeats=2 if schedule == "circular" else 1)
+    c.pipeline.update(schedule=schedule, microbatches=microbatches,
+                      repeats=2 if schedule in pipeline.CHUNKED_SCHEDULES else 1)
     return c
 
 
@@ -59,7 +67,8 @@ def batch_for(config, seed: int = 0) -> dict[str, np.ndarray]:
             "segment_ids": np.ones((b, t), np.int32), "loss_mask": np.ones((b, t), np.float32)}
 
 
-def step_seconds(config, steps: int) -> float:
+def step_seconds(config, steps: int) -> tuple[float, int]:
+    """(median step seconds, compiled temp bytes per device)."""
     run = Run.resolve(config, jax.devices()[: config.mesh.stage])
     factory, step_fn = train_step.build(run)
     mesh = run.mesh
@@ -67,21 +76,24 @@ def step_seconds(config, steps: int) -> float:
     batch = batch_for(config)
     times = []
     with jax.set_mesh(mesh):
-        state, metrics = step_fn(state, batch)  # compile + warm-up
+        compiled = step_fn.lower(state, batch).compile()
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        step_fn = compiled
+        state, metrics = step_fn(state, batch)  # warm-up
         jax.block_until_ready(metrics)
         for _ in range(steps):
             start = time.perf_counter()
             state, metrics = step_fn(state, batch)
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), temp
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", default="4,8,16,32")
-    parser.add_argument("--schedules", default="gpipe,1f1b,circular")
+    parser.add_argument("--schedules", default=",".join(config_lib.PIPELINE_SCHEDULES))
     parser.add_argument("--rows", type=int, default=1, help="rows per micro-batch")
     parser.add_argument("--seq_len", type=int, default=64)
     parser.add_argument("--d_model", type=int, default=64)
@@ -92,20 +104,23 @@ def main() -> None:
     results = []
     print(f"p={args.stages}, micro-batch {args.rows} x {args.seq_len} tokens, d_model {args.d_model}, "
           f"{args.layers} layers, {jax.devices()[0].platform}")
-    print(f"{'schedule':9} {'m':>3} {'ticks':>5} {'step ms':>8} {'ms/micro':>8} {'bubble meas':>11} {'formula':>8}")
+    print(f"{'schedule':16} {'m':>3} {'ticks':>5} {'step ms':>8} {'ms/micro':>8} {'bubble meas':>11} "
+          f"{'formula':>8} {'temp MiB':>9}")
     for schedule in args.schedules.split(","):
         rows = []
         for m in ms:
             config = make_config(args, schedule, m)
             pipe = pipeline.Pipeline.from_config(config, {**{a: 1 for a in config_lib.MESH_AXES}, "stage": args.stages})
-            rows.append((m, pipe, step_seconds(config, args.steps)))
-        slope = np.polyfit([m for m, _, _ in rows], [t for _, _, t in rows], 1)[0]
-        for m, pipe, t in rows:
+            print(f"running {schedule} m={m} ...", file=sys.stderr, flush=True)
+            rows.append((m, pipe, *step_seconds(config, args.steps)))
+        slope = np.polyfit([m for m, *_ in rows], [t for _, _, t, _ in rows], 1)[0]
+        for m, pipe, t, temp in rows:
             measured = 1 - m * slope / t
             results.append({"schedule": schedule, "stages": args.stages, "microbatches": m, "ticks": pipe.ticks,
-                            "step_s": t, "bubble_measured": measured, "bubble_formula": pipe.bubble})
-            print(f"{schedule:9} {m:3d} {pipe.ticks:5d} {t * 1e3:8.1f} {t / m * 1e3:8.2f} "
-                  f"{measured:11.1%} {pipe.bubble:8.1%}")
+                            "step_s": t, "bubble_measured": measured, "bubble_formula": pipe.bubble,
+                            "temp_bytes": temp})
+            print(f"{schedule:16} {m:3d} {pipe.ticks:5d} {t * 1e3:8.1f} {t / m * 1e3:8.2f} "
+                  f"{measured:11.1%} {pipe.bubble:8.1%} {temp / 2**20:9.2f}")
     print(json.dumps(results))
 
 

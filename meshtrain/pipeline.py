@@ -73,7 +73,7 @@ from meshtrain.config import BATCH_AXES, Axis
 from meshtrain.sharding_rules import vary, varying
 
 STAGE, SEQUENCE, EXPERT = Axis.STAGE.value, Axis.SEQUENCE.value, Axis.EXPERT.value
-TABLE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")  # run from `schedules` slot tables (`pipeline_tables`)
+TABLE_SCHEDULES = schedules.TABLE_SCHEDULES  # run from their slot tables (`pipeline_tables`)
 CHUNKED_SCHEDULES = ("circular", "interleaved_1f1b")  # v = pipeline.repeats chunks per stage
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+TABLE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")  # the trainer runs these from their tables
 F, B, W = "F", "B", "W"
 
 
@@ -180,7 +181,7 @@ def bubble(table: list[list[Op | None]]) -> float:
 
 def formula(schedule: str, p: int, m: int, v: int = 1) -> float:
     """The schedule's bubble ratio (module docstring)."""
-    if schedule == "interleaved_1f1b":
+    if schedule in ("interleaved_1f1b", "circular"):
         return (p - 1) / (v * m)
     if schedule == "zero_bubble":
         return (p - 1) / (3 * m)

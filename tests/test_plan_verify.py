@@ -2,8 +2,8 @@
 
 Tiny model, AOT-compiled on fake CPU devices for meshes covering every axis the train step
 supports (data, fsdp with ZeRO 0-3 and accumulation, tensor, tensor + sequence parallel, expert on a
-dense model, sequence with ring attention, stage with gpipe and 1f1b, and mixtures). State within 5%,
-bytes per axis within 10%.
+dense model, sequence with ring attention, stage with gpipe, 1f1b, interleaved_1f1b and zero_bubble,
+and mixtures). State within 5%, bytes per axis within 10%.
 """
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ MESHES = [
     ({"stage": 4, "tensor": 2}, {"train.zero_stage": 0, "pipeline.microbatches": 4, "pipeline.schedule": "1f1b"}),
     ({"stage": 2, "data": 4}, {"train.zero_stage": 0, "pipeline.microbatches": 4, "pipeline.schedule": "1f1b"}),
     ({"stage": 2, "fsdp": 4}, {"train.zero_stage": 3, "pipeline.microbatches": 4, "pipeline.schedule": "1f1b"}),
+    ({"stage": 2, "tensor": 4}, {"train.zero_stage": 0, "pipeline.microbatches": 4,
+                                 "pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2}),
+    ({"stage": 4, "data": 2}, {"train.zero_stage": 0, "pipeline.microbatches": 4, "pipeline.schedule": "zero_bubble"}),
+    ({"stage": 2, "sequence": 2, "tensor": 2}, {"train.zero_stage": 0, "pipeline.microbatches": 4,
+                                                "pipeline.schedule": "zero_bubble", "attention.impl": "ring"}),
 ]
 
 

@@ -35,8 +35,12 @@ import collections
 import dataclasses
 import math
 
+from meshtrain import schedules
 from meshtrain.mesh import MESH_ORDER
 from meshtrain.plan.memory import Step, dtype_bytes, local_size, param_table
+
+# schedules whose loop computes loss and gradients itself (no autodiff of the tick loop)
+SLOT_SCHEDULES = ("1f1b", *schedules.TABLE_SCHEDULES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +96,7 @@ def _gradient_and_zero(run: Step, remat: str, backend: Backend) -> list[Coll]:
     per_micro = run.grad_accum if run.zero_stage >= 3 else 1  # ZeRO-3 has no manual accumulation loop
     out = []
     pipelined = s["stage"] > 1
-    one_f_one_b = pipelined and run.pipeline_schedule == "1f1b"
+    one_f_one_b = pipelined and run.pipeline_schedule in SLOT_SCHEDULES
     for leaf in param_table(run.model):
         runs = per_micro
         full = local_size(leaf, place["compute"]) * pb
@@ -140,12 +144,14 @@ def _activations(run: Step, remat: str, backend: Backend) -> list[Coll]:
         # needed again (the MLP input depends on it), the layer's final MLP reduction is not (dead code).
         recompute = 1 if remat == "full" else 0
         reductions = layers * (2 + backward + recompute) + 1  # + the vocabulary-split head's input-gradient
-        if s["stage"] > 1 and run.pipeline_schedule == "1f1b" and not m.sequence_parallel:
+        if s["stage"] > 1 and run.pipeline_schedule in SLOT_SCHEDULES and not m.sequence_parallel:
             # each stage runs m forward slots (a jax.vjp whose residuals wait for the backward) and m
             # backward slots (from the residuals; under full remat each layer's forward is recomputed
             # first) on one micro-batch each; idle slots are skipped. The last stage's forward slots
             # add the vocabulary-split head's input-gradient.
-            per_micro = layers * (2 + backward + recompute)
+            # zero_bubble's W runs the pullback again for the weights: the backward's reductions twice
+            again = backward if run.pipeline_schedule == "zero_bubble" else 0
+            per_micro = layers * (2 + backward + recompute + again)
             count = per_micro * run.microbatches + run.microbatches / s["stage"]
             out.append(Coll("all-reduce", x // run.microbatches, tp, count, "TP all-reduce"))
         elif m.sequence_parallel:
@@ -160,23 +166,30 @@ def _activations(run: Step, remat: str, backend: Backend) -> list[Coll]:
         # forward ring (N-1 K/V hops), again when the layer is recomputed, the backward ring's K/V
         # (N-1) and its dK/dV, which travel one more hop home (N).
         n = s["sequence"]
-        if s["stage"] > 1 and run.pipeline_schedule == "1f1b":
+        if s["stage"] > 1 and run.pipeline_schedule in SLOT_SCHEDULES:
             # inside 1F1B slots: one all-gather of the blocks forward, one backward (the recomputed
-            # forward shares it), and one reduce-scatter of dK/dV, written by hand
+            # forward shares it), and one reduce-scatter of dK/dV, written by hand; zero_bubble's W
+            # runs the backward's pair again
             seq = {"sequence": n}
-            out.append(Coll("all-gather", kv * n, seq, layers * 2 * micro, "ring K/V (gathered)", manual=True))
-            out.append(Coll("reduce-scatter", kv * n, seq, layers * micro, "ring dK/dV (scattered)", manual=True))
+            backs = 2 if run.pipeline_schedule == "zero_bubble" else 1
+            out.append(Coll("all-gather", kv * n, seq, layers * (1 + backs) * micro, "ring K/V (gathered)",
+                            manual=True))
+            out.append(Coll("reduce-scatter", kv * n, seq, layers * backs * micro, "ring dK/dV (scattered)",
+                            manual=True))
         else:
             hops = (n - 1) * (2 + (1 if remat != "none" else 0)) + n
             out.append(Coll("collective-permute", kv, {"sequence": n}, layers * hops * micro, "ring K/V"))
     if s["stage"] > 1:
         xm = x * run.grad_accum // run.microbatches
         p = s["stage"]
-        # 1F1B's transfers do not wrap around (the last stage sends nowhere): p - 1 of p devices send
-        share = (p - 1) / p if run.pipeline_schedule == "1f1b" else 1.0
+        # 1F1B's transfers do not wrap around (the last stage sends nowhere): p - 1 of p devices send;
+        # nor do zero_bubble's; interleaved_1f1b's do (stage p-1 feeds stage 0 its next chunk). The
+        # slot-table loop moves an activation and a gradient each tick, 1F1B one per slot, two a tick.
+        wraps = run.pipeline_schedule in ("gpipe", "circular", "interleaved_1f1b")
+        share = 1.0 if wraps else (p - 1) / p
         out.append(Coll("collective-permute", xm * share, {"stage": p}, 2 * run.pipeline_ticks,
                         "pipeline activations"))
-        if run.pipeline_schedule != "1f1b":  # the stack's output is summed over `stage`, and so is its gradient
+        if run.pipeline_schedule not in SLOT_SCHEDULES:  # the stack's output summed over `stage`, and its gradient
             out.append(Coll("all-reduce", x, {"stage": s["stage"]}, 2, "pipeline output"))
     if m.num_experts and s["expert"] > 1:
         tokens = t * m.experts_per_token * (1.0 if m.moe_dropless else m.capacity_factor)

@@ -29,7 +29,7 @@ import math
 import ml_collections
 import numpy as np
 
-from meshtrain import model
+from meshtrain import model, schedules
 from meshtrain.config import ModelConfig
 from meshtrain.mesh import MESH_ORDER
 from meshtrain.sharding_rules import Rules
@@ -128,11 +128,20 @@ class Step:
 
     @property
     def pipeline_ticks(self) -> int:
-        """Clock ticks of the pipeline loop (pipeline.py): m + p - 1 (v*m + p - 1 circular; 1f1b: two slots a tick)."""
+        """Clock ticks of the pipeline loop (pipeline.py): m + p - 1 (v*m + p - 1 circular; 1f1b: two slots a
+        tick; interleaved_1f1b and zero_bubble: their slot table's ticks, one F, B or W per stage each)."""
         p, m, v = self.sizes["stage"], self.microbatches, self.pipeline_repeats
         if p == 1:
             return 1
+        if self.pipeline_schedule in schedules.TABLE_SCHEDULES:
+            return len(self.pipeline_table)
         return v * m + p - 1
+
+    @property
+    def pipeline_table(self):
+        """The executed slot table of a table schedule (`schedules.simulate`)."""
+        return schedules.simulate(self.pipeline_schedule, self.sizes["stage"], self.microbatches,
+                                  self.pipeline_repeats)
 
     @property
     def rules(self) -> Rules:
@@ -206,9 +215,15 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
     saved = {"none": everything,
              "selective": a * t * (d_res + qkv + 2 * m.d_model + 2 * f),
              "full": a * t * d_res, "offload": a * t * d_res}[remat]
-    # pipelined stages keep up to `stages` micro-batches in flight (1F1B / GPipe bound)
+    # pipelined stages keep up to `stages` micro-batches in flight (1F1B / GPipe bound); slot tables
+    # keep their table's peak of chunk activations, each 1/v of the stage's layers
     in_flight = min(s["stage"], run.microbatches) if s["stage"] > 1 else 1
+    tabled = s["stage"] > 1 and run.pipeline_schedule in schedules.TABLE_SCHEDULES
+    if tabled:
+        in_flight = max(schedules.in_flight(run.pipeline_table)) / run.pipeline_repeats
     activations = saved * layers * in_flight + a * t * m.d_model
+    if tabled and run.pipeline_schedule == "zero_bubble":  # each stashed B's output gradient, until its W
+        activations += in_flight * a * t * m.d_model
     logits = t * (m.vocab_size // tp) * 4 * 2
     compute = run.placement()["compute"]
     table = param_table(m)
@@ -219,7 +234,7 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
     if run.zero_stage >= 3:
         per_layer = sum(local_size(leaf, compute) for leaf in table if leaf.in_layers)
         gathered = 2 * per_layer // m.n_layers * dtype_bytes(m.param_dtype)
-    if s["stage"] > 1 and run.pipeline_schedule == "1f1b":
+    if s["stage"] > 1 and run.pipeline_schedule in ("1f1b", *schedules.TABLE_SCHEDULES):
         # the 1F1B loop sums float32 gradients of the whole stage (and embedding / head) across its
         # slots, and under ZeRO-3 holds the stage's weights gathered for the whole step
         whole = sum(local_size(leaf, compute) for leaf in table)

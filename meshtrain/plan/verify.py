@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from meshtrain import train_step
+from meshtrain import pipeline_tables, schedules, train_step
 from meshtrain.plan import comm, hlo, memory
 from meshtrain.plan.estimate import memory_breakdown
 from meshtrain.run import Run
@@ -78,7 +78,12 @@ def compile_step(config: ml_collections.ConfigDict, devices: list | None = None)
 def compiler_bytes(compiled, run: Run) -> dict[str, float]:
     """Bytes one device sends per step over each mesh axis, counted from the compiled HLO."""
     pipe = run.pipeline
-    weights = pipe.slot_branch_share() if pipe is not None and pipe.schedule == "1f1b" else None
+    weights = None
+    if pipe is not None and pipe.schedule == "1f1b":
+        weights = pipe.slot_branch_share()
+    elif pipe is not None and pipe.schedule in schedules.TABLE_SCHEDULES:
+        weights = pipeline_tables.branch_share(pipeline_tables.slot_plan(pipe.schedule, pipe.stages,
+                                                                         pipe.microbatches, pipe.repeats))
     found = hlo.collectives(compiled.as_text(), math.prod(run.sizes.values()), weights)
     return hlo.bytes_by_axis(found, dict(run.mesh.shape))  # device order: the mesh's
 
