@@ -126,3 +126,30 @@ def test_describe_and_validation():
     config = _config("interleaved_1f1b", {"stage": 4, "data": 2}, microbatches=6, batch=12)
     with pytest.raises(config_lib.ConfigError, match=re.escape("config.pipeline.microbatches=6")):
         validate(config, 8)
+
+
+@pytest.mark.parametrize("schedule, mesh", [("zero_bubble", {"stage": 2, "expert": 2, "data": 2}),
+                                            ("interleaved_1f1b", {"stage": 2, "sequence": 2, "fsdp": 2})],
+                         ids=["zero_bubble-stage-expert-data", "interleaved_1f1b-stage-sequence-fsdp"])
+def test_composes_like_data8(schedule, mesh):
+    """The slot-table loop with what the other axes bring (test_compose): MoE with expert parallelism,
+    ring attention over `sequence` inside the slots, ZeRO-3: 3 steps train to the losses and
+    parameters of `data=8` (parameters compared in execution order)."""
+    import chex
+    import jax
+    import numpy as np
+
+    from tests import test_compose
+    from tests.utils import composed_config
+
+    config = composed_config(mesh)
+    config.pipeline.schedule = schedule
+    config.pipeline.repeats = 2 if schedule == "interleaved_1f1b" else 1
+    losses, params = test_compose._train(config)
+    ref_losses, ref_params = test_compose._reference("expert" in mesh, "sequence" in mesh)
+    pipe = pipeline_lib.Pipeline(schedule, 2, config.pipeline.microbatches, config.pipeline.repeats)
+    units = config.model.n_layers // (config.model.moe_every if config.model.num_experts else 1)  # scanned units
+    order = pipe.execution_order(units)
+    params = {**params, "layers": jax.tree.map(lambda a: a[order], params["layers"])}
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+    chex.assert_trees_all_close(params, ref_params, rtol=1e-4, atol=1e-5)
