@@ -51,3 +51,19 @@ def test_unknown_schedule_and_indivisible_interleaving_are_refused():
         schedules.stage_orders("dualpipe", 2, 4)
     with pytest.raises(ValueError, match="divisible"):
         schedules.stage_orders("interleaved_1f1b", 4, 6, 2)
+
+
+def test_bench_draws_every_schedule(tmp_path):
+    """`python bench/schedules.py --draw DIR` writes one PNG per schedule and prints the JSON line."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "bench" / "schedules.py"), "--stages", "2", "--microbatches",
+                          "4", "--draw", str(tmp_path)], capture_output=True, text=True, check=True)
+    rows = json.loads(out.stdout.strip().splitlines()[-1])["rows"]
+    assert {r["schedule"] for r in rows} == set(schedules.SCHEDULES)
+    for name in schedules.SCHEDULES:
+        assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
