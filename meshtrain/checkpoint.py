@@ -23,6 +23,18 @@ Saves are asynchronous by default: the step loop waits only for the device-to-ho
 orbax writes into a temporary directory and renames it when complete, so a process killed
 mid-save leaves the previous checkpoints intact and the partial one invisible.
 
+Content check. Orbax makes a save atomic but does not check what it reads back. Before a save is
+committed (renamed into place), each process writes `<step>/checksums/process_<i>.json`: the size
+and CRC-32 of every file it wrote (its `ocdbt.process_<i>` shards and array metadata; process 0
+also the shared metadata and JSON items). A restore first checks every file against them, so a
+truncated or missing file, a flipped byte or a garbled metadata file is caught before any array
+is read (`CheckpointDamaged`, naming the step, the file and what is wrong). Resuming then falls
+back to the newest intact checkpoint and moves the damaged one aside to `<root>.damaged/<step>`
+(nothing is deleted, and the keep policy never counts it); `checkpoint.restore_from` naming a
+damaged step stops with that error. A checkpoint without checksums (a synchronous save killed
+between its commit and its checksums) is restored unverified, with a warning; orbax's own errors
+on reading it count as damage too.
+
 Safety: restoring reads tensorstore arrays and JSON only (no pickle, no imported code);
 paths are resolved with `os.path.realpath`, and a step directory that resolves outside
 its checkpoint root (a symlink planted in the directory) is refused.
@@ -31,8 +43,13 @@ its checkpoint root (a symlink planted in the directory) is refused.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
+import logging
 import os
+import re
+import shutil
+import zlib
 
 import jax
 import ml_collections
@@ -42,6 +59,82 @@ import orbax.checkpoint as ocp
 from meshtrain import config as config_lib
 
 CHECKPOINT_SUBDIR = "checkpoints"
+CHECKSUMS_SUBDIR = "checksums"
+log = logging.getLogger("meshtrain")
+
+
+class CheckpointDamaged(Exception):
+    """A checkpoint whose files do not match their checksums, or that orbax cannot read."""
+
+    def __init__(self, step: int, path: str, problems: list[str]):
+        self.step, self.path, self.problems = step, path, problems
+        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        super().__init__(f"checkpoint step {step} at {path!r} is damaged: {shown}")
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _owner(rel: str) -> int:
+    """The process that wrote a checkpoint file: its `ocdbt.process_<i>` shards and array metadata
+    are its own; the shared metadata and JSON items are process 0's."""
+    m = re.search(r"(?:ocdbt\.process_|array_metadatas/process_)(\d+)", rel.replace(os.sep, "/"))
+    return int(m.group(1)) if m else 0
+
+
+# written or rewritten by orbax as it commits the step, after the checksums
+_REWRITTEN_AT_COMMIT = ("commit_success.txt", "_CHECKPOINT_METADATA")
+
+
+def write_checksums(step_dir: str, process: int) -> dict:
+    """Writes `<step_dir>/checksums/process_<process>.json`: {relative path: [size, crc32]} of the
+    files this process wrote (not orbax's commit records, which it writes as it commits)."""
+    entries = {}
+    for dirpath, dirnames, files in os.walk(step_dir):
+        dirnames[:] = [d for d in dirnames if d != CHECKSUMS_SUBDIR]
+        for name in files:
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, step_dir)
+            if name in _REWRITTEN_AT_COMMIT or _owner(rel) != process:
+                continue
+            entries[rel] = [os.path.getsize(full), _crc32(full)]
+    folder = os.path.join(step_dir, CHECKSUMS_SUBDIR)
+    os.makedirs(folder, exist_ok=True)
+    target = os.path.join(folder, f"process_{process}.json")
+    with open(target + ".tmp", "w") as f:
+        json.dump({"crc32": entries}, f)
+    os.replace(target + ".tmp", target)
+    return entries
+
+
+def verify_checksums(step_dir: str) -> list[str] | None:
+    """What is wrong with the files of `step_dir` against its checksums ([] if nothing), or None
+    when it has no checksums."""
+    manifests = sorted(glob.glob(os.path.join(step_dir, CHECKSUMS_SUBDIR, "process_*.json")))
+    if not manifests:
+        return None
+    problems = []
+    for manifest in manifests:
+        try:
+            with open(manifest) as f:
+                entries = json.load(f)["crc32"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            problems.append(f"checksum file {os.path.relpath(manifest, step_dir)} is unreadable ({error})")
+            continue
+        for rel, (size, crc) in sorted(entries.items()):
+            full = os.path.join(step_dir, rel)
+            if not os.path.isfile(full):
+                problems.append(f"{rel} is missing")
+            elif os.path.getsize(full) != size:
+                problems.append(f"{rel} has {os.path.getsize(full)} bytes, {size} were written (truncated or appended)")
+            elif _crc32(full) != crc:
+                problems.append(f"{rel} does not match its CRC-32 (its bytes changed after the save)")
+    return problems
 
 
 def checkpoint_root(workdir: str) -> str:
@@ -76,10 +169,13 @@ class Checkpointer:
         self.root = os.path.realpath(os.path.expanduser(root))
         if read_only and not os.path.isdir(self.root):
             raise ValueError(f"checkpoint directory {self.root!r}: does not exist")
+        self._async, self._saving = async_save, None
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else keep, enable_async_checkpointing=async_save,
             create=not read_only, read_only=read_only, save_interval_steps=1,
-            cleanup_tmp_directories=not read_only)  # leftovers of a process killed mid-save
+            cleanup_tmp_directories=not read_only,  # leftovers of a process killed mid-save
+            # checksums go into the step's temporary directory, before orbax commits it by renaming
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._checksum_pending) if async_save else None)
         handlers = {"state": _state_handler(), "data": ocp.JsonCheckpointHandler(),
                     "meta": ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.root, options=options, item_handlers=handlers)
@@ -106,12 +202,47 @@ class Checkpointer:
         """Starts saving `state` at `step` (returns once the arrays are copied to the host)."""
         if self.last_saved is not None and step <= self.last_saved:
             return False
+        self._manager.wait_until_finished()  # the previous save's checksums name its own step
+        self._saving = step
         saved = self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
             meta=ocp.args.JsonSave(meta)), force=True)
         if saved:
             self.last_saved = step
+            if not self._async:  # committed already: checksum it in place
+                self._checksum_pending()
         return saved
+
+    def _checksum_pending(self) -> None:
+        """The checksums of the save in flight, in its directory (temporary until orbax commits it)."""
+        step = self._saving
+        candidates = [d for d in glob.glob(os.path.join(self.root, f"{step}.orbax-checkpoint-tmp*")) + [
+            os.path.join(self.root, str(step))] if os.path.isdir(d)]
+        if step is None or not candidates:
+            log.warning("checkpoint step %s: no directory to checksum; it will restore unverified", step)
+            return
+        write_checksums(candidates[0], jax.process_index())
+
+    def verify(self, step: int) -> list[str] | None:
+        """Problems of checkpoint `step` against its checksums ([]: intact; None: no checksums)."""
+        return verify_checksums(self.step_path(step))
+
+    def set_aside(self, step: int) -> str:
+        """Moves a damaged checkpoint to `<root>.damaged/<step>[.n]` (process 0; every process waits):
+        out of the run's checkpoints and its keep policy, nothing deleted. Returns the new path."""
+        target = os.path.join(self.root + ".damaged", str(step))
+        n = 0
+        while os.path.exists(target if n == 0 else f"{target}.{n}"):
+            n += 1
+        target = target if n == 0 else f"{target}.{n}"
+        if jax.process_index() == 0:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.move(self.step_path(step), target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"meshtrain: checkpoint {step} set aside")
+        self.last_saved = self.latest_step()
+        return target
 
     def restore(self, abstract_state, step: int | None = None) -> Restored:
         """Reads checkpoint `step` (default: the newest finished one) into `abstract_state`'s shardings.
@@ -130,11 +261,24 @@ class Checkpointer:
             raise ValueError(f"checkpoint step={step!r}: not a finished checkpoint in {self.root!r} "
                              f"(finished: {steps})")
         path = self.step_path(step)
-        _check_shapes(abstract_state, self._manager.item_metadata(step)["state"], path)
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(
-                abstract_state)), data=ocp.args.JsonRestore(),
-            meta=ocp.args.JsonRestore()))
+        problems = self.verify(step)
+        if problems:
+            raise CheckpointDamaged(step, path, problems)
+        if problems is None:
+            log.warning("checkpoint step %d at %s has no checksums: restoring it unverified", step, path)
+        try:
+            metadata = self._manager.item_metadata(step)["state"]
+        except Exception as error:  # noqa: BLE001 (orbax raises many kinds on unreadable metadata)
+            raise CheckpointDamaged(step, path, [f"orbax cannot read its metadata ({type(error).__name__}: "
+                                                 f"{error})"]) from error
+        _check_shapes(abstract_state, metadata, path)
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(
+                    abstract_state)), data=ocp.args.JsonRestore(),
+                meta=ocp.args.JsonRestore()))
+        except Exception as error:  # noqa: BLE001
+            raise CheckpointDamaged(step, path, [f"orbax cannot read it ({type(error).__name__}: {error})"]) from error
         return Restored(step=step, state=restored["state"], data_state=dict(restored["data"]),
                         meta=dict(restored["meta"]), path=path)
 
@@ -205,11 +349,20 @@ def resume(config: ml_collections.ConfigDict, ckpt: Checkpointer, abstract_state
     not fit the run's model, or the path is unusable.
     """
     if ckpt.latest_step() is not None:
-        try:
-            return ckpt.restore(abstract_state)
-        except ValueError as error:
-            raise config_lib.ConfigError("workdir", config.workdir, f"{error}; resume with the same model.* "
-                                         "or use a new workdir") from error
+        damaged = []
+        for step in reversed(ckpt.all_steps()):
+            try:
+                return ckpt.restore(abstract_state, step)
+            except CheckpointDamaged as error:
+                moved = ckpt.set_aside(step)
+                damaged.append(f"step {step} ({'; '.join(error.problems[:2])})")
+                log.warning("%s; moved to %s; falling back to the previous checkpoint", error, moved)
+            except ValueError as error:
+                raise config_lib.ConfigError("workdir", config.workdir, f"{error}; resume with the same model.* "
+                                             "or use a new workdir") from error
+        raise config_lib.ConfigError("workdir", config.workdir, f"every checkpoint is damaged: {', '.join(damaged)}; "
+                                     f"they were moved to {ckpt.root}.damaged/ (nothing deleted): restore one by "
+                                     "hand or start a new workdir")
     if not config.checkpoint.restore_from:
         return None
     try:
@@ -218,12 +371,19 @@ def resume(config: ml_collections.ConfigDict, ckpt: Checkpointer, abstract_state
             return None
         source = Checkpointer(root, read_only=True, async_save=False)
         try:
-            return source.restore(abstract_state, step)
+            if step is not None:  # a named step: its damage is an error
+                return source.restore(abstract_state, step)
+            for newest in reversed(source.all_steps()):  # a run: its newest intact checkpoint
+                try:
+                    return source.restore(abstract_state, newest)
+                except CheckpointDamaged as error:
+                    log.warning("%s; trying the previous one (%s is read only: nothing moved)", error, root)
+            raise ValueError(f"checkpoint directory {root!r}: holds no intact checkpoint")
         finally:
             source.close()
     except config_lib.ConfigError:
         raise
-    except ValueError as error:
+    except (ValueError, CheckpointDamaged) as error:
         raise config_lib.ConfigError("checkpoint.restore_from", config.checkpoint.restore_from, str(error)) from error
 
 

@@ -180,3 +180,113 @@ def test_restore_from_another_run_and_safety(reference, tmp_path, monkeypatch):
     missing = config_for(tmp_path / "m", **{"checkpoint.restore_from": str(tmp_path / "missing")})
     with pytest.raises(config_lib.ConfigError, match=r"config.checkpoint.restore_from=.*is not a directory"):
         checkpoint_lib.validate_config(missing, validate(config_for(tmp_path), 8))
+
+
+# ---- damaged checkpoints: checksums, fallback, nothing deleted --------------------------------
+
+
+def _biggest_array_file(step_dir) -> str:
+    files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(step_dir, "state")) for f in fs
+             if os.sep + "d" + os.sep in os.path.join(d, f)]
+    return max(files, key=os.path.getsize)
+
+
+def _truncate(step_dir) -> str:
+    path = _biggest_array_file(step_dir)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    return path
+
+
+def _flip_byte(step_dir) -> str:
+    path = _biggest_array_file(step_dir)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x40]))
+    return path
+
+
+def _remove_metadata(step_dir) -> str:
+    path = os.path.join(step_dir, "state", "_METADATA")
+    os.remove(path)
+    return path
+
+
+def _garble_json(step_dir) -> str:
+    path = os.path.join(step_dir, "data", "metadata")
+    with open(path, "w") as f:
+        f.write('{"next_row": 8, "garbled')
+    return path
+
+
+DAMAGES = {"truncated-array": _truncate, "flipped-byte": _flip_byte, "missing-metadata": _remove_metadata,
+           "garbled-json": _garble_json}
+
+
+def _copy_checkpoints(reference, workdir, steps) -> str:
+    import shutil
+
+    root = checkpoint_lib.checkpoint_root(workdir)
+    for step in steps:
+        source = os.path.join(checkpoint_lib.checkpoint_root(reference), str(step))
+        shutil.copytree(source, os.path.join(root, str(step)))
+    return root
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_damaged_checkpoint_is_named_and_refused(reference, tmp_path, damage):
+    """Each damage is caught by the checksums before any array is read, and names the step and the file."""
+    root = _copy_checkpoints(reference, tmp_path, (11, 12))
+    damaged = DAMAGES[damage](os.path.join(root, "12"))
+    abstract = abstract_state(config_for(tmp_path))
+    ckpt = checkpoint_lib.Checkpointer(root, read_only=True)
+    try:
+        assert ckpt.verify(11) == []
+        with pytest.raises(checkpoint_lib.CheckpointDamaged, match="step 12") as error:
+            ckpt.restore(abstract, 12)
+        assert os.path.relpath(damaged, os.path.join(root, "12")) in str(error.value)
+        assert_bitwise(ckpt.restore(abstract, 11).state, load(reference, 11, abstract).state)
+    finally:
+        ckpt.close()
+
+
+def test_resume_falls_back_to_the_newest_intact_checkpoint(reference, tmp_path):
+    """Steps 12 and 11 damaged: the run names both, moves them to checkpoints.damaged/ unchanged,
+    resumes from 10 and trains steps 11 and 12 to the uninterrupted run's losses and state, bitwise.
+    `restore_from` naming a damaged step stops with one error naming the key."""
+    import filecmp
+
+    root = _copy_checkpoints(reference, tmp_path / "run", (9, 10, 11, 12))
+    _flip_byte(os.path.join(root, "12"))
+    _truncate(os.path.join(root, "11"))
+    kept = tmp_path / "kept"
+    _copy_checkpoints(tmp_path / "run", kept, (11, 12))  # the damaged bytes, for comparison
+    result = train.run(config_for(tmp_path / "run", **{"checkpoint.every": 1}))
+    assert result["step"] == STEPS
+    got, want = losses_of(tmp_path / "run"), losses_of(reference)
+    assert got == {11: want[11], 12: want[12]}
+    abstract = abstract_state(config_for(tmp_path))
+    assert_bitwise(load(tmp_path / "run", 12, abstract).state, load(reference, 12, abstract).state)
+    for step in (11, 12):  # moved aside, byte for byte
+        moved = os.path.join(root + ".damaged", str(step))
+        comparison = filecmp.dircmp(moved, os.path.join(checkpoint_lib.checkpoint_root(kept), str(step)))
+        assert not comparison.diff_files and not comparison.left_only and not comparison.right_only
+    assert all_steps(tmp_path / "run") == [9, 10, 11, 12]
+
+    source = tmp_path / "source"
+    _copy_checkpoints(reference, source, (12,))
+    _flip_byte(os.path.join(checkpoint_lib.checkpoint_root(source), "12"))
+    named = config_for(tmp_path / "new", **{"checkpoint.restore_from": os.path.join(
+        checkpoint_lib.checkpoint_root(source), "12")})
+    with pytest.raises(config_lib.ConfigError, match=r"config.checkpoint.restore_from=.*step 12.*is damaged"):
+        train.run(named)
+
+
+def test_synchronous_saves_are_checksummed_too(tmp_path):
+    ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "c"), async_save=False)
+    ckpt.save(1, {"w": jnp.arange(64.0)}, {"next_row": 0}, {"seed": 0})
+    assert ckpt.verify(1) == []
+    assert os.listdir(os.path.join(ckpt.step_path(1), checkpoint_lib.CHECKSUMS_SUBDIR)) == ["process_0.json"]
+    ckpt.close()
