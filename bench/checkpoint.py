@@ -1,5 +1,6 @@
 """Checkpoint cost: save (blocking part and total), restore (same mesh and resharded) vs state size,
-and the step-time overhead of saving asynchronously vs synchronously.
+the CRC-32 checksums a save writes and a restore verifies (timed alone; part of both totals), and
+the step-time overhead of saving asynchronously vs synchronously.
 
     python bench/checkpoint.py [--sizes tiny,100m] [--repeats 3] [--steps 40] [--every 5] [--dir /tmp/x]
                                [--crash_trials 30]
@@ -91,7 +92,7 @@ def bench_save_restore(size: str, repeats: int, root: str) -> dict:
     out = {"size": size, "params": model_lib.num_params(ModelConfig.from_config(config)),
            "state_bytes": state_bytes(factory.abstract), "mesh": f"fsdp={n}"}
     figures = {k: [] for k in ("async_blocking_s", "async_total_s", "sync_total_s", "restore_s",
-                               "restore_resharded_s")}
+                               "restore_resharded_s", "checksum_s", "verify_s")}
     for r in range(repeats + 1):  # the first round warms up (orbax and tensorstore set-up)
         directory = os.path.join(root, f"{size}_{r}")
         for async_save in (True, False):
@@ -108,6 +109,13 @@ def bench_save_restore(size: str, repeats: int, root: str) -> dict:
                     figures["async_total_s"].append(t2 - t0)
                 else:
                     figures["sync_total_s"].append(t2 - t0)
+                    # the CRC-32s a save writes (inside both totals) and a restore checks, alone
+                    t0 = time.perf_counter()
+                    checkpoint_lib.write_checksums(ckpt.step_path(1), jax.process_index())
+                    t1 = time.perf_counter()
+                    assert checkpoint_lib.verify_checksums(ckpt.step_path(1)) == []
+                    figures["checksum_s"].append(t1 - t0)
+                    figures["verify_s"].append(time.perf_counter() - t1)
             for key, abstract in (("restore_s", factory.abstract), ("restore_resharded_s", other_factory.abstract)):
                 t0 = time.perf_counter()
                 jax.block_until_ready(ckpt.restore(abstract).state)
@@ -243,13 +251,14 @@ def main() -> None:
     print(f"{len(jax.devices())} x {jax.devices()[0].device_kind}, writing to {root}")
     results = {"device": jax.devices()[0].device_kind, "devices": len(jax.devices()), "save_restore": []}
     print(f"{'size':>6} {'params':>10} {'state MB':>9} {'blocking s':>11} {'async total s':>14} "
-          f"{'sync s':>8} {'GB/s':>6} {'restore s':>10} {'resharded s':>12}")
+          f"{'sync s':>8} {'GB/s':>6} {'restore s':>10} {'resharded s':>12} {'crc32 s':>8} {'verify s':>9}")
     for size in args.sizes.split(","):
         r = bench_save_restore(size, args.repeats, root)
         results["save_restore"].append(r)
         print(f"{size:>6} {r['params'] / 1e6:>9.1f}M {r['state_bytes'] / 1e6:>9.1f} {r['async_blocking_s']:>11.3f} "
               f"{r['async_total_s']:>14.3f} {r['sync_total_s']:>8.3f} {r['write_gb_per_s']:>6.2f} "
-              f"{r['restore_s']:>10.3f} {r['restore_resharded_s']:>12.3f}")
+              f"{r['restore_s']:>10.3f} {r['restore_resharded_s']:>12.3f} {r['checksum_s']:>8.3f} "
+              f"{r['verify_s']:>9.3f}")
     s = bench_step_overhead(args.steps, args.every, root)
     results["step_overhead"] = s
     print(f"tiny step time, save every {s['every']} steps: none {s['step_ms_none']:.1f} ms, async "
