@@ -166,7 +166,7 @@ class Block(nn.Module):
         h = x + constrain(attn(RMSNorm(self.cfg, name="attn_norm")(x), positions, segment_ids), names, self.rules)
         normed = RMSNorm(self.cfg, name="mlp_norm")(h)
         if self.moe:
-            y, stats = moe_lib.MoeMlp(self.cfg, self.rules, name="moe")(normed)
+            y, stats = moe_lib.MoeMlp(self.cfg, self.rules, name="moe")(normed, segment_ids > 0)  # 0: padding
         else:
             y, stats = Mlp(self.cfg, self.rules, name="mlp")(normed), None
         out = h + constrain(y, names, self.rules)

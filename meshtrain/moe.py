@@ -109,26 +109,31 @@ def route(x: jax.Array, w_router: jax.Array, k: int) -> tuple[jax.Array, jax.Arr
     return logits, probs, top_p / jnp.sum(top_p, axis=-1, keepdims=True), experts
 
 
-def router_sums(logits: jax.Array, probs: jax.Array, experts: jax.Array) -> dict[str, jax.Array]:
-    """Additive statistics of a set of tokens (psum-able across devices)."""
+def router_sums(logits: jax.Array, probs: jax.Array, experts: jax.Array,
+                valid: jax.Array | None = None) -> dict[str, jax.Array]:
+    """Additive statistics of a set of tokens (psum-able across devices); `valid` [...] (bool) leaves
+    padding out: it counts as no token, no assignment, no probability mass and no logit."""
     e = probs.shape[-1]
-    return {"tokens": jnp.asarray(math.prod(probs.shape[:-1]), jnp.float32),
-            "assigned": jnp.sum(jax.nn.one_hot(experts, e, dtype=jnp.float32), axis=tuple(range(experts.ndim))),
-            "probs": jnp.sum(probs.reshape(-1, e), axis=0),
-            "z": jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)))}
+    v = jnp.ones(probs.shape[:-1], jnp.float32) if valid is None else valid.astype(jnp.float32)
+    assigned = jax.nn.one_hot(experts, e, dtype=jnp.float32) * v[..., None, None]
+    return {"tokens": jnp.sum(v),
+            "assigned": jnp.sum(assigned, axis=tuple(range(experts.ndim))),
+            "probs": jnp.sum((probs * v[..., None]).reshape(-1, e), axis=0),
+            "z": jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * v)}
 
 
 def load_balancing_loss(sums: dict[str, jax.Array]) -> jax.Array:
-    """Switch Transformer: E * sum_e f_e * P_e (f_e: share of assignments, P_e: mean probability)."""
+    """Switch Transformer: E * sum_e f_e * P_e (f_e: share of assignments, P_e: mean probability);
+    0 for a set with no token (an all-padding row)."""
     e = sums["probs"].shape[0]
-    f = sums["assigned"] / jnp.sum(sums["assigned"])
-    p = sums["probs"] / sums["tokens"]
+    f = sums["assigned"] / jnp.maximum(jnp.sum(sums["assigned"]), 1.0)
+    p = sums["probs"] / jnp.maximum(sums["tokens"], 1.0)
     return e * jnp.sum(f * p)
 
 
 def z_loss(sums: dict[str, jax.Array]) -> jax.Array:
     """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2."""
-    return sums["z"] / sums["tokens"]
+    return sums["z"] / jnp.maximum(sums["tokens"], 1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,25 +155,31 @@ def _swiglu_grouped(x: jax.Array, group_sizes: jax.Array, w_gate, w_up, w_down) 
     return jax.lax.ragged_dot(nn.silu(gate) * up, w_down, group_sizes)
 
 
-def capacity_slots(experts: jax.Array, num_experts: int, cap: int) -> jax.Array:
+def capacity_slots(experts: jax.Array, num_experts: int, cap: int, valid: jax.Array | None = None) -> jax.Array:
     """experts [b, T, k] -> slot [b, T, k] in [0, E*C]: e*C + position in e's queue, E*C if dropped.
 
-    Queues fill first choices (of all T tokens) before second choices (GShard).
+    Queues fill first choices (of all T tokens) before second choices (GShard). Padding (`valid`
+    [b, T] False) takes no place in any queue: its slot is E*C.
     """
     b, t, k = experts.shape
     order = jnp.swapaxes(experts, 1, 2).reshape(b, k * t)  # choice-major
     onehot = jax.nn.one_hot(order, num_experts, dtype=jnp.int32)  # [b, kT, E]
+    if valid is not None:
+        real = jnp.tile(valid, (1, k))  # [b, kT], choice-major like `order`
+        onehot = onehot * real[..., None].astype(jnp.int32)
     position = jnp.sum((jnp.cumsum(onehot, axis=1) - 1) * onehot, axis=-1)  # [b, kT]
-    slot = jnp.where(position < cap, order * cap + position, num_experts * cap)
+    keep = position < cap if valid is None else (position < cap) & real
+    slot = jnp.where(keep, order * cap + position, num_experts * cap)
     return jnp.swapaxes(slot.reshape(b, k, t), 1, 2)
 
 
-def _capacity_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, cap, axis, ep):
-    """Capacity dispatch -> all_to_all -> experts -> all_to_all -> combine. x [b, T, D]."""
+def _capacity_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, cap, axis, ep, valid):
+    """Capacity dispatch -> all_to_all -> experts -> all_to_all -> combine. x [b, T, D]; padding
+    (`valid` False) is not dispatched, its output is 0 and it is not counted as dropped."""
     b, t, d = x.shape
     k = experts.shape[-1]
     slots = num_experts * cap
-    slot = capacity_slots(experts, num_experts, cap)  # [b, T, k]
+    slot = capacity_slots(experts, num_experts, cap, valid)  # [b, T, k]
 
     def scatter_row(xr, sr):  # [T, D], [T, k] -> [E*C, D]; dropped tokens land in the extra row
         return jnp.zeros((slots + 1, d), x.dtype).at[sr.reshape(-1)].add(jnp.repeat(xr, k, axis=0))[:slots]
@@ -184,7 +195,7 @@ def _capacity_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, cap
     out = jnp.concatenate([out.reshape(b, slots, d), jnp.zeros((b, 1, d), out.dtype)], axis=1)
     gathered = jax.vmap(lambda yr, sr: yr[sr])(out, slot)  # [b, T, k, D]
     y = jnp.einsum("btkd,btk->btd", gathered, weights.astype(x.dtype))
-    return y, jnp.sum((slot == slots).astype(jnp.float32))
+    return y, jnp.sum(((slot == slots) & valid[..., None]).astype(jnp.float32))
 
 
 def _dropless_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, axis, ep):
@@ -227,28 +238,33 @@ def _inverse(perm: jax.Array) -> jax.Array:
 
 def moe_ffn(x: jax.Array, w_router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
             cfg: ModelConfig, axis: str | None = None, ep: int = 1, row_axes: tuple[str, ...] = (),
-            token_axes: tuple[str, ...] = ()) -> tuple[jax.Array, dict[str, jax.Array]]:
+            token_axes: tuple[str, ...] = (), valid: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The MoE feed-forward of one device's rows x [b, T, D] -> ([b, T, D], stats).
 
     Runs with this device's experts w_* [E_l, ...] and the exchange over `axis` (ep devices),
     inside a region manual over `row_axes` (the batch axes: other devices hold other rows) and
     `token_axes` (`sequence`: other devices hold other tokens of the same rows); the router
     statistics are summed over both, so they are those of the whole (micro-)batch. With no axes
-    it is the whole single-device layer.
+    it is the whole single-device layer. `valid` [b, T] (bool; None: every token) marks the real
+    tokens: padding takes no expert capacity (dropless: its output is weighted 0) and stays out of
+    the balance and z losses and the dropped fraction.
     """
     dtype = jnp.dtype(cfg.dtype)
+    valid = jnp.ones(x.shape[:2], bool) if valid is None else valid
     logits, probs, weights, experts = route(x, w_router, cfg.experts_per_token)
+    weights = weights * valid[..., None]
     w = tuple(wi.astype(dtype) for wi in (w_gate, w_up, w_down))
     x = x.astype(dtype)
     if cfg.moe_dropless:
         y, dropped = _dropless_ffn(x, weights, experts, *w, num_experts=cfg.num_experts, axis=axis, ep=ep)
     else:
         y, dropped = _capacity_ffn(x, weights, experts, *w, num_experts=cfg.num_experts,
-                                   cap=capacity(cfg, x.shape[1]), axis=axis, ep=ep)
-    return y, router_stats(logits, probs, experts, dropped, cfg.moe_balance_scope, row_axes, token_axes)
+                                   cap=capacity(cfg, x.shape[1]), axis=axis, ep=ep, valid=valid)
+    return y, router_stats(logits, probs, experts, dropped, cfg.moe_balance_scope, row_axes, token_axes, valid)
 
 
-def router_stats(logits, probs, experts, dropped, scope: str, row_axes=(), token_axes=()) -> dict[str, jax.Array]:
+def router_stats(logits, probs, experts, dropped, scope: str, row_axes=(), token_axes=(),
+                 valid=None) -> dict[str, jax.Array]:
     """{balance, z, dropped} of one MoE layer over the tokens of every device in `row_axes` x `token_axes`.
 
     scope "batch": the Switch balance loss over all tokens at once; "sequence": per row
@@ -256,12 +272,13 @@ def router_stats(logits, probs, experts, dropped, scope: str, row_axes=(), token
     decomposes exactly over micro-batches and pipeline slots.
     """
     every = tuple(row_axes) + tuple(token_axes)
-    sums = {**router_sums(logits, probs, experts), "dropped": dropped}
+    valid = jnp.ones(logits.shape[:-1], bool) if valid is None else valid
+    sums = {**router_sums(logits, probs, experts, valid), "dropped": dropped}
     total = jax.lax.psum(sums, every) if every else sums
-    stats = {"z": z_loss(total), "dropped": total["dropped"] / jnp.sum(total["assigned"])}
+    stats = {"z": z_loss(total), "dropped": total["dropped"] / jnp.maximum(jnp.sum(total["assigned"]), 1.0)}
     if scope == "batch":
         return {**stats, "balance": load_balancing_loss(total)}
-    rows = jax.vmap(router_sums)(logits, probs, experts)  # per row: [b, ...]
+    rows = jax.vmap(router_sums)(logits, probs, experts, valid)  # per row: [b, ...]
     rows = jax.lax.psum(rows, tuple(token_axes)) if token_axes else rows
     per_row = jax.vmap(load_balancing_loss)(rows)  # [b]
     balance = (jnp.sum(per_row), jnp.asarray(per_row.shape[0], jnp.float32))
@@ -298,15 +315,23 @@ def expert_parallel(cfg: ModelConfig, rules: Rules):
     fn = functools.partial(moe_ffn, cfg=cfg, axis=axis, ep=rules.size(axis) if axis else 1, row_axes=batch_axes,
                            token_axes=token_axes)
     todo = tuple(a for a in batch_axes if a not in rules.manual)
+    fn = functools.partial(_with_valid, fn)
     if not todo:
         return fn
     w_spec = P(axis) if axis in todo else P()
-    return jax.shard_map(fn, in_specs=(P(todo), P(), w_spec, w_spec, w_spec), out_specs=(P(todo), P()),
+    return jax.shard_map(fn, in_specs=(P(todo), P(), w_spec, w_spec, w_spec, P(todo)), out_specs=(P(todo), P()),
                          axis_names=set(todo), check_vma=True)
+
+
+def _with_valid(fn, x, router, w_gate, w_up, w_down, valid):
+    return fn(x, router, w_gate, w_up, w_down, valid=valid)
 
 
 class MoeMlp(nn.Module):
     """Router + E SwiGLU experts (split over `expert`) + optional shared expert. x [B, T, D].
+
+    `valid` [B, T]: the real tokens (the block passes segment_ids > 0); padding takes no capacity
+    and stays out of the router statistics.
 
     Returns (y [B, T, D], stats {balance, z, dropped}: float32 scalars of this layer).
     """
@@ -315,7 +340,7 @@ class MoeMlp(nn.Module):
     rules: Rules
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         e, d, f = cfg.num_experts, cfg.d_model, expert_mlp_dim(cfg)
         router = self._param("router", (d, e), ("embed", None))
@@ -324,7 +349,8 @@ class MoeMlp(nn.Module):
         w_gate = self._param("w_gate", (e, d, f), ("expert", "embed", "mlp"))
         w_up = self._param("w_up", (e, d, f), ("expert", "embed", "mlp"))
         w_down = self._param("w_down", (e, f, d), ("expert", "mlp", "embed"))
-        y, stats = expert_parallel(cfg, self.rules)(x, router, w_gate, w_up, w_down)
+        valid = jnp.ones(x.shape[:2], bool) if valid is None else valid  # [B, T]; False: padding
+        y, stats = expert_parallel(cfg, self.rules)(x, router, w_gate, w_up, w_down, valid)
         if cfg.shared_expert:  # a dense SwiGLU every token goes through (DeepSeek-MoE)
             s_gate = self._param("shared_gate", (d, f), ("embed", "mlp")).astype(dtype)
             s_up = self._param("shared_up", (d, f), ("embed", "mlp")).astype(dtype)

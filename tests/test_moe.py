@@ -207,3 +207,45 @@ def test_num_params_is_exact(shared):
                                                    batch["segment_ids"]))["params"]
     count = sum(math.prod(x.shape) for x in jax.tree.leaves(nn.unbox(shapes)))
     assert model_lib.num_params(cfg) == count
+
+
+@pytest.mark.parametrize("dropless", [False, True])
+def test_padding_takes_no_capacity_and_stays_out_of_the_statistics(dropless):
+    """The last 5 tokens of every row are padding, which the router would send to expert 0 and 1:
+    they take no capacity (the real tokens' outputs, gradients and dropped count do not depend on
+    what the padding holds), their outputs are 0, and balance / z / dropped are those of the real
+    tokens alone. Under expert parallelism (data=2 x expert=4)."""
+    params, x, cot = _inputs(3)
+    cfg = dataclasses.replace(CFG, capacity_factor=1.0, moe_dropless=dropless)
+    valid = jnp.broadcast_to(jnp.arange(T) < T - 5, (B, T))
+    skew = x.at[..., 0].set(jnp.where(valid, x[..., 0], 8.0))  # padding that would crowd experts 0, 1
+    params["router"] = params["router"].at[0, :2].add(5.0)
+    mesh = _mesh({"data": 2, "expert": 4})
+    layer = moe.MoeMlp(cfg, Rules.for_mesh(mesh))
+
+    def run(x):
+        def f(params):
+            y, stats = layer.apply({"params": params}, x, valid)
+            return jnp.sum(y * cot), (y, stats)
+        with jax.set_mesh(mesh):
+            (_, (y, stats)), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+        return y, stats, grads
+
+    y, stats, grads = run(x)
+    y_skew, stats_skew, grads_skew = run(skew)
+    real = np.asarray(valid)
+    np.testing.assert_array_equal(np.asarray(y)[~real], 0.0)
+    np.testing.assert_allclose(np.asarray(y_skew)[real], np.asarray(y)[real], rtol=1e-6, atol=1e-6)
+    for name in ("w_gate", "w_up", "w_down"):
+        np.testing.assert_allclose(grads_skew[name], grads[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    logits, p, _, experts = moe.route(x, params["router"], K)
+    sums = moe.router_sums(logits[real], p[real], experts[real])  # the real tokens alone
+    for s in (stats, stats_skew):
+        np.testing.assert_allclose(s["balance"], moe.load_balancing_loss(sums), rtol=1e-5)
+        np.testing.assert_allclose(s["z"], moe.z_loss(sums), rtol=1e-5)
+        np.testing.assert_allclose(s["dropped"], stats["dropped"], rtol=1e-6)
+    slot = moe.capacity_slots(experts, E, moe.capacity(cfg, T), valid)
+    dropped_real = float(np.sum((np.asarray(slot) == E * moe.capacity(cfg, T)) & real[..., None]))
+    want = 0.0 if dropless else dropped_real / (real.sum() * K)
+    assert dropless or want > 0  # capacity does drop real tokens here
+    np.testing.assert_allclose(float(stats["dropped"]), want, rtol=1e-6)
