@@ -206,3 +206,84 @@ def test_sentencepiece_model_encodes_and_decodes(tmp_path):
     ids = loaded.encode("def add(a, b):")
     assert ids.dtype == np.int32 and 0 <= ids.min() and ids.max() < 64
     assert loaded.decode(ids) == "def add(a, b):"
+
+
+# ---- damaged data: one clear error naming the file, never a silent read or a hang ---------------
+
+
+def _prepared(tmp_path):
+    write_corpus(tmp_path / "corpus")
+    config = text_config(tmp_path, files=str(tmp_path / "corpus" / "*.jsonl*"))
+    result = sources.builder(config)
+    shard = next(os.path.join(result.data_dir, n) for n in sorted(os.listdir(result.data_dir))
+                 if "-train.array_record-" in n)
+    return config, str(result.data_dir), shard
+
+
+def _tokenize_train(config):
+    return sources.token_cache(sources.builder(config), "train", config)
+
+
+def _truncate_file(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "truncated-unrecorded"])
+def test_damaged_shard_is_named_before_tokenizing(tmp_path, damage):
+    """A truncated or altered array_record shard is caught by the checksums recorded at preparation,
+    and (for a dataset prepared elsewhere, with no record) by the empty records it reads back."""
+    config, directory, shard = _prepared(tmp_path)
+    if damage == "flipped":
+        data = bytearray(open(shard, "rb").read())
+        data[len(data) // 3] ^= 0xFF
+        open(shard, "wb").write(bytes(data))
+    else:
+        _truncate_file(shard)
+    if damage == "truncated-unrecorded":
+        os.remove(os.path.join(directory, text_files.SHARDS_FILE))
+    match = {"truncated": "bytes, .* were written", "flipped": "does not match its CRC-32",
+             "truncated-unrecorded": "reads back empty"}[damage]
+    with pytest.raises(config_lib.ConfigError, match=f"config.data.source=.*{match}") as error:
+        _tokenize_train(config)
+    assert os.path.basename(shard) in str(error.value)
+
+
+def test_missing_dataset_info_is_named(tmp_path):
+    config, directory, _ = _prepared(tmp_path)
+    os.remove(os.path.join(directory, "dataset_info.json"))
+    with pytest.raises(config_lib.ConfigError, match="no dataset_info.json: the prepared dataset is incomplete"):
+        sources.builder(config)
+    config.data.source = "tfds:text_files/" + os.path.basename(os.path.dirname(directory))
+    with pytest.raises(config_lib.ConfigError, match="no dataset_info.json"):
+        validate(config, 8)
+
+
+def test_damaged_token_cache_is_rebuilt(tmp_path, caplog):
+    """The token cache is derived data: a truncated one is rebuilt from the shards, to the same tokens."""
+    config, directory, _ = _prepared(tmp_path)
+    tokens, starts = (np.array(a) for a in _tokenize_train(config))
+    cache = next(os.path.join(directory, sources.CACHE_DIR, n) for n in os.listdir(os.path.join(
+        directory, sources.CACHE_DIR)) if n.endswith(".train.tokens.npy"))
+    _truncate_file(cache)
+    with caplog.at_level("WARNING", logger="meshtrain"):
+        again, again_starts = _tokenize_train(config)
+    assert "is damaged" in caplog.text and "rebuilding" in caplog.text
+    np.testing.assert_array_equal(np.asarray(again), tokens)
+    np.testing.assert_array_equal(again_starts, starts)
+
+
+def test_broken_line_in_a_large_jsonl_is_counted_not_fatal(tmp_path):
+    """One broken line in the middle of 20,000: the other documents are read, the prepare report
+    counts the line and names it."""
+    root = tmp_path / "big"
+    root.mkdir()
+    lines = [json.dumps({"text": f"document number {i} " * 3}) for i in range(20_000)]
+    lines[10_000] = '{"text": "cut off in the midd'
+    (root / "big.jsonl").write_text("\n".join(lines) + "\n")
+    config = text_config(tmp_path, files=str(root / "big.jsonl"), seq_len=64)
+    summary = sources.prepare(config, progress=False)
+    stats = summary["read_stats"]
+    assert stats["bad_json_lines"] == 1 and stats["documents"] == 19_999
+    assert any("big.jsonl:10001" in e for e in stats["examples"])
+    assert sum(s["documents"] for s in summary["splits"].values()) == 19_999

@@ -14,6 +14,7 @@ exact on any topology.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import grain
@@ -22,11 +23,12 @@ import tensorflow_datasets as tfds
 import tqdm
 
 from meshtrain import config as config_lib
-from meshtrain.data import corpus, tokenizers
+from meshtrain.data import corpus, text_files, tokenizers
 from meshtrain.data.text_files import TextFiles
 
 _SPLIT_IDS = {"train": 0, "validation": 1}
 CACHE_DIR = "meshtrain_tokens"
+log = logging.getLogger("meshtrain")
 
 
 @functools.lru_cache(maxsize=8)
@@ -61,9 +63,11 @@ def builder(config, prepare_if_missing: bool = True):
                 result = text_files_builder(config)
                 if not result.is_prepared():
                     raise
+        _require_dataset_info(source, str(result.data_dir))
         return result
     name = source.removeprefix("tfds:")
     directory = data_dir(config)
+    _require_dataset_info(source, os.path.join(directory, *name.split("/")))
     try:
         result = tfds.builder(name, data_dir=directory)
     except tfds.core.registered.DatasetNotFoundError as error:
@@ -74,6 +78,28 @@ def builder(config, prepare_if_missing: bool = True):
                                      f"{result.data_dir} (config.data.data_dir={directory!r}); "
                                      "build it with tfds first")
     return result
+
+
+def _require_dataset_info(source: str, dataset_dir: str) -> None:
+    """A prepared TFDS folder without its dataset_info.json (the split list lives there): one clear
+    error instead of a dataset that reads back with no splits."""
+    if not os.path.isdir(dataset_dir):
+        return
+    versions = [os.path.join(dataset_dir, v) for v in sorted(os.listdir(dataset_dir))
+                if v[:1].isdigit() and os.path.isdir(os.path.join(dataset_dir, v))]
+    folders = versions or [dataset_dir]
+    for folder in folders:
+        shards = [n for n in os.listdir(folder) if ".array_record-" in n or ".tfrecord-" in n]
+        if shards and not os.path.exists(os.path.join(folder, "dataset_info.json")):
+            raise config_lib.ConfigError("data.source", source, f"{folder} holds {len(shards)} shard(s) but no "
+                                         "dataset_info.json: the prepared dataset is incomplete or damaged; "
+                                         "prepare it again")
+
+
+def _damaged(source: str, problems: list[str], directory: str) -> config_lib.ConfigError:
+    shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+    return config_lib.ConfigError("data.source", source, f"damaged data: {shown}. Prepare it again (delete "
+                                  f"{directory} and run python -m meshtrain.prepare with the same config)")
 
 
 def _tfds_split(result, split: str) -> str:
@@ -103,26 +129,53 @@ def token_cache(result, split: str, config, progress: bool = False) -> tuple[np.
     tfds_split = _tfds_split(result, split)
     directory = os.path.join(result.data_dir, CACHE_DIR)
     stem = os.path.join(directory, f"{tokenizer.name}.{config.data.text_field}.{tfds_split}")
-    if not os.path.exists(stem + ".starts.npy"):
-        source = result.as_data_source(split=tfds_split)
-        field = config.data.text_field
-        pieces, lengths = [], []
-        for i in tqdm.trange(len(source), desc=f"tokenizing {tfds_split}", disable=not progress):
-            example = source[i]
-            if field not in example:
-                raise ValueError(f"config.data.text_field={field!r}: the examples of {result.name} have fields "
-                                 f"{sorted(example)}")
-            pieces.append(_document_tokens(example[field], tokenizer))
-            lengths.append(len(pieces[-1]))
-        dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-        tokens = np.concatenate(pieces).astype(dtype) if pieces else np.zeros(0, dtype)
-        starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
-        os.makedirs(directory, exist_ok=True)
-        for suffix, array in ((".tokens.npy", tokens), (".starts.npy", starts)):  # starts last: marks complete
-            tmp = f"{stem}{suffix}.{os.getpid()}.tmp.npy"
-            np.save(tmp, array)
-            os.replace(tmp, stem + suffix)
+    cached = _load_cache(stem)
+    if cached is not None:
+        return cached
+    problems = text_files.damaged_shards(str(result.data_dir))
+    if problems:
+        raise _damaged(config.data.source, problems, str(result.data_dir))
+    source = result.as_data_source(split=tfds_split)
+    field = config.data.text_field
+    pieces, lengths = [], []
+    for i in tqdm.trange(len(source), desc=f"tokenizing {tfds_split}", disable=not progress):
+        example = source[i]
+        if field not in example:
+            raise ValueError(f"config.data.text_field={field!r}: the examples of {result.name} have fields "
+                             f"{sorted(example)}")
+        if example[field] is None:  # array_record gives a truncated or damaged record back empty
+            shards = sorted(n for n in os.listdir(result.data_dir) if f"-{tfds_split}." in n)
+            what = f"record {i} of split {tfds_split!r} reads back empty from {', '.join(shards)} (truncated, damaged)"
+            raise _damaged(config.data.source, [what], str(result.data_dir))
+        pieces.append(_document_tokens(example[field], tokenizer))
+        lengths.append(len(pieces[-1]))
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    tokens = np.concatenate(pieces).astype(dtype) if pieces else np.zeros(0, dtype)
+    starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
+    os.makedirs(directory, exist_ok=True)
+    for suffix, array in ((".tokens.npy", tokens), (".starts.npy", starts)):  # starts last: marks complete
+        tmp = f"{stem}{suffix}.{os.getpid()}.tmp.npy"
+        np.save(tmp, array)
+        os.replace(tmp, stem + suffix)
     return np.load(stem + ".tokens.npy", mmap_mode="r"), np.load(stem + ".starts.npy")
+
+
+def _load_cache(stem: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """The token cache if it is complete and consistent; None (rebuilt from the shards, nothing is
+    lost: it is derived data) when it is missing, unreadable or its offsets do not fit its tokens."""
+    if not os.path.exists(stem + ".starts.npy"):
+        return None
+    try:
+        tokens, starts = np.load(stem + ".tokens.npy", mmap_mode="r"), np.load(stem + ".starts.npy")
+        if starts.ndim == 1 and len(starts) and starts[0] == 0 and int(starts[-1]) == tokens.size \
+                and np.all(np.diff(starts) >= 0):
+            return tokens, starts
+        problem = f"its {len(starts) - 1} document offsets end at {int(starts[-1]) if len(starts) else 0}, " \
+                  f"its tokens number {tokens.size}"
+    except (OSError, ValueError, EOFError) as error:
+        problem = f"unreadable ({error})"
+    log.warning("token cache %s.* is damaged (%s): rebuilding it from the dataset", stem, problem)
+    return None
 
 
 class PackedRows:
