@@ -72,6 +72,21 @@ class CheckpointDamaged(Exception):
         super().__init__(f"checkpoint step {step} at {path!r} is damaged: {shown}")
 
 
+class CheckpointSaveError(RuntimeError):
+    """A save that could not be written (a full disk, a lost mount): the run stops."""
+
+    def __init__(self, step: int | None, root: str, error: BaseException, newest: int | None):
+        self.step, self.newest = step, newest
+        detail = " ".join(str(error).split())
+        if len(detail) > 400:  # tensorstore's messages put the OS reason last
+            detail = f"{detail[:220]} ... {detail[-160:]}"
+        kept = f"the newest finished checkpoint, step {newest}, is intact" if newest is not None else \
+            "no checkpoint was finished before it"
+        super().__init__(f"checkpoint save of step {step} in {root!r} failed ({type(error).__name__}: {detail}); "
+                         f"{kept} and nothing of the failed save looks finished; free space (or fix the "
+                         f"directory) and relaunch to resume")
+
+
 def _crc32(path: str) -> int:
     crc = 0
     with open(path, "rb") as f:
@@ -169,7 +184,7 @@ class Checkpointer:
         self.root = os.path.realpath(os.path.expanduser(root))
         if read_only and not os.path.isdir(self.root):
             raise ValueError(f"checkpoint directory {self.root!r}: does not exist")
-        self._async, self._saving = async_save, None
+        self._async, self._saving, self.save_error = async_save, None, None
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else keep, enable_async_checkpointing=async_save,
             create=not read_only, read_only=read_only, save_interval_steps=1,
@@ -202,16 +217,23 @@ class Checkpointer:
         """Starts saving `state` at `step` (returns once the arrays are copied to the host)."""
         if self.last_saved is not None and step <= self.last_saved:
             return False
-        self._manager.wait_until_finished()  # the previous save's checksums name its own step
+        self.wait()  # the previous save (its error surfaces here; its checksums name its own step)
         self._saving = step
-        saved = self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
-            meta=ocp.args.JsonSave(meta)), force=True)
+        try:
+            saved = self._manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
+                meta=ocp.args.JsonSave(meta)), force=True)
+            if saved and not self._async:  # committed already: checksum it in place
+                self._checksum_pending()
+        except Exception as error:  # noqa: BLE001 (tensorstore, OS and orbax errors alike)
+            raise self._failed(step, error) from error
         if saved:
             self.last_saved = step
-            if not self._async:  # committed already: checksum it in place
-                self._checksum_pending()
         return saved
+
+    def _failed(self, step: int | None, error: BaseException) -> CheckpointSaveError:
+        self.save_error = CheckpointSaveError(step, self.root, error, self.latest_step())
+        return self.save_error
 
     def _checksum_pending(self) -> None:
         """The checksums of the save in flight, in its directory (temporary until orbax commits it)."""
@@ -283,12 +305,25 @@ class Checkpointer:
                         meta=dict(restored["meta"]), path=path)
 
     def wait(self) -> None:
-        """Blocks until the pending asynchronous save is finished."""
-        self._manager.wait_until_finished()
+        """Blocks until the pending asynchronous save is finished; raises CheckpointSaveError if it failed."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as error:  # noqa: BLE001
+            raise self._failed(self._saving, error) from error
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Waits for the pending save; its failure is raised unless one was reported already."""
+        reported = self.save_error
+        try:
+            self.wait()
+        except CheckpointSaveError:
+            if reported is None:
+                raise
+        finally:
+            try:
+                self._manager.close()
+            except Exception as error:  # noqa: BLE001
+                log.warning("closing the checkpoint manager: %s", error)
 
 
 def _state_handler() -> ocp.PyTreeCheckpointHandler:

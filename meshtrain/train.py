@@ -19,6 +19,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from meshtrain import (
+    checkpoint,
     cli,
     config as config_lib,
     data,
@@ -85,6 +86,8 @@ def main(argv) -> None:
     log.propagate = False
     for noisy in ("absl", "jax", "orbax", "etils", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # a failed asynchronous save leaves one unretrieved future per array write; the run reports it once
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     config = _CONFIG.value
     if config is None:
         raise app.UsageError("--config is required, e.g. --config configs/tiny.py")
@@ -100,6 +103,9 @@ def main(argv) -> None:
     except run_loop.NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         _exit(3)
+    except checkpoint.CheckpointSaveError as e:
+        print(f"error: {e}", file=sys.stderr)
+        _exit(4)
     except Exception:
         if jax.process_count() == 1:
             raise

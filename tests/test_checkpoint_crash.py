@@ -9,6 +9,7 @@ must be bitwise the reference state of its step, and the next process must resum
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -143,3 +144,57 @@ def test_cli_stops_on_a_real_divergence_with_exit_code_3(tmp_path, compilation_c
     ckpt.close()
     last_record = (workdir / "metrics.jsonl").read_text().splitlines()[-1]
     assert '"step": 2' in last_record and '"nonfinite": 1.0' in last_record
+
+
+DISK_FULL_SCRIPT = """
+set -e
+mount -t tmpfs -o size=3m tmpfs "$CKPT"
+set +e
+"$PYTHON" -m meshtrain.train "$@" > "$WORK/first.log" 2>&1
+echo $? > "$WORK/first.rc"
+ls -a "$CKPT" > "$WORK/after_failure.ls"
+"$PYTHON" -c "
+import sys
+from meshtrain import checkpoint as c
+k = c.Checkpointer(sys.argv[1], read_only=True)
+print(' '.join(str(s) for s in k.all_steps()), '|', ' '.join(str(k.verify(s)) for s in k.all_steps()))
+k.close()" "$CKPT" > "$WORK/after_failure.steps" 2>/dev/null
+mount -o remount,size=64m "$CKPT"
+"$PYTHON" -m meshtrain.train "$@" > "$WORK/second.log" 2>&1
+echo $? > "$WORK/second.rc"
+"""
+
+
+def test_disk_full_during_a_save_stops_cleanly_and_resumes(tmp_path, compilation_cache):
+    """The checkpoint directory is a 3 MiB tmpfs (two tiny checkpoints fit, a third does not), in a
+    private mount namespace (`unshare`). The run stops with exit code 4 and one message naming the
+    step and the disk error; the finished checkpoints stay intact and verify, no partial step looks
+    finished; after the disk grows the relaunched run resumes from the newest one and trains the
+    same losses as the first run did for the same steps."""
+    work = tmp_path / "run"
+    ckpt = work / "checkpoints"
+    ckpt.mkdir(parents=True)
+    overrides = {"steps": 12, "workdir": work, "checkpoint.every": 2, "checkpoint.keep": 100}
+    env = {**subprocess_env(compilation_cache), "WORK": str(tmp_path), "CKPT": str(ckpt), "PYTHON": sys.executable}
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", DISK_FULL_SCRIPT, "sh", *cli_args(overrides)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    first = (tmp_path / "first.log").read_text()
+    assert (tmp_path / "first.rc").read_text().strip() == "4", first[-3000:]
+    error = [line for line in first.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and "No space left on device" in error[0] and "is intact" in error[0], first[-3000:]
+    steps, verified = (tmp_path / "after_failure.steps").read_text().split("|")
+    kept = [int(s) for s in steps.split()]
+    assert kept and kept == list(range(2, 2 * len(kept) + 1, 2)), kept  # every finished save, in order
+    assert verified.split() == ["[]"] * len(kept)  # each one intact against its checksums
+    listing = (tmp_path / "after_failure.ls").read_text().split()
+    assert not [name for name in listing if name.isdigit() and int(name) not in kept], listing
+    second = (tmp_path / "second.log").read_text()
+    assert (tmp_path / "second.rc").read_text().strip() == "0", second[-3000:]
+    assert run_loop.resumed_step(second) == kept[-1]
+    records = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
+    first_run = {r["step"]: r["loss"] for r in records[:len(run_loop.logged_steps(first))]}
+    second_run = {r["step"]: r["loss"] for r in records[len(first_run):]}
+    assert sorted(second_run) == list(range(kept[-1] + 1, 13))
+    overlap = set(first_run) & set(second_run)
+    assert overlap and all(first_run[s] == second_run[s] for s in overlap)
