@@ -1,0 +1,207 @@
+"""Fault injection, N trials per fault: is each one caught, is the run recovered, is anything lost?
+
+    python bench/faults.py [--trials 10] [--kill_trials 10] [--disk_trials 2] [--dir /tmp/x]
+
+Faults (each injected for real, on files and processes):
+
+* checkpoint damage: a saved checkpoint gets, at random, a truncated array file, a flipped byte
+  at a random offset of an array file, a missing metadata file or a garbled JSON item; `resume`
+  must name it, move it aside unchanged and restore the previous checkpoint bitwise.
+* data damage: a prepared text_files shard truncated or altered at a random offset; tokenizing
+  must stop with one error naming the shard.
+* SIGKILL at a random moment of a training process saving after every step (`bench/checkpoint.py`'s
+  trials): the newest finished checkpoint must be bitwise the uninterrupted run's and the next
+  process must resume from it.
+* disk full: the checkpoint directory is a 3 MiB tmpfs in a private mount namespace; the run must
+  stop with exit code 4, keep every finished checkpoint intact, and resume once the disk grows.
+
+"data lost" counts finished checkpoints (or damaged bytes set aside) that a trial deleted or
+changed: it must be 0. Prints a table and one JSON line; exits 1 if a trial was not recovered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+if jax.config.jax_platforms == "cpu":
+    jax.config.update("jax_num_cpu_devices", 8)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import numpy as np  # noqa: E402
+
+from meshtrain import checkpoint as checkpoint_lib, config as config_lib  # noqa: E402
+from meshtrain.data import sources  # noqa: E402
+
+
+def _bench_checkpoint():
+    spec = importlib.util.spec_from_file_location("bench_checkpoint", os.path.join(ROOT, "bench", "checkpoint.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _array_files(step_dir: str) -> list[str]:
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(os.path.join(step_dir, "state")) for f in fs
+                  if f"{os.sep}d{os.sep}" in os.path.join(d, f))
+
+
+def damage(step_dir: str, rng) -> str:
+    """One random damage of a checkpoint step; returns what was done."""
+    kind = ["truncate", "flip", "remove-metadata", "garble-json"][rng.integers(4)]
+    files = _array_files(step_dir)
+    path = files[rng.integers(len(files))]
+    if kind == "truncate":
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            f.truncate(int(rng.integers(0, size)))
+    elif kind == "flip":
+        data = bytearray(open(path, "rb").read())
+        data[int(rng.integers(len(data)))] ^= 1 << int(rng.integers(8))
+        open(path, "wb").write(bytes(data))
+    elif kind == "remove-metadata":
+        path = os.path.join(step_dir, "state", "_METADATA")
+        os.remove(path)
+    else:
+        path = os.path.join(step_dir, ("data", "meta")[rng.integers(2)], "metadata")
+        with open(path, "r+b") as f:
+            f.seek(int(rng.integers(max(1, os.path.getsize(path)))))
+            f.write(b"\x00garbled")
+    return f"{kind} {os.path.relpath(path, step_dir)}"
+
+
+def checkpoint_trials(trials: int, root: str, rng) -> dict:
+    bench = _bench_checkpoint()
+    config = bench._crash_config(4, os.path.join(root, "unused"))
+    _, factory, _ = bench.setup(config, jax.devices()[:8])
+    pristine = os.path.join(root, "pristine")
+    ckpt = checkpoint_lib.Checkpointer(pristine, keep=10)
+    states = {}
+    for step in (1, 2):
+        state = jax.block_until_ready(factory.create(step))  # two different states
+        ckpt.save(step, state, {"next_row": 8 * step}, {"step": step})
+        states[step] = jax.tree.map(np.asarray, state)
+    ckpt.close()
+    out = {"fault": "checkpoint damage", "trials": 0, "caught": 0, "recovered": 0, "data_lost": 0, "kinds": {}}
+    for trial in range(trials):
+        work = os.path.join(root, f"damage_{trial}")
+        shutil.copytree(pristine, os.path.join(work, "checkpoints"))
+        what = damage(os.path.join(work, "checkpoints", "2"), rng)
+        kind = what.split()[0]
+        out["kinds"][kind] = out["kinds"].get(kind, 0) + 1
+        damaged_copy = os.path.join(root, f"damaged_{trial}")
+        shutil.copytree(os.path.join(work, "checkpoints", "2"), damaged_copy)
+        config.workdir = work
+        ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_root(work))
+        restored = checkpoint_lib.resume(config, ckpt, factory.abstract)
+        ckpt.close()
+        out["trials"] += 1
+        moved = os.path.join(checkpoint_lib.checkpoint_root(work) + ".damaged", "2")
+        out["caught"] += restored.step == 1 and os.path.isdir(moved)
+        same = all(np.array_equal(np.asarray(a), b) for a, b in zip(jax.tree.leaves(restored.state),
+                                                                     jax.tree.leaves(states[1]), strict=True))
+        out["recovered"] += restored.step == 1 and same
+        cmp = filecmp.dircmp(moved, damaged_copy) if os.path.isdir(moved) else None
+        kept = cmp is not None and not (cmp.diff_files or cmp.left_only or cmp.right_only)
+        intact = checkpoint_lib.verify_checksums(os.path.join(checkpoint_lib.checkpoint_root(work), "1")) == []
+        out["data_lost"] += (not kept) + (not intact)
+        shutil.rmtree(work)
+        shutil.rmtree(damaged_copy)
+        print(f"  damage trial {trial}: {what} -> restored step {restored.step}", file=sys.stderr)
+    return out
+
+
+def data_trials(trials: int, root: str, rng) -> dict:
+    corpus = os.path.join(root, "corpus")
+    os.makedirs(corpus, exist_ok=True)
+    with open(os.path.join(corpus, "docs.jsonl"), "w") as f:
+        for i in range(3000):
+            f.write(json.dumps({"text": f"document {i}: " + "lorem ipsum " * (i % 17 + 1)}) + "\n")
+    out = {"fault": "data damage", "trials": 0, "caught": 0, "recovered": 0, "data_lost": 0}
+    for trial in range(trials):
+        config = config_lib.default_config()
+        config.data.source, config.data.files = "text_files", os.path.join(corpus, "docs.jsonl")
+        config.data.data_dir = os.path.join(root, f"tfds_{trial}")
+        result = sources.builder(config)
+        shard = next(os.path.join(result.data_dir, n) for n in sorted(os.listdir(result.data_dir))
+                     if "-train.array_record-" in n)
+        data = bytearray(open(shard, "rb").read())
+        if rng.integers(2):
+            data = data[:int(rng.integers(len(data)))]
+        else:
+            data[int(rng.integers(len(data)))] ^= 0xFF
+        open(shard, "wb").write(bytes(data))
+        out["trials"] += 1
+        try:
+            sources.token_cache(sources.builder(config), "train", config)
+        except config_lib.ConfigError as error:
+            out["caught"] += os.path.basename(shard) in str(error)
+            out["recovered"] += os.path.basename(shard) in str(error)  # stopped before training on it
+        shutil.rmtree(config.data.data_dir)
+    return out
+
+
+def kill_trials(trials: int, root: str) -> dict:
+    c = _bench_checkpoint().bench_crash_trials(trials, root)
+    return {"fault": "SIGKILL mid-run", "trials": c["trials"], "caught": c["trials"],
+            "recovered": min(c["bitwise_ok"], c["resumed_ok"]), "data_lost": c["trials"] - c["bitwise_ok"],
+            "killed_mid_save": c["killed_mid_save"]}
+
+
+def disk_trials(trials: int, root: str) -> dict:
+    """Runs the disk-full test's scenario (tests/test_checkpoint_crash.py) `trials` times."""
+    out = {"fault": "disk full during a save", "trials": 0, "caught": 0, "recovered": 0, "data_lost": 0}
+    for trial in range(trials):
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                 "tests/test_checkpoint_crash.py::test_disk_full_during_a_save_stops_cleanly_and_resumes",
+                                 "--basetemp", os.path.join(root, f"disk_{trial}")], cwd=ROOT,
+                                capture_output=True, text=True)
+        out["trials"] += 1
+        passed = result.returncode == 0
+        out["caught"] += passed
+        out["recovered"] += passed
+        if not passed:
+            print(result.stdout[-3000:], file=sys.stderr)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=10, help="checkpoint and data damage trials each")
+    parser.add_argument("--kill_trials", type=int, default=10)
+    parser.add_argument("--disk_trials", type=int, default=2)
+    parser.add_argument("--dir", default="")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    root = args.dir or tempfile.mkdtemp(prefix="meshtrain_faults_")
+    rng = np.random.default_rng(args.seed)
+    rows = [checkpoint_trials(args.trials, os.path.join(root, "ckpt"), rng),
+            data_trials(args.trials, os.path.join(root, "data"), rng)]
+    if args.kill_trials:
+        rows.append(kill_trials(args.kill_trials, os.path.join(root, "kill")))
+    if args.disk_trials:
+        rows.append(disk_trials(args.disk_trials, os.path.join(root, "disk")))
+    print(f"{'fault':<26} {'trials':>6} {'caught':>6} {'recovered':>9} {'data lost':>9}")
+    for r in rows:
+        print(f"{r['fault']:<26} {r['trials']:>6} {r['caught']:>6} {r['recovered']:>9} {r['data_lost']:>9}")
+    print(json.dumps({"bench": "faults", "rows": rows}))
+    bad = [r["fault"] for r in rows if r["recovered"] < r["trials"] or r["data_lost"] or not r["trials"]]
+    if bad:
+        print(f"FAIL: not every trial recovered, or data lost: {bad}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
