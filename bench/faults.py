@@ -154,6 +154,7 @@ def data_trials(trials: int, root: str, rng) -> dict:
 
 
 def kill_trials(trials: int, root: str) -> dict:
+    os.makedirs(root, exist_ok=True)
     c = _bench_checkpoint().bench_crash_trials(trials, root)
     return {"fault": "SIGKILL mid-run", "trials": c["trials"], "caught": c["trials"],
             "recovered": min(c["bitwise_ok"], c["resumed_ok"]), "data_lost": c["trials"] - c["bitwise_ok"],
