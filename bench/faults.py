@@ -164,6 +164,7 @@ def kill_trials(trials: int, root: str) -> dict:
 def disk_trials(trials: int, root: str) -> dict:
     """Runs the disk-full test's scenario (tests/test_checkpoint_crash.py) `trials` times."""
     out = {"fault": "disk full during a save", "trials": 0, "caught": 0, "recovered": 0, "data_lost": 0}
+    os.makedirs(root, exist_ok=True)
     for trial in range(trials):
         result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                  "tests/test_checkpoint_crash.py::test_disk_full_during_a_save_stops_cleanly_and_resumes",
@@ -188,8 +189,10 @@ def main() -> None:
     args = parser.parse_args()
     root = args.dir or tempfile.mkdtemp(prefix="meshtrain_faults_")
     rng = np.random.default_rng(args.seed)
-    rows = [checkpoint_trials(args.trials, os.path.join(root, "ckpt"), rng),
-            data_trials(args.trials, os.path.join(root, "data"), rng)]
+    rows = []
+    if args.trials:
+        rows += [checkpoint_trials(args.trials, os.path.join(root, "ckpt"), rng),
+                 data_trials(args.trials, os.path.join(root, "data"), rng)]
     if args.kill_trials:
         rows.append(kill_trials(args.kill_trials, os.path.join(root, "kill")))
     if args.disk_trials:
