@@ -549,17 +549,6 @@ def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m,
     return lax.psum(c["loss"], axes), stats, lax.psum(c["g_outer"], axes), g_layers
 
 
-def grads_function(pipe: Pipeline | None, default):
-    """The train step's (loss_sum, aux, grads) function: 1F1B's own loop, the slot-table loop of
-    interleaved 1F1B and zero bubble (`pipeline_tables`), else `default` (autodiff)."""
-    if pipe is not None and pipe.schedule == "1f1b":
-        return loss_and_grads
-    if pipe is not None and pipe.schedule in TABLE_SCHEDULES:
-        from meshtrain import pipeline_tables  # imports this module
-        return pipeline_tables.loss_and_grads
-    return default
-
-
 # ---------------------------------------------------------------------------------------------
 # Validation and the start-of-run description.
 # ---------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from meshtrain import (
     model as model_lib,
     optimizer as optimizer_lib,
     pipeline as pipeline_lib,
+    pipeline_tables,
 )
 from meshtrain.sharding_rules import Rules, named, vary
 
@@ -339,9 +340,20 @@ def build(run: Run) -> tuple[StateFactory, Callable]:
     micro = config.train.batch_size // config.train.grad_accum_steps
     factory = StateFactory(model, tx, run.mesh, Placement.for_zero_stage(run.rules, config.train.zero_stage),
                            (micro, config.train.seq_len))
-    grads_fn = pipeline_lib.grads_function(run.pipeline, _grads_one_pass)
+    grads_fn = grads_function(run.pipeline, _grads_one_pass)
     step = jit_train_step(factory, optimizer_lib.learning_rate_schedule(config), run.batch_sharding,
                           accum_steps=config.train.grad_accum_steps, manual_axes=run.accumulation_axes,
                           grads_fn=grads_fn, grad_clip=config.train.grad_clip,
                           compiler_options=run.compiler_options, checked=not run.kernels)
     return factory, step
+
+
+def grads_function(pipe: pipeline_lib.Pipeline | None, default):
+    """The step's (loss_sum, aux, grads) function: 1F1B's own loop (`pipeline.loss_and_grads`), the
+    slot-table loop of interleaved 1F1B and zero bubble (`pipeline_tables.loss_and_grads`), else
+    `default` (autodiff, gpipe and circular included)."""
+    if pipe is not None and pipe.schedule == "1f1b":
+        return pipeline_lib.loss_and_grads
+    if pipe is not None and pipe.schedule in pipeline_lib.TABLE_SCHEDULES:
+        return pipeline_tables.loss_and_grads
+    return default

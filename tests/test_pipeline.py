@@ -88,7 +88,7 @@ def _pipelined(schedule: str, mesh_items: tuple, microbatches: int = M, batch: i
     mesh = _mesh(config)
     pipe = pipeline_lib.Pipeline.from_config(config, dict(mesh.shape))
     model = model_lib.Transformer(ModelConfig.from_config(config), Rules.for_mesh(mesh), pipeline=pipe)
-    fn = pipeline_lib.grads_function(pipe, _autodiff)
+    fn = train_step_lib.grads_function(pipe, _autodiff)
     factory = train_step_lib.StateFactory(model, optax.sgd(0.1), mesh,
                                           train_step_lib.Placement.for_zero_stage(model.rules, zero),
                                           (batch, SEQ))
