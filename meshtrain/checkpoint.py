@@ -49,14 +49,13 @@ import logging
 import os
 import re
 import shutil
-import zlib
 
 import jax
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from meshtrain import config as config_lib
+from meshtrain import checksums, config as config_lib
 
 CHECKPOINT_SUBDIR = "checkpoints"
 CHECKSUMS_SUBDIR = "checksums"
@@ -87,14 +86,6 @@ class CheckpointSaveError(RuntimeError):
                          f"directory) and relaunch to resume")
 
 
-def _crc32(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
 def _owner(rel: str) -> int:
     """The process that wrote a checkpoint file: its `ocdbt.process_<i>` shards and array metadata
     are its own; the shared metadata and JSON items are process 0's."""
@@ -117,7 +108,7 @@ def write_checksums(step_dir: str, process: int) -> dict:
             rel = os.path.relpath(full, step_dir)
             if name in _REWRITTEN_AT_COMMIT or _owner(rel) != process:
                 continue
-            entries[rel] = [os.path.getsize(full), _crc32(full)]
+            entries[rel] = list(checksums.size_and_crc32(full))
     folder = os.path.join(step_dir, CHECKSUMS_SUBDIR)
     os.makedirs(folder, exist_ok=True)
     target = os.path.join(folder, f"process_{process}.json")
@@ -141,14 +132,7 @@ def verify_checksums(step_dir: str) -> list[str] | None:
         except (OSError, ValueError, KeyError, TypeError) as error:
             problems.append(f"checksum file {os.path.relpath(manifest, step_dir)} is unreadable ({error})")
             continue
-        for rel, (size, crc) in sorted(entries.items()):
-            full = os.path.join(step_dir, rel)
-            if not os.path.isfile(full):
-                problems.append(f"{rel} is missing")
-            elif os.path.getsize(full) != size:
-                problems.append(f"{rel} has {os.path.getsize(full)} bytes, {size} were written (truncated or appended)")
-            elif _crc32(full) != crc:
-                problems.append(f"{rel} does not match its CRC-32 (its bytes changed after the save)")
+        problems += checksums.mismatches(step_dir, entries)
     return problems
 
 

@@ -297,6 +297,13 @@ def loss_and_grads(params, batch, model, total_tokens, accum_steps):
     a stage keeps its weights gathered across its micro-batches), not in every slot.
     """
     del accum_steps  # the validator requires train.grad_accum_steps == 1 with a pipeline
+    return run_gradient_loop(_one_f_one_b_loop, params, batch, model, total_tokens)
+
+
+def run_gradient_loop(loop, params, batch, model, total_tokens, **static):
+    """`loop`(stack, stage model, layers, outer params, micro-batches, total_tokens, *, p, m, axes, units,
+    specs, **static) -> (loss sum, MoE stats, outer grads, layer grads), run in the pipeline's
+    `shard_map`; returns the train step's (loss_sum, aux, grads). Shared by 1F1B and the slot tables."""
     pipe = model.pipeline
     inner = model.clone(rules=model.rules.with_manual(pipe.axes), pipeline=None,
                         attention_fn=attention_lib.in_conditional_slots(model.attention_fn))
@@ -305,8 +312,8 @@ def loss_and_grads(params, batch, model, total_tokens, accum_steps):
     micro = jax.tree.map(functools.partial(_split, m=pipe.microbatches), batch)
     units = model_lib.scan_unit(model.cfg)[1]
     specs = layer_specs(model.cfg, pipe.axes)
-    body = functools.partial(_one_f_one_b_loop, stack, inner, p=pipe.stages, m=pipe.microbatches,
-                             axes=pipe.axes, units=units, specs=specs)
+    body = functools.partial(loop, stack, inner, p=pipe.stages, m=pipe.microbatches, axes=pipe.axes, units=units,
+                             specs=specs, **static)
     loss_sum, stats, outer_grads, layer_grads = jax.shard_map(
         body, in_specs=(specs, P(), pipe.micro_spec(0), P()), out_specs=(P(), P(), P(), specs),
         axis_names=set(pipe.axes), check_vma=pipe.checked,

@@ -40,16 +40,14 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from meshtrain import attention as attention_lib, model as model_lib, moe as moe_lib, schedules
+from meshtrain import schedules
 from meshtrain.pipeline import (
     STAGE,
     _pmean,
     _psum,
     _SlotWork,
-    _split,
     aux_cotangents,
-    layer_specs,
-    stage_function,
+    run_gradient_loop,
 )
 from meshtrain.sharding_rules import vary
 
@@ -267,21 +265,7 @@ def loss_and_grads(params, batch, model, total_tokens, accum_steps):
     del accum_steps  # the validator requires train.grad_accum_steps == 1 with a pipeline
     pipe = model.pipeline
     plan = slot_plan(pipe.schedule, pipe.stages, pipe.microbatches, pipe.repeats)
-    inner = model.clone(rules=model.rules.with_manual(pipe.axes), pipeline=None,
-                        attention_fn=attention_lib.in_conditional_slots(model.attention_fn))
-    stack = stage_function(inner.cfg, inner.rules, inner.attention_fn)
-    outer = {k: v for k, v in params.items() if k != "layers"}
-    micro = jax.tree.map(functools.partial(_split, m=pipe.microbatches), batch)
-    specs = layer_specs(model.cfg, pipe.axes)
-    body = functools.partial(_table_loop, stack, inner, plan=plan, p=pipe.stages, m=pipe.microbatches,
-                             v=pipe.repeats, axes=pipe.axes, units=model_lib.scan_unit(model.cfg)[1], specs=specs)
-    loss_sum, stats, outer_grads, layer_grads = jax.shard_map(
-        body, in_specs=(specs, P(), pipe.micro_spec(0), P()), out_specs=(P(), P(), P(), specs),
-        axis_names=set(pipe.axes), check_vma=pipe.checked,
-    )(params["layers"], outer, micro, total_tokens)
-    grads = {**outer_grads, "layers": layer_grads}
-    aux, logged = moe_lib.loss_terms(stats or None, model.cfg)
-    return loss_sum, {**aux, **logged}, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    return run_gradient_loop(_table_loop, params, batch, model, total_tokens, plan=plan, v=pipe.repeats)
 
 
 def _ring(p: int, step: int, wraps: bool) -> list[tuple[int, int]]:

@@ -14,26 +14,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import zlib
 from typing import ClassVar
 
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core import utils as tfds_utils
 
+from meshtrain import checksums
 from meshtrain.data import corpus
 
 VALIDATION_PERCENT = 5
 STATS_FILE = "meshtrain_read_stats.json"
 SHARDS_FILE = "meshtrain_shards.json"  # {shard file: [size, crc32]} as prepared
-
-
-def shard_checksum(path: str) -> tuple[int, int]:
-    """(size, CRC-32) of a file."""
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return os.path.getsize(path), crc
 
 
 def damaged_shards(data_dir: str) -> list[str]:
@@ -43,16 +34,7 @@ def damaged_shards(data_dir: str) -> list[str]:
         return []
     with open(path) as f:
         recorded = json.load(f)
-    problems = []
-    for name, (size, crc) in sorted(recorded.items()):
-        shard = os.path.join(data_dir, name)
-        if not os.path.isfile(shard):
-            problems.append(f"{shard} is missing")
-        elif os.path.getsize(shard) != size:
-            problems.append(f"{shard} has {os.path.getsize(shard)} bytes, {size} were written (truncated?)")
-        elif shard_checksum(shard)[1] != crc:
-            problems.append(f"{shard} does not match its CRC-32 (its bytes changed after it was prepared)")
-    return problems
+    return checksums.mismatches(data_dir, recorded, full_paths=True)
 
 
 def _hash(text: str) -> int:
@@ -117,7 +99,7 @@ class TextFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         size and CRC-32 of every shard written (`shard_checksums`), checked before each tokenization."""
         with open(os.path.join(self.data_dir, STATS_FILE), "w") as f:
             json.dump(self.read_stats.__dict__, f)
-        shards = {name: list(shard_checksum(os.path.join(self.data_dir, name)))
+        shards = {name: list(checksums.size_and_crc32(os.path.join(self.data_dir, name)))
                   for name in sorted(os.listdir(self.data_dir)) if ".array_record-" in name}
         with open(os.path.join(self.data_dir, SHARDS_FILE), "w") as f:
             json.dump(shards, f)
