@@ -267,9 +267,9 @@ def router_stats(logits, probs, experts, dropped, scope: str, row_axes=(), token
                  valid=None) -> dict[str, jax.Array]:
     """{balance, z, dropped} of one MoE layer over the tokens of every device in `row_axes` x `token_axes`.
 
-    scope "batch": the Switch balance loss over all tokens at once; "sequence": per row
-    (DeepSeek-V3's sequence-wise balance), averaged over rows, which is additive over rows and so
-    decomposes exactly over micro-batches and pipeline slots.
+    scope "batch": the Switch balance loss and the z-loss over all tokens at once; "sequence": both
+    per row (DeepSeek-V3's sequence-wise balance), averaged over rows, which is additive over rows and
+    so decomposes exactly over micro-batches and pipeline slots, whatever padding the rows hold.
     """
     every = tuple(row_axes) + tuple(token_axes)
     valid = jnp.ones(logits.shape[:-1], bool) if valid is None else valid
@@ -280,10 +280,11 @@ def router_stats(logits, probs, experts, dropped, scope: str, row_axes=(), token
         return {**stats, "balance": load_balancing_loss(total)}
     rows = jax.vmap(router_sums)(logits, probs, experts, valid)  # per row: [b, ...]
     rows = jax.lax.psum(rows, tuple(token_axes)) if token_axes else rows
-    per_row = jax.vmap(load_balancing_loss)(rows)  # [b]
-    balance = (jnp.sum(per_row), jnp.asarray(per_row.shape[0], jnp.float32))
-    balance = jax.lax.psum(balance, tuple(row_axes)) if row_axes else balance
-    return {**stats, "balance": balance[0] / balance[1]}
+    # per row, then averaged over rows: additive over rows whatever padding each row holds
+    per_row = (jnp.sum(jax.vmap(load_balancing_loss)(rows)), jnp.sum(jax.vmap(z_loss)(rows)),
+               jnp.asarray(logits.shape[0], jnp.float32))
+    balance, z, count = jax.lax.psum(per_row, tuple(row_axes)) if row_axes else per_row
+    return {**stats, "balance": balance / count, "z": z / count}
 
 
 def moe_reference(x: jax.Array, w_router, w_gate, w_up, w_down, k: int) -> jax.Array:
