@@ -29,6 +29,7 @@ def _config(sizes: dict):
         c.mesh[axis] = sizes.get(axis, 1)
     c.train.seq_len = 32
     c.train.warmup_steps = 1
+    c.model.moe_dropless = bool(sizes.get("dropless", False))  # not a mesh axis: the dispatch
     return c
 
 
@@ -73,6 +74,20 @@ def test_losses_equal_single_device(sizes):
     for name in ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction"):
         np.testing.assert_allclose([m[name] for m in metrics], [m[name] for m in ref_metrics],
                                    rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_dropless_model_under_expert_parallelism_equals_single_device():
+    """The whole model with dropless dispatch on expert=8 (ragged exchange) trains the single-device
+    dropless model's losses and router statistics; nothing is dropped, where capacity dispatch on
+    the same data drops tokens (test above)."""
+    ref_losses, ref_metrics, _ = _run((("dropless", True),))
+    losses, metrics, _ = _run((("dropless", True), ("expert", 8)))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    for name in ("moe_aux_loss", "moe_z_loss"):
+        np.testing.assert_allclose([m[name] for m in metrics], [m[name] for m in ref_metrics],
+                                   rtol=1e-5, atol=1e-7, err_msg=name)
+    assert all(m["moe_dropped_fraction"] == 0.0 for m in metrics + ref_metrics)
+    assert all(m["moe_dropped_fraction"] > 0.0 for m in _run(())[1])
 
 
 def _collectives(text: str, sizes: dict):
