@@ -118,6 +118,15 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.eps = 1e-8
     c.train.grad_clip = 1.0  # global-norm clip; 0 disables
     c.train.skip_nonfinite = False
+    # loss-spike guard (off at 0): spike_steps losses in a row above spike_factor x the running median of the
+    # last spike_window roll back to the newest older checkpoint and skip those steps' data rows
+    c.train.spike_factor = 0.0
+    c.train.spike_steps = 3
+    c.train.spike_window = 32
+    c.train.spike_max_rollbacks = 3
+    # multi-process: a step or save with no progress this long ends the job (exit 5); below jax.distributed's
+    # 100-s heartbeat timeout, whose abort of a job with a stopped peer says far less; 0: off
+    c.train.hang_timeout_s = 90.0
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "text_files"
@@ -230,6 +239,14 @@ def _validate_positive(config) -> None:
     require(0.0 <= config.train.min_lr_ratio <= 1.0, "train.min_lr_ratio", config.train.min_lr_ratio,
              "must be in [0, 1]")
     require(config.train.warmup_steps >= 0, "train.warmup_steps", config.train.warmup_steps, "must be >= 0")
+    t = config.train
+    require(t.spike_factor == 0 or t.spike_factor > 1, "train.spike_factor", t.spike_factor,
+             "must be 0 (off) or > 1 (a multiple of the running median loss)")
+    for key in ("spike_steps", "spike_window"):
+        require(isinstance(t[key], int) and t[key] >= 1, f"train.{key}", t[key], "must be a positive integer")
+    require(isinstance(t.spike_max_rollbacks, int) and t.spike_max_rollbacks >= 0, "train.spike_max_rollbacks",
+             t.spike_max_rollbacks, "must be a non-negative integer")
+    require(t.hang_timeout_s >= 0, "train.hang_timeout_s", t.hang_timeout_s, "must be >= 0 (0: off)")
 
 
 def _validate_shapes(config, sizes: dict[str, int]) -> None:

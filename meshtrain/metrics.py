@@ -65,6 +65,26 @@ class MetricsWriter:
             os.makedirs(workdir, exist_ok=True)
         self._file = open(self.path, "a") if enabled else None
 
+    def truncate_after(self, step: int) -> None:
+        """Moves the records of steps after `step` to `metrics.rolled_back.jsonl`: the run went back
+        to `step` (a resume from an older checkpoint, a loss-spike rollback), so metrics.jsonl holds
+        one trajectory, each step once, and nothing logged is lost."""
+        if not self._file:
+            return
+        self._file.close()
+        with open(self.path) as f:
+            lines = f.readlines()
+        keep = [line for line in lines if not line.strip() or json.loads(line)["step"] <= step]
+        dropped = [line for line in lines if line.strip() and json.loads(line)["step"] > step]
+        if dropped:
+            with open(os.path.join(os.path.dirname(self.path), "metrics.rolled_back.jsonl"), "a") as f:
+                f.writelines(dropped)
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                f.writelines(keep)
+            os.replace(tmp, self.path)
+        self._file = open(self.path, "a")
+
     def write(self, record: dict) -> None:
         if self._file:
             self._file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")

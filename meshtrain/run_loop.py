@@ -8,14 +8,19 @@ and the metric records of logged steps.
 Numerical faults (playbook, "Mixed Precision Training": low precision can diverge): the train step
 withholds an update whose loss or gradient norm is not finite; `FiniteGuard` stops the run
 (default) or counts the skip (`train.skip_nonfinite`). Preemption (SIGTERM) finishes the step,
-saves and stops. Checkpoint storage itself is `checkpoint.py`.
+saves and stops. A multi-process run whose peer hangs or dies ends with `PeerLost` (a collective
+failed) or by `Watchdog` (no progress for `train.hang_timeout_s`). Checkpoint storage itself is
+`checkpoint.py`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal
+import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -24,7 +29,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from meshtrain import checkpoint, data, metrics as metrics_lib, tensorboard as tensorboard_lib
+from meshtrain import checkpoint, data, faults, metrics as metrics_lib, tensorboard as tensorboard_lib
 
 if TYPE_CHECKING:
     from meshtrain.run import Run
@@ -81,8 +86,85 @@ class NonFiniteError(RuntimeError):
                          f"to skip such steps instead")
 
 
+HANG_EXIT_CODE = 5  # PeerLost and Watchdog: the job lost a peer; relaunch it to resume
+
+
+def newest_checkpoint(root: str) -> str:
+    """Where a relaunch resumes: the newest finished step directory under `root`, for messages (a
+    plain directory listing: it must work while orbax's own threads are blocked)."""
+    steps = sorted(int(d) for d in (os.listdir(root) if os.path.isdir(root) else ()) if d.isdigit())
+    return os.path.join(root, str(steps[-1])) if steps else f"none yet under {root}"
+
+
+class PeerLost(RuntimeError):
+    """A collective of a multi-process run failed: a peer process died or stopped responding."""
+
+    def __init__(self, step: int, error: BaseException, root: str):
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        super().__init__(f"process {jax.process_index()}: step {step} failed in a collective ({reason}): a peer "
+                         f"process died or stopped responding; relaunch the job to resume from the newest "
+                         f"intact checkpoint ({newest_checkpoint(root)})")
+
+
+class Watchdog:
+    """Ends a multi-process run whose step or checkpoint save makes no progress for `timeout_s`.
+
+    A peer that hangs (a stopped process, a wedged host) leaves the others waiting in a collective
+    or a save barrier; some transports time out (gloo on CPU after 30 s), others wait for ever.
+    The loop arms the watchdog before each step after the first (the first compiles) and before
+    each save; when an armed deadline passes, a daemon thread prints one line naming the process,
+    what it was waiting for and the checkpoint a relaunch resumes from, and exits the process with
+    HANG_EXIT_CODE (without running shutdown barriers that would wait on the hung peer too).
+
+        dog = Watchdog(300.0, root)
+        dog.arm("step 7")   # ... the step ...
+        dog.disarm()
+        dog.close()
+    """
+
+    POLL_S = 0.5
+
+    def __init__(self, timeout_s: float, root: str, enabled: bool = True):
+        self.timeout_s, self.root = float(timeout_s), root
+        self.enabled = enabled and self.timeout_s > 0
+        self._lock = threading.Lock()
+        self._deadline: float | None = None
+        self._what = ""
+        self._stop = threading.Event()
+        self._thread = None
+        if self.enabled:
+            self._thread = threading.Thread(target=self._watch, name="meshtrain-watchdog", daemon=True)
+            self._thread.start()
+
+    def arm(self, what: str) -> None:
+        """From now, `what` must finish (the next `arm` or `disarm`) within timeout_s."""
+        with self._lock:
+            self._deadline, self._what = time.monotonic() + self.timeout_s, what
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._deadline = None
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.POLL_S):
+            with self._lock:
+                expired = self._deadline is not None and time.monotonic() > self._deadline
+                what = self._what
+            if expired:
+                print(f"error: process {jax.process_index()}: no progress for {self.timeout_s:g} s in {what} "
+                      f"(train.hang_timeout_s): a peer process is hung or dead; relaunch the job to resume from "
+                      f"the newest intact checkpoint ({newest_checkpoint(self.root)})", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(HANG_EXIT_CODE)
+
+
 class FiniteGuard:
-    """Reads each step's `finite` flag one step late, so the host never waits on the device.
+    """Reads each step's metrics one step late, so the host never waits on the device.
 
     The train step itself leaves params and optimizer state unchanged when a step is not
     finite, so reading the flag late loses nothing; `check` must run before every save.
@@ -92,29 +174,87 @@ class FiniteGuard:
         self.skip, self.skipped = skip, skipped
         self._pending: tuple[int, dict] | None = None
 
-    def push(self, step: int, metrics: dict) -> tuple[int, dict] | None:
-        """Records step's metrics; returns (step, host metrics) of the previous step if it was not finite."""
+    def push(self, step: int, metrics: dict) -> tuple[int, dict, bool] | None:
+        """Records step's metrics; returns the previous step's entry, now read (`_read`)."""
         previous, self._pending = self._pending, (step, metrics)
-        return self._inspect(previous)
+        return self._read(previous)
 
-    def check(self) -> tuple[int, dict] | None:
-        """Inspects the newest pushed step (before a save or at the end)."""
+    def check(self) -> tuple[int, dict, bool] | None:
+        """Reads the newest pushed step (before a save or at the end)."""
         pending, self._pending = self._pending, None
-        return self._inspect(pending)
+        return self._read(pending)
 
-    def _inspect(self, entry) -> tuple[int, dict] | None:
+    def _read(self, entry) -> tuple[int, dict, bool] | None:
+        """(step, metrics, not finite) of a pushed entry, waiting for its step."""
         if entry is None:
             return None
         step, metrics = entry
-        if not float(np.asarray(metrics["nonfinite"])):
-            return None
-        host = {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
-        self.skipped += 1
-        return step, host
+        nonfinite = bool(float(np.asarray(metrics["nonfinite"])))
+        self.skipped += nonfinite
+        return step, metrics, nonfinite
+
+
+class SpikeError(RuntimeError):
+    """The loss kept spiking after `train.spike_max_rollbacks` rollbacks."""
+
+
+class SpikeGuard:
+    """Loss-spike guard (`train.spike_*`; off when `spike_factor` is 0).
+
+    Large public runs restart from the last checkpoint before a loss spike and skip the batches
+    that caused it (playbook, "Mixed Precision Training" on instabilities; the OPT and PaLM logs).
+    A step spikes when its loss exceeds `factor` times the median of the last `window` accepted
+    losses (once `min(window, 8)` are known); `steps` spiking steps in a row are a spike: the loop
+    rolls back to the newest checkpoint older than the first of them and skips their data rows.
+    While a streak is open no checkpoint is written, so the one rolled back to predates it.
+    """
+
+    MIN_HISTORY = 8
+
+    def __init__(self, config: ml_collections.ConfigDict):
+        t = config.train
+        self.factor, self.steps, self.window = float(t.spike_factor), int(t.spike_steps), int(t.spike_window)
+        self.max_rollbacks, self.rollbacks = int(t.spike_max_rollbacks), 0
+        self.enabled = self.factor > 0
+        self.history: dict[int, float] = {}  # step -> loss of accepted steps
+        self.streak: list[tuple[int, float]] = []  # (step, loss) of the open streak
+
+    @property
+    def active(self) -> bool:
+        return bool(self.streak)
+
+    def median(self) -> float | None:
+        recent = [self.history[s] for s in sorted(self.history)[-self.window:]]
+        return float(np.median(recent)) if len(recent) >= min(self.window, self.MIN_HISTORY) else None
+
+    def observe(self, step: int, loss: float) -> bool:
+        """Records a step's loss; True when it completes a spike (a rollback is due)."""
+        if not self.enabled or not np.isfinite(loss):
+            return False
+        median = self.median()
+        if median is not None and loss > self.factor * median:
+            self.streak.append((step, loss))
+            return len(self.streak) >= self.steps
+        self.streak.clear()
+        self.history[step] = loss
+        return False
+
+    def forget_after(self, step: int) -> None:
+        """After a rollback to `step`: later losses belong to a trajectory that no longer exists."""
+        self.history = {s: v for s, v in self.history.items() if s <= step}
+        self.streak.clear()
+
+
+class RollBack(Exception):
+    """Raised by `RunCheckpoints.after_step` when a loss spike is complete; the loop rolls back."""
+
+    def __init__(self, streak: list[tuple[int, float]], median: float):
+        self.streak, self.median = list(streak), median
+        super().__init__(f"loss spike at steps {streak[0][0]}..{streak[-1][0]}")
 
 
 class RunCheckpoints:
-    """Checkpoints, preemption and non-finite steps of one run, as the loop sees them.
+    """Checkpoints, preemption, non-finite steps and loss spikes of one run, as the loop sees them.
 
         ckpts = RunCheckpoints(config, factory)
         state, start, data_state = ckpts.start(lambda: factory.create(config.seed))
@@ -125,7 +265,7 @@ class RunCheckpoints:
         ckpts.close()
     """
 
-    def __init__(self, config: ml_collections.ConfigDict, factory: StateFactory):
+    def __init__(self, config: ml_collections.ConfigDict, factory: StateFactory, watchdog: Watchdog | None = None):
         """Checkpoints hold the layers in execution order (`StateFactory.to_canonical`); the run's
         state holds them in its schedule's order."""
         self.config, self.factory, self.abstract_state = config, factory, factory.abstract
@@ -133,7 +273,9 @@ class RunCheckpoints:
         self.ckpt = checkpoint.Checkpointer(checkpoint.checkpoint_root(config.workdir),
                                             keep=int(config.checkpoint.keep),
                                             async_save=bool(config.checkpoint.async_save))
+        self.watchdog = watchdog or Watchdog(0, self.ckpt.root, enabled=False)
         self.guard = FiniteGuard(bool(config.train.skip_nonfinite))
+        self.spikes = SpikeGuard(config)
         self.preemption = Preemption()
         self._record = checkpoint.config_record(config)
         self.failed = False  # set by the loop when it ends with an error
@@ -144,43 +286,80 @@ class RunCheckpoints:
         if restored is None:
             return create(), 0, None
         self.guard.skipped = int(restored.meta.get("skipped_steps", 0))
+        self.spikes.rollbacks = int(restored.meta.get("spike_rollbacks", 0))
         log.info("resumed from %s (step %d)", restored.path, restored.step)
         return self.factory.from_canonical(restored.state), restored.step, restored.data_state
 
     def after_step(self, step: int, state, metrics: dict, data_state: Callable[[], dict], last_step: int,
                    sync: bool = False) -> bool:
-        """Fault check, preemption and periodic saves after `step`; True when the run must stop now.
+        """Fault checks, preemption and periodic saves after `step`; True when the run must stop now.
 
         Args:
           sync: the caller already waited for this step (a logged step): check it now.
+
+        Raises:
+          NonFiniteError: a non-finite step and `train.skip_nonfinite` off.
+          RollBack: a loss spike is complete (the loop restores `rollback_target`).
         """
         self._handle(self.guard.push(step, metrics))
-        if sync:
+        if sync or self.spikes.enabled and step == last_step:
             self._handle(self.guard.check())
         preempted = self.preemption.reached(step)
         if preempted or step == last_step or (self.every and step % self.every == 0):
             self._handle(self.guard.check())  # nothing non-finite is ever saved
-            self.ckpt.save(step, self.factory.to_canonical(state), data_state(), self.meta(step))
+            if self.spikes.active and step != last_step:
+                log.warning("step %d: no checkpoint while the loss spikes (since step %d)", step,
+                            self.spikes.streak[0][0])
+            else:
+                self.watchdog.arm(f"the checkpoint save at step {step}")
+                self.ckpt.save(step, self.factory.to_canonical(state), data_state(), self.meta(step))
+                faults.point("save", step)
         if preempted:
             log.warning("preempted: checkpoint saved at step %d; exiting", step)
         return preempted
 
     def meta(self, step: int) -> dict:
         return {"step": step, "seed": int(self.config.seed), "skipped_steps": self.guard.skipped,
-                "config": self._record}
+                "spike_rollbacks": self.spikes.rollbacks, "config": self._record}
 
-    def _handle(self, fault: tuple[int, dict] | None) -> None:
-        if fault is None:
+    def _handle(self, entry: tuple[int, dict, bool] | None) -> None:
+        if entry is None:
             return
-        step, values = fault
-        if self.guard.skip:
-            log.warning("step %d: non-finite loss=%s grad_norm=%s: update skipped (%d skipped so far)",
-                        step, values["loss"], values["grad_norm"], self.guard.skipped)
-            return
+        step, metrics, nonfinite = entry
+        if nonfinite:
+            loss, grad_norm = float(np.asarray(metrics["loss"])), float(np.asarray(metrics["grad_norm"]))
+            if self.guard.skip:
+                log.warning("step %d: non-finite loss=%s grad_norm=%s: update skipped (%d skipped so far)",
+                            step, loss, grad_norm, self.guard.skipped)
+                return
+            self.ckpt.wait()
+            latest = self.ckpt.latest_step()
+            raise NonFiniteError(step, loss, grad_norm, self.ckpt.step_path(latest) if latest is not None else None)
+        if self.spikes.enabled:
+            median = self.spikes.median()
+            if self.spikes.observe(step, float(np.asarray(metrics["loss"]))):
+                raise RollBack(self.spikes.streak, median)
+
+    def roll_back(self, spike: RollBack, create: Callable[[], object]) -> tuple[object, int, dict | None]:
+        """(state, step, data state) of the newest checkpoint older than the spike (the fresh state
+        at step 0 when there is none); SpikeError after `train.spike_max_rollbacks` rollbacks."""
+        first = spike.streak[0][0]
+        self.spikes.rollbacks += 1
+        if self.spikes.rollbacks > self.spikes.max_rollbacks:
+            raise SpikeError(f"loss spike at steps {first}..{spike.streak[-1][0]} after "
+                             f"{self.spikes.max_rollbacks} rollbacks (train.spike_max_rollbacks): the loss keeps "
+                             f"exceeding {self.spikes.factor:g} x its running median {spike.median:.4f}; the "
+                             f"newest checkpoint is {newest_checkpoint(self.ckpt.root)}")
         self.ckpt.wait()
-        latest = self.ckpt.latest_step()
-        raise NonFiniteError(step, values["loss"], values["grad_norm"],
-                             self.ckpt.step_path(latest) if latest is not None else None)
+        older = [s for s in self.ckpt.all_steps() if s < first]
+        self.guard.check()  # drop the step still pending: it belongs to the abandoned trajectory
+        if not older:
+            self.spikes.forget_after(0)
+            return create(), 0, None
+        restored = self.ckpt.restore(self.abstract_state, older[-1])
+        self.ckpt.last_saved = restored.step
+        self.spikes.forget_after(restored.step)
+        return self.factory.from_canonical(restored.state), restored.step, restored.data_state
 
     def close(self) -> None:
         """Waits for the pending save (a finished checkpoint on disk) and restores the SIGTERM handler.
@@ -191,6 +370,7 @@ class RunCheckpoints:
         self.preemption.close()
         if self.failed and jax.process_count() > 1:
             return
+        self.watchdog.disarm()  # the final save may take long: a peer lost there fails its barrier
         self.ckpt.close()
 
 
@@ -258,16 +438,16 @@ class _Window:
     """Wall time, steps and input time since the last logged step."""
 
     def __init__(self, it):
-        self._it = it
+        self.it = it
         self.reset()
 
     def reset(self) -> None:
-        self.start, self.steps, self.input_start = time.perf_counter(), 0, self._it.input_seconds()
+        self.start, self.steps, self.input_start = time.perf_counter(), 0, self.it.input_seconds()
 
     def per_step(self) -> tuple[float, float]:
         """(step time, input time) averaged over the window's steps."""
         steps = max(self.steps, 1)
-        return (time.perf_counter() - self.start) / steps, (self._it.input_seconds() - self.input_start) / steps
+        return (time.perf_counter() - self.start) / steps, (self.it.input_seconds() - self.input_start) / steps
 
 
 class Loop:
@@ -279,7 +459,10 @@ class Loop:
         config = run.config
         self.run, self.config = run, config
         self.is_main = jax.process_index() == 0
-        self.ckpts = RunCheckpoints(config, factory)
+        self.watchdog = Watchdog(float(config.train.hang_timeout_s), checkpoint.checkpoint_root(config.workdir),
+                                 enabled=jax.process_count() > 1)
+        self.ckpts = RunCheckpoints(config, factory, self.watchdog)
+        self._create: Callable[[], object] | None = None
         self.eval_step = make_eval_step(factory, run.compiler_options) if config.eval_every else None
         self.peak = metrics_lib.device_peak_flops()
         self.flops_per_token = metrics_lib.flops_per_token(run.model, config.train.seq_len)
@@ -287,6 +470,7 @@ class Loop:
 
     def start(self, create: Callable[[], object]) -> tuple[object, int, dict | None]:
         """(state, steps already done, data state): resumed from the newest checkpoint, else `create()`."""
+        self._create = create  # a loss-spike rollback with no older checkpoint starts over
         state, start, data_state = self.ckpts.start(create)
         if start >= self.config.steps:
             log.info("already at step %d of config.steps=%d: nothing left to train (raise config.steps to go on)",
@@ -305,37 +489,69 @@ class Loop:
 
     def train(self, step_fn, state, start: int, it) -> dict:
         """Runs steps start+1 .. config.steps; returns the last logged record."""
-        config = self.config
+        config, dog = self.config, self.watchdog
         writer = metrics_lib.MetricsWriter(config.workdir, enabled=self.is_main)
+        writer.truncate_after(start)  # a resume from an older checkpoint: its later records were rolled back
         tb = tensorboard_lib.TensorBoardWriter(config.workdir, enabled=self.is_main)
         profiler = tensorboard_lib.StepProfiler(config.workdir, tuple(config.profile.steps))
         progress = metrics_lib.Progress(config.steps, start, enabled=self.is_main)
-        window, last = _Window(it), {}
+        window, last, evaluated = _Window(it), {}, False
+        rows_at: dict[int, int] = {}  # step -> the global row its batch starts at
+        skip_to: dict[int, int] = {}  # step -> the row its batch starts at instead (rows of a spike skipped)
+        step, first = start, start + 1
         try:
             with jax.set_mesh(self.run.mesh):
-                for step in range(start + 1, config.steps + 1):
+                while step < config.steps:
+                    step += 1
+                    if step > first:  # the first step compiles: no bound on it
+                        dog.arm(f"step {step}")
+                    if step in skip_to:
+                        it = window.it = _reposition(self.run, it, skip_to.pop(step))
+                    rows_at[step] = int(it.state()["next_row"])
                     profiler.before(step)
                     state, metrics = step_fn(state, next(it))
+                    faults.point("step", step)
                     profiler.after(step, metrics)
                     window.steps += 1
-                    logged = step % config.log_every == 0 or step == config.steps or step == start + 1
+                    logged = step % config.log_every == 0 or step == config.steps or step == first
                     if logged:
                         metrics = jax.device_get(metrics)  # waits for the step: timing covers the window
                         last = self.record(step, metrics, *window.per_step())
                         if self.eval_step and step % config.eval_every == 0:
+                            if not evaluated:  # the first evaluation compiles
+                                dog.disarm()
                             last["eval_loss"] = evaluate(self.run, self.eval_step, state.params)
                             last["eval_perplexity"] = float(np.exp(last["eval_loss"]))
+                            evaluated = True
                         writer.write(last)
                         tb.write(last)
                         progress.clear()
                         log.info(format_record(last))
                         window.reset()
                     progress.update(step, last.get("loss", float("nan")))
-                    if self.ckpts.after_step(step, state, metrics, it.state, config.steps, sync=logged):
-                        break  # preempted: saved at this step
+                    try:
+                        if self.ckpts.after_step(step, state, metrics, it.state, config.steps, sync=logged):
+                            break  # preempted: saved at this step
+                    except RollBack as spike:
+                        dog.disarm()
+                        state, step, data_state = self.ckpts.roll_back(spike, self._create)
+                        skip_to[spike.streak[0][0]] = rows_at[spike.streak[-1][0]] + config.train.batch_size
+                        self._log_rollback(spike, step, rows_at, skip_to)
+                        rows_at = {s: r for s, r in rows_at.items() if s <= step}
+                        it = window.it = _reposition(self.run, it, None if data_state is None else
+                                                     int(data_state["next_row"]))
+                        writer.truncate_after(step)
+                        progress.clear()
+                        window.reset()
+                    dog.disarm()
         except NonFiniteError as error:
             if last.get("step") != error.step:  # the faulty step's figures reach metrics.jsonl once
                 writer.write({"step": error.step, "loss": error.loss, "grad_norm": error.grad_norm, "nonfinite": 1.0})
+            raise
+        except jax.errors.JaxRuntimeError as error:
+            self.ckpts.failed = True
+            if jax.process_count() > 1:  # a collective failed: a peer is gone
+                raise PeerLost(step, error, self.ckpts.ckpt.root) from error
             raise
         except BaseException:
             self.ckpts.failed = True  # a multi-process run does not wait on peers that may be dead
@@ -347,4 +563,22 @@ class Loop:
             tb.close()
             profiler.stop()
             self.ckpts.close()
-        return {**last, "skipped_steps": self.ckpts.guard.skipped} if last else last
+            dog.close()
+        return {**last, "skipped_steps": self.ckpts.guard.skipped,
+                "spike_rollbacks": self.ckpts.spikes.rollbacks} if last else last
+
+    def _log_rollback(self, spike: RollBack, restored: int, rows_at: dict[int, int], skip_to: dict[int, int]) -> None:
+        first, end = spike.streak[0][0], spike.streak[-1][0]
+        losses = ", ".join(f"{loss:.4f}" for _, loss in spike.streak)
+        log.warning("loss spike at steps %d..%d (loss %s > %g x running median %.4f): rolled back to %s, "
+                    "skipping data rows %d..%d (rollback %d of at most %d)", first, end, losses,
+                    self.ckpts.spikes.factor, spike.median,
+                    f"step {restored}" if restored else "the initial state", rows_at[first],
+                    skip_to[first] - 1, self.ckpts.spikes.rollbacks, self.ckpts.spikes.max_rollbacks)
+
+
+def _reposition(run: Run, it, next_row: int | None):
+    """A fresh train iterator whose next batch starts at global row `next_row` (0 when None)."""
+    state = {**it.state(), "next_row": int(next_row or 0)}
+    it.close()
+    return data.make_iterator(run, "train", state=state)

@@ -100,9 +100,12 @@ def main(argv) -> None:
     except config_lib.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except run_loop.NonFiniteError as e:
+    except (run_loop.NonFiniteError, run_loop.SpikeError) as e:
         print(f"error: {e}", file=sys.stderr)
         _exit(3)
+    except run_loop.PeerLost as e:
+        print(f"error: {e}", file=sys.stderr)
+        _exit(run_loop.HANG_EXIT_CODE)
     except checkpoint.CheckpointSaveError as e:
         print(f"error: {e}", file=sys.stderr)
         _exit(4)

@@ -1,5 +1,5 @@
 """Multi-process runs: 2 processes x 4 CPU devices joined by jax.distributed train like 1 x 8,
-write metrics and checkpoints once, and a dead process makes its peer fail instead of hang."""
+write metrics and checkpoints once, and a dead or hung process makes its peer fail instead of hang."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import checkpoint as checkpoint_lib, launch, train
+from meshtrain import checkpoint as checkpoint_lib, faults, launch, run_loop, train
 from tests.utils import ROOT, abstract_state, cli_args, config_for, load, losses_of, subprocess_env
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("compilation_cache")]
@@ -24,7 +24,15 @@ STEPS = 12  # the same program as tests/test_checkpoint.py's runs: the 1 x 8 run
 WAIT_S = 300
 
 
-def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, compilation_cache):
+@pytest.fixture(scope="module")
+def one_of_eight(tmp_path_factory, compilation_cache):
+    """The uninterrupted 1 x 8 run every 2-process run is compared with: its workdir."""
+    workdir = tmp_path_factory.mktemp("one")
+    train.run(config_for(workdir, **{"steps": STEPS}))
+    return workdir
+
+
+def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, compilation_cache, one_of_eight):
     """The job is preempted (SIGTERM to the launcher, forwarded to both processes) after step 3 or later,
     relaunched, and finishes: its losses equal a 1 x 8 run's."""
     workdir = tmp_path / "two"
@@ -51,14 +59,13 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, compilation_
     assert second.returncode == 0, output[-3000:]
     assert "(8 devices, 2 process(es))" in output and f"(step {preempted_at})" in output
 
-    config = config_for(tmp_path / "one", **{"steps": STEPS})
-    train.run(config)
-    two, one = losses_of(workdir), losses_of(tmp_path / "one")  # losses_of refuses a step written twice
+    config = config_for(one_of_eight, **{"steps": STEPS})
+    two, one = losses_of(workdir), losses_of(one_of_eight)  # losses_of refuses a step written twice
     assert sorted(two) == list(range(1, STEPS + 1))
     np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rtol=1e-5, atol=0)
     # the 2-process checkpoint (each process wrote its shards) restores in one process
     abstract = abstract_state(config)
-    restored_two, restored_one = load(workdir, STEPS, abstract), load(tmp_path / "one", STEPS, abstract)
+    restored_two, restored_one = load(workdir, STEPS, abstract), load(one_of_eight, STEPS, abstract)
     for a, b in zip(jax.tree.leaves(restored_two.state.params), jax.tree.leaves(restored_one.state.params),
                     strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
@@ -117,6 +124,43 @@ def test_killing_one_process_fails_the_job_promptly(tmp_path, compilation_cache)
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))  # written by process 0 only
 
 
+@pytest.mark.parametrize("point, step", [("step", 6), ("save", 8)])
+def test_a_hung_process_ends_the_job_and_the_relaunch_resumes(tmp_path, compilation_cache, one_of_eight, point, step):
+    """Process 1 stops itself (SIGSTOP) right after dispatching step 6, or while its part of checkpoint 8
+    is being written: process 0 ends within train.hang_timeout_s with one line naming the hang and
+    the checkpoint to resume from, exit code 5; the launcher kills the stopped process; the
+    relaunched job resumes from checkpoint 4 (checkpoint 8 never finished) to the 1 x 8 losses."""
+    timeout_s = 10
+    workdir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "meshtrain.launch", "--processes", "2", "--grace_s", "2", "--",
+           *cli_args({"steps": STEPS, "workdir": workdir, "cpu_devices": 4, "checkpoint.every": 4,
+                      "train.hang_timeout_s": timeout_s})]
+    env = subprocess_env(compilation_cache)
+    hung = subprocess.run(cmd, cwd=ROOT, env={**env, faults.ENV: f"stop:{point}:{step}:1"}, capture_output=True,
+                          text=True, timeout=WAIT_S)
+    output = hung.stdout + hung.stderr
+    assert hung.returncode == run_loop.HANG_EXIT_CODE, output[-3000:]
+    error = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1, output[-3000:]
+    # the watchdog (the step after the hang, no progress for timeout_s) or gloo's own 30-s read
+    # timeout (the collective the hung peer never joined), whichever ends first
+    assert re.match(rf"error: process 0: (no progress for {timeout_s} s in step {step + 1 if point == 'save' else step}"
+                    rf"|step \d+ failed in a collective)", error[0]), error[0]
+    assert error[0].endswith(f"newest intact checkpoint ({checkpoint_lib.checkpoint_root(workdir)}/4)"), error[0]
+    ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_root(workdir), read_only=True)
+    assert ckpt.all_steps() == [4]
+    ckpt.close()
+
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=WAIT_S)
+    output = again.stdout + again.stderr
+    assert again.returncode == 0 and "(step 4)" in output, output[-3000:]
+    two, one = losses_of(workdir), losses_of(one_of_eight)  # each step once: the hung run's later records moved
+    assert sorted(two) == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rtol=1e-5, atol=0)
+    rolled_back = [json.loads(line)["step"] for line in open(workdir / "metrics.rolled_back.jsonl")]
+    assert rolled_back and min(rolled_back) == 5
+
+
 def test_launcher_reports_a_failed_process():
     assert launch.commands(2, 1234, ["--config", "c.py"])[1][-3:] == [
         "--coordinator_address=127.0.0.1:1234", "--num_processes=2", "--process_id=1"]
@@ -126,3 +170,12 @@ def test_launcher_reports_a_failed_process():
     code = launch.launch(2, ["--config", str(ROOT / "configs" / "tiny.py"), "--config.no_such_key=1"],
                          grace_s=5)
     assert code != 0
+
+
+def test_fault_injection_spec_is_checked():
+    assert faults.parse("") is None
+    assert faults.parse("stop:save:8:1") == faults.Injection("stop", "save", 8, 1)
+    assert faults.parse("stop:step:3") == faults.Injection("stop", "step", 3, None)
+    for bad in ("stop", "kill:step:3", "stop:eval:3", "stop:step:x", "stop:step:1:2:3"):
+        with pytest.raises(ValueError, match=f"{faults.ENV}="):
+            faults.parse(bad)
