@@ -62,6 +62,16 @@ CHECKSUMS_SUBDIR = "checksums"
 log = logging.getLogger("meshtrain")
 
 
+class _ChecksumItemFilter(logging.Filter):
+    """Drops orbax's warning that the checksums folder is an item it was not asked to restore."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return f'Item "{CHECKSUMS_SUBDIR}" was found in the checkpoint' not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_ChecksumItemFilter())
+
+
 class CheckpointDamaged(Exception):
     """A checkpoint whose files do not match their checksums, or that orbax cannot read."""
 

@@ -192,9 +192,11 @@ def test_disk_full_during_a_save_stops_cleanly_and_resumes(tmp_path, compilation
     second = (tmp_path / "second.log").read_text()
     assert (tmp_path / "second.rc").read_text().strip() == "0", second[-3000:]
     assert run_loop.resumed_step(second) == kept[-1]
-    records = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
-    first_run = {r["step"]: r["loss"] for r in records[:len(run_loop.logged_steps(first))]}
-    second_run = {r["step"]: r["loss"] for r in records[len(first_run):]}
-    assert sorted(second_run) == list(range(kept[-1] + 1, 13))
-    overlap = set(first_run) & set(second_run)
-    assert overlap and all(first_run[s] == second_run[s] for s in overlap)
+    # metrics.jsonl holds each step once; the first run's records past the resumed checkpoint were
+    # moved to metrics.rolled_back.jsonl, and the second run trained those steps to the same losses
+    trained = {r["step"]: r["loss"] for r in map(json.loads, (work / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(trained) == list(range(1, 13))
+    rolled_back = {r["step"]: r["loss"] for r in map(json.loads, open(work / "metrics.rolled_back.jsonl"))}
+    assert rolled_back and min(rolled_back) == kept[-1] + 1
+    assert max(rolled_back) == max(run_loop.logged_steps(first))
+    assert all(rolled_back[s] == trained[s] for s in rolled_back)

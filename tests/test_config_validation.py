@@ -11,6 +11,11 @@ from tests.utils import ROOT, tiny_config
 
 BAD = [
     # (mesh, overrides, key named in the message)
+    ({}, {"train.spike_factor": 0.5}, "train.spike_factor"),
+    ({}, {"train.spike_steps": 0}, "train.spike_steps"),
+    ({}, {"train.spike_window": 0}, "train.spike_window"),
+    ({}, {"train.spike_max_rollbacks": -1}, "train.spike_max_rollbacks"),
+    ({}, {"train.hang_timeout_s": -1.0}, "train.hang_timeout_s"),
     ({"data": 3}, {}, "mesh"),                                    # product != device count
     ({"data": -1, "fsdp": -1}, {}, "mesh."),                      # two fill axes
     ({"data": 0}, {}, "mesh.data"),                               # non-positive axis
