@@ -1,6 +1,7 @@
 """Fault injection, N trials per fault: is each one caught, is the run recovered, is anything lost?
 
-    python bench/faults.py [--trials 10] [--kill_trials 10] [--disk_trials 2] [--dir /tmp/x]
+    python bench/faults.py [--trials 10] [--kill_trials 10] [--disk_trials 2] [--hang_trials 2]
+                           [--spike_trials 2] [--dir /tmp/x]
 
 Faults (each injected for real, on files and processes):
 
@@ -14,6 +15,14 @@ Faults (each injected for real, on files and processes):
   process must resume from it.
 * disk full: the checkpoint directory is a 3 MiB tmpfs in a private mount namespace; the run must
   stop with exit code 4, keep every finished checkpoint intact, and resume once the disk grows.
+* hung peer: process 1 of a 2-process job stops itself (SIGSTOP) mid-step or mid-save; process 0
+  must end with exit code 5 within `train.hang_timeout_s`, and the relaunched job resume from the
+  newest finished checkpoint to the losses of an uninterrupted 1 x 8 run.
+* loss spike: planted rows of random tokens; the guarded run must roll back, skip exactly those
+  rows and train the losses of a run that never saw them.
+
+The last three run their tests (`tests/test_checkpoint_crash.py`, `tests/test_launch.py`,
+`tests/test_loss_spike.py`), each case of a test one trial.
 
 "data lost" counts finished checkpoints (or damaged bytes set aside) that a trial deleted or
 changed: it must be 0. Prints a table and one JSON line; exits 1 if a trial was not recovered.
@@ -161,20 +170,23 @@ def kill_trials(trials: int, root: str) -> dict:
             "killed_mid_save": c["killed_mid_save"]}
 
 
-def disk_trials(trials: int, root: str) -> dict:
-    """Runs the disk-full test's scenario (tests/test_checkpoint_crash.py) `trials` times."""
-    out = {"fault": "disk full during a save", "trials": 0, "caught": 0, "recovered": 0, "data_lost": 0}
+def test_trials(fault: str, test: str, trials: int, root: str) -> dict:
+    """Runs the test that injects `fault` (a pytest node id; each of its cases is one trial) `trials` times."""
+    out = {"fault": fault, "trials": 0, "caught": 0, "recovered": 0, "data_lost": 0}
     os.makedirs(root, exist_ok=True)
     for trial in range(trials):
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                 "tests/test_checkpoint_crash.py::test_disk_full_during_a_save_stops_cleanly_and_resumes",
-                                 "--basetemp", os.path.join(root, f"disk_{trial}")], cwd=ROOT,
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", test,
+                                 "--basetemp", os.path.join(root, f"trial_{trial}")], cwd=ROOT,
                                 capture_output=True, text=True)
-        out["trials"] += 1
-        passed = result.returncode == 0
+        cases = [line for line in result.stdout.splitlines() if line.startswith(("PASSED ", "FAILED ", "ERROR "))]
+        if not cases:
+            print(result.stdout[-3000:], file=sys.stderr)
+            cases = ["ERROR (no test ran)"]
+        passed = sum(line.startswith("PASSED ") for line in cases)
+        out["trials"] += len(cases)
         out["caught"] += passed
         out["recovered"] += passed
-        if not passed:
+        if passed < len(cases):
             print(result.stdout[-3000:], file=sys.stderr)
     return out
 
@@ -184,6 +196,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=10, help="checkpoint and data damage trials each")
     parser.add_argument("--kill_trials", type=int, default=10)
     parser.add_argument("--disk_trials", type=int, default=2)
+    parser.add_argument("--hang_trials", type=int, default=2, help="each runs the mid-step and the mid-save case")
+    parser.add_argument("--spike_trials", type=int, default=2)
     parser.add_argument("--dir", default="")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -195,11 +209,18 @@ def main() -> None:
                  data_trials(args.trials, os.path.join(root, "data"), rng)]
     if args.kill_trials:
         rows.append(kill_trials(args.kill_trials, os.path.join(root, "kill")))
-    if args.disk_trials:
-        rows.append(disk_trials(args.disk_trials, os.path.join(root, "disk")))
-    print(f"{'fault':<26} {'trials':>6} {'caught':>6} {'recovered':>9} {'data lost':>9}")
+    for fault, test, trials in (
+            ("disk full during a save", "tests/test_checkpoint_crash.py::"
+             "test_disk_full_during_a_save_stops_cleanly_and_resumes", args.disk_trials),
+            ("hung peer (SIGSTOP)", "tests/test_launch.py::test_a_hung_process_ends_the_job_and_the_relaunch_resumes",
+             args.hang_trials),
+            ("loss spike (planted rows)", "tests/test_loss_spike.py::"
+             "test_a_planted_spike_is_rolled_back_and_its_rows_skipped", args.spike_trials)):
+        if trials:
+            rows.append(test_trials(fault, test, trials, os.path.join(root, fault.split()[0])))
+    print(f"{'fault':<27} {'trials':>6} {'caught':>6} {'recovered':>9} {'data lost':>9}")
     for r in rows:
-        print(f"{r['fault']:<26} {r['trials']:>6} {r['caught']:>6} {r['recovered']:>9} {r['data_lost']:>9}")
+        print(f"{r['fault']:<27} {r['trials']:>6} {r['caught']:>6} {r['recovered']:>9} {r['data_lost']:>9}")
     print(json.dumps({"bench": "faults", "rows": rows}))
     bad = [r["fault"] for r in rows if r["recovered"] < r["trials"] or r["data_lost"] or not r["trials"]]
     if bad:
