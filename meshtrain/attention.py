@@ -41,13 +41,31 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
     Grouped-query attention shares each K/V head with G query heads without copying it.
     Scores and softmax run in float32.
     """
+    t = q.shape[1]
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]  # [T,S]
+    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B,T,S]
+    return masked_attention(q, k, v, causal[None] & same_doc)
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_segment_ids: jax.Array,
+                     start: jax.Array) -> jax.Array:
+    """Attention of T new queries (cache slots start..start+T-1) over a KV cache of S slots.
+
+    q [B,T,H,Dh]; k, v [B,S,K,Dh] (the new keys already written); key_segment_ids [B,S]: 0 for
+    padding and unwritten slots. A query sees the written, non-padding slots up to its own.
+    """
+    t, s = q.shape[1], k.shape[1]
+    causal = (start + jnp.arange(t))[:, None] >= jnp.arange(s)[None, :]  # [T,S]
+    return masked_attention(q, k, v, causal[None] & (key_segment_ids > 0)[:, None, :])
+
+
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention of q [B,T,H,Dh] over k, v [B,S,K,Dh] where mask [B,T,S] allows;
+    scores and softmax in float32."""
     b, t, h, dh = q.shape
     kv = k.shape[2]
     q = q.reshape(b, t, kv, h // kv, dh)  # [B,T,K,G,Dh]
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(dh)
-    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]  # [T,S]
-    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B,T,S]
-    mask = causal[None] & same_doc
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)

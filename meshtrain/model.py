@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from meshtrain import moe as moe_lib
-from meshtrain.attention import AttentionFn, xla_attention
+from meshtrain.attention import AttentionFn, cached_attention, xla_attention
 from meshtrain.config import ModelConfig
 from meshtrain.fused import fused_loss_sum, fused_rms_norm
 from meshtrain.mesh import MESH_ORDER, compiler_options, single_device_mesh
@@ -103,11 +103,17 @@ def column_parallel(x: jax.Array, weights: tuple[jax.Array, ...], name: str, rul
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention; heads split over `tensor` (Megatron column/row parallel)."""
+    """Grouped-query self-attention; heads split over `tensor` (Megatron column/row parallel).
+
+    With `decode`, keys and values go to a KV cache (the "cache" collection: k, v [B,S,K,Dh],
+    their segment ids [B,S] and the next slot), created by `init` on a [B,S] input, and the
+    queries attend over it (`generate.py`): prefill writes the prompt, each decode step one token.
+    """
 
     cfg: ModelConfig
     rules: Rules
     attention_fn: AttentionFn
+    decode: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
@@ -121,9 +127,30 @@ class Attention(nn.Module):
         q = constrain(rope(q, positions, cfg.rope_theta), ("batch", "length", "act_heads", None), self.rules)
         k = constrain(rope(k, positions, cfg.rope_theta), ("batch", "length", "act_kv_heads", None), self.rules)
         v = constrain(v, ("batch", "length", "act_kv_heads", None), self.rules)
-        out = self.attention_fn(q, k, v, segment_ids)  # [B,T,H,Dh]
+        if self.decode:
+            out = self._cached(q, k, v, segment_ids)
+        else:
+            out = self.attention_fn(q, k, v, segment_ids)  # [B,T,H,Dh]
         out = constrain(out, ("batch", "length", "act_heads", None), self.rules)
         return jnp.einsum("bthk,hkd->btd", out, wo.astype(dtype))
+
+    def _cached(self, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        names = ("batch", None, "act_kv_heads", None)  # the cache: batch and KV heads split as the activations
+        cached_k = self.variable("cache", "k", jnp.zeros, k.shape, k.dtype)
+        cached_v = self.variable("cache", "v", jnp.zeros, v.shape, v.dtype)
+        cached_segments = self.variable("cache", "segment_ids", jnp.zeros, segment_ids.shape, jnp.int32)
+        index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+        if self.is_initializing():  # the cache's shapes come from the init input [B,S]
+            return jnp.zeros_like(q)
+        start = index.value
+        cached_k.value = constrain(jax.lax.dynamic_update_slice(cached_k.value, k, (0, start, 0, 0)), names,
+                                   self.rules)
+        cached_v.value = constrain(jax.lax.dynamic_update_slice(cached_v.value, v, (0, start, 0, 0)), names,
+                                   self.rules)
+        cached_segments.value = jax.lax.dynamic_update_slice(cached_segments.value,
+                                                             segment_ids.astype(jnp.int32), (0, start))
+        index.value = start + q.shape[1]
+        return cached_attention(q, cached_k.value, cached_v.value, cached_segments.value, start)
 
 
 class Mlp(nn.Module):
@@ -158,11 +185,12 @@ class Block(nn.Module):
     rules: Rules
     attention_fn: AttentionFn
     moe: bool = False
+    decode: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array):
         names = residual_names(self.cfg)
-        attn = Attention(self.cfg, self.rules, self.attention_fn, name="attn")
+        attn = Attention(self.cfg, self.rules, self.attention_fn, self.decode, name="attn")
         h = x + constrain(attn(RMSNorm(self.cfg, name="attn_norm")(x), positions, segment_ids), names, self.rules)
         normed = RMSNorm(self.cfg, name="mlp_norm")(h)
         if self.moe:
@@ -179,12 +207,15 @@ class MoeGroup(nn.Module):
     cfg: ModelConfig
     rules: Rules
     attention_fn: AttentionFn
+    decode: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array):
         for i in range(self.cfg.moe_every - 1):
-            x, _ = Block(self.cfg, self.rules, self.attention_fn, name=f"dense_{i}")(x, positions, segment_ids)
-        return Block(self.cfg, self.rules, self.attention_fn, moe=True, name="moe_layer")(x, positions, segment_ids)
+            x, _ = Block(self.cfg, self.rules, self.attention_fn, decode=self.decode, name=f"dense_{i}")(
+                x, positions, segment_ids)
+        return Block(self.cfg, self.rules, self.attention_fn, moe=True, decode=self.decode, name="moe_layer")(
+            x, positions, segment_ids)
 
 
 def scan_unit(cfg: ModelConfig) -> tuple[type[nn.Module], int]:
@@ -209,15 +240,16 @@ class Transformer(nn.Module):
     rules: Rules
     attention_fn: AttentionFn = xla_attention
     pipeline: Any = None  # a pipeline.Pipeline when mesh.stage > 1: the layer stack runs through it
+    decode: bool = False  # attention over a KV cache ("cache" collection; see Attention)
 
     def setup(self):
         cfg = self.cfg
         self.embedding = _param(self, "embedding", (cfg.vocab_size, cfg.d_model), ("embed_vocab", "embed"))
         self.layers = nn.scan(
-            remat_block(cfg), variable_axes={"params": 0}, split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast), length=scan_unit(cfg)[1],
+            scan_unit(cfg)[0] if self.decode else remat_block(cfg), variable_axes={"params": 0, "cache": 0},
+            split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast), length=scan_unit(cfg)[1],
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(cfg, self.rules, self.attention_fn, name="layers")
+        )(cfg, self.rules, self.attention_fn, decode=self.decode, name="layers")
         self.final_norm = RMSNorm(cfg, name="final_norm")
         if not cfg.tie_embeddings:
             self.head = _param(self, "head", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
@@ -351,7 +383,7 @@ def logits(model_config: ModelConfig, params: dict, tokens: jax.Array) -> jax.Ar
     Runs on the mesh the parameters live on (e.g. as loaded by `meshtrain.hf.load`), or on one
     device when they are not sharded on a mesh.
     """
-    mesh = _params_mesh(params)
+    mesh = params_mesh(params)
     model = Transformer(model_config, Rules.for_mesh(mesh))
     tokens = jnp.asarray(tokens, jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -360,7 +392,7 @@ def logits(model_config: ModelConfig, params: dict, tokens: jax.Array) -> jax.Ar
         return forward({"params": params}, tokens, positions, jnp.ones_like(tokens))
 
 
-def _params_mesh(params: dict) -> jax.sharding.Mesh:
+def params_mesh(params: dict) -> jax.sharding.Mesh:
     """The mesh of the first parameter, or a one-device mesh with all six axes of size 1."""
     sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
     if isinstance(sharding, jax.sharding.NamedSharding) and set(sharding.mesh.axis_names) == set(MESH_ORDER):

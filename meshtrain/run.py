@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain import attention, mesh as mesh_lib
+from meshtrain import attention, hf, mesh as mesh_lib
 from meshtrain.config import BATCH_AXES, ModelConfig
 from meshtrain.pipeline import Pipeline
 from meshtrain.sharding_rules import Rules
@@ -105,3 +105,12 @@ class Run:
         if self.pipeline is not None:
             lines.append(self.pipeline.describe())
         return lines
+
+
+def setup_runtime(config: ml_collections.ConfigDict) -> None:
+    """Before anything else touches JAX: fake CPU devices, the multi-process start, and the model
+    shape of a Hugging Face checkpoint the run starts from (`init.from_hf`)."""
+    mesh_lib.fake_cpu_devices(config.cpu_devices)
+    mesh_lib.maybe_initialize_distributed(config)
+    if config.init.from_hf:  # the checkpoint decides the architecture
+        hf.apply_model_config(config)

@@ -24,13 +24,12 @@ from meshtrain import (
     config as config_lib,
     data,
     hf,
-    mesh as mesh_lib,
     model,
     run_loop,
     sharding_rules,
     train_step,
 )
-from meshtrain.run import Run
+from meshtrain.run import Run, setup_runtime
 
 log = logging.getLogger("meshtrain")
 
@@ -40,15 +39,6 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0's coordinator.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes in the job.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes).")
-
-
-def setup_runtime(config: ml_collections.ConfigDict) -> None:
-    """Before anything else touches JAX: fake CPU devices, the multi-process start, and the model
-    shape of a Hugging Face checkpoint the run starts from."""
-    mesh_lib.fake_cpu_devices(config.cpu_devices)
-    mesh_lib.maybe_initialize_distributed(config)
-    if config.init.from_hf:  # the checkpoint decides the architecture
-        hf.apply_model_config(config)
 
 
 def run(config: ml_collections.ConfigDict) -> dict:
