@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import logging
 import pathlib
 import sys
 
@@ -70,3 +71,16 @@ def _missing_key(config: ml_collections.ConfigDict, dotted: str) -> str | None:
             return f"--config.{dotted}: {parent} has no key {name!r}; {hint}"
         node = node[name]
     return None
+
+
+def setup_logging(stream=sys.stdout, quiet: tuple[str, ...] = ("absl", "jax", "orbax", "etils", "grain")) -> None:
+    """meshtrain's lines as plain "time message" on `stream` (absl's handler on the root logger would
+    prefix each with level, pid and file); the libraries in `quiet` log warnings only."""
+    log = logging.getLogger("meshtrain")
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    for noisy in quiet:
+        logging.getLogger(noisy).setLevel(logging.WARNING)

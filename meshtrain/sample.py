@@ -85,13 +85,7 @@ def define_flags() -> None:
 
 def main(argv) -> None:
     del argv
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
-    for noisy in ("jax", "orbax", "etils", "grain"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    cli.setup_logging(sys.stderr)  # stdout holds the text only
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on opening checkpoints read-only
     f = flags.FLAGS
     config = f.config

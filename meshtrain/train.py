@@ -67,15 +67,7 @@ def run(config: ml_collections.ConfigDict) -> dict:
 
 def main(argv) -> None:
     del argv
-    # absl's handler on the root logger prefixes every line with level, pid and file: meshtrain's
-    # own lines get a plain "time message" handler instead.
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
-    for noisy in ("absl", "jax", "orbax", "etils", "grain"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    cli.setup_logging(sys.stdout)
     # a failed asynchronous save leaves one unretrieved future per array write; the run reports it once
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     config = _CONFIG.value

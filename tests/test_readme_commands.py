@@ -72,6 +72,12 @@ def hf_dir(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def tfds_dir(tmp_path_factory) -> str:
+    """One datasets folder for this worker's commands: the default corpus is prepared once."""
+    return str(tmp_path_factory.mktemp("tfds"))
+
+
 def _prepare(command: str, index: int, tmp_path, filled: dict[str, str]) -> list[str]:
     command = re.sub(r"\s*\[[^\]]*\]", "", command)
     for placeholder, value in filled.items():
@@ -99,10 +105,10 @@ ON_MAIN = [i for i, c in enumerate(COMMANDS) if "<workdir>" in c]
 
 @pytest.mark.parametrize("index", [i for i in range(len(COMMANDS)) if i not in ON_MAIN],
                          ids=lambda i: f"{i}-{MODULE.match(COMMANDS[i]).group(1).split('.', 1)[1]}")
-def test_every_readme_command_runs(tmp_path, hf_dir, index):
+def test_every_readme_command_runs(tmp_path, hf_dir, tfds_dir, index):
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     # LLVM's lowest optimisation level, as in the other tests: half the CPU code generation time
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TFDS_DATA_DIR": str(tmp_path / "tfds"),
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TFDS_DATA_DIR": tfds_dir,
            "PYTHONPATH": str(ROOT), "XLA_FLAGS": "--xla_backend_optimization_level=0"}
     for i in [index, *(ON_MAIN if index == MAIN else [])]:
         command = COMMANDS[i]
