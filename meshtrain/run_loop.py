@@ -184,6 +184,10 @@ class FiniteGuard:
         pending, self._pending = self._pending, None
         return self._read(pending)
 
+    def discard(self) -> None:
+        """Forgets the pushed step unread (it belongs to a trajectory a rollback abandoned)."""
+        self._pending = None
+
     def _read(self, entry) -> tuple[int, dict, bool] | None:
         """(step, metrics, not finite) of a pushed entry, waiting for its step."""
         if entry is None:
@@ -352,7 +356,7 @@ class RunCheckpoints:
                              f"newest checkpoint is {newest_checkpoint(self.ckpt.root)}")
         self.ckpt.wait()
         older = [s for s in self.ckpt.all_steps() if s < first]
-        self.guard.check()  # drop the step still pending: it belongs to the abandoned trajectory
+        self.guard.discard()  # the step still pending belongs to the abandoned trajectory
         if not older:
             self.spikes.forget_after(0)
             return create(), 0, None
