@@ -39,6 +39,7 @@ REMAT_POLICIES = ("none", "selective", "full", "offload")
 ATTENTION_IMPLS = ("xla", "ring", "pallas")
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble")
 BALANCE_SCOPES = ("batch", "sequence")
+MATMUL_PRECISIONS = ("bf16", "fp8")  # bf16: matmuls in model.dtype; fp8: e4m3 / e5m2 operands (fp8.py)
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -85,6 +86,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.sequence_parallel = False  # Megatron SP: norm/residual regions split over `tensor`
     c.model.fused_norm = False  # Pallas RMSNorm
     c.model.fused_loss = False  # Pallas output projection + cross-entropy
+    # "fp8": the attention projections and MLP matmuls on e4m3 operands, e5m2 gradients (fp8.py);
+    # "bf16": every matmul in model.dtype
+    c.model.matmul_precision = "bf16"
+    c.model.fp8_history = 16  # steps of amax history behind each FP8 scale (delayed scaling)
     # Mixture of experts (num_experts == 0: dense model).
     c.model.num_experts = 0
     c.model.experts_per_token = 2
@@ -210,7 +215,8 @@ def _divides(key: str, value: int, what: str, by: int, by_name: str) -> None:
 def _validate_choices(config) -> None:
     for key, choices in (("model.dtype", DTYPES), ("model.param_dtype", DTYPES),
                          ("remat.policy", REMAT_POLICIES), ("attention.impl", ATTENTION_IMPLS),
-                         ("pipeline.schedule", PIPELINE_SCHEDULES), ("model.moe_balance_scope", BALANCE_SCOPES)):
+                         ("pipeline.schedule", PIPELINE_SCHEDULES), ("model.moe_balance_scope", BALANCE_SCOPES),
+                         ("model.matmul_precision", MATMUL_PRECISIONS)):
         section, name = key.split(".")
         value = config[section][name]
         require(value in choices, key, value, f"must be one of {choices}")
@@ -222,7 +228,7 @@ def _validate_positive(config) -> None:
     positive = ("model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
                 "model.head_dim", "model.mlp_dim", "train.batch_size", "train.seq_len",
                 "train.grad_accum_steps", "steps", "log_every", "checkpoint.keep",
-                "pipeline.microbatches", "pipeline.repeats")
+                "pipeline.microbatches", "pipeline.repeats", "model.fp8_history")
     for key in positive:
         value = config
         for part in key.split("."):
@@ -323,6 +329,13 @@ class ModelConfig:
     aux_loss_weight: float = 0.01
     moe_balance_scope: str = "batch"
     router_z_loss_weight: float = 0.001
+    matmul_precision: str = "bf16"
+    fp8_history: int = 16
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the attention and MLP matmuls run in FP8 (`fp8.py`)."""
+        return self.matmul_precision == "fp8"
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> ModelConfig:

@@ -100,8 +100,9 @@ def generate(model_config: ModelConfig, params: dict, prompts: list[list[int]], 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be >= 1")
     mesh = params_mesh(params)
+    # decoding runs every matmul in the compute dtype (an FP8-trained model too: its weights are float32)
     cfg = dataclasses.replace(model_config, remat_policy="none", attention_impl="xla", fused_norm=False,
-                              fused_loss=False, sequence_parallel=False)
+                              fused_loss=False, sequence_parallel=False, matmul_precision="bf16")
     rows = len(prompts)
     split = math.prod(mesh.shape[a] for a in BATCH_AXES)  # rows are split over the batch axes: fill them
     tokens, positions, segments = left_pad(list(prompts) + [prompts[0]] * (-rows % split))

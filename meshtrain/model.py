@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from meshtrain import moe as moe_lib
+from meshtrain import fp8 as fp8_lib, moe as moe_lib
 from meshtrain.attention import AttentionFn, cached_attention, xla_attention
 from meshtrain.config import ModelConfig
 from meshtrain.fused import fused_loss_sum, fused_rms_norm
@@ -82,7 +82,8 @@ class RMSNorm(nn.Module):
         return (normed * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def column_parallel(x: jax.Array, weights: tuple[jax.Array, ...], name: str, rules: Rules, dtype) -> list[jax.Array]:
+def column_parallel(x: jax.Array, weights: tuple[jax.Array, ...], name: str, rules: Rules, dtype,
+                    einsum=jnp.einsum) -> list[jax.Array]:
     """x [B,T,D] times column-parallel weights [D, n_i, ...] (dim 1 the logical `name`) as one matmul.
 
     Playbook, "Tensor Parallelism": Q, K and V (and the MLP's gate and up) read the same input, so
@@ -95,7 +96,7 @@ def column_parallel(x: jax.Array, weights: tuple[jax.Array, ...], name: str, rul
     """
     shards = rules.shards(name)
     blocks = [w.astype(dtype).reshape(w.shape[0], shards, w.shape[1] // shards, *w.shape[2:]) for w in weights]
-    y = jnp.einsum("btd,dsn...->btsn...", x, jnp.concatenate(blocks, axis=2))
+    y = einsum("btd,dsn...->btsn...", x, jnp.concatenate(blocks, axis=2))
     y = constrain(y, ("batch", "length", f"act_{name}") + (None,) * (y.ndim - 3), rules)
     cuts = list(itertools.accumulate(b.shape[2] for b in blocks))[:-1]
     parts = jnp.split(y, cuts, axis=3)
@@ -123,7 +124,7 @@ class Attention(nn.Module):
         wk = _param(self, "wk", (d, kv, dh), ("embed", "kv_heads", "head_dim"))
         wv = _param(self, "wv", (d, kv, dh), ("embed", "kv_heads", "head_dim"))
         wo = _param(self, "wo", (h, dh, d), ("heads", "head_dim", "embed"))
-        q, k, v = column_parallel(x, (wq, wk, wv), "heads", self.rules, dtype)
+        q, k, v = column_parallel(x, (wq, wk, wv), "heads", self.rules, dtype, fp8_lib.matmul(self, "qkv"))
         q = constrain(rope(q, positions, cfg.rope_theta), ("batch", "length", "act_heads", None), self.rules)
         k = constrain(rope(k, positions, cfg.rope_theta), ("batch", "length", "act_kv_heads", None), self.rules)
         v = constrain(v, ("batch", "length", "act_kv_heads", None), self.rules)
@@ -132,7 +133,7 @@ class Attention(nn.Module):
         else:
             out = self.attention_fn(q, k, v, segment_ids)  # [B,T,H,Dh]
         out = constrain(out, ("batch", "length", "act_heads", None), self.rules)
-        return jnp.einsum("bthk,hkd->btd", out, wo.astype(dtype))
+        return fp8_lib.matmul(self, "out")("bthk,hkd->btd", out, wo.astype(dtype))
 
     def _cached(self, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
         names = ("batch", None, "act_kv_heads", None)  # the cache: batch and KV heads split as the activations
@@ -165,9 +166,9 @@ class Mlp(nn.Module):
         w_gate = _param(self, "w_gate", (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"))
         w_up = _param(self, "w_up", (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"))
         w_down = _param(self, "w_down", (cfg.mlp_dim, cfg.d_model), ("mlp", "embed"))
-        gate, up = column_parallel(x, (w_gate, w_up), "mlp", self.rules, dtype)
+        gate, up = column_parallel(x, (w_gate, w_up), "mlp", self.rules, dtype, fp8_lib.matmul(self, "gate_up"))
         hidden = constrain(nn.silu(gate) * up, ("batch", "length", "act_mlp"), self.rules)
-        return jnp.einsum("btf,fd->btd", hidden, w_down.astype(dtype))
+        return fp8_lib.matmul(self, "down")("btf,fd->btd", hidden, w_down.astype(dtype))
 
 
 def residual_names(cfg: ModelConfig) -> tuple[str, str, str]:
@@ -246,7 +247,8 @@ class Transformer(nn.Module):
         cfg = self.cfg
         self.embedding = _param(self, "embedding", (cfg.vocab_size, cfg.d_model), ("embed_vocab", "embed"))
         self.layers = nn.scan(
-            scan_unit(cfg)[0] if self.decode else remat_block(cfg), variable_axes={"params": 0, "cache": 0},
+            scan_unit(cfg)[0] if self.decode else remat_block(cfg),
+            variable_axes={"params": 0, "cache": 0, fp8_lib.COLLECTION: 0},
             split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast), length=scan_unit(cfg)[1],
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(cfg, self.rules, self.attention_fn, decode=self.decode, name="layers")
@@ -378,13 +380,14 @@ def num_active_params(cfg: ModelConfig) -> int:
 
 
 def logits(model_config: ModelConfig, params: dict, tokens: jax.Array) -> jax.Array:
-    """float32 logits [B, L, V] of `tokens` [B, L], each row one document (positions 0..L-1).
+    """float32 logits [B, L, V] of `tokens` [B, L], each row one document (positions 0..L-1), every
+    matmul in the compute dtype (FP8's amax histories are training state, not needed here).
 
     Runs on the mesh the parameters live on (e.g. as loaded by `meshtrain.hf.load`), or on one
     device when they are not sharded on a mesh.
     """
     mesh = params_mesh(params)
-    model = Transformer(model_config, Rules.for_mesh(mesh))
+    model = Transformer(dataclasses.replace(model_config, matmul_precision="bf16"), Rules.for_mesh(mesh))
     tokens = jnp.asarray(tokens, jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     with jax.set_mesh(mesh):

@@ -47,6 +47,7 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from meshtrain import fp8 as fp8_lib
 from meshtrain.config import ConfigError, ModelConfig
 from meshtrain.sharding_rules import Rules, constrain
 
@@ -141,18 +142,28 @@ def z_loss(sums: dict[str, jax.Array]) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 
 
-def _swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """Each expert's SwiGLU on its own slots: x [n, E_l, C, D] -> [n, E_l, C, D]."""
-    gate = jnp.einsum("necd,edf->necf", x, w_gate)
-    up = jnp.einsum("necd,edf->necf", x, w_up)
-    return jnp.einsum("necf,efd->necd", nn.silu(gate) * up, w_down)
+def _expert_dot(dot, histories: tuple[jax.Array, ...], i: int):
+    """`dot` as it is, or through FP8 with amax history i of (gate, up, down) when `histories` are given."""
+    if not histories:
+        return dot
+    return lambda x, w, *extra: fp8_lib.scaled_dot(dot, x, w, histories[i], *extra)
 
 
-def _swiglu_grouped(x: jax.Array, group_sizes: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+def _swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                    histories: tuple[jax.Array, ...] = ()) -> jax.Array:
+    """Each expert's SwiGLU on its own slots: x [n, E_l, C, D] -> [n, E_l, C, D] (FP8 with `histories`)."""
+    up_dot, down_dot = fp8_lib.einsum_dot("necd,edf->necf"), fp8_lib.einsum_dot("necf,efd->necd")
+    gate = _expert_dot(up_dot, histories, 0)(x, w_gate)
+    up = _expert_dot(up_dot, histories, 1)(x, w_up)
+    return _expert_dot(down_dot, histories, 2)(nn.silu(gate) * up, w_down)
+
+
+def _swiglu_grouped(x: jax.Array, group_sizes: jax.Array, w_gate, w_up, w_down,
+                    histories: tuple[jax.Array, ...] = ()) -> jax.Array:
     """Grouped SwiGLU: rows of x [M, D] sorted by expert, group_sizes [E_l]; rows past the groups give 0."""
-    gate = jax.lax.ragged_dot(x, w_gate, group_sizes)
-    up = jax.lax.ragged_dot(x, w_up, group_sizes)
-    return jax.lax.ragged_dot(nn.silu(gate) * up, w_down, group_sizes)
+    gate = _expert_dot(jax.lax.ragged_dot, histories, 0)(x, w_gate, group_sizes)
+    up = _expert_dot(jax.lax.ragged_dot, histories, 1)(x, w_up, group_sizes)
+    return _expert_dot(jax.lax.ragged_dot, histories, 2)(nn.silu(gate) * up, w_down, group_sizes)
 
 
 def capacity_slots(experts: jax.Array, num_experts: int, cap: int, valid: jax.Array | None = None) -> jax.Array:
@@ -173,7 +184,7 @@ def capacity_slots(experts: jax.Array, num_experts: int, cap: int, valid: jax.Ar
     return jnp.swapaxes(slot.reshape(b, k, t), 1, 2)
 
 
-def _capacity_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, cap, axis, ep, valid):
+def _capacity_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, cap, axis, ep, valid, histories=()):
     """Capacity dispatch -> all_to_all -> experts -> all_to_all -> combine. x [b, T, D]; padding
     (`valid` False) is not dispatched, its output is 0 and it is not counted as dropped."""
     b, t, d = x.shape
@@ -188,7 +199,7 @@ def _capacity_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, cap
     if ep > 1:  # expert e's slots to device e // E_l: [b, E, C, D] -> [ep*b, E_l, C, D]
         buf = checkpoint_name(jax.lax.all_to_all(buf, axis, split_axis=1, concat_axis=0, tiled=True),
                               EXCHANGE_NAMES[0])
-    out = _swiglu_experts(buf, w_gate, w_up, w_down)
+    out = _swiglu_experts(buf, w_gate, w_up, w_down, histories)
     if ep > 1:  # back to the tokens' devices: [ep*b, E_l, C, D] -> [b, E, C, D]
         out = checkpoint_name(jax.lax.all_to_all(out, axis, split_axis=0, concat_axis=1, tiled=True),
                               EXCHANGE_NAMES[1])
@@ -198,7 +209,7 @@ def _capacity_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, cap
     return y, jnp.sum(((slot == slots) & valid[..., None]).astype(jnp.float32))
 
 
-def _dropless_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, axis, ep):
+def _dropless_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, axis, ep, histories=()):
     """Sort by expert -> (exchange) -> grouped matmuls -> (exchange) -> unsort, combine. x [b, T, D]."""
     b, t, d = x.shape
     k = experts.shape[-1]
@@ -208,7 +219,7 @@ def _dropless_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, axi
     tokens = x.reshape(n, d)[order // k]  # [A, D] sorted by expert
     counts = jnp.sum(jax.nn.one_hot(flat, num_experts, dtype=jnp.int32), axis=0)  # [E]
     if ep == 1:
-        out = _swiglu_grouped(tokens, counts, w_gate, w_up, w_down)
+        out = _swiglu_grouped(tokens, counts, w_gate, w_up, w_down, histories)
     else:
         e_l = num_experts // ep
         s = n * min(k, e_l)  # most assignments one device can send to another
@@ -223,7 +234,8 @@ def _dropless_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, axi
         bounds = jnp.cumsum(mine, axis=1)  # [ep, E_l]
         key = jnp.sum(jnp.arange(s)[None, :, None] >= bounds[:, None, :], axis=-1).reshape(ep * s)
         regroup = jnp.argsort(key, stable=True)  # local expert 0..E_l-1, padding (E_l) last
-        grouped = _swiglu_grouped(recv.reshape(ep * s, d)[regroup], jnp.sum(mine, axis=0), w_gate, w_up, w_down)
+        grouped = _swiglu_grouped(recv.reshape(ep * s, d)[regroup], jnp.sum(mine, axis=0), w_gate, w_up, w_down,
+                                  histories)
         back = grouped[_inverse(regroup)].reshape(ep, s, d)
         ret = jax.lax.all_to_all(back, axis, split_axis=0, concat_axis=0, tiled=True)  # [ep(dest), S, D]
         ret = checkpoint_name(ret, EXCHANGE_NAMES[1])
@@ -238,7 +250,8 @@ def _inverse(perm: jax.Array) -> jax.Array:
 
 def moe_ffn(x: jax.Array, w_router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
             cfg: ModelConfig, axis: str | None = None, ep: int = 1, row_axes: tuple[str, ...] = (),
-            token_axes: tuple[str, ...] = (), valid: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+            token_axes: tuple[str, ...] = (), valid: jax.Array | None = None,
+            histories: tuple[jax.Array, ...] = ()) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The MoE feed-forward of one device's rows x [b, T, D] -> ([b, T, D], stats).
 
     Runs with this device's experts w_* [E_l, ...] and the exchange over `axis` (ep devices),
@@ -256,10 +269,11 @@ def moe_ffn(x: jax.Array, w_router: jax.Array, w_gate: jax.Array, w_up: jax.Arra
     w = tuple(wi.astype(dtype) for wi in (w_gate, w_up, w_down))
     x = x.astype(dtype)
     if cfg.moe_dropless:
-        y, dropped = _dropless_ffn(x, weights, experts, *w, num_experts=cfg.num_experts, axis=axis, ep=ep)
+        y, dropped = _dropless_ffn(x, weights, experts, *w, num_experts=cfg.num_experts, axis=axis, ep=ep,
+                                   histories=histories)
     else:
         y, dropped = _capacity_ffn(x, weights, experts, *w, num_experts=cfg.num_experts,
-                                   cap=capacity(cfg, x.shape[1]), axis=axis, ep=ep, valid=valid)
+                                   cap=capacity(cfg, x.shape[1]), axis=axis, ep=ep, valid=valid, histories=histories)
     return y, router_stats(logits, probs, experts, dropped, cfg.moe_balance_scope, row_axes, token_axes, valid)
 
 
@@ -320,12 +334,12 @@ def expert_parallel(cfg: ModelConfig, rules: Rules):
     if not todo:
         return fn
     w_spec = P(axis) if axis in todo else P()
-    return jax.shard_map(fn, in_specs=(P(todo), P(), w_spec, w_spec, w_spec, P(todo)), out_specs=(P(todo), P()),
-                         axis_names=set(todo), check_vma=True)
+    return jax.shard_map(fn, in_specs=(P(todo), P(), w_spec, w_spec, w_spec, P(todo), P()),
+                         out_specs=(P(todo), P()), axis_names=set(todo), check_vma=True)
 
 
-def _with_valid(fn, x, router, w_gate, w_up, w_down, valid):
-    return fn(x, router, w_gate, w_up, w_down, valid=valid)
+def _with_valid(fn, x, router, w_gate, w_up, w_down, valid, histories=()):
+    return fn(x, router, w_gate, w_up, w_down, valid=valid, histories=histories)
 
 
 class MoeMlp(nn.Module):
@@ -351,14 +365,18 @@ class MoeMlp(nn.Module):
         w_up = self._param("w_up", (e, d, f), ("expert", "embed", "mlp"))
         w_down = self._param("w_down", (e, f, d), ("expert", "mlp", "embed"))
         valid = jnp.ones(x.shape[:2], bool) if valid is None else valid  # [B, T]; False: padding
-        y, stats = expert_parallel(cfg, self.rules)(x, router, w_gate, w_up, w_down, valid)
+        # under FP8 one amax history per stacked expert weight (one scale for all its experts)
+        histories = tuple(fp8_lib.history(self, f"expert_{n}", cfg.fp8_history)
+                          for n in ("gate", "up", "down")) if cfg.matmul_precision == "fp8" else ()
+        y, stats = expert_parallel(cfg, self.rules)(x, router, w_gate, w_up, w_down, valid, histories)
         if cfg.shared_expert:  # a dense SwiGLU every token goes through (DeepSeek-MoE)
             s_gate = self._param("shared_gate", (d, f), ("embed", "mlp")).astype(dtype)
             s_up = self._param("shared_up", (d, f), ("embed", "mlp")).astype(dtype)
             s_down = self._param("shared_down", (f, d), ("mlp", "embed")).astype(dtype)
-            hidden = nn.silu(jnp.einsum("btd,df->btf", x, s_gate)) * jnp.einsum("btd,df->btf", x, s_up)
+            gate = fp8_lib.matmul(self, "shared_gate")("btd,df->btf", x, s_gate)
+            hidden = nn.silu(gate) * fp8_lib.matmul(self, "shared_up")("btd,df->btf", x, s_up)
             hidden = constrain(hidden, ("batch", "length", "act_mlp"), self.rules)
-            y = y + jnp.einsum("btf,fd->btd", hidden, s_down)
+            y = y + fp8_lib.matmul(self, "shared_down")("btf,fd->btd", hidden, s_down)
         return y, stats
 
     def _param(self, name: str, shape: tuple[int, ...], names: tuple[str | None, ...]) -> jax.Array:

@@ -583,6 +583,10 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
         f"must be divisible by pipeline.microbatches*mesh.(data*fsdp*expert)={pipe.microbatches}*{dp}")
     req(config.train.grad_accum_steps == 1, "train.grad_accum_steps", config.train.grad_accum_steps,
         "must be 1 with mesh.stage > 1: pipeline.microbatches splits the batch instead")
+    req(config.model.matmul_precision != "fp8", "model.matmul_precision", config.model.matmul_precision,
+        "FP8 matmuls do not run inside pipeline stages (mesh.stage > 1): the stage loops would have to carry "
+        "each stage's amax histories and take their maxima over micro-batches; use matmul_precision='bf16' "
+        "with mesh.stage > 1, or fp8 with mesh.stage=1")
     kernels = config.attention.impl == "pallas" or config.model.fused_norm or config.model.fused_loss
     req(not (kernels and config.model.num_experts), "model.num_experts", config.model.num_experts,
         "MoE layers and Pallas kernels (attention.impl='pallas', model.fused_*) cannot share a pipeline stage: "

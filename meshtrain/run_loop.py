@@ -29,7 +29,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from meshtrain import checkpoint, data, faults, metrics as metrics_lib, tensorboard as tensorboard_lib
+from meshtrain import checkpoint, data, faults, fp8 as fp8_lib, metrics as metrics_lib, tensorboard as tensorboard_lib
 
 if TYPE_CHECKING:
     from meshtrain.run import Run
@@ -384,15 +384,17 @@ class RunCheckpoints:
 
 
 def make_eval_step(factory: StateFactory, compiler_options: dict[str, str]):
-    """Jitted (params, batch) -> (loss_sum, valid tokens)."""
-    def eval_step(params, batch):
-        loss_sum, _ = factory.model.apply({"params": params}, batch, method=factory.model.loss)
+    """Jitted (state, batch) -> (loss_sum, valid tokens): the parameters, and under FP8 the amax
+    histories, of the train state (the forward quantises as training does)."""
+    def eval_step(state, batch):
+        variables = {"params": state.params, **({fp8_lib.COLLECTION: state.fp8} if state.fp8 else {})}
+        loss_sum, _ = factory.model.apply(variables, batch, method=factory.model.loss)
         return loss_sum, batch["loss_mask"].sum()
     return jax.jit(eval_step, compiler_options=compiler_options)
 
 
 def evaluate(run: Run, eval_step, params) -> float:
-    """Mean validation loss per token over `config.eval_batches` fixed batches."""
+    """Mean validation loss per token over `config.eval_batches` fixed batches (`params`: the train state)."""
     it = data.make_iterator(run, split="validation")
     try:
         total_loss = total_tokens = 0.0
@@ -524,7 +526,7 @@ class Loop:
                         if self.eval_step and step % config.eval_every == 0:
                             if not evaluated:  # the first evaluation compiles
                                 dog.disarm()
-                            last["eval_loss"] = evaluate(self.run, self.eval_step, state.params)
+                            last["eval_loss"] = evaluate(self.run, self.eval_step, state)
                             last["eval_perplexity"] = float(np.exp(last["eval_loss"]))
                             evaluated = True
                         writer.write(last)

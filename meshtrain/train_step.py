@@ -11,7 +11,8 @@ Playbook sections implemented here:
   3 also the parameters. The partitioner derives the all-reduce / reduce-scatter /
   all-gather pattern from those shardings.
 * "Mixed Precision Training": float32 master weights and optimizer state, compute in
-  `model.dtype` (bf16 by default).
+  `model.dtype` (bf16 by default); under `model.matmul_precision='fp8'` the state also holds
+  the FP8 amax histories (`fp8.py`), advanced by each applied step.
 
 Shapes before bytes: `jax.eval_shape` gives the abstract state, the rules give its
 shardings, and `jax.jit(init, out_shardings=...)` creates it already sharded.
@@ -35,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import (
     attention as attention_lib,
+    fp8 as fp8_lib,
     model as model_lib,
     optimizer as optimizer_lib,
     pipeline as pipeline_lib,
@@ -52,6 +54,7 @@ class TrainState:
     params: dict
     opt_state: optax.OptState
     rng: jax.Array  # uint32 key data: the run's random stream, advanced once per applied step
+    fp8: dict  # FP8 amax histories [.., 3, H] per quantised matmul (`fp8.py`); empty unless matmul_precision='fp8'
 
 
 def initial_rng(seed_key: jax.Array) -> jax.Array:
@@ -103,7 +106,8 @@ class StateFactory:
             step=P(),
             params=_boxed_specs(self.boxed.params, placement.params),
             opt_state=_boxed_specs(self.boxed.opt_state, placement.opt_state),
-            rng=P())
+            rng=P(),
+            fp8=jax.tree.map(lambda _: P(), self.boxed.fp8))  # small: replicated
         self.shardings = named(mesh, self.specs)
         self.grad_specs = _boxed_specs(self.boxed.params, placement.grads)
         self.abstract = jax.tree.map(
@@ -112,10 +116,11 @@ class StateFactory:
 
     def _init_boxed(self, rng: jax.Array) -> TrainState:
         batch = model_lib.dummy_batch(*self._batch_shape)
-        params = self.model.init(rng, batch["inputs"], batch["positions"], batch["segment_ids"])["params"]
+        variables = self.model.init(rng, batch["inputs"], batch["positions"], batch["segment_ids"])
+        params = variables["params"]
         # optax maps over the boxes, so the optimizer state keeps the parameters' logical names.
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
-                          rng=initial_rng(rng))
+                          rng=initial_rng(rng), fp8=dict(variables.get(fp8_lib.COLLECTION, {})))
 
     def create(self, seed: int) -> TrainState:
         """The initial state, created directly in its shardings (nothing materialised whole).
@@ -171,7 +176,8 @@ class StateFactory:
         whose outputs are the factory's shardings, and the run's RNG derives from `seed`."""
         def init(params):  # params in execution order (as imported) -> the schedule's storage order
             state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
-                               rng=initial_rng(jax.random.key(seed)))
+                               rng=initial_rng(jax.random.key(seed)),
+                               fp8=jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.boxed.fp8))
             return self._reorder(state, self._stored)
         with jax.set_mesh(self.mesh):
             return jax.jit(init, out_shardings=self.shardings, donate_argnums=0)(params)
@@ -187,37 +193,51 @@ def _split_micro(x: jax.Array, accum: int) -> jax.Array:
 
 
 def _grads_one_pass(params, batch, model, total_tokens, accum_steps, copies: int = 1):
-    """((loss_sum, aux), grads) of one (micro-)batch; the loss is pre-divided by the global token count.
+    """(loss_sum, aux, grads) of one (micro-)batch; the loss is pre-divided by the global token count.
 
     `copies`: on how many devices of an enclosing manual region each device's `aux` (MoE losses of
     statistics summed over the region) is the same value. Each device adds it to its own loss, and
     the backward of that implicit broadcast sums the copies' cotangents, so each adds 1/copies.
     """
-    def loss_fn(params, micro):
-        # `aux` holds auxiliary losses (added); the model sows logged-only scalars into "metrics".
-        (loss_sum, aux), sown = model.apply({"params": params}, micro, method=model_lib.Transformer.loss,
-                                            mutable=["metrics"])
-        added = sum(aux.values()) / (accum_steps * copies)
-        return loss_sum / total_tokens + added, (loss_sum, {**aux, **sown.get("metrics", {})})
-    (_, (loss_sum, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    loss_sum, aux, grads, _ = _grads_and_amaxes(params, {}, batch, model, total_tokens, accum_steps, copies)
     return loss_sum, aux, grads
 
 
-def _accumulate_local(params, micro_batches, model, total_tokens, accum_steps, varying_axes=()):
-    """Scan over micro-batches summing float32 gradients; no collective over the batch axes inside."""
+def _grads_and_amaxes(params, histories, batch, model, total_tokens, accum_steps, copies: int = 1):
+    """`_grads_one_pass` and, with FP8 amax `histories`, their cotangents: this pass's amaxes
+    (`fp8.py`; max-combined over every use of a matmul)."""
+    def loss_fn(params, histories, micro):
+        # `aux` holds auxiliary losses (added); the model sows logged-only scalars into "metrics".
+        variables = {"params": params}
+        if histories:
+            variables[fp8_lib.COLLECTION] = fp8_lib.for_grad(histories)
+        (loss_sum, aux), sown = model.apply(variables, micro, method=model_lib.Transformer.loss, mutable=["metrics"])
+        added = sum(aux.values()) / (accum_steps * copies)
+        return loss_sum / total_tokens + added, (loss_sum, {**aux, **sown.get("metrics", {})})
+    (_, (loss_sum, aux)), (grads, amaxes) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+        params, histories, batch)
+    return loss_sum, aux, grads, amaxes
+
+
+def _accumulate_local(params, histories, micro_batches, model, total_tokens, accum_steps, varying_axes=()):
+    """Scan over micro-batches summing float32 gradients (and taking the largest FP8 amaxes); no
+    collective over the batch axes inside."""
     copies = math.prod(model.rules.size(a) for a in varying_axes)
 
     def accumulate(carry, micro):
-        grads_acc, loss_acc = carry
-        loss_sum, aux, grads = _grads_one_pass(params, micro, model, total_tokens, accum_steps, copies)
+        grads_acc, amax_acc, loss_acc = carry
+        loss_sum, aux, grads, amaxes = _grads_and_amaxes(params, histories, micro, model, total_tokens,
+                                                         accum_steps, copies)
         grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
-        return (grads_acc, loss_acc + loss_sum), aux
+        amax_acc = jax.tree.map(jnp.maximum, amax_acc, amaxes)
+        return (grads_acc, amax_acc, loss_acc + loss_sum), aux
 
-    carry = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), jnp.zeros((), jnp.float32))
+    carry = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+             jax.tree.map(lambda h: jnp.full(h.shape, -jnp.inf, jnp.float32), histories), jnp.zeros((), jnp.float32))
     if varying_axes:  # inside shard_map the accumulators differ per device
         carry = jax.lax.pcast(carry, varying_axes, to="varying")
-    (grads, loss_sum), aux = jax.lax.scan(accumulate, carry, micro_batches)
-    return loss_sum, jax.tree.map(jnp.mean, aux), grads
+    (grads, amaxes, loss_sum), aux = jax.lax.scan(accumulate, carry, micro_batches)
+    return loss_sum, jax.tree.map(jnp.mean, aux), grads, amaxes
 
 
 def _fsdp_dim(spec: P) -> int | None:
@@ -228,7 +248,7 @@ def _fsdp_dim(spec: P) -> int | None:
 
 
 def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, manual_axes, grad_specs,
-                         checked: bool = True):
+                         checked: bool = True, histories=None):
     """Gradient accumulation (playbook "Gradient accumulation" + "Interplay with gradient accumulation").
 
     The micro-batch loop runs inside a `jax.shard_map` that is manual over `manual_axes`
@@ -240,10 +260,14 @@ def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, man
     stay automatic: under ZeRO-3 each micro-batch gathers the weights and reduce-scatters its
     gradient over `fsdp`, and the loop accumulates the shards. MoE layers, ring attention and the
     Pallas kernels run inside (regions compose by axis); `checked` is False around Pallas kernels.
+
+    Returns (loss_sum, aux, grads, amaxes): `amaxes` the cotangents of the FP8 amax `histories`
+    (every device's largest; empty without FP8).
     """
+    histories = histories or {}
     micro_batches = jax.tree.map(functools.partial(_split_micro, accum=accum_steps), batch)
     if not manual_axes:
-        return _accumulate_local(params, micro_batches, model, total_tokens, accum_steps)
+        return _accumulate_local(params, histories, micro_batches, model, total_tokens, accum_steps)
     inner = model.clone(rules=model.rules.with_manual(manual_axes))
     scatter_fsdp = "fsdp" in manual_axes
     split = ("expert",) if "expert" in manual_axes else ()  # expert weights enter split: the exchange runs inside
@@ -252,9 +276,10 @@ def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, man
     def entering(spec: P) -> P:
         return P(*[e if e in split else None for e in spec])
 
-    def local(params, micro_batches, total_tokens):
-        params = vary(params, manual_axes)  # each device differentiates its own copy
-        loss_sum, aux, grads = _accumulate_local(params, micro_batches, inner, total_tokens, accum_steps, manual_axes)
+    def local(params, histories, micro_batches, total_tokens):
+        params, histories = vary((params, histories), manual_axes)  # each device differentiates its own copy
+        loss_sum, aux, grads, amaxes = _accumulate_local(params, histories, micro_batches, inner, total_tokens,
+                                                         accum_steps, manual_axes)
 
         def reduce(g, spec):
             over = tuple(a for a in manual_axes if a not in spec)  # not over the axes the weight is split on
@@ -264,7 +289,9 @@ def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, man
                 over = tuple(a for a in over if a != "fsdp")
             return jax.lax.psum(g, over) if over else g
         grads = is_spec(reduce, grads, grad_specs)
-        return jax.lax.psum(loss_sum, manual_axes), jax.tree.map(lambda a: jax.lax.pmean(a, manual_axes), aux), grads
+        amaxes = jax.tree.map(lambda a: jax.lax.pmax(a, manual_axes), amaxes)  # equal already: global amaxes
+        return (jax.lax.psum(loss_sum, manual_axes), jax.tree.map(lambda a: jax.lax.pmean(a, manual_axes), aux),
+                grads, amaxes)
 
     def leaving(spec: P) -> P:
         return P(*[("fsdp" if _fsdp_dim(P(e)) == 0 and scatter_fsdp else (e if e in split else None)) for e in spec])
@@ -275,9 +302,9 @@ def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, man
     length = ("sequence",) if "sequence" in manual_axes else ()
     batch_in = jax.tree.map(lambda _: P(None, rows or None, length or None), micro_batches)
     return jax.shard_map(
-        local, in_specs=(param_in_specs, batch_in, P()), out_specs=(P(), P(), grad_out_specs),
+        local, in_specs=(param_in_specs, P(), batch_in, P()), out_specs=(P(), P(), grad_out_specs, P()),
         axis_names=set(manual_axes), check_vma=checked,
-    )(params, micro_batches, total_tokens)
+    )(params, histories, micro_batches, total_tokens)
 
 
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_lib.Transformer,
@@ -292,12 +319,16 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_l
     total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
     # One micro-batch still goes through the manual loop (its hand-written, once-per-step reduction)
     # unless a pipeline's stage loop, itself manual over the batch axes, reduces the gradients.
+    amaxes = {}
     if accum_steps == 1 and (model.pipeline is not None or not manual_axes):
-        loss_sum, aux, grads = grads_fn(state.params, batch, model, total_tokens, 1)
+        if state.fp8:  # validate.py keeps FP8 off the pipeline's own loops
+            loss_sum, aux, grads, amaxes = _grads_and_amaxes(state.params, state.fp8, batch, model, total_tokens, 1)
+        else:
+            loss_sum, aux, grads = grads_fn(state.params, batch, model, total_tokens, 1)
     else:
-        loss_sum, aux, grads = accumulate_gradients(
+        loss_sum, aux, grads, amaxes = accumulate_gradients(
             state.params, batch, model=model, total_tokens=total_tokens, accum_steps=accum_steps,
-            manual_axes=manual_axes, grad_specs=grad_specs, checked=checked)
+            manual_axes=manual_axes, grad_specs=grad_specs, checked=checked, histories=state.fp8)
     grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, grad_specs)
     grad_norm = optax.tree.norm(grads)  # computed once: logged, checked, and the clipping's norm
     loss = loss_sum / total_tokens
@@ -313,8 +344,10 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_l
                "tokens": total_tokens, "nonfinite": 1.0 - finite.astype(jnp.float32), **aux}
     next_rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
     rng = jnp.where(finite, next_rng, state.rng)
+    histories = jax.tree.map(lambda h, a: jnp.where(finite, fp8_lib.advance(h, fp8_lib.from_grad(a)), h),
+                             state.fp8, amaxes)
     return TrainState(step=state.step + finite.astype(jnp.int32), params=params, opt_state=opt_state,
-                      rng=rng), metrics
+                      rng=rng, fp8=histories), metrics
 
 
 def jit_train_step(factory: StateFactory, schedule: optax.Schedule, batch_sharding: NamedSharding, *,

@@ -1,0 +1,166 @@
+"""FP8 matmuls with delayed per-tensor scaling (playbook, "Mixed Precision Training": "FP8 pretraining").
+
+Under `model.matmul_precision='fp8'` the attention projections and the MLP matmuls (dense,
+expert and shared expert) run on FP8 operands: the forward's input and weight in e4m3 (more
+mantissa), the backward's output gradient in e5m2 (more range), each tensor with one float32
+scale. The embedding, the output head, the norms, attention's softmax and the loss stay in the
+compute dtype, as the playbook recommends: those are the operations that lose the most accuracy
+in low precision.
+
+Scaling is delayed (Transformer Engine's recipe, and flax's `fp8_ops`): each quantised matmul
+keeps an amax history per operand (`[3, H]`: input, kernel, output gradient; newest first) in the
+"fp8" variable collection, and the scale of a step comes from the largest amax of the last H
+steps: the power of two at or above `amax / fp8_max`, so the largest value lands in the format's
+top binade. Before the
+first step the history is empty, so that step scales by its own amax. The current amaxes leave
+the step as the cotangent of the history (flax's "overwrite with gradient" idea): the history
+enters the differentiated function as flax's `fm32` dtype, whose cotangents combine by `max`
+instead of `+`, so a matmul used by several micro-batches records the largest amax of all of them,
+exactly what one pass over the whole batch records. `advance` then shifts the history.
+
+Every amax is global: the partitioner all-reduces `max` over the automatic axes, and inside a
+manual region (the accumulation loop, the expert exchange) the amax is `pmax`-ed over its manual
+axes, so a sharded run quantises with the same scales as one device. (The pipeline's `stage` axis
+is not one of them: each stage holds other layers.)
+
+Quantisation is written as quantise -> dequantise pairs around an ordinary dot
+(`convert(f8) * scale`): the pattern XLA's GPU compiler rewrites into one FP8 GEMM with the scales
+applied (on Hopper, cuBLASLt), and on a CPU it computes the same FP8-rounded operands exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax.linen import fp8_ops
+
+COLLECTION = "fp8"
+E4M3 = jnp.float8_e4m3fn  # forward operands: 4 exponent bits, 3 mantissa bits, max 448
+E5M2 = jnp.float8_e5m2  # gradients: 5 exponent bits, 2 mantissa bits, max 57344
+ROWS = ("input", "kernel", "grad")  # the history's rows
+PIPELINE_AXIS = "stage"  # never reduced over: its devices hold different layers
+
+_MAX_COMBINED = fp8_ops.fm32  # float32 whose autodiff accumulation is max (flax's fp8 meta dtype)
+
+
+def _f32(a: jax.Array) -> jax.Array:
+    return jax.lax.convert_element_type(a, jnp.float32) if a.dtype == _MAX_COMBINED else a
+
+
+def for_grad(tree):
+    """The fp8 state as it enters a differentiated function: cotangents then combine by max."""
+    return jax.tree.map(lambda a: jax.lax.convert_element_type(a, _MAX_COMBINED), tree)
+
+
+def from_grad(tree):
+    """Cotangents of `for_grad`'s output back in float32 (the newest amaxes in column 0)."""
+    return jax.tree.map(_f32, tree)
+
+
+def global_amax(a: jax.Array) -> jax.Array:
+    """max |a| over the whole tensor, float32: over every device of the enclosing manual region too."""
+    amax = jnp.max(jnp.abs(a)).astype(jnp.float32)
+    manual = tuple(sorted(set(jax.sharding.get_abstract_mesh().manual_axes) - {PIPELINE_AXIS}))
+    if not manual:
+        return amax
+    missing = tuple(x for x in manual if x not in jax.typeof(amax).manual_axis_type.varying)
+    if missing:
+        amax = jax.lax.pcast(amax, missing, to="varying")
+    return jax.lax.pmax(amax, manual)
+
+
+def scale_for(history: jax.Array, current: jax.Array, dtype) -> jax.Array:
+    """The scale of one operand: the power of two at or above its history's largest amax (the
+    current one while the history is empty) over the format's largest value; 1 when that amax is 0
+    or not finite.
+
+    A power of two (as MXFP8's and DeepSeek-V3's scales are) makes x / scale exact, so quantising
+    only rounds the mantissa, and it makes the scale immune to the last bits of the amax: a sharded
+    run, whose sums run in another order, quantises with the very scales of one device.
+    """
+    amax = jnp.max(history)
+    amax = jnp.where(amax > 0, amax, current)
+    _, exponent = jnp.frexp(amax / jnp.float32(jnp.finfo(dtype).max))  # amax / fmax < 2**exponent
+    return jnp.where((amax > 0) & jnp.isfinite(amax), jnp.ldexp(jnp.float32(1), exponent), 1.0)
+
+
+def quantize_dequantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """x rounded to `dtype` (e4m3 / e5m2) at `scale`, back in x's dtype: convert(f8) * scale."""
+    fmax = jnp.float32(jnp.finfo(dtype).max)
+    q = jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax).astype(dtype)
+    return q.astype(x.dtype) * scale.astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def scaled_dot(dot: Callable, x: jax.Array, w: jax.Array, history: jax.Array, *extra) -> jax.Array:
+    """dot(x, w, *extra) on e4m3 operands; its backward takes the output gradient in e5m2.
+
+    `history` [3, H] (float32, or `fm32` under `for_grad`): the amax history of (x, w, grad).
+    Its cotangent carries this step's three amaxes in column 0 (-inf elsewhere).
+    """
+    return _forward(dot, x, w, history, *extra)[0]
+
+
+def _forward(dot, x, w, history, *extra):
+    h = _f32(history)
+    amax_x, amax_w = global_amax(x), global_amax(w)
+    xq = quantize_dequantize(x, scale_for(h[0], amax_x, E4M3), E4M3)
+    wq = quantize_dequantize(w, scale_for(h[1], amax_w, E4M3), E4M3)
+    return dot(xq, wq, *extra), (xq, wq, amax_x, amax_w, history, extra)
+
+
+def _backward(dot, residuals, g):
+    xq, wq, amax_x, amax_w, history, extra = residuals
+    h = _f32(history)
+    amax_g = global_amax(g)
+    gq = quantize_dequantize(g, scale_for(h[2], amax_g, E5M2), E5M2)
+    _, vjp = jax.vjp(lambda a, b: dot(a, b, *extra), xq, wq)
+    dx, dw = vjp(gq)
+    newest = jnp.stack([amax_x, amax_w, amax_g])
+    cot = jnp.full(h.shape, -jnp.inf, jnp.float32).at[:, 0].set(newest)
+    vma = tuple(jax.typeof(history).manual_axis_type.varying - jax.typeof(cot).manual_axis_type.varying)
+    if vma:
+        cot = jax.lax.pcast(cot, vma, to="varying")
+    cot = jax.lax.convert_element_type(cot, history.dtype)
+    return (dx, dw, cot, *(None for _ in extra))
+
+
+scaled_dot.defvjp(_forward, _backward)
+
+
+def advance(history: jax.Array, cotangent: jax.Array) -> jax.Array:
+    """The history after a step: the step's amaxes (cotangent column 0) in front, the oldest
+    dropped. A row with no finite amax (a matmul the step did not differentiate) stays as it was."""
+    newest = cotangent[..., :1]
+    shifted = jnp.concatenate([newest, history[..., :-1]], axis=-1)
+    return jnp.where(jnp.isfinite(newest), shifted, history)
+
+
+def einsum_dot(eqn: str) -> Callable:
+    return _EINSUMS.setdefault(eqn, functools.partial(jnp.einsum, eqn))
+
+
+_EINSUMS: dict[str, Callable] = {}  # one function per equation: custom_vjp's static argument hashes by identity
+
+
+def history(module: nn.Module, name: str, length: int) -> jax.Array:
+    """The [3, length] amax history variable `name` of `module` (zeros: no step seen yet)."""
+    return module.variable(COLLECTION, name, jnp.zeros, (len(ROWS), length), jnp.float32).value
+
+
+def einsum(module: nn.Module, name: str, eqn: str, x: jax.Array, w: jax.Array, length: int) -> jax.Array:
+    """jnp.einsum(eqn, x, w) through `scaled_dot`, with `module`'s history `name`."""
+    return scaled_dot(einsum_dot(eqn), x, w, history(module, name, length))
+
+
+def matmul(module: nn.Module, name: str) -> Callable:
+    """The einsum of `module`'s matmul `name`: `einsum` above (its amax history `name`) under
+    `model.matmul_precision='fp8'`, else `jnp.einsum` in the compute dtype."""
+    cfg = module.cfg
+    if cfg.matmul_precision != "fp8":
+        return jnp.einsum
+    return functools.partial(einsum, module, name, length=cfg.fp8_history)
