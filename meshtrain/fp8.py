@@ -18,10 +18,11 @@ enters the differentiated function as flax's `fm32` dtype, whose cotangents comb
 instead of `+`, so a matmul used by several micro-batches records the largest amax of all of them,
 exactly what one pass over the whole batch records. `advance` then shifts the history.
 
-Every amax is global: the partitioner all-reduces `max` over the automatic axes, and inside a
-manual region (the accumulation loop, the expert exchange) the amax is `pmax`-ed over its manual
-axes, so a sharded run quantises with the same scales as one device. (The pipeline's `stage` axis
-is not one of them: each stage holds other layers.)
+Every recorded amax is global: the partitioner all-reduces `max` over the automatic axes, and a
+manual region's devices (the accumulation loop's) each record their own, reduced with one `pmax`
+per step after the loop (`train_step.accumulate_gradients`), so no collective waits inside the
+layers and a sharded run quantises with the same scales as one device. Only the first step, whose
+history is still empty, scales by the current amax of what each device holds.
 
 Quantisation is written as quantise -> dequantise pairs around an ordinary dot
 (`convert(f8) * scale`): the pattern XLA's GPU compiler rewrites into one FP8 GEMM with the scales
@@ -42,7 +43,6 @@ COLLECTION = "fp8"
 E4M3 = jnp.float8_e4m3fn  # forward operands: 4 exponent bits, 3 mantissa bits, max 448
 E5M2 = jnp.float8_e5m2  # gradients: 5 exponent bits, 2 mantissa bits, max 57344
 ROWS = ("input", "kernel", "grad")  # the history's rows
-PIPELINE_AXIS = "stage"  # never reduced over: its devices hold different layers
 
 _MAX_COMBINED = fp8_ops.fm32  # float32 whose autodiff accumulation is max (flax's fp8 meta dtype)
 
@@ -61,16 +61,14 @@ def from_grad(tree):
     return jax.tree.map(_f32, tree)
 
 
-def global_amax(a: jax.Array) -> jax.Array:
-    """max |a| over the whole tensor, float32: over every device of the enclosing manual region too."""
-    amax = jnp.max(jnp.abs(a)).astype(jnp.float32)
-    manual = tuple(sorted(set(jax.sharding.get_abstract_mesh().manual_axes) - {PIPELINE_AXIS}))
-    if not manual:
-        return amax
-    missing = tuple(x for x in manual if x not in jax.typeof(amax).manual_axis_type.varying)
-    if missing:
-        amax = jax.lax.pcast(amax, missing, to="varying")
-    return jax.lax.pmax(amax, manual)
+def amax(a: jax.Array) -> jax.Array:
+    """max |a|, float32: over the whole tensor along automatic axes, over this device's part in a
+    manual region (reduced after the loop)."""
+    return jnp.max(jnp.abs(a)).astype(jnp.float32)
+
+
+def _varying(a: jax.Array) -> frozenset[str]:
+    return jax.typeof(a).manual_axis_type.varying
 
 
 def scale_for(history: jax.Array, current: jax.Array, dtype) -> jax.Array:
@@ -107,7 +105,7 @@ def scaled_dot(dot: Callable, x: jax.Array, w: jax.Array, history: jax.Array, *e
 
 def _forward(dot, x, w, history, *extra):
     h = _f32(history)
-    amax_x, amax_w = global_amax(x), global_amax(w)
+    amax_x, amax_w = amax(x), amax(w)
     xq = quantize_dequantize(x, scale_for(h[0], amax_x, E4M3), E4M3)
     wq = quantize_dequantize(w, scale_for(h[1], amax_w, E4M3), E4M3)
     return dot(xq, wq, *extra), (xq, wq, amax_x, amax_w, history, extra)
@@ -116,15 +114,20 @@ def _forward(dot, x, w, history, *extra):
 def _backward(dot, residuals, g):
     xq, wq, amax_x, amax_w, history, extra = residuals
     h = _f32(history)
-    amax_g = global_amax(g)
+    amax_g = amax(g)
     gq = quantize_dequantize(g, scale_for(h[2], amax_g, E5M2), E5M2)
     _, vjp = jax.vjp(lambda a, b: dot(a, b, *extra), xq, wq)
     dx, dw = vjp(gq)
     newest = jnp.stack([amax_x, amax_w, amax_g])
     cot = jnp.full(h.shape, -jnp.inf, jnp.float32).at[:, 0].set(newest)
-    vma = tuple(jax.typeof(history).manual_axis_type.varying - jax.typeof(cot).manual_axis_type.varying)
-    if vma:
-        cot = jax.lax.pcast(cot, vma, to="varying")
+    # The cotangent varies as the history does: inside the accumulation loop the history is each
+    # device's own copy (reduced after the loop); a history shared by a region's devices takes their max.
+    shared = tuple(sorted(_varying(cot) - _varying(history)))
+    if shared:
+        cot = jax.lax.pmax(cot, shared)
+    missing = tuple(sorted(_varying(history) - _varying(cot)))
+    if missing:
+        cot = jax.lax.pcast(cot, missing, to="varying")
     cot = jax.lax.convert_element_type(cot, history.dtype)
     return (dx, dw, cot, *(None for _ in extra))
 

@@ -3,7 +3,9 @@
 MFU follows the playbook ("Benchmarking thousands of configurations" and its appendix):
 model FLOPs per token = 6 N (forward + backward matmuls with N non-embedding-input
 parameters) + 12 L T d_attn (the attention scores and values, causal counted in full as
-the playbook does), divided by the peak dense bf16 FLOP/s of the device.
+the playbook does), divided by the peak dense bf16 FLOP/s of the device. Under
+`model.matmul_precision='fp8'` the quantised matmuls' share of those FLOPs counts at the device's
+FP8 peak (twice bf16's on Hopper): the peak is the blend in which each share takes its own time.
 """
 
 from __future__ import annotations
@@ -19,25 +21,52 @@ import jax
 from meshtrain import model
 from meshtrain.config import ModelConfig
 
-# Peak dense bf16 FLOP/s per device, by `device_kind` prefix. Unknown devices (CPU): MFU is null.
-PEAK_BF16_FLOPS = {
-    "NVIDIA H100": 989e12,
-    "NVIDIA H200": 989e12,
-    "NVIDIA B200": 2250e12,
-    "NVIDIA A100": 312e12,
-    "TPU v5p": 459e12,
-    "TPU v5 lite": 197e12,
-    "TPU v4": 275e12,
+# Peak dense (bf16, fp8) FLOP/s per device, by `device_kind` prefix; fp8 None where the device has no
+# FP8 matmul units (its FP8 matmuls run at the bf16 rate). Unknown devices (CPU): MFU is null.
+PEAK_FLOPS = {
+    "NVIDIA H100": (989e12, 1979e12),
+    "NVIDIA H200": (989e12, 1979e12),
+    "NVIDIA B200": (2250e12, 4500e12),
+    "NVIDIA A100": (312e12, None),
+    "TPU v5p": (459e12, None),
+    "TPU v5 lite": (197e12, None),
+    "TPU v4": (275e12, None),
 }
+# The weights whose matmuls run in FP8 under matmul_precision='fp8' (fp8.py): attention projections,
+# the MLP, the experts and the shared expert; never the embedding, the output head or the router.
+FP8_WEIGHTS = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "shared_gate", "shared_up",
+                         "shared_down"})
 
 
-def device_peak_flops(device: jax.Device | None = None) -> float | None:
-    """The peak bf16 FLOP/s of `device` (default: the first), or None when it is not in the table."""
+def device_peak_flops(device: jax.Device | None = None, fp8_share: float = 0.0) -> float | None:
+    """The peak FLOP/s of `device` (default: the first) for a step with `fp8_share` of its FLOPs in
+    FP8 (`blended_peak`), or None when the device is not in the table."""
     kind = (device or jax.devices()[0]).device_kind
-    for prefix, peak in PEAK_BF16_FLOPS.items():
+    for prefix, (bf16, fp8) in PEAK_FLOPS.items():
         if kind.startswith(prefix):
-            return peak
+            return blended_peak(bf16, fp8, fp8_share)
     return None
+
+
+def blended_peak(bf16: float, fp8: float | None, fp8_share: float) -> float:
+    """Peak FLOP/s of work that is `fp8_share` FP8 and the rest bf16: at peak each share takes
+    share / its own rate, so the blend is 1 / (share / fp8 + (1 - share) / bf16)."""
+    if not fp8 or fp8_share <= 0:
+        return bf16
+    return 1.0 / (fp8_share / fp8 + (1.0 - fp8_share) / bf16)
+
+
+def fp8_flops_per_token(cfg: ModelConfig) -> float:
+    """The FP8 part of `flops_per_token`: 6 x the parameters of the quantised matmuls a token uses
+    (0 unless matmul_precision='fp8'). Attention's scores and values stay in bf16."""
+    if cfg.matmul_precision != "fp8":
+        return 0.0
+    total = 0
+    for path, box in model.param_leaves(cfg):
+        if path.rsplit("/", 1)[-1] in FP8_WEIGHTS:
+            size = math.prod(box.value.shape)
+            total += size * cfg.experts_per_token // cfg.num_experts if "expert" in box.names else size
+    return 6.0 * total
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

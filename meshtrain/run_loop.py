@@ -470,8 +470,9 @@ class Loop:
         self.ckpts = RunCheckpoints(config, factory, self.watchdog)
         self._create: Callable[[], object] | None = None
         self.eval_step = make_eval_step(factory, run.compiler_options) if config.eval_every else None
-        self.peak = metrics_lib.device_peak_flops()
         self.flops_per_token = metrics_lib.flops_per_token(run.model, config.train.seq_len)
+        self.peak = metrics_lib.device_peak_flops(
+            fp8_share=metrics_lib.fp8_flops_per_token(run.model) / self.flops_per_token)
         self.tokens_per_step = config.train.batch_size * config.train.seq_len
 
     def start(self, create: Callable[[], object]) -> tuple[object, int, dict | None]:

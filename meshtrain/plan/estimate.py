@@ -84,9 +84,12 @@ def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu,
     per_axis = comm.bytes_by_axis(colls)
     n = math.prod(sizes.values())
     tokens = run.batch_size * run.seq_len
-    model_flops = metrics.flops_per_token(run.model, run.seq_len) * tokens
+    per_token = metrics.flops_per_token(run.model, run.seq_len)
+    model_flops = per_token * tokens
     hardware_flops = model_flops * (1 + RECOMPUTE[remat] / 3)  # a forward pass is 1/3 of fwd + bwd
-    compute = hardware_flops / n / (gpu.peak_flops * efficiency)
+    # the FP8 share of the FLOPs at the FP8 peak (model.matmul_precision='fp8')
+    peak = metrics.blended_peak(gpu.peak_flops, gpu.peak_fp8_flops, metrics.fp8_flops_per_token(run.model) / per_token)
+    compute = hardware_flops / n / (peak * efficiency)
     inside = in_node_axes(sizes, devices_per_node)
     exposed = {}
     for axis, nbytes in per_axis.items():
@@ -103,7 +106,7 @@ def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu,
     step = compute + bubble + sum(exposed.values())
     fits = mem["total"] <= gpu.usable_bytes
     est = Estimate(config, run, remat, mem, per_axis, exposed, compute, bubble, step, tokens / step,
-                   model_flops / step / (n * gpu.peak_flops), fits, gpu.usable_bytes)
+                   model_flops / step / (n * peak), fits, gpu.usable_bytes)
     est.limit = binding_limit(est)
     return est
 

@@ -1,4 +1,4 @@
-"""Accelerators the planner knows: peak dense bf16 FLOP/s, HBM size and bandwidth, links.
+"""Accelerators the planner knows: peak dense bf16 and FP8 FLOP/s, HBM size and bandwidth, links.
 
 Playbook, "Finding the Best Training Configuration" and A3: whether a collective hides behind
 compute depends on peak FLOP/s over link bandwidth, so the planner needs both, for the
@@ -21,6 +21,7 @@ class Gpu:
     nvlink_bandwidth: float  # bytes/s per GPU, one direction, inside a node
     network_bandwidth: float  # bytes/s per GPU, one direction, between nodes
     reserve_bytes: int = 2 * GIB  # runtime, kernels, fragmentation (playbook: "1-2 GB")
+    peak_fp8_flops: float = 0.0  # dense FP8 FLOP/s; 0: no FP8 matmul units (FP8 runs at the bf16 rate)
 
     @property
     def usable_bytes(self) -> int:
@@ -29,9 +30,9 @@ class Gpu:
 
 GPUS: dict[str, Gpu] = {
     "a100": Gpu("A100 SXM 80GB", 312e12, 80 * GIB, 2.039e12, 300e9, 25e9),
-    "h100": Gpu("H100 SXM", 989e12, 80 * GIB, 3.35e12, 450e9, 50e9),
-    "h200": Gpu("H200 SXM", 989e12, 141 * 10**9, 4.8e12, 450e9, 50e9),
-    "b200": Gpu("B200", 2250e12, 180 * 10**9, 8.0e12, 900e9, 50e9),
+    "h100": Gpu("H100 SXM", 989e12, 80 * GIB, 3.35e12, 450e9, 50e9, peak_fp8_flops=1979e12),
+    "h200": Gpu("H200 SXM", 989e12, 141 * 10**9, 4.8e12, 450e9, 50e9, peak_fp8_flops=1979e12),
+    "b200": Gpu("B200", 2250e12, 180 * 10**9, 8.0e12, 900e9, 50e9, peak_fp8_flops=4500e12),
 }
 
 

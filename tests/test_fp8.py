@@ -1,0 +1,220 @@
+"""FP8 matmuls (`model.matmul_precision='fp8'`, fp8.py): where the step quantises (its CUDA lowering),
+that sharding, accumulation and resume leave the numbers unchanged, and that the default dtype trains.
+
+Tolerances: with power-of-two scales every mesh quantises with the same scales, so what remains
+between meshes is float32 summation order. That can move an operand across an FP8 rounding
+boundary (one element changes by one e4m3 step, 1/16 to 1/8 of itself), and Adam turns the
+slightly changed gradient of an element whose gradient is near zero into an update of up to the
+learning rate: parameters are compared at 1e-4 (measured: 5e-6), losses at 1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import signal
+
+import jax
+import numpy as np
+import pytest
+
+from meshtrain import config as config_lib, fp8, metrics, train, train_step, validate
+from tests import utils
+from tests.test_checkpoint import hook_data
+
+STEPS = 3
+QUANTISED = {  # the matmuls that run in FP8, as amax-history paths: attention projections and MLPs
+    "tiny": {"layers/attn/qkv", "layers/attn/out", "layers/mlp/gate_up", "layers/mlp/down"},
+    "tiny_moe": {"layers/dense_0/attn/qkv", "layers/dense_0/attn/out", "layers/dense_0/mlp/gate_up",
+                 "layers/dense_0/mlp/down", "layers/moe_layer/attn/qkv", "layers/moe_layer/attn/out",
+                 "layers/moe_layer/moe/expert_gate", "layers/moe_layer/moe/expert_up",
+                 "layers/moe_layer/moe/expert_down"},
+}
+
+
+def _config(name: str, mesh: dict, dtype: str = "float32", **overrides):
+    c = utils.load_config_file(name)
+    c.model.dtype, c.data.source = dtype, "synthetic"
+    for axis in utils.AXES:
+        c.mesh[axis] = mesh.get(axis, 1)
+    c.train.seq_len, c.train.warmup_steps = 32, 1
+    c.model.matmul_precision = "fp8"
+    return utils.apply_overrides(c, overrides)
+
+
+def _paths(tree) -> set[str]:
+    return {"/".join(str(k.key) for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+@functools.cache
+def _trained(name: str, mesh_key: tuple, dtype: str = "float32", overrides: tuple = ()):
+    """(losses, final params, final amax histories) of STEPS steps on synthetic batches."""
+    config = _config(name, dict(mesh_key), dtype, **dict(overrides))
+    records, state, _ = utils.train(config, utils.synthetic_batches(config, STEPS))
+    return (np.array([r["loss"] for r in records]), jax.tree.map(np.asarray, state.params),
+            jax.tree.map(np.asarray, state.fp8))
+
+
+def _key(mesh: dict) -> tuple:
+    return tuple(sorted(mesh.items()))
+
+
+def _assert_close(got, want):
+    (losses, params, histories), (want_losses, want_params, want_histories) = got, want
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    jax.tree.map(functools.partial(np.testing.assert_allclose, atol=1e-4, rtol=0), params, want_params)
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5), histories, want_histories)
+
+
+# --- where the step quantises --------------------------------------------------------------
+
+
+def _f8_converts(text: str, dtype: str) -> tuple[int, int]:
+    """(quantisations to `dtype`, conversions back from it) in lowered StableHLO."""
+    to = len(re.findall(rf"stablehlo\.convert [^\n]*-> tensor<[0-9x]*{dtype}>", text))
+    back = len(re.findall(rf"stablehlo\.convert [^\n]*\(tensor<[0-9x]*{dtype}>\)", text))
+    return to, back
+
+
+@functools.cache
+def _lowered(name: str, precision: str) -> tuple[str, object]:
+    """The default-dtype (bf16) step lowered for CUDA on one device, without recomputation (each
+    forward appears once), and the state's abstract amax histories."""
+    config = _config(name, {}, "bfloat16", **{"remat.policy": "none", "model.matmul_precision": precision})
+    run = utils.resolve(config)
+    factory, step = train_step.build(run)
+    batch = utils.synthetic_batches(config, 1)[0]
+    with jax.set_mesh(run.mesh):
+        text = step.trace(factory.abstract, batch).lower(lowering_platforms=("cuda",)).as_text()
+    return text, factory.abstract.fp8
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny_moe"])
+def test_cuda_lowering_quantises_exactly_the_attention_and_mlp_matmuls(name):
+    text, histories = _lowered(name, "fp8")
+    assert _paths(histories) == QUANTISED[name]  # one amax history per FP8 matmul, none for head or router
+    sites = len(QUANTISED[name])
+    # forward: input and weight to e4m3 and back (the pair XLA's GPU compiler fuses into an FP8 GEMM)
+    assert _f8_converts(text, "f8E4M3FN") == (2 * sites, 2 * sites)
+    # backward: the output gradient to e5m2 and back, once per matmul
+    assert _f8_converts(text, "f8E5M2") == (sites, sites)
+    plain, no_histories = _lowered(name, "bf16")
+    assert no_histories == {}
+    assert _f8_converts(plain, "f8E4M3FN") == (0, 0) and _f8_converts(plain, "f8E5M2") == (0, 0)
+    assert text.count("stablehlo.dot_general") == plain.count("stablehlo.dot_general")  # no matmul added
+
+
+# --- the same numbers on every mesh ---------------------------------------------------------
+
+
+def test_fsdp_tensor_data_equals_one_device():
+    got = _trained("tiny", _key({"fsdp": 2, "tensor": 2, "data": 2}))
+    want = _trained("tiny", ())
+    _assert_close(got, want)
+    assert all((h[..., 0] > 0).all() for h in jax.tree.leaves(want[2]))  # every matmul recorded its amaxes
+
+
+def test_expert_parallel_equals_one_device():
+    _assert_close(_trained("tiny_moe", _key({"expert": 2, "data": 2})), _trained("tiny_moe", ()))
+
+
+def test_accumulation_equals_one_pass_once_the_history_holds_a_step():
+    """Micro-batches take the largest amax of all of them (max-combined cotangents), so 2 micro-batches
+    quantise as one pass, on the data-parallel accumulation loop too. Before the first step the history is
+    empty and each micro-batch scales by its own amax, so both runs start from one shared first step."""
+    mesh = {"data": 2, "fsdp": 2}
+    base = _config("tiny", mesh)
+    batches = utils.synthetic_batches(base, STEPS + 1)
+    results = []
+    for accum in (1, 2):
+        run = utils.resolve(_config("tiny", mesh, **{"train.grad_accum_steps": accum}))
+        factory, step_fn = train_step.build(run)
+        _, first = train_step.build(utils.resolve(base))
+        with jax.set_mesh(run.mesh):
+            state, _ = first(factory.create(base.seed), batches[0])
+            losses = []
+            for batch in batches[1:]:
+                state, m = step_fn(state, batch)
+                losses.append(float(m["loss"]))
+        results.append((np.array(losses), jax.tree.map(np.asarray, state.params), jax.tree.map(np.asarray, state.fp8)))
+    _assert_close(results[1], results[0])
+
+
+# --- resume -------------------------------------------------------------------------------------
+
+
+def test_resume_is_bitwise_equal_to_the_uninterrupted_run(tmp_path, monkeypatch, compilation_cache):
+    """6 steps straight vs stopped (SIGTERM) after step 3 and resumed: the same losses, evaluation
+    losses and final state (parameters, optimizer state and amax histories), bit for bit."""
+    overrides = {"model.matmul_precision": "fp8", "steps": 6, "checkpoint.every": 3, "eval_every": 3,
+                 "eval_batches": 1}
+    straight = tmp_path / "straight"
+    train.run(utils.config_for(straight, **overrides))
+    hook_data(monkeypatch, lambda step, batch: (os.kill(os.getpid(), signal.SIGTERM) if step == 3 else None)
+              or batch)
+    resumed = tmp_path / "resumed"
+    config = utils.config_for(resumed, **overrides)
+    assert train.run(config)["step"] == 3
+    assert train.run(config)["step"] == 6
+    assert utils.losses_of(resumed) == utils.losses_of(straight)
+    abstract = utils.abstract_state(config)
+    a, b = utils.load(resumed, 6, abstract).state, utils.load(straight, 6, abstract).state
+    assert jax.tree.leaves(a.fp8)  # the histories are in the checkpoint
+    utils.assert_bitwise(a, b)
+    with open(straight / "metrics.jsonl") as f:
+        evals = [r["eval_loss"] for r in map(json.loads, f) if "eval_loss" in r]
+    assert len(evals) == 2 and all(np.isfinite(evals))
+
+
+# --- the default dtype -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,mesh,overrides", [
+    ("tiny", {"sequence": 2, "tensor": 2, "fsdp": 2},
+     {"attention.impl": "ring", "train.zero_stage": 3, "train.grad_accum_steps": 2, "remat.policy": "full",
+      "model.sequence_parallel": True}),
+    ("tiny_moe", {"expert": 2, "data": 2, "tensor": 2}, {"model.moe_dropless": True, "train.grad_accum_steps": 2}),
+], ids=["ring-tensor-sp-zero3-accum", "moe-dropless-ep-accum"])
+def test_default_dtype_trains(name, mesh, overrides):
+    losses, _, histories = _trained(name, _key(mesh), "bfloat16", tuple(overrides.items()))
+    assert np.isfinite(losses).all()
+    for h in jax.tree.leaves(histories):
+        assert np.isfinite(h).all() and (h[..., :STEPS] > 0).all() and (h[..., STEPS:] == 0).all()
+
+
+# --- config and peaks ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides,key", [
+    ({"model.matmul_precision": "fp16"}, "model.matmul_precision"),
+    ({"model.fp8_history": 0}, "model.fp8_history"),
+    ({"mesh.stage": 2, "mesh.data": 1, "model.matmul_precision": "fp8"}, "model.matmul_precision"),
+])
+def test_bad_fp8_config_is_refused_before_compiling(overrides, key):
+    config = utils.apply_overrides(utils.tiny_config(), overrides)
+    with pytest.raises(config_lib.ConfigError) as error:
+        validate.validate(config, 2 if "mesh.stage" in overrides else 1, inputs=False)
+    assert error.value.key == key
+
+
+def test_mfu_counts_the_fp8_share_at_the_fp8_peak():
+    cfg = config_lib.ModelConfig.from_config(_config("tiny", {}))
+    d, h, k, dh, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim
+    quantised = cfg.n_layers * (d * (h + 2 * k) * dh + h * dh * d + 3 * d * f)
+    assert metrics.fp8_flops_per_token(cfg) == 6 * quantised
+    share = 6 * quantised / metrics.flops_per_token(cfg, 32)
+    peak = metrics.blended_peak(989e12, 1979e12, share)
+    seconds = share / 1979e12 + (1 - share) / 989e12  # one FLOP's time at peak, each share at its rate
+    assert peak == pytest.approx(1 / seconds, rel=1e-12)
+    assert metrics.blended_peak(312e12, None, share) == 312e12  # no FP8 units: all at the bf16 rate
+    bf16 = config_lib.ModelConfig.from_config(utils.tiny_config())
+    assert metrics.fp8_flops_per_token(bf16) == 0
+
+
+def test_history_advances_and_keeps_unused_rows():
+    history = np.array([[3.0, 2.0, 1.0]] * 3, np.float32)
+    cotangent = np.array([[5.0, -np.inf, -np.inf], [-np.inf] * 3, [7.0, -np.inf, -np.inf]], np.float32)
+    got = np.asarray(fp8.advance(history, cotangent))
+    np.testing.assert_array_equal(got, [[5.0, 3.0, 2.0], [3.0, 2.0, 1.0], [7.0, 3.0, 2.0]])
