@@ -87,8 +87,12 @@ class CheckpointSaveError(RuntimeError):
     def __init__(self, step: int | None, root: str, error: BaseException, newest: int | None):
         self.step, self.newest = step, newest
         detail = " ".join(str(error).split())
-        if len(detail) > 400:  # tensorstore's messages put the OS reason last
+        detail = re.sub(r" ?\[tensorstore_spec='.*?'\]", "", detail)  # a kilobyte of driver settings
+        code = re.search(r"os_error_code='(\d+)'", detail)
+        if len(detail) > 400:
             detail = f"{detail[:220]} ... {detail[-160:]}"
+        if code and os.strerror(int(code.group(1))) not in detail:  # the reason, whatever was cut
+            detail = f"{detail}; {os.strerror(int(code.group(1)))}"
         kept = f"the newest finished checkpoint, step {newest}, is intact" if newest is not None else \
             "no checkpoint was finished before it"
         super().__init__(f"checkpoint save of step {step} in {root!r} failed ({type(error).__name__}: {detail}); "
