@@ -35,6 +35,11 @@ damaged step stops with that error. A checkpoint without checksums (a synchronou
 between its commit and its checksums) is restored unverified, with a warning; orbax's own errors
 on reading it count as damage too.
 
+State a run may start afresh (`RESTARTABLE`): the FP8 amax histories. A checkpoint without them
+(written before they were part of the train state, or by a bf16 run) or with another history length
+restores everything else exactly and the histories start empty, as a new run's do; a bf16 run leaves
+an FP8 run's histories unread. So `model.matmul_precision` may change between a run and its resume.
+
 Safety: restoring reads tensorstore arrays and JSON only (no pickle, no imported code);
 paths are resolved with `os.path.realpath`, and a step directory that resolves outside
 its checkpoint root (a symlink planted in the directory) is refused.
@@ -291,15 +296,20 @@ class Checkpointer:
         except Exception as error:  # noqa: BLE001 (orbax raises many kinds on unreadable metadata)
             raise CheckpointDamaged(step, path, [f"orbax cannot read its metadata ({type(error).__name__}: "
                                                  f"{error})"]) from error
-        _check_shapes(abstract_state, metadata, path)
+        target, fresh = _restore_target(abstract_state, metadata, path)
+        _check_shapes(target, metadata, path)
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(
-                    abstract_state)), data=ocp.args.JsonRestore(),
+                state=ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(
+                    target), partial_restore=target is not abstract_state), data=ocp.args.JsonRestore(),
                 meta=ocp.args.JsonRestore()))
         except Exception as error:  # noqa: BLE001
             raise CheckpointDamaged(step, path, [f"orbax cannot read it ({type(error).__name__}: {error})"]) from error
-        return Restored(step=step, state=restored["state"], data_state=dict(restored["data"]),
+        state = restored["state"]
+        if target is not abstract_state:
+            state = dataclasses.replace(abstract_state, **state, **{name: jax.tree.map(_zeros, part)
+                                                                  for name, part in fresh.items()})
+        return Restored(step=step, state=state, data_state=dict(restored["data"]),
                         meta=dict(restored["meta"]), path=path)
 
     def wait(self) -> None:
@@ -337,6 +347,48 @@ def _state_handler() -> ocp.PyTreeCheckpointHandler:
         (np.number, type_handlers.ScalarHandler()), (np.ndarray, type_handlers.NumpyHandler()),
         (jax.Array, array_handler))
     return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+
+
+# Parts of the train state a run may start afresh when its checkpoint holds them in another form:
+# the FP8 amax histories (absent from a checkpoint written before they existed, or by a bf16 run; of
+# another length when `model.fp8_history` changed). Empty histories are what a new run starts with.
+RESTARTABLE = ("fp8",)
+
+
+def _restore_target(abstract_state, metadata, path: str):
+    """(what to read, {field: abstract part to start as zeros}). The whole `abstract_state` when the
+    checkpoint holds every part in the run's form; else a dict of its fields without the restartable
+    parts the checkpoint lacks or holds in another form (read with orbax's partial restore)."""
+    if not dataclasses.is_dataclass(abstract_state):
+        return abstract_state, {}
+    saved = dict(metadata.items()) if hasattr(metadata, "items") else {}
+    fresh = {}
+    for name in RESTARTABLE:
+        want = getattr(abstract_state, name, None)
+        if want is None:
+            continue
+        want_shapes = {_key(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(want)}
+        have_shapes = {_key(k): tuple(getattr(v, "shape", ()) or ())
+                       for k, v in jax.tree_util.tree_leaves_with_path(saved.get(name, {}))}
+        if name in saved and want_shapes == have_shapes:
+            continue
+        fresh[name] = want
+        if have_shapes and not want_shapes:
+            log.warning("checkpoint %s: its %s state (%d arrays) is left unread: the run keeps none", path, name,
+                        len(have_shapes))
+        elif want_shapes:
+            log.warning("checkpoint %s: its %s state (%d arrays) does not fit the run's (%d arrays): the run "
+                        "starts it afresh", path, name, len(have_shapes), len(want_shapes))
+    if not fresh:
+        return abstract_state, {}
+    return {f.name: getattr(abstract_state, f.name) for f in dataclasses.fields(abstract_state)
+            if f.name not in fresh}, fresh
+
+
+def _zeros(leaf: jax.ShapeDtypeStruct) -> jax.Array:
+    """Zeros in `leaf`'s shape, dtype and sharding (every process builds its own shards)."""
+    return jax.make_array_from_callback(leaf.shape, leaf.sharding,
+                                        lambda index: np.zeros(leaf.shape, leaf.dtype)[index])
 
 
 def _check_shapes(abstract_state, metadata, path: str) -> None:

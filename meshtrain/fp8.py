@@ -82,14 +82,21 @@ def scale_for(history: jax.Array, current: jax.Array, dtype) -> jax.Array:
     """
     amax = jnp.max(history)
     amax = jnp.where(amax > 0, amax, current)
-    _, exponent = jnp.frexp(amax / jnp.float32(jnp.finfo(dtype).max))  # amax / fmax < 2**exponent
+    mantissa, exponent = jnp.frexp(amax / jnp.float32(jnp.finfo(dtype).max))  # in [2**(e-1), 2**e)
+    exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)  # a power of two is its own bound
     return jnp.where((amax > 0) & jnp.isfinite(amax), jnp.ldexp(jnp.float32(1), exponent), 1.0)
 
 
 def quantize_dequantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    """x rounded to `dtype` (e4m3 / e5m2) at `scale`, back in x's dtype: convert(f8) * scale."""
+    """x rounded to `dtype` (e4m3 / e5m2) at `scale`, back in x's dtype: convert(f8) * scale.
+
+    bf16 and float32 hold every scale (float32's exponent range); float16 does not (a gradient's
+    scale is often below its smallest subnormal, 6e-8), so there the product is taken in float32.
+    """
     fmax = jnp.float32(jnp.finfo(dtype).max)
     q = jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax).astype(dtype)
+    if jnp.finfo(x.dtype).maxexp < jnp.finfo(jnp.float32).maxexp:
+        return (q.astype(jnp.float32) * scale).astype(x.dtype)
     return q.astype(x.dtype) * scale.astype(x.dtype)
 
 

@@ -289,7 +289,7 @@ def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, man
                 over = tuple(a for a in over if a != "fsdp")
             return jax.lax.psum(g, over) if over else g
         grads = is_spec(reduce, grads, grad_specs)
-        amaxes = jax.tree.map(lambda a: jax.lax.pmax(a, manual_axes), amaxes)  # equal already: global amaxes
+        amaxes = jax.tree.map(lambda a: jax.lax.pmax(a, manual_axes), amaxes)  # each device saw its part: global
         return (jax.lax.psum(loss_sum, manual_axes), jax.tree.map(lambda a: jax.lax.pmean(a, manual_axes), aux),
                 grads, amaxes)
 
@@ -335,6 +335,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_l
     # A non-finite loss or gradient norm withholds the update (params, optimizer state and step
     # stay as they were); the loop stops on it, or skips it under `train.skip_nonfinite`.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    for a in jax.tree.leaves(fp8_lib.from_grad(amaxes)):  # FP8 clips an overflow the loss would show: +inf, nan
+        finite &= ~jnp.any(jnp.isnan(a) | (a == jnp.inf))
     scale = optimizer_lib.clip_scale(grad_norm, grad_clip)
     grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)

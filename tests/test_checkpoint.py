@@ -5,6 +5,7 @@ Every run uses the real data pipeline (the text_files source) and `meshtrain.tra
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -183,6 +184,42 @@ def test_restore_from_another_run_and_safety(reference, tmp_path, monkeypatch):
 
 
 # ---- damaged checkpoints: checksums, fallback, nothing deleted --------------------------------
+
+
+def test_checkpoint_without_fp8_state_resumes_exactly(reference, tmp_path):
+    """A checkpoint whose state has no `fp8` node (written before the FP8 histories were part of the
+    train state) resumes as one that has it: the continued run's losses equal the uninterrupted run's
+    bitwise, and nothing is set aside as damaged."""
+    config = config_for(tmp_path)
+    restored = load(reference, 5, abstract_state(config))
+    ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_root(tmp_path), async_save=False)
+    older = {f.name: getattr(restored.state, f.name) for f in dataclasses.fields(restored.state) if f.name != "fp8"}
+    ckpt.save(5, older, restored.data_state, restored.meta)
+    ckpt.close()
+    train.run(config)
+    want, got = losses_of(reference), losses_of(tmp_path)
+    assert sorted(got) == list(range(6, STEPS + 1))
+    assert got == {k: want[k] for k in got}
+    assert not os.path.exists(checkpoint_lib.checkpoint_root(tmp_path) + ".damaged")
+
+
+def test_matmul_precision_switches_across_a_checkpoint(reference, tmp_path):
+    """bf16 -> fp8: the parameters and optimizer state come back bitwise and the FP8 histories start
+    empty (zeros, in the run's sharding); fp8 -> bf16: the histories are left unread."""
+    bf16 = abstract_state(config_for("/unused"))
+    fp8 = abstract_state(config_for("/unused", **{"model.matmul_precision": "fp8"}))
+    assert jax.tree.leaves(fp8.fp8) and not jax.tree.leaves(bf16.fp8)
+    as_bf16 = load(reference, 5, bf16).state
+    as_fp8 = load(reference, 5, fp8)
+    assert_bitwise(as_fp8.state.replace(fp8={}), as_bf16)
+    for leaf, target in zip(jax.tree.leaves(as_fp8.state.fp8), jax.tree.leaves(fp8.fp8), strict=True):
+        assert leaf.sharding == target.sharding and not np.asarray(leaf).any()
+    histories = jax.tree.map(lambda a: a + 1.5, as_fp8.state.fp8)
+    ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_root(tmp_path), async_save=False)
+    ckpt.save(5, as_fp8.state.replace(fp8=histories), as_fp8.data_state, as_fp8.meta)
+    ckpt.close()
+    assert_bitwise(load(tmp_path, 5, fp8).state.fp8, histories)  # same precision: read exactly
+    assert_bitwise(load(tmp_path, 5, bf16).state, as_bf16)
 
 
 def _biggest_array_file(step_dir) -> str:

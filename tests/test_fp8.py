@@ -109,37 +109,68 @@ def test_cuda_lowering_quantises_exactly_the_attention_and_mlp_matmuls(name):
 # --- the same numbers on every mesh ---------------------------------------------------------
 
 
+@functools.cache
+def _first_step(name: str):
+    """The state after one step on one device (host arrays) and the batches of the steps after it.
+
+    The equivalence tests start from it: a step with an empty history scales by the current amax,
+    which a manual region (the data-parallel accumulation loop) takes over each device's part of the
+    batch, so only from the second step on do every mesh and accumulation quantise alike."""
+    config = _config(name, {})
+    batches = utils.synthetic_batches(config, STEPS + 1)
+    run = utils.resolve(config)
+    factory, step_fn = train_step.build(run)
+    with jax.set_mesh(run.mesh):
+        state, _ = step_fn(factory.create(config.seed), batches[0])
+    return jax.tree.map(np.asarray, state), batches[1:]
+
+
+@functools.cache
+def _continued(name: str, mesh_key: tuple, overrides: tuple = ()):
+    """(losses, final params, final amax histories) of STEPS steps on `mesh` from `_first_step`."""
+    host_state, batches = _first_step(name)
+    run = utils.resolve(_config(name, dict(mesh_key), **dict(overrides)))
+    factory, step_fn = train_step.build(run)
+    state = jax.tree.map(lambda a, target: jax.device_put(a, target.sharding), host_state, factory.abstract)
+    losses = []
+    with jax.set_mesh(run.mesh):
+        for batch in batches:
+            state, m = step_fn(state, batch)
+            losses.append(float(m["loss"]))
+    return np.array(losses), jax.tree.map(np.asarray, state.params), jax.tree.map(np.asarray, state.fp8)
+
+
 def test_fsdp_tensor_data_equals_one_device():
-    got = _trained("tiny", _key({"fsdp": 2, "tensor": 2, "data": 2}))
-    want = _trained("tiny", ())
+    got = _continued("tiny", _key({"fsdp": 2, "tensor": 2, "data": 2}))
+    want = _continued("tiny", ())
     _assert_close(got, want)
-    assert all((h[..., 0] > 0).all() for h in jax.tree.leaves(want[2]))  # every matmul recorded its amaxes
+    assert all((h[..., :STEPS + 1] > 0).all() for h in jax.tree.leaves(want[2]))  # every matmul, every step
 
 
 def test_expert_parallel_equals_one_device():
-    _assert_close(_trained("tiny_moe", _key({"expert": 2, "data": 2})), _trained("tiny_moe", ()))
+    _assert_close(_continued("tiny_moe", _key({"expert": 2, "data": 2})), _continued("tiny_moe", ()))
 
 
-def test_accumulation_equals_one_pass_once_the_history_holds_a_step():
+def test_accumulation_equals_one_pass():
     """Micro-batches take the largest amax of all of them (max-combined cotangents), so 2 micro-batches
-    quantise as one pass, on the data-parallel accumulation loop too. Before the first step the history is
-    empty and each micro-batch scales by its own amax, so both runs start from one shared first step."""
-    mesh = {"data": 2, "fsdp": 2}
-    base = _config("tiny", mesh)
-    batches = utils.synthetic_batches(base, STEPS + 1)
-    results = []
-    for accum in (1, 2):
-        run = utils.resolve(_config("tiny", mesh, **{"train.grad_accum_steps": accum}))
-        factory, step_fn = train_step.build(run)
-        _, first = train_step.build(utils.resolve(base))
-        with jax.set_mesh(run.mesh):
-            state, _ = first(factory.create(base.seed), batches[0])
-            losses = []
-            for batch in batches[1:]:
-                state, m = step_fn(state, batch)
-                losses.append(float(m["loss"]))
-        results.append((np.array(losses), jax.tree.map(np.asarray, state.params), jax.tree.map(np.asarray, state.fp8)))
-    _assert_close(results[1], results[0])
+    on the data-parallel accumulation loop quantise as one pass on one device."""
+    got = _continued("tiny", _key({"data": 2, "fsdp": 2}), (("train.grad_accum_steps", 2),))
+    _assert_close(got, _continued("tiny", ()))
+
+
+def test_nonfinite_step_keeps_the_histories():
+    """A withheld (non-finite) step leaves the amax histories as they were, with the parameters."""
+    host_state, batches = _first_step("tiny")
+    run = utils.resolve(_config("tiny", {}))
+    factory, step_fn = train_step.build(run)
+    poisoned = dict(host_state.params)
+    poisoned["embedding"] = jax.tree.map(lambda a: np.full_like(a, np.nan), poisoned["embedding"])
+    state = jax.device_put(host_state.replace(params=poisoned))
+    with jax.set_mesh(run.mesh):
+        after, m = step_fn(state, batches[0])
+    assert float(m["nonfinite"]) == 1.0
+    utils.assert_bitwise(after.fp8, host_state.fp8)
+    assert int(after.step) == int(host_state.step)
 
 
 # --- resume -------------------------------------------------------------------------------------
