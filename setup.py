@@ -24,9 +24,15 @@ INSTALL_REQUIRES = [
 # that installs quickly; an unpinned torch pulls a multi-GB CUDA build.
 HF_TEST = ["torch==2.13.0", "transformers==5.23.0", "safetensors==0.8.0"]
 
+# data.source='hf:...' reads local Hugging Face datasets; python -m meshtrain.evaluate runs lm-eval tasks.
+DATA = ["datasets==5.2.0"]
+EVAL = ["lm-eval==0.4.13", *DATA]
+
 EXTRAS = {
     # tokenizers / sentencepiece: the tokenizer.json and .model readers (data.tokenizer)
-    "test": ["pytest==9.0.3", "pytest-xdist==3.8.0", "tokenizers==0.23.3", "sentencepiece==0.2.3", *HF_TEST],
+    "test": ["pytest==9.0.3", "pytest-xdist==3.8.0", "tokenizers==0.23.3", "sentencepiece==0.2.3", *HF_TEST, *EVAL],
+    "data": DATA,
+    "eval": EVAL,
     "gpu": ["jax[cuda12]==0.10.2"],
 }
 

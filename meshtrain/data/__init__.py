@@ -6,7 +6,8 @@
 
 Sources (`config.data.source`): `text_files` (a glob of local files, or the Python standard
 library's sources when `config.data.files` is empty), `tfds:<name>` (a TFDS dataset already
-prepared in `config.data.data_dir`) and `synthetic` (deterministic, for tests).
+prepared in `config.data.data_dir`), `hf:<folder or glob>` (a local Hugging Face dataset read
+through `datasets`, `hf_source.py`) and `synthetic` (deterministic, for tests).
 """
 
 from __future__ import annotations
@@ -81,8 +82,10 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     """The data rules (gathered by `meshtrain.validate`). Raises ConfigError."""
     del sizes  # the batch divisibility rules live in meshtrain.config
     source = config.data.source
-    if not isinstance(source, str) or not (source in ("synthetic", "text_files") or source.startswith("tfds:")):
-        raise config_lib.ConfigError("data.source", source, "must be 'text_files', 'synthetic' or 'tfds:<name>'")
+    if not isinstance(source, str) or not (source in ("synthetic", "text_files")
+                                           or source.startswith(("tfds:", "hf:"))):
+        raise config_lib.ConfigError("data.source", source,
+                                     "must be 'text_files', 'synthetic', 'tfds:<name>' or 'hf:<folder or glob>'")
     if not isinstance(config.data.prefetch, int) or config.data.prefetch < 1:
         raise config_lib.ConfigError("data.prefetch", config.data.prefetch, "must be an integer >= 1")
     if source == "synthetic":

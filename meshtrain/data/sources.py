@@ -1,4 +1,4 @@
-"""Real-data sources: TFDS datasets -> token stream -> packed, shuffled rows.
+"""Real-data sources: TFDS datasets (and local Hugging Face datasets) -> token stream -> packed, shuffled rows.
 
 The layout is Megatron-LM's GPT dataset (Shoeybi et al. 2019, the codebase the playbook's
 "Tensor Parallelism" section builds on): the documents of a split are tokenized once into one
@@ -13,6 +13,7 @@ exact on any topology.
 
 from __future__ import annotations
 
+import array
 import functools
 import logging
 import os
@@ -23,11 +24,12 @@ import tensorflow_datasets as tfds
 import tqdm
 
 from meshtrain import config as config_lib
-from meshtrain.data import corpus, text_files, tokenizers
+from meshtrain.data import corpus, hf_source, text_files, tokenizers
 from meshtrain.data.text_files import TextFiles
 
 _SPLIT_IDS = {"train": 0, "validation": 1}
 CACHE_DIR = "meshtrain_tokens"
+_FLUSH_TOKENS = 1 << 22  # tokens held in memory while tokenizing (8-16 MiB)
 log = logging.getLogger("meshtrain")
 
 
@@ -64,6 +66,13 @@ def builder(config, prepare_if_missing: bool = True):
                 if not result.is_prepared():
                     raise
         _require_dataset_info(source, str(result.data_dir))
+        return result
+    if source.startswith(hf_source.PREFIX):
+        result = hf_source.HFDataset(source, config.data.text_field, data_dir(config))
+        if not result.is_prepared():
+            if not prepare_if_missing:
+                raise config_lib.ConfigError("data.source", source, f"not prepared in {result.data_dir}")
+            result.prepare()
         return result
     name = source.removeprefix("tfds:")
     directory = data_dir(config)
@@ -137,27 +146,55 @@ def token_cache(result, split: str, config, progress: bool = False) -> tuple[np.
         raise _damaged(config.data.source, problems, str(result.data_dir))
     source = result.as_data_source(split=tfds_split)
     field = config.data.text_field
-    pieces, lengths = [], []
-    for i in tqdm.trange(len(source), desc=f"tokenizing {tfds_split}", disable=not progress):
-        example = source[i]
-        if field not in example:
-            raise ValueError(f"config.data.text_field={field!r}: the examples of {result.name} have fields "
-                             f"{sorted(example)}")
-        if example[field] is None:  # array_record gives a truncated or damaged record back empty
-            shards = sorted(n for n in os.listdir(result.data_dir) if f"-{tfds_split}." in n)
-            what = f"record {i} of split {tfds_split!r} reads back empty from {', '.join(shards)} (truncated, damaged)"
-            raise _damaged(config.data.source, [what], str(result.data_dir))
-        pieces.append(_document_tokens(example[field], tokenizer))
-        lengths.append(len(pieces[-1]))
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-    tokens = np.concatenate(pieces).astype(dtype) if pieces else np.zeros(0, dtype)
-    starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
     os.makedirs(directory, exist_ok=True)
-    for suffix, array in ((".tokens.npy", tokens), (".starts.npy", starts)):  # starts last: marks complete
-        tmp = f"{stem}{suffix}.{os.getpid()}.tmp.npy"
-        np.save(tmp, array)
-        os.replace(tmp, stem + suffix)
+    raw = f"{stem}.tokens.{os.getpid()}.tmp.raw"
+    try:
+        starts = _tokenize_to(raw, source, field, tokenizer, dtype, result, tfds_split, config, progress)
+        tmp = f"{stem}.tokens.npy.{os.getpid()}.tmp.npy"
+        tokens = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(int(starts[-1]),))
+        written = np.memmap(raw, dtype=dtype, mode="r") if starts[-1] else np.zeros(0, dtype)
+        for lo in range(0, tokens.size, _FLUSH_TOKENS):  # copied a chunk at a time: memory stays flat
+            tokens[lo:lo + _FLUSH_TOKENS] = written[lo:lo + _FLUSH_TOKENS]
+        tokens.flush()
+        del tokens, written
+    finally:
+        if os.path.exists(raw):
+            os.remove(raw)
+    os.replace(tmp, stem + ".tokens.npy")
+    tmp = f"{stem}.starts.npy.{os.getpid()}.tmp.npy"  # starts last: marks the cache complete
+    np.save(tmp, starts)
+    os.replace(tmp, stem + ".starts.npy")
     return np.load(stem + ".tokens.npy", mmap_mode="r"), np.load(stem + ".starts.npy")
+
+
+def _tokenize_to(raw: str, source, field: str, tokenizer, dtype, result, tfds_split: str, config,
+                 progress: bool) -> np.ndarray:
+    """Tokenizes every document of `source` into the flat file `raw`; returns the document offsets."""
+    lengths = array.array("q")  # 8 bytes a document: the tokens themselves go to disk as they come
+    with open(raw, "wb") as out:
+        pending, pending_size = [], 0
+        for i in tqdm.trange(len(source), desc=f"tokenizing {tfds_split}", disable=not progress):
+            example = source[i]
+            if field not in example:
+                raise ValueError(f"config.data.text_field={field!r}: the examples of {result.name} have fields "
+                                 f"{sorted(example)}")
+            if example[field] is None:  # array_record gives a truncated or damaged record back empty
+                shards = sorted(n for n in os.listdir(result.data_dir) if f"-{tfds_split}." in n)
+                what = (f"record {i} of split {tfds_split!r} reads back empty from {', '.join(shards)} (truncated, "
+                        "damaged)")
+                raise _damaged(config.data.source, [what], str(result.data_dir))
+            pending.append(_document_tokens(example[field], tokenizer).astype(dtype))
+            lengths.append(len(pending[-1]))
+            pending_size += len(pending[-1])
+            if pending_size >= _FLUSH_TOKENS:
+                out.write(np.concatenate(pending).tobytes())
+                pending, pending_size = [], 0
+        if pending:
+            out.write(np.concatenate(pending).tobytes())
+    starts = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(np.frombuffer(lengths, np.int64), out=starts[1:])
+    return starts
 
 
 def _load_cache(stem: str) -> tuple[np.ndarray, np.ndarray] | None:
@@ -254,6 +291,9 @@ def validate_config(config) -> None:
     source = config.data.source
     if source == "text_files":
         corpus.expand_files(config.data.files)
+        return
+    if source.startswith(hf_source.PREFIX):
+        hf_source.resolve(source)
         return
     if source == "tfds:":
         raise config_lib.ConfigError("data.source", source, "'tfds:' must be followed by a dataset name")
