@@ -55,6 +55,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.log_every = 10
     c.eval_every = 0  # 0: no evaluation
     c.eval_batches = 4
+    c.eval_tasks = ""  # lm-eval tasks also run at each evaluation, comma-separated (needs lm-eval: evaluate.py)
+    c.eval_tasks_include_path = ""  # a folder of lm-eval task YAMLs of your own
+    c.eval_tasks_limit = 0  # documents per task at each evaluation (0: all)
     c.explain = False  # print the parameter sharding table and exit
 
     c.mesh = ml_collections.ConfigDict()
@@ -234,7 +237,8 @@ def _validate_positive(config) -> None:
         for part in key.split("."):
             value = value[part]
         require(isinstance(value, int) and value >= 1, key, value, "must be a positive integer")
-    for key in ("eval_every", "checkpoint.every", "cpu_devices", "model.num_experts", "model.moe_mlp_dim"):
+    for key in ("eval_every", "eval_tasks_limit", "checkpoint.every", "cpu_devices", "model.num_experts",
+                "model.moe_mlp_dim"):
         value = config
         for part in key.split("."):
             value = value[part]

@@ -29,7 +29,15 @@ import jax
 import ml_collections
 import numpy as np
 
-from meshtrain import checkpoint, data, faults, fp8 as fp8_lib, metrics as metrics_lib, tensorboard as tensorboard_lib
+from meshtrain import (
+    checkpoint,
+    data,
+    evaluate as evaluate_lib,
+    faults,
+    fp8 as fp8_lib,
+    metrics as metrics_lib,
+    tensorboard as tensorboard_lib,
+)
 
 if TYPE_CHECKING:
     from meshtrain.run import Run
@@ -529,6 +537,9 @@ class Loop:
                                 dog.disarm()
                             last["eval_loss"] = evaluate(self.run, self.eval_step, state)
                             last["eval_perplexity"] = float(np.exp(last["eval_loss"]))
+                            if config.eval_tasks:  # lm-eval's requests take as long as they take
+                                dog.disarm()
+                                last.update(evaluate_lib.in_loop(self.run, state.params))
                             evaluated = True
                         writer.write(last)
                         tb.write(last)

@@ -4,7 +4,8 @@ it, with only its length cut: training commands get `--config.steps=2` and a wor
 Commands are read from the README's code blocks and from inline code spans that carry arguments
 (a bare `python -m meshtrain.plan` is a name, and must appear as a full command elsewhere).
 Placeholders are filled: `<workdir>` with the main job's workdir, `HF_DIR` with a tiny Llama saved
-by `transformers`, `OUT_DIR` with a new folder; `[optional ...]` groups are left out. Everything
+by `transformers`, `OUT_DIR` with a new folder, `PARQUET_DIR` with a folder of one parquet file;
+`[optional ...]` groups are left out. Everything
 runs in a temporary folder (with `configs/` linked in), datasets go to a temporary
 `TFDS_DATA_DIR`, and nothing is written outside the test's tmp dirs.
 """
@@ -73,6 +74,19 @@ def hf_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def parquet_dir(tmp_path_factory) -> str:
+    """A folder of parquet files with a `text` column: Python sources of the standard library."""
+    import datasets
+
+    from meshtrain.data import corpus
+
+    path = tmp_path_factory.mktemp("parquet")
+    docs = [open(p, encoding="utf-8").read() for p in corpus.default_corpus_files()[:60]]
+    datasets.Dataset.from_dict({"text": docs}).to_parquet(str(path / "part-0.parquet"))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
 def tfds_dir(tmp_path_factory) -> str:
     """One datasets folder for this worker's commands: the default corpus is prepared once."""
     return str(tmp_path_factory.mktemp("tfds"))
@@ -105,14 +119,17 @@ ON_MAIN = [i for i, c in enumerate(COMMANDS) if "<workdir>" in c]
 
 @pytest.mark.parametrize("index", [i for i in range(len(COMMANDS)) if i not in ON_MAIN],
                          ids=lambda i: f"{i}-{MODULE.match(COMMANDS[i]).group(1).split('.', 1)[1]}")
-def test_every_readme_command_runs(tmp_path, hf_dir, tfds_dir, index):
+def test_every_readme_command_runs(tmp_path, hf_dir, tfds_dir, parquet_dir, index):
     (tmp_path / "configs").symlink_to(ROOT / "configs")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "lm_eval").symlink_to(ROOT / "tests" / "lm_eval")  # the evaluation's example tasks
     # LLVM's lowest optimisation level, as in the other tests: half the CPU code generation time
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TFDS_DATA_DIR": tfds_dir,
            "PYTHONPATH": str(ROOT), "XLA_FLAGS": "--xla_backend_optimization_level=0"}
     for i in [index, *(ON_MAIN if index == MAIN else [])]:
         command = COMMANDS[i]
-        filled = {"HF_DIR": hf_dir, "OUT_DIR": str(tmp_path / f"export{i}"), "<workdir>": str(tmp_path / f"run{MAIN}")}
+        filled = {"HF_DIR": hf_dir, "OUT_DIR": str(tmp_path / f"export{i}"), "<workdir>": str(tmp_path / f"run{MAIN}"),
+                  "PARQUET_DIR": parquet_dir}
         args = _prepare(command, i, tmp_path, filled)
         result = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
