@@ -67,8 +67,11 @@ def pipeline_rows_per_sec(config, batches: int) -> tuple[float, float]:
 
 
 def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    """The anonymous part of the resident set (MiB): the process's own memory, without the pages of
+    memory-mapped files (the token cache is read and written through mmap; the kernel drops those
+    pages under pressure)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) / 1024
 
 
 def write_parquet(path: str, mib: int) -> int:

@@ -4,8 +4,9 @@
 of data files `datasets` reads: parquet, JSON / JSON Lines (also gzipped), arrow, CSV. Nothing
 is fetched from the Hub. Documents are the `config.data.text_field` column.
 
-Preparing streams the documents (`load_dataset(..., streaming=True)`, record batch by record
-batch), so memory stays flat however large the data is, and writes them once, in the dataset's
+Preparing streams the documents a record batch at a time (pyarrow for parquet and arrow,
+`load_dataset(..., streaming=True)` for JSON and CSV), so memory stays flat however large the
+data is, and writes them once, in the dataset's
 order, into one array_record file per split under `<data_dir>/meshtrain_hf/<name>/`. From there
 the documents take the path of every other source: `sources.token_cache` tokenises them into the
 same token cache and `sources.PackedRows` packs, masks and shuffles them, so determinism and
@@ -102,7 +103,23 @@ def dataset_name(source: str, text_field: str) -> str:
 
 
 def _stream(kind: str, files: list[str], text_field: str, source: str) -> Iterator[str]:
-    """The text of every example, streamed (never the whole dataset in memory)."""
+    """The text of every example, streamed (never the whole dataset in memory).
+
+    Parquet and arrow files are read with pyarrow, a record batch at a time, without pre-buffering
+    or reader threads: `datasets`' streaming reader of this version keeps memory in proportion to
+    the data it has read (measured: +22 MiB of resident memory for 16 MiB of parquet text, +120 MiB
+    for 256 MiB), this way stays flat (+21 and +25 MiB). JSON and CSV stream through `datasets`.
+    """
+    if kind in ("parquet", "arrow"):
+        batches = _parquet_batches(files, text_field) if kind == "parquet" else _arrow_batches(files)
+        for path, batch in batches:
+            if text_field not in batch.schema.names:
+                raise ConfigError("data.text_field", text_field, f"the examples of {source} ({path}) have the "
+                                  f"fields {sorted(batch.schema.names)}")
+            for text in batch.column(text_field).to_pylist():
+                if text is not None:
+                    yield str(text)
+        return
     import datasets
 
     stream = datasets.load_dataset(kind, data_files=files, split="train", streaming=True)
@@ -115,6 +132,32 @@ def _stream(kind: str, files: list[str], text_field: str, source: str) -> Iterat
             log.warning("%s: example %d has no %r (None): skipped", source, index, text_field)
             continue
         yield str(text)
+
+
+def _parquet_batches(files: list[str], text_field: str):
+    import pyarrow.parquet as pq
+
+    for path in files:
+        reader = pq.ParquetFile(path, pre_buffer=False)
+        columns = [text_field] if text_field in reader.schema_arrow.names else None  # else: the error names them
+        for batch in reader.iter_batches(batch_size=256, columns=columns, use_threads=False):
+            yield path, batch
+
+
+def _arrow_batches(files: list[str]):
+    import pyarrow as pa
+
+    for path in files:
+        source = pa.memory_map(path)
+        try:
+            reader = pa.ipc.open_stream(source)  # what save_to_disk writes
+        except pa.ArrowInvalid:
+            reader = pa.ipc.open_file(source)
+            for i in range(reader.num_record_batches):
+                yield path, reader.get_batch(i)
+            continue
+        for batch in reader:
+            yield path, batch
 
 
 class HFDataset:
