@@ -106,8 +106,14 @@ def _lm_classes():
 
         def __init__(self, config: str | None = None, workdir: str = "", hf_dir: str = "", batch_size: int = 8,
                      max_length: int | None = None, *, model_config: ModelConfig | None = None,
-                     params: dict | None = None, tokenizer=None, **overrides):
+                     params: dict | None = None, tokenizer=None, device: str | None = None,
+                     max_batch_size: int | None = None, **overrides):
+            """`config` (a config file), `workdir` or `hf_dir`, and dotted config keys as overrides
+            (`model_args="config=configs/tiny.py,workdir=runs/tiny,mesh.tensor=2"`); or a model already
+            in memory (`model_config`, `params`, `tokenizer`). `device` and `max_batch_size`, which
+            lm-eval passes to every model, are not used: the config's mesh places the model."""
             super().__init__()
+            del device, max_batch_size
             if model_config is None:  # from lm-eval's --model_args: a config file and a run (or HF folder)
                 model_config, params, tokenizer, seq_len = load(config, workdir, hf_dir, overrides)
                 max_length = max_length or seq_len

@@ -10,7 +10,9 @@ import math
 
 import datasets
 import jax
+import lm_eval
 import lm_eval.api.registry
+import lm_eval.tasks
 import numpy as np
 import pytest
 
@@ -107,6 +109,21 @@ def test_multiple_choice_accuracy_equals_model_logits_at_batch_sizes_1_and_8(tra
     for a, b in zip(one, eight, strict=True):
         np.testing.assert_allclose([r[0][0] for r in a["resps"]], [r[0][0] for r in b["resps"]], rtol=1e-5, atol=1e-5)
         assert [r[0][1] for r in a["resps"]] == [r[0][1] for r in b["resps"]]
+
+
+def test_simple_evaluate_by_name_loads_the_run(trained):
+    """`lm_eval.simple_evaluate(model="meshtrain", model_args="config=...,workdir=...,<key>=<value>")`: the
+    run's newest checkpoint on the config's mesh, with the same accuracy as in the training loop."""
+    resolved, _, evaluated = trained
+    c = resolved.config
+    args = {"config": "configs/tiny.py", "workdir": c.workdir, "model.n_layers": c.model.n_layers,
+            "model.dtype": c.model.dtype, "train.seq_len": c.train.seq_len, "train.batch_size": c.train.batch_size,
+            **{f"mesh.{axis}": c.mesh[axis] for axis in utils.AXES}}
+    manager = lm_eval.tasks.TaskManager(include_path=str(TASKS))
+    results = lm_eval.simple_evaluate(model="meshtrain", model_args=",".join(f"{k}={v}" for k, v in args.items()),
+                                      tasks=["meshtrain_choices"], batch_size=8, torch_random_seed=None,
+                                      bootstrap_iters=0, task_manager=manager)
+    assert results["results"]["meshtrain_choices"]["acc,none"] == evaluated["lm_eval/meshtrain_choices/acc"]
 
 
 def test_perplexity_task_equals_eval_loss(trained):
