@@ -17,6 +17,8 @@ import sys
 import ml_collections
 from absl import flags
 
+from meshtrain import config as config_lib
+
 
 def parse_flags(argv: list[str]) -> list[str]:
     try:
@@ -49,13 +51,38 @@ def _config_file(argv: list[str]) -> ml_collections.ConfigDict | None:
             path = arg.split("=", 1)[1]
     if path is None or not pathlib.Path(path.split(":")[0]).is_file():
         return None
-    spec = importlib.util.spec_from_file_location("meshtrain_cli_config", path.split(":")[0])
-    module = importlib.util.module_from_spec(spec)
     try:
-        spec.loader.exec_module(module)
-        return module.get_config()
+        return load_config_file(path.split(":")[0])
     except Exception:  # noqa: BLE001 - the config file's own error is reported by the command
         return None
+
+
+def load_config_file(path: str) -> ml_collections.ConfigDict:
+    """`get_config()` of the Python config file at `path` (configs/*.py). Raises ConfigError when
+    there is no such file."""
+    if not pathlib.Path(path).is_file():
+        raise config_lib.ConfigError("config", path, "no such config file (e.g. configs/tiny.py)")
+    spec = importlib.util.spec_from_file_location("meshtrain_config_file", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
+    """`config` with each dotted key of `overrides` ({"mesh.tensor": 2}) set, as `--config.*` flags
+    set them; an unknown key is a ConfigError naming its closest valid keys."""
+    for key, value in overrides.items():
+        if missing := _missing_key(config, key):
+            raise config_lib.ConfigError(key, value, missing.split(": ", 1)[1])
+        *parents, leaf = key.split(".")
+        node = config
+        for part in parents:
+            node = node[part]
+        try:
+            node[leaf] = value
+        except (TypeError, ValueError) as error:
+            raise config_lib.ConfigError(key, value, f"not a valid value ({error})") from None
+    return config
 
 
 def _missing_key(config: ml_collections.ConfigDict, dotted: str) -> str | None:

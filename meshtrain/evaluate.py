@@ -37,10 +37,12 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from meshtrain import cli, config as config_lib, generate
+from meshtrain import cli, config as config_lib, eval_tasks, generate, sample
 from meshtrain.config import BATCH_AXES, ModelConfig
+from meshtrain.data import tokenizers
 from meshtrain.mesh import compiler_options
 from meshtrain.model import Transformer, params_mesh
+from meshtrain.run import Run, setup_runtime
 from meshtrain.sharding_rules import Rules
 
 log = logging.getLogger("meshtrain")
@@ -96,6 +98,7 @@ def _program(cfg: ModelConfig, rules: Rules, mesh: jax.sharding.Mesh):
     return jax.jit(run, compiler_options=compiler_options(mesh))
 
 
+@functools.cache
 def _lm_classes():
     """`MeshtrainLM`, defined on first use so that importing this module does not need lm-eval."""
     from lm_eval.api.model import TemplateLM
@@ -205,14 +208,8 @@ def _lm_classes():
 
 def lm_class():
     """The lm-eval model class (registered as "meshtrain"); raises ConfigError without lm-eval."""
-    try:
-        return _lm_classes_cached()
-    except ImportError as error:
-        raise config_lib.ConfigError("tasks", "lm-eval", "evaluation needs the lm-eval package: pip install "
-                                     "'meshtrain[eval]' (the test extra includes it)") from error
-
-
-_lm_classes_cached = functools.cache(_lm_classes)
+    eval_tasks.require_lm_eval()
+    return _lm_classes()
 
 
 def __getattr__(name: str):
@@ -238,98 +235,36 @@ _register()
 def load(config_path: str | None, workdir: str, hf_dir: str, overrides: dict):
     """(model config, params on the config's mesh, tokenizer, train.seq_len) from a config file and a
     run's newest checkpoint (or a Hugging Face folder); `overrides` are dotted config keys."""
-    from meshtrain import sample
-    from meshtrain.data import tokenizers
-    from meshtrain.run import Run, setup_runtime
-
     if not config_path:
         raise config_lib.ConfigError("config", config_path, "give a config file, e.g. config=configs/tiny.py")
-    config = _load_config_file(config_path)
+    config = cli.apply_overrides(cli.load_config_file(config_path), overrides)
     if workdir:
         config.workdir = workdir
-    for key, value in overrides.items():
-        *parents, leaf = key.split(".")
-        node = config
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
+    resolved, params = _restore(config, hf_dir)
+    return resolved.model, params, tokenizers.load_tokenizer(config.data.tokenizer), int(config.train.seq_len)
+
+
+def _restore(config, hf_dir: str) -> tuple[Run, dict]:
+    """The resolved run and its parameters (newest checkpoint, or `hf_dir`), on the config's mesh:
+    the batch axes and `tensor` (evaluation runs every layer on whole sequences)."""
     if hf_dir:
         config.init.from_hf = hf_dir
     setup_runtime(config)
     resolved = Run.resolve(config)
-    params = sample.load_params(resolved, hf_dir)
-    return resolved.model, params, tokenizers.load_tokenizer(config.data.tokenizer), int(config.train.seq_len)
-
-
-def _load_config_file(path: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("meshtrain_eval_config", path)
-    if spec is None or spec.loader is None:
-        raise config_lib.ConfigError("config", path, "not a Python config file")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
-def run_tasks(lm, tasks: list[str], *, include_path: str = "", limit: int | float | None = None,
-              num_fewshot: int | None = None, log_samples: bool = False) -> dict:
-    """lm-eval's results for `tasks` (names, or YAML tasks under `include_path`) with `lm`."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
-    manager = TaskManager(include_path=include_path or None)
-    unknown = [t for t in tasks if t not in manager.all_tasks]
-    if unknown:
-        raise config_lib.ConfigError("tasks", ",".join(tasks), f"lm-eval knows no task {unknown}"
-                                     f"{'' if include_path else ' (task YAMLs of your own: --include_path=DIR)'}")
-    return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
-                                   num_fewshot=num_fewshot, log_samples=log_samples, torch_random_seed=None,
-                                   bootstrap_iters=0)
-
-
-def summary(results: dict) -> dict[str, float]:
-    """{"task/metric": value} of lm-eval's results (standard errors left out)."""
-    out = {}
-    for task, metrics in results["results"].items():
-        for name, value in metrics.items():
-            if isinstance(value, (int, float)) and "stderr" not in name and name not in ("alias", "sample_len"):
-                out[f"{task}/{name.split(',')[0]}"] = float(value)
-    return out
-
-
-def task_list(text: str) -> list[str]:
-    return [t.strip() for t in str(text).split(",") if t.strip()]
-
-
-def validate_config(config, sizes: dict[str, int]) -> None:
-    """The in-loop evaluation rules (gathered by `meshtrain.validate`). Raises ConfigError."""
-    tasks = task_list(config.eval_tasks)
-    if not tasks:
-        return
-    config_lib.require(config.eval_every > 0, "eval_tasks", config.eval_tasks,
-                       "runs at each evaluation: set eval_every > 0 too")
     for axis in ("stage", "sequence"):
-        config_lib.require(sizes[axis] == 1, "eval_tasks", config.eval_tasks,
-                           f"lm-eval tasks run every layer on whole sequences: mesh.{axis} must be 1")
-    lm_class()
-    from lm_eval.tasks import TaskManager
-
-    known = TaskManager(include_path=config.eval_tasks_include_path or None).all_tasks
-    unknown = [t for t in tasks if t not in known]
-    config_lib.require(not unknown, "eval_tasks", config.eval_tasks, f"lm-eval knows no task {unknown}")
+        config_lib.require(resolved.sizes[axis] == 1, f"mesh.{axis}", resolved.sizes[axis],
+                           "evaluation runs every layer on whole sequences: use the batch axes and tensor only")
+    return resolved, sample.load_params(resolved, hf_dir)
 
 
 def in_loop(run, params: dict) -> dict[str, float]:
     """`config.eval_tasks` on the train state's parameters: {"lm_eval/<task>/<metric>": value}."""
-    from meshtrain.data import tokenizers
-
     config = run.config
     lm = lm_class()(model_config=run.model, params=params, tokenizer=tokenizers.load_tokenizer(config.data.tokenizer),
                     batch_size=config.train.batch_size, max_length=config.train.seq_len)
-    results = run_tasks(lm, task_list(config.eval_tasks), include_path=config.eval_tasks_include_path,
-                        limit=config.eval_tasks_limit or None)
-    return {f"lm_eval/{key}": value for key, value in summary(results).items()}
+    results = eval_tasks.run_tasks(lm, eval_tasks.task_list(config.eval_tasks),
+                                   include_path=config.eval_tasks_include_path, limit=config.eval_tasks_limit or None)
+    return {f"lm_eval/{key}": value for key, value in eval_tasks.summary(results).items()}
 
 
 def define_flags() -> None:
@@ -356,22 +291,11 @@ def main(argv) -> None:
         if not f.tasks:
             raise config_lib.ConfigError("tasks", "", "name at least one lm-eval task, e.g. --tasks=lambada_openai")
         cls = lm_class()
-        from meshtrain import sample
-        from meshtrain.data import tokenizers
-        from meshtrain.run import Run, setup_runtime
-
-        if f.hf_dir:
-            config.init.from_hf = f.hf_dir
-        setup_runtime(config)
-        resolved = Run.resolve(config)
-        for axis in ("stage", "sequence"):
-            config_lib.require(resolved.sizes[axis] == 1, f"mesh.{axis}", resolved.sizes[axis],
-                               "evaluation runs every layer on whole sequences: use the batch axes and tensor only")
-        params = sample.load_params(resolved, f.hf_dir)
+        resolved, params = _restore(config, f.hf_dir)
         lm = cls(model_config=resolved.model, params=params, tokenizer=tokenizers.load_tokenizer(config.data.tokenizer),
                  batch_size=f.batch_size, max_length=f.max_length or config.train.seq_len)
         limit = None if f.limit is None else (f.limit if f.limit < 1 else int(f.limit))
-        results = run_tasks(lm, f.tasks, include_path=f.include_path, limit=limit, num_fewshot=f.num_fewshot)
+        results = eval_tasks.run_tasks(lm, f.tasks, include_path=f.include_path, limit=limit, num_fewshot=f.num_fewshot)
     except (config_lib.ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -382,7 +306,7 @@ def main(argv) -> None:
         with open(f.output_path, "w") as out:
             json.dump({k: results[k] for k in ("results", "configs", "versions", "n-shot") if k in results}, out,
                       indent=2, default=str)
-    print(json.dumps({"tasks": f.tasks, **summary(results)}))
+    print(json.dumps({"tasks": f.tasks, **eval_tasks.summary(results)}))
 
 
 if __name__ == "__main__":

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import ml_collections
 
-from meshtrain import attention, checkpoint, config as config_lib, data, evaluate, moe, pipeline
+from meshtrain import attention, checkpoint, config as config_lib, data, eval_tasks, moe, pipeline
 
 # Rules of the step's layout: pure functions of the config and the mesh shape.
 LAYOUT_RULES = (config_lib.validate_config, attention.validate_config, moe.validate_config,
                 pipeline.validate_config)
 # Rules that look at files: the data source and the checkpoint to restore.
-INPUT_RULES = (data.validate_config, checkpoint.validate_config, evaluate.validate_config)
+INPUT_RULES = (data.validate_config, checkpoint.validate_config, eval_tasks.validate_config)
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int, *, inputs: bool = True) -> dict[str, int]:

@@ -16,7 +16,7 @@ import lm_eval.tasks
 import numpy as np
 import pytest
 
-from meshtrain import evaluate, generate, model as model_lib, sample, train
+from meshtrain import eval_tasks, evaluate, generate, model as model_lib, sample, train
 from meshtrain.data import corpus, tokenizers
 from meshtrain.run import Run
 from tests import utils
@@ -94,7 +94,7 @@ def test_multiple_choice_accuracy_equals_model_logits_at_batch_sizes_1_and_8(tra
         by_hand.append((scores, int(np.argmax(scores)) == item["answer"]))
     runs = {}
     for batch_size in (1, 8):
-        results = evaluate.run_tasks(_lm(trained, batch_size), ["meshtrain_choices"], include_path=str(TASKS),
+        results = eval_tasks.run_tasks(_lm(trained, batch_size), ["meshtrain_choices"], include_path=str(TASKS),
                                      log_samples=True)
         runs[batch_size] = results
         samples = _samples(results, "meshtrain_choices")
@@ -130,7 +130,7 @@ def test_perplexity_task_equals_eval_loss(trained):
     """The rolling windows of `train.seq_len` bytes are the eval rows of the same text: the task's
     bits per byte (the byte tokenizer: one token a byte) is the run's eval loss in bits."""
     eval_loss = trained[2]["eval_loss"]
-    results = evaluate.run_tasks(_lm(trained, 8), ["meshtrain_text"], include_path=str(TASKS))
+    results = eval_tasks.run_tasks(_lm(trained, 8), ["meshtrain_text"], include_path=str(TASKS))
     metrics = results["results"]["meshtrain_text"]
     assert metrics["bits_per_byte,none"] * math.log(2) == pytest.approx(eval_loss, rel=1e-5)
     assert math.log(metrics["byte_perplexity,none"]) == pytest.approx(eval_loss, rel=1e-5)
@@ -139,7 +139,7 @@ def test_perplexity_task_equals_eval_loss(trained):
 def test_generate_until_is_greedy_decoding_cut_at_the_stop_string(trained):
     resolved, params, _ = trained
     tokenizer = tokenizers.load_tokenizer(resolved.config.data.tokenizer)
-    results = evaluate.run_tasks(_lm(trained, 8), ["meshtrain_prompts"], include_path=str(TASKS), log_samples=True)
+    results = eval_tasks.run_tasks(_lm(trained, 8), ["meshtrain_prompts"], include_path=str(TASKS), log_samples=True)
     for sample_, item in zip(_samples(results, "meshtrain_prompts"), _rows("prompts.jsonl"), strict=True):
         ids = [tokenizer.bos_id, *tokenizer.encode(item["prompt"])]
         new = generate.generate(resolved.model, params, [ids], 16, eos_id=tokenizer.eos_id,
@@ -151,5 +151,5 @@ def test_generate_until_is_greedy_decoding_cut_at_the_stop_string(trained):
 
 def test_unknown_task_is_a_config_error(trained):
     with pytest.raises(evaluate.config_lib.ConfigError, match="no_such_task") as error:
-        evaluate.run_tasks(_lm(trained, 8), ["no_such_task"], include_path=str(TASKS))
+        eval_tasks.run_tasks(_lm(trained, 8), ["no_such_task"], include_path=str(TASKS))
     assert error.value.key == "tasks"
