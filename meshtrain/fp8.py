@@ -142,6 +142,46 @@ def _backward(dot, residuals, g):
 scaled_dot.defvjp(_forward, _backward)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def per_device(history: jax.Array, copies: int) -> jax.Array:
+    """history [...] -> [copies, ...]: one copy per device of a manual region's batch axes (the
+    pipeline's stage loop splits the leading axis over them), each device recording its own amaxes.
+    The copies' cotangents combine by max, once, as they leave the region: a partitioner all-reduce
+    outside the loop instead of a collective inside it."""
+    return jax.lax.broadcast(history, (copies,))
+
+
+def _per_device_fwd(history, copies):
+    return per_device(history, copies), None
+
+
+def _per_device_bwd(copies, _, cot):
+    del copies
+    return (jax.lax.convert_element_type(jnp.max(_f32(cot), axis=0), cot.dtype),)
+
+
+per_device.defvjp(_per_device_fwd, _per_device_bwd)
+
+
+@jax.custom_vjp
+def recorded_if(history: jax.Array, keep: jax.Array) -> jax.Array:
+    """The history, whose cotangent (the amaxes of the matmuls that use it) counts only when `keep`:
+    a pipeline tick that runs a stage on no micro-batch (the bubble) records nothing."""
+    return history
+
+
+def _recorded_if_fwd(history, keep):
+    return history, keep
+
+
+def _recorded_if_bwd(keep, cot):
+    kept = jnp.where(keep, _f32(cot), -jnp.inf)
+    return jax.lax.convert_element_type(kept, cot.dtype), None
+
+
+recorded_if.defvjp(_recorded_if_fwd, _recorded_if_bwd)
+
+
 def advance(history: jax.Array, cotangent: jax.Array) -> jax.Array:
     """The history after a step: the step's amaxes (cotangent column 0) in front, the oldest
     dropped. A row with no finite amax (a matmul the step did not differentiate) stays as it was."""

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping
 
 import jax
@@ -68,11 +69,19 @@ from flax import linen as nn
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from meshtrain import attention as attention_lib, config as config_lib, model as model_lib, moe as moe_lib, schedules
+from meshtrain import (
+    attention as attention_lib,
+    config as config_lib,
+    fp8 as fp8_lib,
+    model as model_lib,
+    moe as moe_lib,
+    schedules,
+)
 from meshtrain.config import BATCH_AXES, Axis
 from meshtrain.sharding_rules import vary, varying
 
 STAGE, SEQUENCE, EXPERT = Axis.STAGE.value, Axis.SEQUENCE.value, Axis.EXPERT.value
+FP8 = fp8_lib.COLLECTION
 TABLE_SCHEDULES = schedules.TABLE_SCHEDULES  # run from their slot tables (`pipeline_tables`)
 CHUNKED_SCHEDULES = ("circular", "interleaved_1f1b")  # v = pipeline.repeats chunks per stage
 
@@ -181,17 +190,29 @@ class Pipeline:
         stack = _chunk_function(stage_function(model.cfg, rules, model.attention_fn))
         if model.cfg.remat_policy != "none":  # remat per stage per micro-batch: keep only its input
             stack = jax.checkpoint(stack, prevent_cse=False)
-        layers = model.layers.variables["params"]
+        layers, specs = stage_variables(model), {"params": layer_specs(model.cfg, self.axes)}
+        if FP8 in layers:  # one history per device of the batch axes: their amaxes combine once, after the loop
+            rest = tuple(a for a in self.axes if a != STAGE)
+            copies = math.prod(model.rules.size(a) for a in rest)
+            layers[FP8] = jax.tree.map(lambda h: fp8_lib.per_device(h, copies), layers[FP8])
+            specs[FP8] = jax.tree.map(lambda _: P(rest or None, STAGE), layers[FP8])
         m = self.microbatches
         split = functools.partial(_split, m=m)
         body = functools.partial(_ring_loop, stack, p=self.stages, m=m, v=self.repeats,
                                  units=model_lib.scan_unit(model.cfg)[1], axes=self.axes)
         rows, rows_d = self.micro_spec(0), self.micro_spec(1)
         out, stats = jax.shard_map(
-            body, in_specs=(layer_specs(model.cfg, self.axes), rows_d, rows, rows), out_specs=(rows_d, P()),
+            body, in_specs=(specs, rows_d, rows, rows), out_specs=(rows_d, P()),
             axis_names=set(self.axes), check_vma=self.checked,
         )(layers, split(x), split(positions), split(segment_ids))
         return out.reshape(x.shape), stats
+
+
+def stage_variables(model) -> dict:
+    """The scanned layers' variables of a bound `Transformer`: {"params": [L, ...]} and, under FP8,
+    {"fp8": [L, 3, H] amax histories}; what a stage's chunk of layers is applied with."""
+    variables = model.layers.variables
+    return {name: variables[name] for name in ("params", FP8) if name in variables}
 
 
 def region_axes(sizes: Mapping[str, int]) -> tuple[str, ...]:
@@ -216,23 +237,27 @@ def _split(a: jax.Array, m: int) -> jax.Array:
 
 
 def stage_function(cfg, rules, attention_fn):
-    """(chunk params [k, ...], x [b,T,D], positions, segment_ids) -> (x, stats): k scanned units of
-    the model's block (with its remat policy), stats summed over the chunk's MoE units ({} if dense).
-    `rules` are those of the loop's manual region."""
+    """(chunk variables, x [b,T,D], positions, segment_ids) -> (x, stats): k scanned units of the
+    model's block (with its remat policy), stats summed over the chunk's MoE units ({} if dense).
+    The chunk's variables are `stage_variables` cut to k units ({"params": [k, ...]}, and under FP8
+    {"fp8": [k, 3, H]}). `rules` are those of the loop's manual region."""
     block = model_lib.remat_block(cfg)(cfg, rules, attention_fn, parent=None)
 
     def stack(chunk, x, positions, segment_ids):
-        def layer(x, params):
-            return block.apply({"params": params}, x, positions, segment_ids)
+        def layer(x, variables):
+            return block.apply(variables, x, positions, segment_ids)
         x, stats = lax.scan(layer, x, chunk)
         return x, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats or {})
     return stack
 
 
 def _chunk_function(stack):
-    """stack on chunk r and micro-batch i, both picked inside: a remat keeps (r, i, x), not weights."""
-    def run(chunks, r, i, x, positions, segment_ids):
+    """stack on chunk r and micro-batch i, both picked inside: a remat keeps (r, i, x), not weights.
+    Under FP8 the chunk's amaxes count only when `working` (a bubble tick runs on no micro-batch)."""
+    def run(chunks, r, i, x, positions, segment_ids, working):
         chunk = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, 0, keepdims=False), chunks)
+        if FP8 in chunk:
+            chunk = {**chunk, FP8: jax.tree.map(lambda h: fp8_lib.recorded_if(h, working), chunk[FP8])}
         return stack(chunk, x, lax.dynamic_index_in_dim(positions, i, 1, keepdims=False),
                      lax.dynamic_index_in_dim(segment_ids, i, 1, keepdims=False))
     return run
@@ -250,12 +275,14 @@ def _ring_loop(stack, layers, xs, positions, segment_ids, *, p, m, v, units, axe
     (a psum over the batch axes) then runs once per step, not in every tick's backward.
     """
     s = lax.axis_index(STAGE)
-    layers = vary(layers, axes)
+    layers = {**layers, "params": vary(layers["params"], axes)}
+    if FP8 in layers:  # this device's own copy (`fp8.per_device`): [1, v*k, 3, H] -> [v*k, 3, H]
+        layers[FP8] = jax.tree.map(lambda h: h[0], layers[FP8])
     chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers)
     ring = [(j, (j + 1) % p) for j in range(p)]
     buffer = lax.pcast(xs, (STAGE,), to="varying")  # [b, m, T, D]
     incoming = jnp.zeros_like(buffer[:, 0])  # [b, T, D] from the previous stage
-    example = jax.eval_shape(stack, chunks, 0, 0, incoming, positions, segment_ids)[1]
+    example = jax.eval_shape(stack, chunks, 0, 0, incoming, positions, segment_ids, True)[1]
     stats = jax.tree.map(lambda a: lax.pcast(jnp.zeros(a.shape, a.dtype), (STAGE,), to="varying"), example)
 
     def park(buffer, incoming, t):  # stage p-1 finished micro-batch t - p on the previous tick
@@ -268,8 +295,8 @@ def _ring_loop(stack, layers, xs, positions, segment_ids, *, p, m, v, units, axe
         buffer = park(buffer, incoming, t)
         i, r = (t - s) % m, jnp.clip((t - s) // m, 0, v - 1)  # micro-batch and lap of this stage
         x = jnp.where(s == 0, lax.dynamic_index_in_dim(buffer, t % m, 1, keepdims=False), incoming)
-        y, tick_stats = stack(chunks, r, i, x, positions, segment_ids)
         working = (t >= s) & (t - s < v * m)
+        y, tick_stats = stack(chunks, r, i, x, positions, segment_ids, working)
         stats = jax.tree.map(lambda a, b: a + jnp.where(working, b, 0), stats, tick_stats)
         return (buffer, lax.ppermute(y, STAGE, ring), stats), None
 
@@ -285,25 +312,28 @@ def _ring_loop(stack, layers, xs, positions, segment_ids, *, p, m, v, units, axe
 # ---------------------------------------------------------------------------------------------
 
 
-def loss_and_grads(params, batch, model, total_tokens, accum_steps):
-    """((loss_sum, aux), grads) of the 1F1B schedule; the train step's drop-in for autodiff.
+def loss_and_grads(params, histories, batch, model, total_tokens, accum_steps):
+    """(loss_sum, aux, grads, amaxes) of the 1F1B schedule; the train step's drop-in for autodiff.
 
     Same contract as the train step's one-pass gradient: the differentiated loss is
     loss_sum / total_tokens plus the MoE losses in `aux`, each averaged over the MoE units and the
-    micro-batches as under gpipe (`moe.loss_terms`). The loop is manual over `Pipeline.axes`: each
-    device sums its own gradients over its micro-batches and the data-parallel reduction runs once,
-    after the loop (playbook, "Data Parallelism" with gradient accumulation), not in every backward
-    slot; under ZeRO-3 the weights are gathered once, when they enter the loop (playbook, "ZeRO-3":
-    a stage keeps its weights gathered across its micro-batches), not in every slot.
+    micro-batches as under gpipe (`moe.loss_terms`); under FP8, `amaxes` are the largest amaxes each
+    quantised matmul saw (the cotangents of its amax `histories`). The loop is manual over
+    `Pipeline.axes`: each device sums its own gradients over its micro-batches and the data-parallel
+    reduction runs once, after the loop (playbook, "Data Parallelism" with gradient accumulation),
+    not in every backward slot; under ZeRO-3 the weights are gathered once, when they enter the loop
+    (playbook, "ZeRO-3": a stage keeps its weights gathered across its micro-batches), not in every slot.
     """
     del accum_steps  # the validator requires train.grad_accum_steps == 1 with a pipeline
-    return run_gradient_loop(_one_f_one_b_loop, params, batch, model, total_tokens)
+    return run_gradient_loop(_one_f_one_b_loop, params, histories, batch, model, total_tokens)
 
 
-def run_gradient_loop(loop, params, batch, model, total_tokens, **static):
+def run_gradient_loop(loop, params, histories, batch, model, total_tokens, **static):
     """`loop`(stack, stage model, layers, outer params, micro-batches, total_tokens, *, p, m, axes, units,
     specs, **static) -> (loss sum, MoE stats, outer grads, layer grads), run in the pipeline's
-    `shard_map`; returns the train step's (loss_sum, aux, grads). Shared by 1F1B and the slot tables."""
+    `shard_map`; returns the train step's (loss_sum, aux, grads, amaxes). Shared by 1F1B and the slot
+    tables. `layers` are the stage's variables (`stage_variables`: parameters, and under FP8 the amax
+    histories, float32); its gradients are their float32 gradient sums and largest amaxes."""
     pipe = model.pipeline
     inner = model.clone(rules=model.rules.with_manual(pipe.axes), pipeline=None,
                         attention_fn=attention_lib.in_conditional_slots(model.attention_fn))
@@ -311,16 +341,30 @@ def run_gradient_loop(loop, params, batch, model, total_tokens, **static):
     outer = {k: v for k, v in params.items() if k != "layers"}
     micro = jax.tree.map(functools.partial(_split, m=pipe.microbatches), batch)
     units = model_lib.scan_unit(model.cfg)[1]
-    specs = layer_specs(model.cfg, pipe.axes)
+    layers, specs = {"params": params["layers"]}, {"params": layer_specs(model.cfg, pipe.axes)}
+    if histories:  # all of them belong to the layers: the embedding and the head are not quantised
+        layers[FP8] = histories["layers"]
+        specs[FP8] = jax.tree.map(lambda _: P(STAGE), histories["layers"])
     body = functools.partial(loop, stack, inner, p=pipe.stages, m=pipe.microbatches, axes=pipe.axes, units=units,
                              specs=specs, **static)
     loss_sum, stats, outer_grads, layer_grads = jax.shard_map(
         body, in_specs=(specs, P(), pipe.micro_spec(0), P()), out_specs=(P(), P(), P(), specs),
         axis_names=set(pipe.axes), check_vma=pipe.checked,
-    )(params["layers"], outer, micro, total_tokens)
-    grads = {**outer_grads, "layers": layer_grads}
+    )(layers, outer, micro, total_tokens)
+    grads = {**outer_grads, "layers": layer_grads["params"]}
+    amaxes = {"layers": layer_grads[FP8]} if FP8 in layer_grads else {}
     aux, logged = moe_lib.loss_terms(stats or None, model.cfg)
-    return loss_sum, {**aux, **logged}, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    return loss_sum, {**aux, **logged}, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), amaxes
+
+
+def reduce_layer_grads(g_layers: dict, specs: dict, rest: tuple[str, ...]) -> dict:
+    """A stage's layer gradient sums and amaxes, reduced over the loop's other axes once: a gradient
+    summed over the axes its weight is replicated on (not `expert` for experts), an amax maximised."""
+    out = {"params": jax.tree.map(lambda g, spec: _psum(g, tuple(a for a in rest if a not in spec)),
+                                  g_layers["params"], specs["params"], is_leaf=lambda x: isinstance(x, P))}
+    if FP8 in g_layers:
+        out[FP8] = jax.tree.map(lambda a: lax.pmax(a, rest) if rest else a, g_layers[FP8])
+    return out
 
 
 def aux_cotangents(stats: dict, cfg, units: int, m: int) -> dict:
@@ -381,9 +425,15 @@ class _Residuals:
         self._stack, self._layers = stack, layers
 
     def vjp(self, x, mb, w=None):
-        """((y, stats), pullback) of the stage (weights `w`) on x [b, T, D] for micro-batch `mb`."""
+        """((y, stats), pullback) of the stage (variables `w`) on x [b, T, D] for micro-batch `mb`.
+        FP8 histories enter as `fp8.for_grad` values: their cotangents are the matmuls' amaxes."""
         w = self._layers if w is None else w
-        return jax.vjp(lambda w, x: self._stack(w, x, mb["positions"], mb["segment_ids"]), w, x)
+
+        def run(w, x):
+            if FP8 in w:
+                w = {**w, FP8: fp8_lib.for_grad(w[FP8])}
+            return self._stack(w, x, mb["positions"], mb["segment_ids"])
+        return jax.vjp(run, w, x)
 
     def _split(self, pullback, w):
         weights = jax.tree.leaves(self._layers if w is None else w)
@@ -453,6 +503,21 @@ class _SlotWork:
     def _acc(sums, grads):
         return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), sums, grads)
 
+    @classmethod
+    def _acc_layers(cls, sums, grads):
+        """Layer gradients summed, FP8 amaxes maximised (`_layer_sums`)."""
+        out = {"params": cls._acc(sums["params"], grads["params"])}
+        if FP8 in sums:
+            out[FP8] = jax.tree.map(jnp.maximum, sums[FP8], fp8_lib.from_grad(grads[FP8]))
+        return out
+
+    def _layer_sums(self) -> dict:
+        """Zeroed float32 gradient sums of the stage's layers and, under FP8, amaxes (-inf: none yet)."""
+        sums = {"params": jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), self.layers["params"])}
+        if FP8 in self.layers:
+            sums[FP8] = jax.tree.map(lambda a: jnp.full(a.shape, -jnp.inf, jnp.float32), self.layers[FP8])
+        return sums
+
     def activation(self) -> jax.Array:
         """Zeros shaped like one micro-batch's activation [b, T, D]."""
         example = jax.eval_shape(self._embed, self.outer, self._pick(0)["inputs"])
@@ -467,7 +532,7 @@ class _SlotWork:
             return stats
         stats = jax.eval_shape(probe, act)
         zeros32 = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, jnp.float32))
-        carry = dict(dy=act, g_layers=zeros32(self.layers), g_outer=zeros32(self.outer),
+        carry = dict(dy=act, g_layers=self._layer_sums(), g_outer=zeros32(self.outer),
                      loss=jnp.zeros((), jnp.float32), stats=zeros32(stats))
         stash = self.residuals.stash(self.p, lax.pcast(act, self.manual, to="varying"), self._pick(0), self.manual)
         return {**self._varying(carry), "stash": stash}  # the stash: see _Residuals
@@ -503,7 +568,7 @@ class _SlotWork:
             g_stats = {k: self._varying(g, self._stats_vma[k]) for k, g in
                        aux_cotangents(c["stats"], self.model.cfg, self.units, self.m).items()}
             g_layers, dx = pullback((g, g_stats))
-            c = {**c, "g_layers": self._acc(c["g_layers"], g_layers)}
+            c = {**c, "g_layers": self._acc_layers(c["g_layers"], g_layers)}
             if not first:
                 return c, dx
             _, embed_vjp = jax.vjp(lambda o: self._embed(o, mb["inputs"]), self.outer)
@@ -548,9 +613,7 @@ def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m,
 
     inbox = lax.pcast(work.activation(), axes, to="varying")
     (c, _), _ = lax.scan(tick, (work.initial_carry(), inbox), jnp.arange(m + p - 1))
-    # a layer gradient is reduced over the axes its weight is replicated on (not `expert` for experts)
-    g_layers = jax.tree.map(lambda g, spec: _psum(g, tuple(a for a in rest if a not in spec)), c["g_layers"],
-                            specs, is_leaf=lambda x: isinstance(x, P))
+    g_layers = reduce_layer_grads(c["g_layers"], specs, rest)
     # every rank of a stage holds the same statistics (summed over the batch inside each layer)
     stats = jax.tree.map(lambda a: _pmean(lax.psum(a, STAGE), rest) / (units * m), c["stats"])
     return lax.psum(c["loss"], axes), stats, lax.psum(c["g_outer"], axes), g_layers
@@ -583,10 +646,6 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
         f"must be divisible by pipeline.microbatches*mesh.(data*fsdp*expert)={pipe.microbatches}*{dp}")
     req(config.train.grad_accum_steps == 1, "train.grad_accum_steps", config.train.grad_accum_steps,
         "must be 1 with mesh.stage > 1: pipeline.microbatches splits the batch instead")
-    req(config.model.matmul_precision != "fp8", "model.matmul_precision", config.model.matmul_precision,
-        "FP8 matmuls do not run inside pipeline stages (mesh.stage > 1): the stage loops would have to carry "
-        "each stage's amax histories and take their maxima over micro-batches; use matmul_precision='bf16' "
-        "with mesh.stage > 1, or fp8 with mesh.stage=1")
     kernels = config.attention.impl == "pallas" or config.model.fused_norm or config.model.fused_loss
     req(not (kernels and config.model.num_experts), "model.num_experts", config.model.num_experts,
         "MoE layers and Pallas kernels (attention.impl='pallas', model.fused_*) cannot share a pipeline stage: "

@@ -38,15 +38,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from meshtrain import schedules
 from meshtrain.pipeline import (
     STAGE,
     _pmean,
-    _psum,
     _SlotWork,
     aux_cotangents,
+    reduce_layer_grads,
     run_gradient_loop,
 )
 from meshtrain.sharding_rules import vary
@@ -183,7 +182,7 @@ class _TableWork(_SlotWork):
             return stats
         stats = jax.eval_shape(probe, x)
         zeros32 = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, jnp.float32))
-        carry = dict(g_layers=zeros32(self.layers), g_outer=zeros32(self.outer), loss=jnp.zeros((), jnp.float32),
+        carry = dict(g_layers=self._layer_sums(), g_outer=zeros32(self.outer), loss=jnp.zeros((), jnp.float32),
                      stats=zeros32(stats))
         if self.plan.split:
             carry["g_stash"] = jnp.zeros((self.plan.stash_slots, *act.shape), act.dtype)
@@ -209,7 +208,7 @@ class _TableWork(_SlotWork):
 
     def _add_layers(self, c, chunk, grads):
         old = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, chunk, 0, keepdims=False), c["g_layers"])
-        new = self._acc(old, grads)
+        new = self._acc_layers(old, grads)
         return {**c, "g_layers": jax.tree.map(lambda a, n: lax.dynamic_update_index_in_dim(a, n, chunk, 0),
                                               c["g_layers"], new)}
 
@@ -259,13 +258,13 @@ class _TableWork(_SlotWork):
         return (self._add_layers(c, chunk, g_w), *self._outputs(x))
 
 
-def loss_and_grads(params, batch, model, total_tokens, accum_steps):
-    """((loss_sum, aux), grads) of a slot-table schedule; the train step's drop-in for autodiff
+def loss_and_grads(params, histories, batch, model, total_tokens, accum_steps):
+    """(loss_sum, aux, grads, amaxes) of a slot-table schedule; the train step's drop-in for autodiff
     (the contract of `pipeline.loss_and_grads`)."""
     del accum_steps  # the validator requires train.grad_accum_steps == 1 with a pipeline
     pipe = model.pipeline
     plan = slot_plan(pipe.schedule, pipe.stages, pipe.microbatches, pipe.repeats)
-    return run_gradient_loop(_table_loop, params, batch, model, total_tokens, plan=plan, v=pipe.repeats)
+    return run_gradient_loop(_table_loop, params, histories, batch, model, total_tokens, plan=plan, v=pipe.repeats)
 
 
 def _ring(p: int, step: int, wraps: bool) -> list[tuple[int, int]]:
@@ -302,7 +301,6 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     inbox_f, inbox_b = work.inboxes()
     (c, _, _), _ = lax.scan(tick, (work.initial_carry(), inbox_f, inbox_b), jnp.asarray(plan.program))
     g_layers = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), c["g_layers"])
-    g_layers = jax.tree.map(lambda g, spec: _psum(g, tuple(a for a in rest if a not in spec)), g_layers,
-                            specs, is_leaf=lambda x: isinstance(x, P))
+    g_layers = reduce_layer_grads(g_layers, specs, rest)
     stats = jax.tree.map(lambda a: _pmean(lax.psum(a, STAGE), rest) / (units * m), c["stats"])
     return lax.psum(c["loss"], axes), stats, lax.psum(c["g_outer"], axes), g_layers

@@ -148,11 +148,13 @@ class StateFactory:
 
     def _reorder(self, state: TrainState, index: np.ndarray | None) -> TrainState:
         """Every layer-stacked leaf (first logical name "layers": parameters and their optimizer
-        moments) taken along its first dimension at `index`."""
+        moments; the FP8 amax histories of the layers) taken along its first dimension at `index`."""
         if index is None:
             return state
         stacked = jax.tree.map(lambda x: _is_box(x) and bool(x.names) and x.names[0] == "layers", self.boxed,
                                is_leaf=_is_box)
+        layered = {name: jax.tree.map(lambda _, n=name: n == "layers", tree) for name, tree in self.boxed.fp8.items()}
+        stacked = stacked.replace(fp8=layered)
         return jax.tree.map(lambda a, s: a[index] if s else a, state, stacked)
 
     def to_canonical(self, state: TrainState) -> TrainState:
@@ -192,20 +194,15 @@ def _split_micro(x: jax.Array, accum: int) -> jax.Array:
     return jnp.swapaxes(x.reshape(b // accum, accum, *x.shape[1:]), 0, 1)
 
 
-def _grads_one_pass(params, batch, model, total_tokens, accum_steps, copies: int = 1):
-    """(loss_sum, aux, grads) of one (micro-)batch; the loss is pre-divided by the global token count.
+def grads_one_pass(params, histories, batch, model, total_tokens, accum_steps, copies: int = 1):
+    """(loss_sum, aux, grads, amaxes) of one (micro-)batch by autodiff; the loss is pre-divided by
+    the global token count. With FP8 amax `histories`, `amaxes` are their cotangents: this pass's
+    amaxes (`fp8.py`; max-combined over every use of a matmul); {} without.
 
     `copies`: on how many devices of an enclosing manual region each device's `aux` (MoE losses of
     statistics summed over the region) is the same value. Each device adds it to its own loss, and
     the backward of that implicit broadcast sums the copies' cotangents, so each adds 1/copies.
     """
-    loss_sum, aux, grads, _ = _grads_and_amaxes(params, {}, batch, model, total_tokens, accum_steps, copies)
-    return loss_sum, aux, grads
-
-
-def _grads_and_amaxes(params, histories, batch, model, total_tokens, accum_steps, copies: int = 1):
-    """`_grads_one_pass` and, with FP8 amax `histories`, their cotangents: this pass's amaxes
-    (`fp8.py`; max-combined over every use of a matmul)."""
     def loss_fn(params, histories, micro):
         # `aux` holds auxiliary losses (added); the model sows logged-only scalars into "metrics".
         variables = {"params": params}
@@ -226,8 +223,8 @@ def _accumulate_local(params, histories, micro_batches, model, total_tokens, acc
 
     def accumulate(carry, micro):
         grads_acc, amax_acc, loss_acc = carry
-        loss_sum, aux, grads, amaxes = _grads_and_amaxes(params, histories, micro, model, total_tokens,
-                                                         accum_steps, copies)
+        loss_sum, aux, grads, amaxes = grads_one_pass(params, histories, micro, model, total_tokens,
+                                                      accum_steps, copies)
         grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
         amax_acc = jax.tree.map(jnp.maximum, amax_acc, amaxes)
         return (grads_acc, amax_acc, loss_acc + loss_sum), aux
@@ -310,21 +307,18 @@ def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, man
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_lib.Transformer,
                tx: optax.GradientTransformation, schedule: optax.Schedule, grad_specs,
                accum_steps: int, manual_axes: tuple[str, ...], grad_clip: float = 0.0,
-               grads_fn: Callable = _grads_one_pass, checked: bool = True) -> tuple[TrainState, dict[str, jax.Array]]:
+               grads_fn: Callable = grads_one_pass, checked: bool = True) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step over the global batch [B, T]; returns the new state and scalar metrics.
 
-    `grads_fn` -> (loss_sum, aux, grads): autodiff of the loss, or the 1F1B pipeline's own loop.
+    `grads_fn` -> (loss_sum, aux, grads, amaxes): autodiff of the loss (`grads_one_pass`), or a
+    pipeline schedule's own loop.
     `grad_clip` > 0 scales the gradients to at most that global norm before `tx`.
     """
     total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
     # One micro-batch still goes through the manual loop (its hand-written, once-per-step reduction)
     # unless a pipeline's stage loop, itself manual over the batch axes, reduces the gradients.
-    amaxes = {}
     if accum_steps == 1 and (model.pipeline is not None or not manual_axes):
-        if state.fp8:  # validate.py keeps FP8 off the pipeline's own loops
-            loss_sum, aux, grads, amaxes = _grads_and_amaxes(state.params, state.fp8, batch, model, total_tokens, 1)
-        else:
-            loss_sum, aux, grads = grads_fn(state.params, batch, model, total_tokens, 1)
+        loss_sum, aux, grads, amaxes = grads_fn(state.params, state.fp8, batch, model, total_tokens, 1)
     else:
         loss_sum, aux, grads, amaxes = accumulate_gradients(
             state.params, batch, model=model, total_tokens=total_tokens, accum_steps=accum_steps,
@@ -353,7 +347,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_l
 
 
 def jit_train_step(factory: StateFactory, schedule: optax.Schedule, batch_sharding: NamedSharding, *,
-                   accum_steps: int = 1, manual_axes: tuple[str, ...] = (), grads_fn: Callable = _grads_one_pass,
+                   accum_steps: int = 1, manual_axes: tuple[str, ...] = (), grads_fn: Callable = grads_one_pass,
                    grad_clip: float = 0.0, compiler_options: dict[str, str] | None = None,
                    checked: bool = True) -> Callable:
     """The step jitted once: explicit in/out shardings, the state donated."""
@@ -375,7 +369,7 @@ def build(run: Run) -> tuple[StateFactory, Callable]:
     micro = config.train.batch_size // config.train.grad_accum_steps
     factory = StateFactory(model, tx, run.mesh, Placement.for_zero_stage(run.rules, config.train.zero_stage),
                            (micro, config.train.seq_len))
-    grads_fn = grads_function(run.pipeline, _grads_one_pass)
+    grads_fn = grads_function(run.pipeline, grads_one_pass)
     step = jit_train_step(factory, optimizer_lib.learning_rate_schedule(config), run.batch_sharding,
                           accum_steps=config.train.grad_accum_steps, manual_axes=run.accumulation_axes,
                           grads_fn=grads_fn, grad_clip=config.train.grad_clip,
@@ -384,7 +378,7 @@ def build(run: Run) -> tuple[StateFactory, Callable]:
 
 
 def grads_function(pipe: pipeline_lib.Pipeline | None, default):
-    """The step's (loss_sum, aux, grads) function: 1F1B's own loop (`pipeline.loss_and_grads`), the
+    """The step's (loss_sum, aux, grads, amaxes) function: 1F1B's own loop (`pipeline.loss_and_grads`), the
     slot-table loop of interleaved 1F1B and zero bubble (`pipeline_tables.loss_and_grads`), else
     `default` (autodiff, gpipe and circular included)."""
     if pipe is not None and pipe.schedule == "1f1b":

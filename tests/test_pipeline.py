@@ -53,10 +53,11 @@ def _sizes(**sizes) -> dict[str, int]:
     return {a: sizes.get(a, 1) for a in config_lib.MESH_AXES}
 
 
-def _autodiff(params, batch, model, total_tokens, accum_steps):
+def _autodiff(params, histories, batch, model, total_tokens, accum_steps):
+    del histories  # float32 matmuls: no FP8 amax histories
     loss_fn = lambda p: model.apply({"params": p}, batch, method="loss")[0]  # noqa: E731
     loss_sum, grads = jax.value_and_grad(loss_fn)(params)
-    return loss_sum, {}, jax.tree.map(lambda g: g / total_tokens, grads)
+    return loss_sum, {}, jax.tree.map(lambda g: g / total_tokens, grads), {}
 
 
 @functools.cache
@@ -70,13 +71,13 @@ def _reference():
         params = nn.unbox(model.init(jax.random.key(0), batch["inputs"], batch["positions"],
                                      batch["segment_ids"])["params"])
         tokens = float(batch["loss_mask"].sum())
-        fn = jax.jit(lambda p: _autodiff(p, batch, model, tokens, 1))
+        fn = jax.jit(lambda p: _autodiff(p, {}, batch, model, tokens, 1))
         fn(params)
     params = jax.tree.map(np.asarray, params)
 
     def loss_and_grads(p):
         with jax.set_mesh(mesh):
-            loss_sum, _, grads = fn(p)
+            loss_sum, _, grads, _ = fn(p)
         return float(loss_sum), jax.tree.map(np.asarray, grads)
     return params, batch, tokens, loss_and_grads
 
@@ -95,7 +96,7 @@ def _pipelined(schedule: str, mesh_items: tuple, microbatches: int = M, batch: i
     batch_sharding = utils_batch_sharding(mesh)
     example = synthetic_batches(config, 1)[0]
     with jax.set_mesh(mesh):
-        compiled = jax.jit(lambda p, b: fn(p, b, model, jnp.maximum(b["loss_mask"].sum(), 1.0), 1),
+        compiled = jax.jit(lambda p, b: fn(p, {}, b, model, jnp.maximum(b["loss_mask"].sum(), 1.0), 1),
                            in_shardings=(factory.shardings.params, batch_sharding)).lower(
             factory.abstract.params, example).compile()
     return pipe, mesh, compiled
@@ -119,7 +120,7 @@ def _assert_equal_single_device(pipe, pmesh, compiled):
     ref_loss, ref_grads = reference(ref_params)
     ref_grads["layers"] = jax.tree.map(lambda a: a[np.argsort(order)], ref_grads["layers"])
     with jax.set_mesh(pmesh):
-        loss_sum, _, grads = compiled(params, batch)
+        loss_sum, _, grads, _ = compiled(params, batch)
     np.testing.assert_allclose(float(loss_sum) / tokens, ref_loss / tokens, rtol=1e-5)
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
         want = functools.reduce(lambda t, k: t[k.key], path, ref_grads)
@@ -279,7 +280,7 @@ def test_one_f_one_b_stash_keeps_activations_not_weights():
         params = nn.unbox(model.init(jax.random.key(0), batch["inputs"], batch["positions"],
                                      batch["segment_ids"])["params"])
         residuals = pipeline_lib._Residuals(pipeline_lib.stage_function(model.cfg, model.rules, model.attention_fn),
-                                            params["layers"])
+                                            {"params": params["layers"]})
         mb = {k: v[:2] for k, v in batch.items()}
         x = jnp.zeros((2, SEQ, config.model.d_model), jnp.float32)
         stash = residuals.stash(3, x, mb, ())
