@@ -389,6 +389,18 @@ def one_f_one_b_slot(p: int, s, u):
     return jnp.where(forward, 1, 2), jnp.where(forward, j_forward, j_backward)
 
 
+def one_f_one_b_branches_used(p: int, m: int) -> set[int]:
+    """The `one_f_one_b_branch` indices some stage takes in some slot (host ints)."""
+    used = {0}
+    for s in range(p):
+        role = 1 if s == 0 else 2 if s == p - 1 else 0
+        for u in range(2 * (m + p - 1)):
+            op, j = one_f_one_b_slot(p, s, u)
+            if 0 <= j < m:
+                used.add(1 + 3 * (op - 1) + role)
+    return used
+
+
 def one_f_one_b_branch(p: int, m: int, s, u):
     """(branch, micro-batch) of the slot's `lax.switch`: 0 idle; forward 1 on a middle stage, 2 on
     stage 0 (embedding), 3 on stage p-1 (head and loss); backward 4, 5 (embedding), 6 likewise."""
@@ -537,9 +549,12 @@ class _SlotWork:
         stash = self.residuals.stash(self.p, lax.pcast(act, self.manual, to="varying"), self._pick(0), self.manual)
         return {**self._varying(carry), "stash": stash}  # the stash: see _Residuals
 
-    def branches(self) -> list:
-        return [self._idle, self._forward(False, False), self._forward(True, False), self._forward(False, True),
-                self._backward(False, False), self._backward(True, False), self._backward(False, True)]
+    def branches(self, used: set[int]) -> list:
+        """The `lax.switch` branches; those no stage ever takes (`used`: the schedule's) are idle, so
+        that they are neither traced nor compiled (a 2-stage pipeline has no middle stage)."""
+        every = [self._idle, self._forward(False, False), self._forward(True, False), self._forward(False, True),
+                 self._backward(False, False), self._backward(True, False), self._backward(False, True)]
+        return [branch if index in used else self._idle for index, branch in enumerate(every)]
 
     def _idle(self, c, inbox, j):
         return c, jnp.zeros_like(inbox)
@@ -601,7 +616,7 @@ def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m,
     outer = lax.pcast(outer, axes, to="varying")
     layers = vary(layers, rest)
     work = _SlotWork(stack, model, layers, outer, micro, total_tokens, p=p, m=m, manual=axes, units=units)
-    branches = work.branches()
+    branches = work.branches(one_f_one_b_branches_used(p, m))
 
     def tick(carry, t):
         c, inbox = carry

@@ -195,9 +195,13 @@ class _TableWork(_SlotWork):
         return tuple(lax.pcast(jnp.zeros((n + 1, *act.shape), act.dtype), self.manual, to="varying")
                      for n in (self.plan.inbox_f_slots, self.plan.inbox_b_slots))
 
-    def branches(self) -> list:
-        return [self._idle, self._forward(False, False), self._forward(True, False), self._forward(False, True),
-                self._backward(False), self._backward(True), self._weights if self.plan.split else self._idle]
+    def branches(self, used: set[int] | None = None) -> list:
+        """The `lax.switch` branches (the constants above); those the plan never takes are idle, neither
+        traced nor compiled (`used` defaults to the plan's)."""
+        used = {int(b) for b in np.unique(self.plan.program[:, :, 0])} if used is None else used
+        every = [self._idle, self._forward(False, False), self._forward(True, False), self._forward(False, True),
+                 self._backward(False), self._backward(True), self._weights if self.plan.split else self._idle]
+        return [branch if index in used else self._idle for index, branch in enumerate(every)]
 
     def _outputs(self, like, y=None, dx=None, dy=None):
         zeros = jnp.zeros_like(like)

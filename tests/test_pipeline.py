@@ -258,6 +258,15 @@ def test_one_f_one_b_slots_respect_dependencies_and_hold_at_most_p(p, m):
                 assert (s, s - 1) in pairs
 
 
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 5), (3, 7), (4, 4)])
+def test_one_f_one_b_traces_only_the_branches_some_stage_takes(p, m):
+    """The slot switch keeps the branches some (stage, slot) takes; the rest are idle, not traced:
+    2 stages have no middle stage, so no middle forward (1) or backward (4)."""
+    taken = {int(pipeline_lib.one_f_one_b_branch(p, m, s, u)[0]) for s in range(p) for u in range(2 * (m + p - 1))}
+    assert pipeline_lib.one_f_one_b_branches_used(p, m) == taken | {0}
+    assert (1 in taken and 4 in taken) == (p > 2)
+
+
 def test_one_f_one_b_reduces_gradients_over_data_once():
     """The 1f1b loop is manual over the batch axes the parameters are replicated on: every collective
     over `data` runs once per step (after the loop), none in the slots."""
