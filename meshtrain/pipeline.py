@@ -241,7 +241,14 @@ def stage_function(cfg, rules, attention_fn):
     model's block (with its remat policy), stats summed over the chunk's MoE units ({} if dense).
     The chunk's variables are `stage_variables` cut to k units ({"params": [k, ...]}, and under FP8
     {"fp8": [k, 3, H]}). `rules` are those of the loop's manual region."""
-    block = model_lib.remat_block(cfg)(cfg, rules, attention_fn, parent=None)
+    block_class = model_lib.remat_block(cfg)
+    if cfg.remat_policy == "none":
+        # A remat that saves everything: nothing is recomputed and the memory is that of no remat. Without
+        # one, jax 0.10's transpose of the layer scan inside 1F1B's and the slot tables' `jax.vjp` types
+        # an MoE layer's router-statistic cotangent as varying over the batch axes and tracing fails.
+        block_class = nn.remat(model_lib.scan_unit(cfg)[0], policy=jax.checkpoint_policies.everything_saveable,
+                               prevent_cse=False)
+    block = block_class(cfg, rules, attention_fn, parent=None)
 
     def stack(chunk, x, positions, segment_ids):
         def layer(x, variables):
