@@ -43,7 +43,7 @@ def _run(key: tuple) -> tuple[np.ndarray, list[dict], str]:
     batches = utils.synthetic_batches(config, STEPS)
     with jax.set_mesh(mesh):
         compiled = step_fn.lower(factory.abstract, batches[0]).compile()
-        state = factory.create(config.seed)
+        state = utils.initial_state(factory, config)
         metrics = []
         for batch in batches:
             state, m = compiled(state, batch)

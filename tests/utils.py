@@ -4,6 +4,7 @@ mesh, and the checkpoint / child-process helpers of the checkpoint and launch te
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import json
 import os
@@ -56,7 +57,7 @@ def apply_overrides(config, overrides: dict):
 def composed_config(mesh: dict):
     """The tiny config with what each axis of `mesh` brings along (tests/test_compose.py, bench/compose.py):
     the MoE with `expert` (sequence-wise balance loss; dropless with `sequence`), ring attention with
-    `sequence`, the 1F1B schedule with `stage`, ZeRO-3 with `fsdp`."""
+    `sequence`, the 1F1B schedule with `stage`, ZeRO-3 with `fsdp`; and `COMPOSED_RIDERS`."""
     moe, ring = mesh.get("expert", 1) > 1, mesh.get("sequence", 1) > 1
     if moe:
         c = load_config_file("tiny_moe")
@@ -73,7 +74,13 @@ def composed_config(mesh: dict):
     if mesh.get("stage", 1) > 1:
         c.pipeline.schedule, c.pipeline.microbatches = "1f1b", 2
     c.train.zero_stage = 3 if mesh.get("fsdp", 1) > 1 else 1
-    return c
+    axes = tuple(a for a in AXES if mesh.get(a, 1) > 1)
+    return apply_overrides(c, COMPOSED_RIDERS.get(axes, {}))
+
+
+# Features that ride along on one three-axis mesh each (tests/test_compose.py, test_default_dtype.py):
+# they change memory, never values, so the mesh still trains to the data=8 run's numbers.
+COMPOSED_RIDERS = {("data", "expert", "stage"): {"remat.policy": "none"}}
 
 
 def devices_for(config) -> list:
@@ -119,11 +126,44 @@ def resolve(config, devices=None) -> Run:
     return Run.resolve(config, devices or devices_for(config))
 
 
+# Config keys that choose how a run is laid out on its mesh, never the model or optimizer it starts with.
+LAYOUT = {"attention.impl": "xla", "remat.policy": "none", "model.fused_norm": False, "model.fused_loss": False,
+          "model.sequence_parallel": False, "train.zero_stage": 0}
+
+
+_HOST_STATES: dict[str, object] = {}  # initial train states on one device, by config (this test process)
+
+
+def initial_state(factory, config):
+    """`factory.create(config.seed)` without compiling an initialiser for every mesh: the state of the
+    same model and optimizer initialised once on one device (per test process), placed in the
+    factory's shardings and layer order. Equal bit for bit, since initialisation is the same on every
+    mesh (`tests/test_parallel_equivalence.py::test_every_mesh_initialises_the_same_state`)."""
+    single = apply_overrides(copy.deepcopy(config), {**{f"mesh.{a}": 1 for a in AXES}, **LAYOUT})
+    key = json.dumps(flatten(single), sort_keys=True, default=str)
+    if key not in _HOST_STATES:
+        one, _ = train_step_lib.build(resolve(single, jax.devices()[:1]))
+        _HOST_STATES[key] = jax.device_get(one.create(single.seed))
+    state = jax.tree.map(lambda a, target: jax.device_put(a, target.sharding), _HOST_STATES[key], factory.abstract)
+    return factory.from_canonical(state)
+
+
+def flatten(config, prefix: str = "") -> dict:
+    """{"a.b": value} of every leaf of a ConfigDict."""
+    out = {}
+    for key, value in config.items():
+        if hasattr(value, "items"):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def train(config, batches, devices=None):
     """Trains len(batches) steps; returns (metrics per step as floats, final state, factory)."""
     run = resolve(config, devices)
     factory, step_fn = train_step_lib.build(run)
-    state = factory.create(config.seed)
+    state = initial_state(factory, config)
     records = []
     with jax.set_mesh(run.mesh):
         for batch in batches:
