@@ -29,7 +29,7 @@ from tests.utils import ROOT, cli_args, config_for, load, subprocess_env
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache")]
 
 STEPS = 80
-KILL_TRIALS = 4
+KILL_TRIALS = 2  # bench/faults.py runs 10 for the statistics
 WAIT_S = 240  # bound on any wait for a training process
 
 

@@ -92,6 +92,13 @@ def tfds_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("tfds"))
 
 
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory) -> str:
+    """One persistent compilation cache for this worker's commands: a program another command
+    compiled (the same step, the evaluation's scoring) is loaded, not compiled again."""
+    return str(tmp_path_factory.mktemp("jax_cache"))
+
+
 def _prepare(command: str, index: int, tmp_path, filled: dict[str, str]) -> list[str]:
     command = re.sub(r"\s*\[[^\]]*\]", "", command)
     for placeholder, value in filled.items():
@@ -119,13 +126,15 @@ ON_MAIN = [i for i, c in enumerate(COMMANDS) if "<workdir>" in c]
 
 @pytest.mark.parametrize("index", [i for i in range(len(COMMANDS)) if i not in ON_MAIN],
                          ids=lambda i: f"{i}-{MODULE.match(COMMANDS[i]).group(1).split('.', 1)[1]}")
-def test_every_readme_command_runs(tmp_path, hf_dir, tfds_dir, parquet_dir, index):
+def test_every_readme_command_runs(tmp_path, hf_dir, tfds_dir, parquet_dir, jax_cache, index):
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "lm_eval").symlink_to(ROOT / "tests" / "lm_eval")  # the evaluation's example tasks
     # LLVM's lowest optimisation level, as in the other tests: half the CPU code generation time
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TFDS_DATA_DIR": tfds_dir,
-           "PYTHONPATH": str(ROOT), "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+           "PYTHONPATH": str(ROOT), "XLA_FLAGS": "--xla_backend_optimization_level=0",
+           "JAX_COMPILATION_CACHE_DIR": jax_cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
     for i in [index, *(ON_MAIN if index == MAIN else [])]:
         command = COMMANDS[i]
         filled = {"HF_DIR": hf_dir, "OUT_DIR": str(tmp_path / f"export{i}"), "<workdir>": str(tmp_path / f"run{MAIN}"),
