@@ -58,6 +58,11 @@ def default_config() -> ml_collections.ConfigDict:
     c.eval_tasks = ""  # lm-eval tasks also run at each evaluation, comma-separated (needs lm-eval: evaluate.py)
     c.eval_tasks_include_path = ""  # a folder of lm-eval task YAMLs of your own
     c.eval_tasks_limit = 0  # documents per task at each evaluation (0: all)
+    c.sample_every = 0  # 0: off; else the model continues `sample_prompt` every this many steps (generate.py)
+    c.sample_prompt = "def "
+    c.sample_max_new_tokens = 48
+    c.sample_temperature = 0.8  # 0: greedy
+    c.sample_top_k = 40  # 0: every token
     c.explain = False  # print the parameter sharding table and exit
 
     c.mesh = ml_collections.ConfigDict()
@@ -237,8 +242,8 @@ def _validate_positive(config) -> None:
         for part in key.split("."):
             value = value[part]
         require(isinstance(value, int) and value >= 1, key, value, "must be a positive integer")
-    for key in ("eval_every", "eval_tasks_limit", "checkpoint.every", "cpu_devices", "model.num_experts",
-                "model.moe_mlp_dim"):
+    for key in ("eval_every", "eval_tasks_limit", "sample_every", "checkpoint.every", "cpu_devices",
+                "model.num_experts", "model.moe_mlp_dim"):
         value = config
         for part in key.split("."):
             value = value[part]

@@ -14,7 +14,11 @@ shapes) and their later tokens are dropped from the result.
 
 Runs on the mesh the parameters live on (any mix of the batch axes and `tensor`; pipelines and
 sequence splits are not sampled from: `sample.py` refuses them); the rows are split over the batch
-axes, so a batch smaller than their product is filled with copies of the first prompt.
+axes, so a batch smaller than their product is filled with copies of the first prompt. The
+results come back replicated, so every process of a multi-process run reads them.
+
+`continue_text` is the text-level call: `python -m meshtrain.sample` and the training loop's
+`sample_every` both use it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshtrain import config as config_lib
 from meshtrain.config import BATCH_AXES, ModelConfig
 from meshtrain.mesh import compiler_options
 from meshtrain.model import Transformer, params_mesh
@@ -118,6 +123,37 @@ def generate(model_config: ModelConfig, params: dict, prompts: list[list[int]], 
     return (out, logits) if return_logits else out
 
 
+def continue_text(model_config: ModelConfig, params: dict, tokenizer, prompt: str, max_new_tokens: int,
+                  sampling: Sampling = Sampling()) -> str:
+    """The text `generate` continues `prompt` with, through `tokenizer` (`meshtrain.data.tokenizers`):
+    BOS first when the tokenizer has one, the EOS that ends it left out."""
+    ids = [int(i) for i in tokenizer.encode(prompt)]
+    if tokenizer.bos_id is not None:
+        ids = [tokenizer.bos_id, *ids]
+    new = generate(model_config, params, [ids], max_new_tokens, sampling, eos_id=tokenizer.eos_id,
+                   vocab_limit=tokenizer.vocab_size)[0]
+    if tokenizer.eos_id is not None and new and new[-1] == tokenizer.eos_id:
+        new = new[:-1]
+    return tokenizer.decode(new)
+
+
+def validate_config(config, sizes: dict[str, int]) -> None:
+    """The in-loop sample's rules (`sample_every`; gathered by `meshtrain.validate`). Raises ConfigError."""
+    if not config.sample_every:
+        return
+    for axis in ("stage", "sequence"):
+        config_lib.require(sizes[axis] == 1, "sample_every", config.sample_every,
+                           f"sampling runs every layer on whole sequences: mesh.{axis} must be 1 (or sample_every 0)")
+    require = config_lib.require
+    require(isinstance(config.sample_prompt, str) and config.sample_prompt != "", "sample_prompt",
+            config.sample_prompt, "must be a non-empty string")
+    require(isinstance(config.sample_max_new_tokens, int) and config.sample_max_new_tokens >= 1,
+            "sample_max_new_tokens", config.sample_max_new_tokens, "must be a positive integer")
+    require(config.sample_temperature >= 0, "sample_temperature", config.sample_temperature, "must be >= 0 (0: greedy)")
+    require(isinstance(config.sample_top_k, int) and config.sample_top_k >= 0, "sample_top_k", config.sample_top_k,
+            "must be a non-negative integer (0: every token)")
+
+
 @functools.cache
 def _program(cfg: ModelConfig, rules: Rules, mesh: jax.sharding.Mesh, steps: int, sampling: Sampling,
              vocab_limit: int):
@@ -145,4 +181,6 @@ def _program(cfg: ModelConfig, rules: Rules, mesh: jax.sharding.Mesh, steps: int
         _, (new, picked_from) = jax.lax.scan(step, carry, jnp.arange(steps))
         return new.T, jnp.swapaxes(picked_from, 0, 1)
 
-    return jax.jit(run, compiler_options=compiler_options(mesh))
+    # replicated results: every process of a multi-process run reads the whole batch
+    return jax.jit(run, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+                   compiler_options=compiler_options(mesh))

@@ -35,9 +35,11 @@ from meshtrain import (
     evaluate as evaluate_lib,
     faults,
     fp8 as fp8_lib,
+    generate,
     metrics as metrics_lib,
     tensorboard as tensorboard_lib,
 )
+from meshtrain.data import tokenizers
 
 if TYPE_CHECKING:
     from meshtrain.run import Run
@@ -466,8 +468,9 @@ class _Window:
 
 class Loop:
     """One run's step loop: the step function fed by the data iterator, logging every `log_every`
-    steps (metrics.jsonl, TensorBoard, the console), evaluating every `eval_every`, profiling the
-    configured steps, checkpointing and stopping on preemption or a non-finite step."""
+    steps (metrics.jsonl, TensorBoard, the console), evaluating every `eval_every`, sampling every
+    `sample_every` (steps of either are logged too), profiling the configured steps,
+    checkpointing and stopping on preemption or a non-finite step."""
 
     def __init__(self, run: Run, factory: StateFactory):
         config = run.config
@@ -482,6 +485,15 @@ class Loop:
         self.peak = metrics_lib.device_peak_flops(
             fp8_share=metrics_lib.fp8_flops_per_token(run.model) / self.flops_per_token)
         self.tokens_per_step = config.train.batch_size * config.train.seq_len
+        self.tokenizer = tokenizers.load_tokenizer(config.data.tokenizer) if config.sample_every else None
+
+    def sample(self, params: dict) -> str:
+        """The model's continuation of `sample_prompt` (KV-cache decoding on the run's mesh, seeded by
+        `config.seed`): what `python -m meshtrain.sample` prints from this step's checkpoint."""
+        c = self.config
+        sampling = generate.Sampling(c.sample_temperature, c.sample_top_k, seed=c.seed)
+        return generate.continue_text(self.run.model, params, self.tokenizer, c.sample_prompt,
+                                      c.sample_max_new_tokens, sampling)
 
     def start(self, create: Callable[[], object]) -> tuple[object, int, dict | None]:
         """(state, steps already done, data state): resumed from the newest checkpoint, else `create()`."""
@@ -510,7 +522,7 @@ class Loop:
         tb = tensorboard_lib.TensorBoardWriter(config.workdir, enabled=self.is_main)
         profiler = tensorboard_lib.StepProfiler(config.workdir, tuple(config.profile.steps))
         progress = metrics_lib.Progress(config.steps, start, enabled=self.is_main)
-        window, last, evaluated = _Window(it), {}, False
+        window, last, evaluated, sampled = _Window(it), {}, False, False
         rows_at: dict[int, int] = {}  # step -> the global row its batch starts at
         skip_to: dict[int, int] = {}  # step -> the row its batch starts at instead (rows of a spike skipped)
         step, first = start, start + 1
@@ -528,11 +540,14 @@ class Loop:
                     faults.point("step", step)
                     profiler.after(step, metrics)
                     window.steps += 1
-                    logged = step % config.log_every == 0 or step == config.steps or step == first
+                    due_eval = bool(self.eval_step) and step % config.eval_every == 0
+                    due_sample = bool(config.sample_every) and step % config.sample_every == 0
+                    logged = (step % config.log_every == 0 or step == config.steps or step == first or due_eval
+                              or due_sample)
                     if logged:
                         metrics = jax.device_get(metrics)  # waits for the step: timing covers the window
                         last = self.record(step, metrics, *window.per_step())
-                        if self.eval_step and step % config.eval_every == 0:
+                        if due_eval:
                             if not evaluated:  # the first evaluation compiles
                                 dog.disarm()
                             last["eval_loss"] = evaluate(self.run, self.eval_step, state)
@@ -541,10 +556,17 @@ class Loop:
                                 dog.disarm()
                                 last.update(evaluate_lib.in_loop(self.run, state.params))
                             evaluated = True
+                        if due_sample:
+                            if not sampled:  # the first sample compiles
+                                dog.disarm()
+                            last["sample"] = self.sample(state.params)
+                            sampled = True
                         writer.write(last)
                         tb.write(last)
                         progress.clear()
                         log.info(format_record(last))
+                        if due_sample:
+                            log.info("sample at step %d: %r", step, config.sample_prompt + last["sample"])
                         window.reset()
                     progress.update(step, last.get("loss", float("nan")))
                     try:

@@ -61,14 +61,7 @@ def sample(config, prompt: str, max_new_tokens: int, sampling: generate.Sampling
                            "sampling runs every layer on whole sequences: use the batch axes and tensor only")
     tokenizer = tokenizers.load_tokenizer(config.data.tokenizer)
     params = load_params(resolved, hf_dir)
-    ids = [int(i) for i in tokenizer.encode(prompt)]
-    if tokenizer.bos_id is not None:
-        ids = [tokenizer.bos_id, *ids]
-    new = generate.generate(resolved.model, params, [ids], max_new_tokens, sampling, eos_id=tokenizer.eos_id,
-                            vocab_limit=tokenizer.vocab_size)[0]
-    if tokenizer.eos_id is not None and new and new[-1] == tokenizer.eos_id:
-        new = new[:-1]
-    return tokenizer.decode(new)
+    return generate.continue_text(resolved.model, params, tokenizer, prompt, max_new_tokens, sampling)
 
 
 def define_flags() -> None:

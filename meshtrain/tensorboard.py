@@ -1,11 +1,11 @@
 """TensorBoard scalars and `jax.profiler` traces of a run, without TensorFlow.
 
 Every number written to `metrics.jsonl` also goes to TensorBoard event files in
-`<workdir>/tb` (through `tensorboardX`), and `config.profile.steps = (first, last)`
-traces those steps into `<workdir>/profile`, readable by TensorBoard's profile plugin
-and by Perfetto (`*.trace.json.gz`). The playbook's "Profiling GPU compute and
-communication" and appendix "A1: Distributed Training Profiling" read such traces to
-check that communication overlaps computation.
+`<workdir>/tb` (through `tensorboardX`), every text (the in-loop sample) as a text summary,
+and `config.profile.steps = (first, last)` traces those steps into `<workdir>/profile`,
+readable by TensorBoard's profile plugin and by Perfetto (`*.trace.json.gz`). The playbook's
+"Profiling GPU compute and communication" and appendix "A1: Distributed Training Profiling"
+read such traces to check that communication overlaps computation.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 
 class TensorBoardWriter:
-    """Writes each record's numeric values as scalars at its `step` (process 0 only).
+    """Writes each record's numeric values as scalars, and its texts as text, at its `step`
+    (process 0 only).
 
     When `tensorboardX` is not installed it says so once and writes nothing.
     """
@@ -42,6 +43,8 @@ class TensorBoardWriter:
         for key, value in record.items():
             if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
                 self._writer.add_scalar(key, float(value), step)
+            elif isinstance(value, str):  # the in-loop sample (`sample_every`)
+                self._writer.add_text(key, value, step)
         self._writer.flush()
 
     def close(self) -> None:
@@ -51,10 +54,27 @@ class TensorBoardWriter:
 
 
 def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
-    """tag -> [(step, value)] from every event file under `logdir` (TFRecord framing, protobuf Events)."""
+    """tag -> [(step, value)] of the scalars in every event file under `logdir`."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for step, value in _values(logdir):
+        if value.WhichOneof("value") == "simple_value":
+            out.setdefault(value.tag, []).append((step, value.simple_value))
+    return out
+
+
+def read_texts(logdir: str) -> dict[str, list[tuple[int, str]]]:
+    """tag -> [(step, text)] of the text summaries (`add_text`) under `logdir`."""
+    out: dict[str, list[tuple[int, str]]] = {}
+    for step, value in _values(logdir):
+        if value.metadata.plugin_data.plugin_name == "text":
+            out.setdefault(value.tag, []).append((step, value.tensor.string_val[0].decode()))
+    return out
+
+
+def _values(logdir: str) -> Iterator[tuple[int, object]]:
+    """(step, Summary.Value) of every event file under `logdir` (TFRecord framing, protobuf Events)."""
     from tensorboardX.proto import event_pb2
 
-    out: dict[str, list[tuple[int, float]]] = {}
     for root, _, files in os.walk(logdir):
         for name in sorted(files):
             if "tfevents" not in name:
@@ -62,8 +82,7 @@ def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
             for payload in _records(os.path.join(root, name)):
                 event = event_pb2.Event.FromString(payload)
                 for value in event.summary.value:
-                    out.setdefault(value.tag, []).append((event.step, value.simple_value))
-    return out
+                    yield event.step, value
 
 
 def _records(path: str) -> Iterator[bytes]:

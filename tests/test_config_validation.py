@@ -38,6 +38,13 @@ BAD = [
     ({}, {"model.n_layers": -4}, "model.n_layers"),
     ({"fsdp": 2, "tensor": 4}, {"model.sequence_parallel": True, "train.seq_len": 6}, "train.seq_len"),
     ({"data": 2, "fsdp": 4}, {"mesh.dcn_data": 3}, "mesh.dcn_data"),
+    ({}, {"sample_every": -1}, "sample_every"),
+    ({"stage": 2, "data": 4}, {"sample_every": 10}, "sample_every"),   # sampling runs whole sequences
+    ({"sequence": 2, "data": 4}, {"sample_every": 10, "attention.impl": "ring"}, "sample_every"),
+    ({}, {"sample_every": 10, "sample_max_new_tokens": 0}, "sample_max_new_tokens"),
+    ({}, {"sample_every": 10, "sample_temperature": -0.5}, "sample_temperature"),
+    ({}, {"sample_every": 10, "sample_top_k": -1}, "sample_top_k"),
+    ({}, {"sample_every": 10, "sample_prompt": ""}, "sample_prompt"),
 ]
 
 

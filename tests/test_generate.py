@@ -5,12 +5,13 @@ fsdp; greedy and seeded sampling give the same tokens on both meshes."""
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import numpy as np
 import pytest
 
-from meshtrain import config as config_lib, generate, model as model_lib, sample, train, train_step
+from meshtrain import config as config_lib, generate, model as model_lib, sample, tensorboard, train, train_step
 from tests import utils
 
 PROMPTS = [[1, 70, 72, 75, 80, 3], [1, 90], [1, 40, 41, 42]]  # left-padded to 6
@@ -111,7 +112,19 @@ def test_sample_command_refuses_what_it_cannot_run(tmp_path):
 
 
 def test_sample_continues_a_prompt_from_a_trained_run(tmp_path):
-    config = utils.config_for(tmp_path, {"data": 8}, **{"steps": 2, "data.source": "synthetic"})
+    """`sample_every`: the text sampled inside the training loop at step 2 (metrics.jsonl, TensorBoard
+    text) is what `meshtrain.sample` prints from step 2's checkpoint, on another mesh, with the same
+    prompt, settings and seed; a step that samples is logged though `log_every` skips it."""
+    config = utils.config_for(tmp_path, {"data": 8}, **{
+        "steps": 3, "log_every": 3, "checkpoint.every": 2, "data.source": "synthetic",
+        "sample_every": 2, "sample_max_new_tokens": 8, "sample_temperature": 0.8, "sample_top_k": 40})
     train.run(config)
-    text = sample.sample(config, "def ", 8, generate.Sampling())
+    records = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(records) == [1, 2, 3] and "sample" in records[2] and "sample" not in records[3]
+    assert tensorboard.read_texts(str(tmp_path / "tb"))["sample/text_summary"] == [(2, records[2]["sample"])]
+
+    later = utils.config_for(tmp_path, {"tensor": 2, "data": 4}, **{
+        "data.source": "synthetic", "checkpoint.restore_from": str(tmp_path / "checkpoints" / "2")})
+    text = sample.sample(later, "def ", 8, generate.Sampling(temperature=0.8, top_k=40, seed=config.seed))
+    assert text == records[2]["sample"]
     assert isinstance(text, str) and len(text.encode()) <= 8 * 4

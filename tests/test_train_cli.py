@@ -24,10 +24,12 @@ def _run(args, tmp_path, timeout=300):
 
 def test_tiny_trains_end_to_end_on_default_corpus(tmp_path):
     """The main job on the default corpus: logs every key, and within 40 steps its validation loss is
-    clearly below the corpus's unigram entropy (the best loss without context)."""
+    clearly below the corpus's unigram entropy (the best loss without context); the sample it logs at
+    step 40 (`sample_every`, decoded in the default dtype on the sharded mesh) is printed too."""
     from meshtrain.data import sources
 
     result = _run(["--config.steps=40", "--config.log_every=10", "--config.eval_every=40",
+                   "--config.sample_every=40", "--config.sample_max_new_tokens=16",
                    "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -37,6 +39,8 @@ def test_tiny_trains_end_to_end_on_default_corpus(tmp_path):
     assert records[-1]["loss"] < records[0]["loss"]
     entropy = sources.prepare(load_config_file("tiny"), progress=False)["splits"]["validation"]["unigram_entropy_nats"]
     assert records[-1]["eval_loss"] < 0.95 * entropy, (records[-1]["eval_loss"], entropy)
+    assert [r["step"] for r in records if "sample" in r] == [40]
+    assert f"sample at step 40: {'def ' + records[-1]['sample']!r}" in result.stdout + result.stderr
 
 
 def test_explain_prints_table_and_exits(tmp_path):
