@@ -141,10 +141,10 @@ def validate_config(config, sizes: dict[str, int]) -> None:
     """The in-loop sample's rules (`sample_every`; gathered by `meshtrain.validate`). Raises ConfigError."""
     if not config.sample_every:
         return
-    for axis in ("stage", "sequence"):
-        config_lib.require(sizes[axis] == 1, "sample_every", config.sample_every,
-                           f"sampling runs every layer on whole sequences: mesh.{axis} must be 1 (or sample_every 0)")
     require = config_lib.require
+    for axis in ("stage", "sequence"):
+        require(sizes[axis] == 1, "sample_every", config.sample_every,
+                f"sampling runs every layer on whole sequences: mesh.{axis} must be 1 (or sample_every 0)")
     require(isinstance(config.sample_prompt, str) and config.sample_prompt != "", "sample_prompt",
             config.sample_prompt, "must be a non-empty string")
     require(isinstance(config.sample_max_new_tokens, int) and config.sample_max_new_tokens >= 1,
