@@ -41,6 +41,7 @@ setup(
     version="0.1.0",
     description="LLM training on one six-axis JAX device mesh (data, fsdp, tensor, sequence, expert, stage).",
     packages=find_packages(include=["meshtrain", "meshtrain.*"]),
+    package_data={"meshtrain.targets": ["*.txtpb"]},  # GPU target descriptions (python -m meshtrain.aot)
     python_requires=">=3.11",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

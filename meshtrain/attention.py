@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain import ring_attention
 from meshtrain.config import BATCH_AXES, require
-from meshtrain.pallas_kernels import flash_attention, flash_attention_with_lse
+from meshtrain.pallas_kernels import flash_attention, flash_attention_with_lse, target_platform
 from meshtrain.sharding_rules import auto_axes, per_shard
 
 # attention_fn(q [B,T,H,Dh], k [B,T,K,Dh], v [B,T,K,Dh], segment_ids [B,T]) -> [B,T,H,Dh], causal.
@@ -87,7 +87,7 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
 def ring(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, zigzag: bool,
          transport: str = "ring") -> jax.Array:
     """Ring attention over `sequence` of the current mesh; the Pallas flash block on GPU."""
-    block_fn = flash_attention_with_lse if jax.default_backend() == "gpu" else None
+    block_fn = flash_attention_with_lse if target_platform() == "gpu" else None
     mesh = jax.sharding.get_abstract_mesh()
     heads = auto_axes(("tensor",))
     if heads and k.shape[2] % mesh.shape["tensor"]:

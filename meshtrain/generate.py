@@ -105,14 +105,10 @@ def generate(model_config: ModelConfig, params: dict, prompts: list[list[int]], 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be >= 1")
     mesh = params_mesh(params)
-    # decoding runs every matmul in the compute dtype (an FP8-trained model too: its weights are float32)
-    cfg = dataclasses.replace(model_config, remat_policy="none", attention_impl="xla", fused_norm=False,
-                              fused_loss=False, sequence_parallel=False, matmul_precision="bf16")
     rows = len(prompts)
     split = math.prod(mesh.shape[a] for a in BATCH_AXES)  # rows are split over the batch axes: fill them
     tokens, positions, segments = left_pad(list(prompts) + [prompts[0]] * (-rows % split))
-    program = _program(cfg, Rules.for_mesh(mesh), mesh, max_new_tokens, sampling,
-                       int(vocab_limit or cfg.vocab_size))
+    program = sampling_program(model_config, Rules.for_mesh(mesh), mesh, max_new_tokens, sampling, vocab_limit)
     with jax.set_mesh(mesh):
         new, logits = program(params, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segments))
     new, logits = np.asarray(new)[:rows], np.asarray(logits)[:rows]
@@ -152,6 +148,16 @@ def validate_config(config, sizes: dict[str, int]) -> None:
     require(config.sample_temperature >= 0, "sample_temperature", config.sample_temperature, "must be >= 0 (0: greedy)")
     require(isinstance(config.sample_top_k, int) and config.sample_top_k >= 0, "sample_top_k", config.sample_top_k,
             "must be a non-negative integer (0: every token)")
+
+
+def sampling_program(model_config: ModelConfig, rules: Rules, mesh: jax.sharding.Mesh, max_new_tokens: int,
+                     sampling: Sampling = Sampling(), vocab_limit: int | None = None):
+    """The jitted sampling program of `generate` on `mesh` (also compiled ahead of time by `meshtrain.aot`):
+    (params, tokens, positions, segment_ids) [B, P] -> (new tokens [B, max_new_tokens], their logits)."""
+    # decoding runs every matmul in the compute dtype (an FP8-trained model too: its weights are float32)
+    cfg = dataclasses.replace(model_config, remat_policy="none", attention_impl="xla", fused_norm=False,
+                              fused_loss=False, sequence_parallel=False, matmul_precision="bf16")
+    return _program(cfg, rules, mesh, max_new_tokens, sampling, int(vocab_limit or cfg.vocab_size))
 
 
 @functools.cache

@@ -122,16 +122,18 @@ CPU_COMPILER_OPTIONS: dict[str, str] = {"xla_disable_hlo_passes": "all-reduce-pr
 # gathered while layer i-1 computes (FSDP's prefetch), and the while-loop double buffering unrolls
 # the layer scan by two so that the moved collectives have a neighbour to hide behind.
 # `bench/gpu/overlap.py` counts the pairs and the compute between them on the first GPU run.
-GPU_COMPILER_OPTIONS: dict[str, str] = {
-    "xla_gpu_enable_latency_hiding_scheduler": "true",
-    "xla_gpu_enable_pipelined_all_gather": "true",
-    "xla_gpu_enable_pipelined_reduce_scatter": "true",
-    "xla_gpu_enable_pipelined_all_reduce": "true",
-    "xla_gpu_enable_while_loop_double_buffering": "true",
+# The values are typed (bool): XLA:GPU rejects the string "true" for a bool option
+# ("'true' is not a valid bool value"), which would end every multi-device GPU run at its first compile.
+GPU_COMPILER_OPTIONS: dict[str, bool] = {
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_enable_pipelined_all_gather": True,
+    "xla_gpu_enable_pipelined_reduce_scatter": True,
+    "xla_gpu_enable_pipelined_all_reduce": True,
+    "xla_gpu_enable_while_loop_double_buffering": True,
 }
 
 
-def compiler_options(mesh: jax.sharding.Mesh) -> dict[str, str]:
+def compiler_options(mesh: jax.sharding.Mesh) -> dict[str, str | bool]:
     """XLA options for programs compiled over `mesh` (`jax.jit(..., compiler_options=...)`)."""
     platform = mesh.devices.flat[0].platform
     if platform == "cpu":

@@ -42,10 +42,13 @@ class Run:
     permutation: np.ndarray | None  # the data's token order along the sequence (ring zig-zag), or None
 
     @classmethod
-    def resolve(cls, config: ml_collections.ConfigDict, devices: list | None = None) -> Run:
-        """Validates `config` for `devices` (default: all) and builds the mesh. Raises ConfigError."""
+    def resolve(cls, config: ml_collections.ConfigDict, devices: list | None = None, *, inputs: bool = True) -> Run:
+        """Validates `config` for `devices` (default: all) and builds the mesh. Raises ConfigError.
+
+        `inputs=False` skips the rules that read files (data, checkpoints): a step compiled ahead of
+        time reads none."""
         devices = list(jax.devices() if devices is None else devices)
-        sizes = types.MappingProxyType(validate(config, len(devices)))
+        sizes = types.MappingProxyType(validate(config, len(devices), inputs=inputs))
         mesh = mesh_lib.make_mesh(config, devices)
         return cls(config=config, sizes=sizes, mesh=mesh, rules=Rules.for_mesh(mesh),
                    model=ModelConfig.from_config(config),
@@ -96,7 +99,7 @@ class Run:
         return axes + (("sequence",) if ring else ())
 
     @property
-    def compiler_options(self) -> dict[str, str]:
+    def compiler_options(self) -> dict[str, str | bool]:
         return mesh_lib.compiler_options(self.mesh)
 
     def describe(self) -> list[str]:

@@ -100,8 +100,8 @@ class StateFactory:
                  mesh: jax.sharding.Mesh, placement: Placement, batch_shape: tuple[int, int]):
         self.model, self.tx, self.mesh, self.placement = model, tx, mesh, placement
         self._batch_shape = batch_shape
-        with jax.set_mesh(mesh):
-            self.boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
+        with jax.set_mesh(mesh):  # nothing runs eagerly: the mesh may be a compile-only target's devices
+            self.boxed = jax.eval_shape(lambda: self._init_boxed(jax.random.key(0)))
         self.specs = TrainState(
             step=P(),
             params=_boxed_specs(self.boxed.params, placement.params),
@@ -348,7 +348,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_l
 
 def jit_train_step(factory: StateFactory, schedule: optax.Schedule, batch_sharding: NamedSharding, *,
                    accum_steps: int = 1, manual_axes: tuple[str, ...] = (), grads_fn: Callable = grads_one_pass,
-                   grad_clip: float = 0.0, compiler_options: dict[str, str] | None = None,
+                   grad_clip: float = 0.0, compiler_options: dict[str, str | bool] | None = None,
                    checked: bool = True) -> Callable:
     """The step jitted once: explicit in/out shardings, the state donated."""
     step = functools.partial(train_step, model=factory.model, tx=factory.tx, schedule=schedule,

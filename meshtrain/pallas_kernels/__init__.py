@@ -1,10 +1,11 @@
 """Pallas kernels for the hot loops: flash attention, fused RMSNorm, fused cross-entropy.
 
 Each kernel runs compiled (Triton) on GPU and in Pallas interpret mode on CPU
-(`interpret=None` picks by backend), and has a pure-jnp `*_reference` beside it.
+(`interpret=None` picks by the platform the program is compiled for: the mesh's devices), and has a pure-jnp `*_reference` beside it.
 Playbook sections: "Fused Kernels", "Flash Attention 1-3".
 """
 
+from meshtrain.pallas_kernels._common import target_platform
 from meshtrain.pallas_kernels.cross_entropy import (
     CrossEntropyBlockSizes,
     fused_cross_entropy,
@@ -35,4 +36,5 @@ __all__ = [
     "fused_cross_entropy_reference",
     "rms_norm",
     "rms_norm_reference",
+    "target_platform",
 ]

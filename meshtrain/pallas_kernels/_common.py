@@ -5,10 +5,19 @@ from __future__ import annotations
 import jax
 
 
+def target_platform() -> str:
+    """The platform the program being traced is compiled for: the devices of the mesh in context
+    (`jax.set_mesh`), which may be another platform than this host's (an H100 program compiled
+    ahead of time on a CPU machine), else JAX's default backend."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return device.platform if device is not None else jax.default_backend()
+
+
 def resolve_interpret(interpret: bool | None) -> bool:
-    """`None` means interpret mode on CPU and compiled Triton anywhere else."""
+    """`None` means interpret mode when compiling for CPU and compiled Triton anywhere else; the
+    target is the mesh's devices (`target_platform`), not the host's."""
     if interpret is None:
-        return jax.default_backend() == "cpu"
+        return target_platform() == "cpu"
     return bool(interpret)
 
 

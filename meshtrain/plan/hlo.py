@@ -277,3 +277,76 @@ def _async_kind(line: str, comps: dict[str, list[str]]) -> str:
         if m := _OP.match(body):
             return m.group(2)
     return "async"
+
+
+# --------------------------------------------------------------------------------------------
+# What a GPU-compiled module runs: Pallas kernels as Triton calls, GEMMs and their precision.
+# --------------------------------------------------------------------------------------------
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
+_TRITON_CALL = 'custom_call_target="__gpu$xla.gpu.triton"'
+_KERNEL_NAME = re.compile(r'\bname\s*=\s*\\?"([\w.\-]+)\\?"')
+_CUSTOM_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_F8 = re.compile(r"^\(?f8e\w+\[")
+
+
+def triton_kernels(hlo: str) -> collections.Counter:
+    """Pallas kernel name -> how many Triton custom calls of it the compiled module holds (a kernel
+    lowered in interpret mode is a loop of ordinary ops instead, and is not counted)."""
+    found: collections.Counter = collections.Counter()
+    for line in hlo.splitlines():
+        if _TRITON_CALL in line:
+            name = _KERNEL_NAME.search(line)
+            found[name.group(1) if name else "unnamed"] += 1
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmCount:
+    total: int  # GEMM instructions in the module: dots (GEMM fusions) and cuBLAS / cuBLASLt calls
+    fp8: int  # those whose two operands are FP8 (f8e4m3fn / f8e5m2): a tensor-core FP8 GEMM
+
+
+def gemms(hlo: str) -> GemmCount:
+    """The GEMMs of a compiled GPU module: every `dot` left (each inside a Triton GEMM fusion after
+    XLA:GPU's passes) and every cuBLAS(Lt) custom call, and which of them multiply FP8 operands.
+
+    A dot of values dequantised to bf16 is a bf16 GEMM however its inputs were stored; only a dot
+    whose operands are f8 typed (or cuBLASLt's `$f8` call) runs on the FP8 tensor cores."""
+    comps, _ = _computations(hlo)
+    total = fp8 = 0
+    for lines in comps.values():
+        types = {}
+        for line in lines:
+            if m := _INSTRUCTION.match(line):
+                types[m.group(1)] = m.group(2)
+        for line in lines:
+            m = _INSTRUCTION.match(line)
+            if not m:
+                continue
+            opcode = m.group(3)
+            if opcode == "dot":
+                operands = [op.strip().split()[-1].lstrip("%") for op in _top_level_args(m.group(4))[:2]]
+                total += 1
+                fp8 += all(_F8.match(types.get(op, "")) for op in operands)
+            elif opcode == "custom-call" and (t := _CUSTOM_TARGET.search(line)) and t.group(1).startswith("__cublas"):
+                total += 1
+                fp8 += "f8" in t.group(1)
+    return GemmCount(total, fp8)
+
+
+def _top_level_args(text: str) -> list[str]:
+    """The comma-separated arguments of a call up to its closing parenthesis."""
+    depth, args, start = 0, [], 0
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                args.append(text[start:i])
+                return [a for a in args if a.strip()]
+            depth -= 1
+        elif ch == "," and depth == 0:
+            args.append(text[start:i])
+            start = i + 1
+    return [a for a in args if a.strip()]

@@ -33,6 +33,7 @@ class Verification:
     model: dict[str, float]
     compiler_comm: dict[str, float]
     model_comm: dict[str, float]
+    devices: str = "fake CPU devices"  # what the step was compiled for
 
     def as_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -47,8 +48,8 @@ class Verification:
             rows.append((f"{axis} bytes sent/step", _h(m), _h(c), _ratio(m, c)))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-        return "\n".join(lines + [f"AOT compile: {self.compile_seconds:.1f} s on {math.prod(self.sizes.values())} "
-                                  "fake CPU devices"])
+        return "\n".join(lines + [f"AOT compile: {self.compile_seconds:.1f} s for {math.prod(self.sizes.values())} "
+                                  f"{self.devices}"])
 
 
 def _h(n: float) -> str:
@@ -65,14 +66,41 @@ def batch_structs(run: Run) -> dict:
             for k in BATCH_KEYS}
 
 
-def compile_step(config: ml_collections.ConfigDict, devices: list | None = None):
-    """(compiled, run, seconds): the jitted step lowered from abstract inputs and compiled."""
-    run = Run.resolve(config, devices)
+def batch_bytes(run: Run) -> int:
+    """Bytes of one device's shard of the step's batch (every field 4 bytes per token)."""
+    return sum(math.prod(s.sharding.shard_shape(s.shape)) * 4 for s in batch_structs(run).values())
+
+
+def compile_step(config: ml_collections.ConfigDict, devices: list | None = None, *, inputs: bool = True):
+    """(compiled, run, seconds): the jitted step lowered from abstract inputs and compiled.
+
+    `devices` may be another platform's (`aot.target_devices`): nothing is created on them.
+    `inputs=False` skips the rules that read files (the data need not exist to compile)."""
+    run = Run.resolve(config, devices, inputs=inputs)
     factory, step_fn = train_step.build(run)
     start = time.perf_counter()
     with jax.set_mesh(run.mesh):
         compiled = step_fn.lower(factory.abstract, batch_structs(run)).compile()
     return compiled, run, time.perf_counter() - start
+
+
+def compiled_memory(compiled) -> dict[str, int]:
+    """Per-device bytes of a compiled program: argument, output, alias (outputs written into donated
+    arguments), temp, and peak = argument + output - alias + temp (everything live at once, at most)."""
+    stats = compiled.memory_analysis()
+    out = {"argument": stats.argument_size_in_bytes, "output": stats.output_size_in_bytes,
+           "alias": stats.alias_size_in_bytes, "temp": stats.temp_size_in_bytes}
+    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return out
+
+
+def model_memory(config: ml_collections.ConfigDict, sizes: dict[str, int], batch: int) -> dict[str, int]:
+    """The planner's per-device figures for the configured step, in the compiler's terms: state
+    (parameters + optimizer), temp (gradients + activations + temporaries), peak (+ the batch)."""
+    mem = memory_breakdown(memory.Step.from_config(config, sizes), config.remat.policy)
+    state = mem["params"] + mem["optimizer"]
+    temp = mem["grads"] + mem["activations"] + mem["temporaries"]
+    return {"state": state, "temp": temp, "peak": state + batch + temp}
 
 
 def compiler_bytes(compiled, run: Run) -> dict[str, float]:
@@ -88,21 +116,21 @@ def compiler_bytes(compiled, run: Run) -> dict[str, float]:
     return hlo.bytes_by_axis(found, dict(run.mesh.shape))  # device order: the mesh's
 
 
-def verify(config: ml_collections.ConfigDict, devices: list | None = None) -> Verification:
-    """Compiles the configured step on `devices` and compares memory and per-axis bytes with the model."""
-    compiled, run, seconds = compile_step(config, devices)
+def verify(config: ml_collections.ConfigDict, devices: list | None = None, *,
+           backend: comm.Backend = comm.CPU) -> Verification:
+    """Compiles the configured step on `devices` and compares memory and per-axis bytes with the model.
+
+    `backend`: the collective conventions of the compiler (`comm.CPU` for fake CPU devices,
+    `comm.GPU` for a GPU target's devices)."""
+    compiled, run, seconds = compile_step(config, devices, inputs=False)
     sizes = dict(run.sizes)
-    stats = compiled.memory_analysis()
-    batch_bytes = sum(math.prod(s.sharding.shard_shape(s.shape)) * 4 for s in batch_structs(run).values())
-    comp = {"argument": stats.argument_size_in_bytes, "state": stats.argument_size_in_bytes - batch_bytes,
-            "temp": stats.temp_size_in_bytes,
-            "peak": stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
-            + stats.temp_size_in_bytes}
-    step = memory.Step.from_config(config, sizes)
-    mem = memory_breakdown(step, config.remat.policy)
-    state = mem["params"] + mem["optimizer"]
-    temp = mem["grads"] + mem["activations"] + mem["temporaries"]
-    model = {"state": state, "temp": temp, "peak": state + batch_bytes + temp}
+    mem = compiled_memory(compiled)
+    comp = {"argument": mem["argument"], "state": mem["argument"] - batch_bytes(run), "temp": mem["temp"],
+            "peak": mem["peak"]}
+    model = model_memory(config, sizes, batch_bytes(run))
     compiler_comm = compiler_bytes(compiled, run)
-    model_comm = comm.bytes_by_axis(comm.step_collectives(step, config.remat.policy, comm.CPU))
-    return Verification(sizes, seconds, comp, model, compiler_comm, model_comm)
+    step = memory.Step.from_config(config, sizes)
+    model_comm = comm.bytes_by_axis(comm.step_collectives(step, config.remat.policy, backend))
+    platform = run.mesh.devices.flat[0]
+    where = "fake CPU devices" if platform.platform == "cpu" else f"x {platform.device_kind}"
+    return Verification(sizes, seconds, comp, model, compiler_comm, model_comm, where)

@@ -1,0 +1,300 @@
+"""Compile the configured step for a named GPU without one: `python -m meshtrain.aot`.
+
+    python -m meshtrain.aot --config configs/llama3_8b.py --target h100 --devices 8
+    python -m meshtrain.aot --config configs/llama3_70b.py --target h100 --devices 64 --config.mesh.fsdp=8
+
+XLA's GPU compiler runs on any host: with the `gpu` extra installed (`jax[cuda12]`: the CUDA PJRT
+plugin, ptxas) and JAX kept on the CPU, `jax.experimental.topologies.get_topology_desc` turns a
+target description (an XLA `GpuTargetConfig`, shipped in `meshtrain/targets/`) into devices of that
+GPU, nodes of `--devices_per_node`. The train step (and the sampling program) jitted over a mesh of
+them goes through the real GPU pipeline: the SPMD partitioner, the GEMM rewriter, Triton for the
+Pallas kernels and the GEMM fusions, the latency-hiding scheduler. Nothing is allocated and nothing
+runs: `memory_analysis()` and the scheduled module are what a pod of that GPU would run.
+
+Printed per device: argument / temporary / output bytes against the planner's figures (playbook,
+"Memory usage in Transformers"), the Pallas kernels that are Triton calls (playbook, "Fused
+Kernels", "Flash Attention"), the GEMMs and how many run in FP8 ("Mixed Precision Training"),
+every asynchronous collective and how many have compute scheduled between start and done
+(playbook, "Data Parallelism": overlap), the compile time; then one JSON line.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import importlib.resources
+import importlib.util
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from meshtrain import config as config_lib
+from meshtrain.plan import hardware, hlo, verify
+
+# --target name -> the target description in meshtrain/targets/ (each file says where its numbers come from).
+# The names are the planner's GPUs (`plan.hardware.GPUS`), so a target's HBM and the planner's agree.
+TARGETS: dict[str, str] = {
+    "h100": "h100_sxm.txtpb",
+    "h200": "h200_sxm.txtpb",
+    "a100": "a100_sxm_80gb.txtpb",
+    "b200": "b200.txtpb",
+}
+GPU_EXTRA = ("compiling for a GPU needs XLA's GPU compiler: pip install -e '.[gpu]' "
+             "(jax[cuda12], about 5 GB of wheels with ptxas; no GPU needed)")
+
+
+class GpuCompilerMissing(RuntimeError):
+    """The `gpu` extra (the CUDA plugin with XLA's GPU compiler) is not installed."""
+
+
+def gpu_compiler_installed() -> bool:
+    """Whether JAX's CUDA plugin (the `gpu` extra) is importable."""
+    return any(importlib.util.find_spec(name) is not None
+               for name in ("jax_cuda12_plugin", "jax_plugins.xla_cuda12"))
+
+
+def keep_jax_on_cpu() -> None:
+    """JAX's own backend stays the host CPU: the CUDA plugin then only compiles (no cuInit, which fails
+    without a GPU). Effective before JAX starts its backends; afterwards whatever started stays."""
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+
+
+def target_config(target: str) -> str:
+    """The `GpuTargetConfig` text of `target` (one of TARGETS)."""
+    if target not in TARGETS:
+        raise config_lib.ConfigError("--target", target, f"must be one of {', '.join(sorted(TARGETS))}")
+    return importlib.resources.files("meshtrain.targets").joinpath(TARGETS[target]).read_text()
+
+
+@functools.cache
+def target_devices(target: str, count: int, devices_per_node: int = 8) -> tuple:
+    """`count` devices of `target`, `devices_per_node` to a node (their process_index is the node).
+
+    Raises ConfigError for a count that does not fill whole nodes and GpuCompilerMissing without the
+    `gpu` extra.
+    """
+    config = target_config(target)
+    per_node = min(count, devices_per_node)
+    if count < 1 or count % per_node:
+        raise config_lib.ConfigError("--devices", count, f"must be a positive multiple of --devices_per_node="
+                                     f"{devices_per_node} (whole nodes), or at most one node")
+    if not gpu_compiler_installed():
+        raise GpuCompilerMissing(GPU_EXTRA)
+    from jax.experimental import topologies
+
+    keep_jax_on_cpu()
+    topology = topologies.get_topology_desc(platform="cuda", topology=f"1x{count // per_node}x{per_node}",
+                                            target_config=config)
+    return tuple(topology.devices)
+
+
+# --------------------------------------------------------------------------------------------
+# What a compiled module holds.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ProgramReport:
+    """One compiled program on the target: per-device bytes and what the scheduled module holds."""
+
+    compile_seconds: float
+    memory: dict[str, int]  # argument, output, alias, temp, peak (per device)
+    kernels: dict[str, int]  # Pallas kernel name -> Triton calls in the module
+    gemms: int
+    fp8_gemms: int
+    collectives: dict[str, dict[str, int]]  # kind -> {"pairs", "overlapped"}
+
+    @classmethod
+    def of(cls, compiled, seconds: float) -> ProgramReport:
+        text = compiled.as_text()
+        gemm = hlo.gemms(text)
+        by_kind: dict[str, dict[str, int]] = collections.defaultdict(lambda: {"pairs": 0, "overlapped": 0})
+        for pair in hlo.async_overlap(text):
+            by_kind[pair.kind]["pairs"] += 1
+            by_kind[pair.kind]["overlapped"] += pair.overlapped
+        return cls(seconds, verify.compiled_memory(compiled), dict(sorted(hlo.triton_kernels(text).items())),
+                   gemm.total, gemm.fp8, dict(sorted(by_kind.items())))
+
+
+@dataclasses.dataclass
+class Report:
+    """The `meshtrain.aot` result: the train step (and the sampling program) compiled for a target."""
+
+    target: str
+    device_kind: str
+    devices: int
+    devices_per_node: int
+    sizes: dict[str, int]
+    step: ProgramReport
+    planner: dict[str, int]  # the planner's per-device figures for the same step (state, temp, peak)
+    usable_bytes: int
+    sampling: ProgramReport | None = None
+    sampling_note: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.step.memory["peak"] <= self.usable_bytes
+
+    def as_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.update(aot=self.target, fits=self.fits,
+                   planner_over_compiler=round(self.planner["peak"] / max(self.step.memory["peak"], 1), 4))
+        return out
+
+    def table(self) -> str:
+        gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+        mem, plan = self.step.memory, self.planner
+        mesh = ", ".join(f"{a}={n}" for a, n in self.sizes.items() if n > 1) or "single device"
+        nodes = self.devices // min(self.devices, self.devices_per_node)
+        lines = [f"{self.devices} x {self.device_kind} ({self.target}; {nodes} node(s) of "
+                 f"{min(self.devices, self.devices_per_node)}), mesh {mesh}",
+                 f"train step compiled in {self.step.compile_seconds:.1f} s",
+                 "per device            compiler     planner      planner/compiler"]
+        rows = [("arguments", mem["argument"], None), ("temporaries", mem["temp"], plan["temp"]),
+                ("outputs not aliased", mem["output"] - mem["alias"], None),
+                ("total (peak)", mem["peak"], plan["peak"])]
+        for name, c, p in rows:
+            ratio = f"{p / c:.3f}" if p is not None and c else ""
+            lines.append(f"  {name:<19} {gib(c):>11}  {gib(p) if p is not None else '':>11}  {ratio:>8}")
+        lines.append(f"  usable HBM          {gib(self.usable_bytes):>11}  -> "
+                     f"{'fits' if self.fits else 'DOES NOT FIT'}")
+        lines.append(_kernel_line(self.step))
+        lines.append(f"GEMMs: {self.step.gemms} ({self.step.fp8_gemms} in FP8)")
+        lines.append(_collective_lines(self.step))
+        if self.sampling is not None:
+            s = self.sampling
+            lines.append(f"sampling program compiled in {s.compile_seconds:.1f} s: arguments "
+                         f"{gib(s.memory['argument'])}, temporaries {gib(s.memory['temp'])} per device")
+        elif self.sampling_note:
+            lines.append(f"sampling program: {self.sampling_note}")
+        return "\n".join(lines)
+
+
+def _kernel_line(program: ProgramReport) -> str:
+    if not program.kernels:
+        return "Pallas kernels as Triton calls: none"
+    return "Pallas kernels as Triton calls: " + ", ".join(f"{k} x{n}" for k, n in program.kernels.items())
+
+
+def _collective_lines(program: ProgramReport) -> str:
+    if not program.collectives:
+        return "asynchronous collectives: none"
+    lines = ["asynchronous collectives   pairs  compute between start and done"]
+    for kind, row in program.collectives.items():
+        lines.append(f"  {kind:<23} {row['pairs']:>6}  {row['overlapped']:>6}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Compiling.
+# --------------------------------------------------------------------------------------------
+
+
+def compile_step(config: ml_collections.ConfigDict, target: str, devices: int, devices_per_node: int = 8):
+    """(compiled, run, seconds): the configured train step compiled for `devices` x `target`."""
+    return verify.compile_step(config, list(target_devices(target, devices, devices_per_node)), inputs=False)
+
+
+def compile_sampling(run, factory, prompt_len: int, new_tokens: int):
+    """(compiled, seconds) of the sampling program (`generate`: prefill + scanned decode) over the step's
+    mesh, reading the parameters as training leaves them; one prompt row per data-parallel rank."""
+    from meshtrain import generate
+
+    structs = jax.ShapeDtypeStruct((run.data_parallel_size, prompt_len), jnp.int32, sharding=run.batch_sharding)
+    start = time.perf_counter()
+    with jax.set_mesh(run.mesh):
+        program = generate.sampling_program(run.model, run.rules, run.mesh, new_tokens, generate.Sampling())
+        compiled = program.lower(factory.abstract.params, structs, structs, structs).compile()
+    return compiled, time.perf_counter() - start
+
+
+def compile_report(config: ml_collections.ConfigDict, target: str, devices: int, devices_per_node: int = 8,
+                   sample: tuple[int, int] | None = (128, 64)) -> Report:
+    """Compiles the configured step (and, with `sample` = (prompt length, new tokens), the sampling
+    program) for `devices` x `target` and reads what the modules hold."""
+    from meshtrain import train_step
+
+    compiled, run, seconds = compile_step(config, target, devices, devices_per_node)
+    step = ProgramReport.of(compiled, seconds)
+    del compiled
+    planner = verify.model_memory(config, dict(run.sizes), verify.batch_bytes(run))
+    gpu = hardware.get_gpu(target)
+    report = Report(target, run.mesh.devices.flat[0].device_kind, devices, devices_per_node, dict(run.sizes),
+                    step, planner, gpu.usable_bytes)
+    if sample is None:
+        report.sampling_note = "not compiled (--sample=false)"
+    elif run.sizes["stage"] > 1 or run.sizes["sequence"] > 1:
+        report.sampling_note = ("not compiled: sampling runs every layer on whole sequences "
+                                "(mesh.stage and mesh.sequence must be 1)")
+    else:
+        factory, _ = train_step.build(run)
+        compiled, seconds = compile_sampling(run, factory, *sample)
+        report.sampling = ProgramReport.of(compiled, seconds)
+    return report
+
+
+# --------------------------------------------------------------------------------------------
+# The command.
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str]) -> None:
+    from absl import flags
+
+    from meshtrain import cli
+
+    del argv
+    cli.setup_logging(sys.stderr)
+    f = flags.FLAGS
+    keep_jax_on_cpu()
+    config = f.config
+    if config is None:
+        _fail("--config is required, e.g. --config configs/llama3_8b.py")
+    try:
+        target_config(f.target)
+        with config.unlocked():
+            config.cpu_devices = 0  # compiled for the target's devices, never fake CPU ones
+        sample = (f.sample_prompt_len, f.sample_new_tokens) if f.sample else None
+        report = compile_report(config, f.target, f.devices, f.devices_per_node, sample)
+    except GpuCompilerMissing as error:
+        _fail(str(error))
+    except (config_lib.ConfigError, ValueError) as error:
+        _fail(str(error))
+    print(report.table())
+    print(json.dumps(report.as_json()))
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def define_flags() -> None:
+    from absl import flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).", lock_config=True)
+    flags.DEFINE_string("target", "h100", f"GPU to compile for: one of {sorted(TARGETS)}.")
+    flags.DEFINE_integer("devices", 8, "How many GPUs (a multiple of --devices_per_node, or one node at most).")
+    flags.DEFINE_integer("devices_per_node", 8, "GPUs per node (a node's devices share a process).")
+    flags.DEFINE_bool("sample", True, "Also compile the sampling program (prefill + decode) on the same mesh.")
+    flags.DEFINE_integer("sample_prompt_len", 128, "Prompt length of the compiled sampling program.")
+    flags.DEFINE_integer("sample_new_tokens", 64, "Decode steps of the compiled sampling program.")
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    from meshtrain import cli
+
+    define_flags()
+    app.run(main, flags_parser=cli.parse_flags)
+
