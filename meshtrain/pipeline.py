@@ -100,12 +100,15 @@ class Pipeline:
     checked: bool = True
 
     @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict, sizes: Mapping[str, int]) -> Pipeline | None:
-        """The configured schedule on a mesh of `sizes`, or None when the mesh has a single stage."""
+    def from_config(cls, config: ml_collections.ConfigDict, sizes: Mapping[str, int],
+                    kernels: bool | None = None) -> Pipeline | None:
+        """The configured schedule on a mesh of `sizes`, or None when the mesh has a single stage.
+        `kernels`: whether the step runs Pallas kernels (`Run.kernels`; default: the ones the config names)."""
         if sizes[STAGE] <= 1:
             return None
         pipe = config.pipeline
-        kernels = config.attention.impl == "pallas" or config.model.fused_norm or config.model.fused_loss
+        if kernels is None:
+            kernels = attention_lib.uses_kernels(config, sizes)
         return cls(pipe.schedule, sizes[STAGE], pipe.microbatches,
                    pipe.repeats if pipe.schedule in CHUNKED_SCHEDULES else 1, region_axes(sizes), checked=not kernels)
 
@@ -668,7 +671,7 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
         f"must be divisible by pipeline.microbatches*mesh.(data*fsdp*expert)={pipe.microbatches}*{dp}")
     req(config.train.grad_accum_steps == 1, "train.grad_accum_steps", config.train.grad_accum_steps,
         "must be 1 with mesh.stage > 1: pipeline.microbatches splits the batch instead")
-    kernels = config.attention.impl == "pallas" or config.model.fused_norm or config.model.fused_loss
+    kernels = attention_lib.uses_kernels(config, sizes)  # ring attention keeps jnp blocks in MoE stages
     req(not (kernels and config.model.num_experts), "model.num_experts", config.model.num_experts,
         "MoE layers and Pallas kernels (attention.impl='pallas', model.fused_*) cannot share a pipeline stage: "
         "the kernels need the stage loop unchecked (interpret-mode pallas_call rejects variance types) and the "

@@ -50,9 +50,10 @@ class Run:
         devices = list(jax.devices() if devices is None else devices)
         sizes = types.MappingProxyType(validate(config, len(devices), inputs=inputs))
         mesh = mesh_lib.make_mesh(config, devices)
+        kernels = attention.uses_kernels(config, sizes, mesh.devices.flat[0].platform)
         return cls(config=config, sizes=sizes, mesh=mesh, rules=Rules.for_mesh(mesh),
                    model=ModelConfig.from_config(config),
-                   pipeline=Pipeline.from_config(config, sizes),
+                   pipeline=Pipeline.from_config(config, sizes, kernels=kernels),
                    permutation=attention.data_permutation(config, sizes))
 
     @property
@@ -74,10 +75,19 @@ class Run:
         return NamedSharding(self.mesh, self.batch_spec)
 
     @property
+    def platform(self) -> str:
+        """What the step is compiled for: the mesh's devices (a GPU target compiled on a CPU host is 'gpu')."""
+        return self.mesh.devices.flat[0].platform
+
+    @property
     def kernels(self) -> bool:
         """Whether the model runs Pallas kernels (their manual regions then go unchecked)."""
-        m = self.model
-        return m.attention_impl == "pallas" or m.fused_norm or m.fused_loss
+        return attention.uses_kernels(self.config, self.sizes, self.platform)
+
+    @property
+    def ring_flash(self) -> bool:
+        """Whether ring attention runs its blocks in the Pallas flash kernel (on GPU)."""
+        return attention.ring_flash(self.config, self.sizes, self.platform)
 
     @property
     def accumulation_axes(self) -> tuple[str, ...]:

@@ -363,7 +363,7 @@ def jit_train_step(factory: StateFactory, schedule: optax.Schedule, batch_shardi
 def build(run: Run) -> tuple[StateFactory, Callable]:
     """The state factory and the jitted step of a resolved run; every choice is made here, once."""
     config = run.config
-    model = model_lib.Transformer(run.model, run.rules, attention_lib.attention_fn(config),
+    model = model_lib.Transformer(run.model, run.rules, attention_lib.attention_fn(config, flash=run.ring_flash),
                                   pipeline=run.pipeline)
     tx = optimizer_lib.make_optimizer(config)
     micro = config.train.batch_size // config.train.grad_accum_steps

@@ -12,7 +12,9 @@ from meshtrain.pallas_kernels import (
     fused_cross_entropy,
     fused_cross_entropy_reference,
 )
-from tests.utils import mesh_of
+from tests.utils import mesh_of, pallas_interpret
+
+INTERPRET = pallas_interpret()  # interpret mode, or compiled on a GPU (MESHTRAIN_PALLAS=compiled)
 
 F32_TOL = {"rtol": 1e-5, "atol": 1e-5}
 BF16_TOL = {"rtol": 2e-2, "atol": 2e-2}
@@ -59,7 +61,7 @@ def test_matches_reference(n, d, v, dtype, bool_mask, blocks):
         labels,
         mask,
         block_sizes=blocks,
-        interpret=True,
+        interpret=INTERPRET,
     )
     want = _value_and_grads(fused_cross_entropy_reference, hidden, w_out, labels, mask)
     assert got[0].dtype == jnp.float32 and got[1].dtype == dtype and got[2].dtype == dtype

@@ -13,6 +13,9 @@ from meshtrain.pallas_kernels import (
     flash_attention_with_lse_reference,
 )
 from meshtrain.pallas_kernels._common import resolve_interpret
+from tests.utils import pallas_interpret
+
+INTERPRET = pallas_interpret()  # interpret mode, or compiled on a GPU (MESHTRAIN_PALLAS=compiled)
 
 F32_TOL = {"rtol": 1e-5, "atol": 1e-5}
 BF16_TOL = {"rtol": 2e-2, "atol": 2e-2}
@@ -71,7 +74,7 @@ def test_matches_reference_float32(b, length, h, kh, d, causal, segments):
         "causal": causal,
         "segment_ids": _segments(b, length, 1) if segments else None,
     }
-    got = _value_and_grads(flash_attention_with_lse, q, k, v, d_out, d_lse, interpret=True, **kw)
+    got = _value_and_grads(flash_attention_with_lse, q, k, v, d_out, d_lse, interpret=INTERPRET, **kw)
     want = _value_and_grads(flash_attention_with_lse_reference, q, k, v, d_out, d_lse, **kw)
     _assert_close(got, want, F32_TOL)
 
@@ -80,7 +83,7 @@ def test_matches_reference_float32(b, length, h, kh, d, causal, segments):
 def test_matches_reference_bfloat16(causal):
     q, k, v, d_out, d_lse = _inputs(1, 256, 256, 8, 2, 64, jnp.bfloat16, seed=3)
     kw = {"causal": causal, "segment_ids": _segments(1, 256, 2)}
-    got = _value_and_grads(flash_attention_with_lse, q, k, v, d_out, d_lse, interpret=True, **kw)
+    got = _value_and_grads(flash_attention_with_lse, q, k, v, d_out, d_lse, interpret=INTERPRET, **kw)
     want = _value_and_grads(flash_attention_with_lse_reference, q, k, v, d_out, d_lse, **kw)
     assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32
     assert got[2].dtype == got[3].dtype == jnp.bfloat16
@@ -103,7 +106,7 @@ def test_ring_step_block_with_offsets_and_empty_rows():
         "q_positions": q_pos,
         "kv_positions": kv_pos,
     }
-    got = _value_and_grads(flash_attention_with_lse, q, k, v, d_out, d_lse, interpret=True, **kw)
+    got = _value_and_grads(flash_attention_with_lse, q, k, v, d_out, d_lse, interpret=INTERPRET, **kw)
     want = _value_and_grads(flash_attention_with_lse_reference, q, k, v, d_out, d_lse, **kw)
     _assert_close(got, want, F32_TOL)
     out, lse, dq = got[0], got[1], got[2]
@@ -118,11 +121,11 @@ def test_flash_attention_output_only_and_block_override():
     want = flash_attention_reference(q, k, v, causal=True)
     blocks = FlashBlockSizes(block_q=32, block_kv=64, block_q_bwd=16, block_kv_bwd=32)
     for bs in (None, blocks):
-        got = flash_attention(q, k, v, causal=True, block_sizes=bs, interpret=True)
+        got = flash_attention(q, k, v, causal=True, block_sizes=bs, interpret=INTERPRET)
         np.testing.assert_allclose(got, want, **F32_TOL)
     loss = lambda fn, **kw: lambda q: jnp.sum(jnp.sin(fn(q, k, v, **kw)))
     np.testing.assert_allclose(
-        jax.grad(loss(flash_attention, block_sizes=blocks, interpret=True))(q),
+        jax.grad(loss(flash_attention, block_sizes=blocks, interpret=INTERPRET))(q),
         jax.grad(loss(flash_attention_reference))(q),
         **F32_TOL,
     )

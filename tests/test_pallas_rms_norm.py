@@ -6,6 +6,9 @@ import numpy as np
 import pytest
 
 from meshtrain.pallas_kernels import RMSNormBlockSizes, rms_norm, rms_norm_reference
+from tests.utils import pallas_interpret
+
+INTERPRET = pallas_interpret()  # interpret mode, or compiled on a GPU (MESHTRAIN_PALLAS=compiled)
 
 F32_TOL = {"rtol": 1e-5, "atol": 1e-5}
 BF16_TOL = {"rtol": 2e-2, "atol": 2e-2}
@@ -33,7 +36,7 @@ def test_matches_reference(shape, dtype, blocks):
     x = (3.0 * jax.random.normal(ks[0], shape, jnp.float32)).astype(dtype)
     w = 1.0 + 0.1 * jax.random.normal(ks[1], shape[-1:], jnp.float32)
     dy = jax.random.normal(ks[2], shape, jnp.float32).astype(dtype)
-    got = _value_and_grads(rms_norm, x, w, dy, block_sizes=blocks, interpret=True)
+    got = _value_and_grads(rms_norm, x, w, dy, block_sizes=blocks, interpret=INTERPRET)
     want = _value_and_grads(rms_norm_reference, x, w, dy)
     assert got[0].dtype == dtype and got[1].dtype == dtype and got[2].dtype == w.dtype
     tol = F32_TOL if dtype == jnp.float32 else BF16_TOL

@@ -22,6 +22,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 AXES = config_lib.MESH_AXES
 
 
+def pallas_interpret() -> bool:
+    """How the Pallas kernel tests run their kernels: in interpret mode (the default, any host) or
+    compiled by Triton on the GPU JAX runs on (`MESHTRAIN_PALLAS=compiled`, set by the GPU runbook
+    `bench/gpu/run_all.sh`), against the same references and tolerances."""
+    mode = os.environ.get("MESHTRAIN_PALLAS", "interpret")
+    if mode not in ("interpret", "compiled"):
+        raise ValueError(f"MESHTRAIN_PALLAS={mode!r}: must be 'interpret' or 'compiled'")
+    return mode == "interpret"
+
+
 def load_config_file(name: str):
     """`configs/<name>.py`'s get_config()."""
     spec = importlib.util.spec_from_file_location(f"configs_{name}", ROOT / "configs" / f"{name}.py")

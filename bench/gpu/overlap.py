@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--mesh", default="", help="comma-separated axis=size (default: fsdp = every device)")
     parser.add_argument("--zero", type=int, default=3)
     parser.add_argument("--accum", type=int, default=1)
+    parser.add_argument("--out", default="", help="also write the JSON line here")
     args = parser.parse_args()
     import jax
 
@@ -53,10 +54,13 @@ def main() -> None:
     print(f"{'collective':<20} {'async pairs':>11} {'overlapped':>10} {'compute between':>15}")
     for kind, (n, hidden, between) in sorted(by_kind.items()):
         print(f"{kind:<20} {n:>11} {hidden:>10} {between:>15}")
-    print(json.dumps({"bench": "gpu_overlap", "platform": jax.devices()[0].platform, "mesh": dict(run.sizes),
-                      "pairs": len(pairs), "overlapped": sum(p.overlapped for p in pairs),
-                      "by_kind": {k: {"pairs": v[0], "overlapped": v[1], "compute_between": v[2]}
-                                  for k, v in by_kind.items()}}))
+    line = json.dumps({"bench": "gpu_overlap", "platform": jax.devices()[0].platform, "mesh": dict(run.sizes),
+                       "pairs": len(pairs), "overlapped": sum(p.overlapped for p in pairs),
+                       "by_kind": {k: {"pairs": v[0], "overlapped": v[1], "compute_between": v[2]}
+                                   for k, v in by_kind.items()}})
+    print(line)
+    if args.out:
+        pathlib.Path(args.out).write_text(line + "\n")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Pallas kernels for the hot loops: flash attention, fused RMSNorm, fused cross-entropy.
 
-Each kernel runs compiled (Triton) on GPU and in Pallas interpret mode on CPU
-(`interpret=None` picks by the platform the program is compiled for: the mesh's devices), and has a pure-jnp `*_reference` beside it.
+Each kernel runs compiled (Triton) on GPU and in Pallas interpret mode on CPU (`interpret=None`
+picks by the platform the program is compiled for: the mesh's devices, which may be a GPU target
+compiled ahead of time on a CPU host), and has a pure-jnp `*_reference` beside it.
 Playbook sections: "Fused Kernels", "Flash Attention 1-3".
 """
 

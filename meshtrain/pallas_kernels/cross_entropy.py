@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from meshtrain.pallas_kernels._common import (
+    dot_precision,
     floor_power_of_two,
     is_power_of_two,
     resolve_interpret,
@@ -34,8 +35,8 @@ _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
 
 
-def _dot(a, b, dims):
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+def _dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:
+    return lax.dot_general(a, b, dims, precision=dot_precision(a, b), preferred_element_type=jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from meshtrain.pallas_kernels._common import (
+    dot_precision,
     fit_block,
     floor_power_of_two,
     is_power_of_two,
@@ -36,13 +37,14 @@ from meshtrain.pallas_kernels._common import (
 )
 
 _INIT_MAX = -1e30  # finite start of the running max: rows without keys stay finite.
+MIN_BLOCK = 16  # the smallest tile (tl.dot needs 16 rows): a sequence shorter than it cannot be tiled
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 
 
 def _dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, dims, precision=dot_precision(a, b), preferred_element_type=jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +65,7 @@ class FlashBlockSizes:
 
     def fit(self, len_q: int, len_kv: int, *, user_given: bool) -> FlashBlockSizes:
         """Clamps every block to its length (halving defaults until they divide it)."""
-        fit = functools.partial(fit_block, minimum=16, user_given=user_given)
+        fit = functools.partial(fit_block, minimum=MIN_BLOCK, user_given=user_given)
         return FlashBlockSizes(
             block_q=fit("block_q", self.block_q, len_q, "q length"),
             block_kv=fit("block_kv", self.block_kv, len_kv, "kv length"),
