@@ -7,7 +7,8 @@ Placeholders are filled: `<workdir>` with the main job's workdir, `HF_DIR` with 
 by `transformers`, `OUT_DIR` with a new folder, `PARQUET_DIR` with a folder of one parquet file;
 `[optional ...]` groups are left out. Everything
 runs in a temporary folder (with `configs/` linked in), datasets go to a temporary
-`TFDS_DATA_DIR`, and nothing is written outside the test's tmp dirs.
+`TFDS_DATA_DIR`, and nothing is written outside the test's tmp dirs. The commands that compile for a
+GPU without one (`meshtrain.aot`, `--target`) need the `gpu` extra: tests/test_gpu_aot.py runs them.
 """
 
 from __future__ import annotations
@@ -99,7 +100,23 @@ def jax_cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("jax_cache"))
 
 
-def _prepare(command: str, index: int, tmp_path, filled: dict[str, str]) -> list[str]:
+def needs_gpu_compiler(command: str) -> bool:
+    """Whether the command compiles for a GPU target (the `gpu` extra; tests/test_gpu_aot.py runs it)."""
+    return MODULE.match(command).group(1) == "meshtrain.aot" or "--target" in command.split()
+
+
+def command_env(tfds_dir: str, jax_cache: str | None) -> dict[str, str]:
+    """The environment a README command runs in: CPU JAX, LLVM's lowest optimisation level (as in the
+    other tests: half the CPU code generation time), this test's datasets folder and compilation cache."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TFDS_DATA_DIR": tfds_dir, "PYTHONPATH": str(ROOT),
+           "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+    if jax_cache:
+        env.update(JAX_COMPILATION_CACHE_DIR=jax_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return env
+
+
+def prepare_command(command: str, index: int, tmp_path, filled: dict[str, str]) -> list[str]:
     command = re.sub(r"\s*\[[^\]]*\]", "", command)
     for placeholder, value in filled.items():
         command = command.replace(placeholder, value)
@@ -119,27 +136,24 @@ def test_readme_names_only_commands_it_also_prints():
 
 
 COMMANDS = readme_commands((ROOT / "README.md").read_text())[0]
+CPU_COMMANDS = [i for i, c in enumerate(COMMANDS) if not needs_gpu_compiler(c)]
 MAIN = next(i for i, c in enumerate(COMMANDS) if MODULE.match(c).group(1) == "meshtrain.train" and "explain" not in c)
 # commands that read the main job's workdir run right after it, in its case
 ON_MAIN = [i for i, c in enumerate(COMMANDS) if "<workdir>" in c]
 
 
-@pytest.mark.parametrize("index", [i for i in range(len(COMMANDS)) if i not in ON_MAIN],
+@pytest.mark.parametrize("index", [i for i in CPU_COMMANDS if i not in ON_MAIN],
                          ids=lambda i: f"{i}-{MODULE.match(COMMANDS[i]).group(1).split('.', 1)[1]}")
 def test_every_readme_command_runs(tmp_path, hf_dir, tfds_dir, parquet_dir, jax_cache, index):
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "lm_eval").symlink_to(ROOT / "tests" / "lm_eval")  # the evaluation's example tasks
-    # LLVM's lowest optimisation level, as in the other tests: half the CPU code generation time
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TFDS_DATA_DIR": tfds_dir,
-           "PYTHONPATH": str(ROOT), "XLA_FLAGS": "--xla_backend_optimization_level=0",
-           "JAX_COMPILATION_CACHE_DIR": jax_cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    env = command_env(tfds_dir, jax_cache)
     for i in [index, *(ON_MAIN if index == MAIN else [])]:
         command = COMMANDS[i]
         filled = {"HF_DIR": hf_dir, "OUT_DIR": str(tmp_path / f"export{i}"), "<workdir>": str(tmp_path / f"run{MAIN}"),
                   "PARQUET_DIR": parquet_dir}
-        args = _prepare(command, i, tmp_path, filled)
+        args = prepare_command(command, i, tmp_path, filled)
         result = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
         if i == MAIN:

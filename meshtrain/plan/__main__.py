@@ -1,8 +1,13 @@
-"""`python -m meshtrain.plan --config configs/llama3_8b.py --devices 64 --gpu h100 [--verify] [--json] [--plot F]`.
+"""`python -m meshtrain.plan --config configs/llama3_8b.py --devices 64 --gpu h100 [--verify [--target h100]] [--json]`.
 
 With a mesh on the command line (`--config.mesh.fsdp=64`) or `--devices` omitted, it models the
 configured run; with `--devices N` and no mesh override it searches meshes x ZeRO stage x remat x
 gradient accumulation (playbook, "Finding the Best Training Configuration").
+
+`--verify` compiles the chosen step ahead of time and sets the compiler's per-device memory and
+per-axis bytes beside the model's: on fake CPU devices by default, or with `--target h100` (any
+`meshtrain.aot` target; needs the `gpu` extra) through XLA's GPU compiler for that GPU, the
+compiler the memory model is calibrated on.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from meshtrain import cli, config as config_lib
-from meshtrain.plan import estimate as estimate_lib, hardware, memory, verify
+from meshtrain import aot, cli, config as config_lib
+from meshtrain.plan import comm, estimate as estimate_lib, hardware, memory, verify
 from meshtrain.validate import validate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).", lock_config=True)
@@ -26,6 +31,7 @@ flags.DEFINE_string("gpu", "h100", f"Accelerator: one of {sorted(hardware.GPUS)}
 flags.DEFINE_integer("devices-per-node", 8, "Accelerators per node (in-node links vs network).")
 flags.DEFINE_bool("json", False, "Print one JSON object instead of tables.")
 flags.DEFINE_bool("verify", False, "AOT-compile the (chosen) step on fake CPU devices and compare.")
+flags.DEFINE_string("target", "", "With --verify: compile for this GPU (meshtrain.aot targets) instead of CPU devices.")
 flags.DEFINE_string("plot", "", "Write a PNG of the memory breakdown and the ranked candidates.")
 flags.DEFINE_integer("top", 10, "Candidates to print when searching.")
 FLAGS = flags.FLAGS
@@ -134,8 +140,14 @@ def main(argv: list[str]) -> None:
         print(report(chosen))
         if "message" in out:
             print(out["message"])
+    if FLAGS.target and not FLAGS.verify:
+        _fail("--target chooses the compiler of --verify: pass --verify too")
     if FLAGS.verify:
-        out["verify"] = _verify(chosen, print_table=not FLAGS.json)
+        try:
+            out["verify"] = _verify(chosen, print_table=not FLAGS.json, target=FLAGS.target,
+                                    devices_per_node=per_node)
+        except aot.GpuCompilerMissing as error:
+            _fail(str(error))
     if FLAGS.plot:
         plot(FLAGS.plot, chosen, shown or [chosen])
     if FLAGS.json:
@@ -149,19 +161,26 @@ def _configured_sizes(config) -> dict[str, int]:
     return sizes
 
 
-def _verify(chosen: estimate_lib.Estimate, print_table: bool) -> dict:
-    """Compile on as many fake CPU devices as the mesh has; JAX must not have started yet."""
+def _verify(chosen: estimate_lib.Estimate, print_table: bool, target: str = "", devices_per_node: int = 8) -> dict:
+    """Compile on as many fake CPU devices as the mesh has, or for as many `target` GPUs; JAX must not
+    have started yet."""
     n = math.prod(chosen.run.sizes.values())
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    jax.config.update("jax_num_cpu_devices", n)
-
     config = chosen.config.copy_and_resolve_references()
     with config.unlocked():
         for axis, size in chosen.run.sizes.items():
             config.mesh[axis] = size
-    result = verify.verify(config, jax.devices()[:n])
+    if target:
+        aot.target_config(target)  # a clear error for an unknown target before anything starts
+        devices = list(aot.target_devices(target, n, devices_per_node))
+        result = verify.verify(config, devices, backend=comm.GPU)
+        label = f"model vs the {target} compiler, GPU collective conventions"
+    else:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        jax.config.update("jax_num_cpu_devices", n)
+        result = verify.verify(config, jax.devices()[:n])
+        label = "model vs compiler, CPU collective conventions"
     if print_table:
-        print("\nverify (model vs compiler, CPU collective conventions):\n" + result.table())
+        print(f"\nverify ({label}):\n" + result.table())
     return result.as_json()
 
 

@@ -183,62 +183,134 @@ def state_memory(run: Step) -> dict[str, int]:
     return {"params": params, "grads": grads, "optimizer": opt + 12}  # + step and two int32 counts
 
 
-def activation_memory(run: Step, remat: str) -> dict[str, int]:
-    """Bytes kept for the backward pass (activations) and the largest transient buffers (temporaries).
+# What XLA:GPU allocates beside the state, calibrated on the H100 compiler (`python -m meshtrain.aot`,
+# jax 0.10.2; the live buffers at the peak of each compiled step, read from XLA's buffer-assignment dump):
+SCORE_BYTES = 10  # XLA attention, per element of [H/tp, t, T_kv]: f32 scores, f32 and bf16 probabilities, the mask
+LOGIT_BYTES = 6  # unfused loss, per element of [t, V/tp]: the f32 logits and their compute-dtype copy
+TOKEN_WORKSPACE = 2  # a layer's activations and their gradients are alive together in its backward
+EXCHANGE_BUFFERS = 6  # dropless MoE over `expert`: worst-case send / receive staging buffers [ep * s, D]
+EXPERT_GRAD_COPIES = 0.7  # the layer scan's zero-initialised stacked expert-weight cotangents (f32)
 
-    Per layer and micro-batch on one device, t = tokens per device, a = compute dtype bytes,
-    with heads, KV heads and MLP width split over `tensor` (tp) and the residual stream split
-    over `tensor` too under sequence parallelism:
 
-    * none:      everything the backward pass reads: residual input and the two norm outputs,
-                 q, k, v, the attention output, the float32 scores and bf16 probabilities
-                 (t x H/tp x T_kv), the gate, up, and their product;
-    * selective: outputs of weight matmuls only (q, k, v, attention projection, gate, up, down)
-                 plus the residual input (`dots_with_no_batch_dims_saveable`);
-    * full / offload: the residual input only (offload keeps the matmul outputs on the host).
-
-    Temporaries (besides the gradients, counted apart): float32 logits and their softmax for
-    one micro-batch, one layer rebuilt for its backward (the `none` set), float32 accumulators
-    with gradient accumulation (and under 1F1B) and, under ZeRO-3, two layers of gathered weights
-    (1F1B: the whole stage).
-    """
-    m, s = run.model, run.sizes
-    tp, a = s["tensor"], dtype_bytes(m.dtype)
-    t = run.micro_tokens
-    layers = m.n_layers // s["stage"]
-    d_res = m.d_model // (tp if m.sequence_parallel else 1)
+def _saved_per_layer(run: Step, remat: str, t: int) -> int:
+    """Bytes one layer keeps for its backward for one micro-batch of `t` tokens (by remat policy)."""
+    m, tp = run.model, run.sizes["tensor"]
+    a = dtype_bytes(m.dtype)
+    d_res = _residual_width(run)
     qkv = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim // tp
     f = (m.moe_mlp_dim or m.mlp_dim) * (m.experts_per_token if m.num_experts else 1) // tp
-    t_kv = run.seq_len // s["sequence"] if m.attention_impl == "ring" else run.seq_len
-    scores = t * (m.n_heads // tp) * t_kv * (4 + a)
-    everything = a * t * (3 * d_res + qkv + m.n_heads * m.head_dim // tp + 3 * f + 2 * m.d_model) + scores
-    saved = {"none": everything,
-             "selective": a * t * (d_res + qkv + 2 * m.d_model + 2 * f),
-             "full": a * t * d_res, "offload": a * t * d_res}[remat]
-    # pipelined stages keep up to `stages` micro-batches in flight (1F1B / GPipe bound); slot tables
-    # keep their table's peak of chunk activations, each 1/v of the stage's layers
-    in_flight = min(s["stage"], run.microbatches) if s["stage"] > 1 else 1
-    tabled = s["stage"] > 1 and run.pipeline_schedule in schedules.TABLE_SCHEDULES
-    if tabled:
-        in_flight = max(schedules.in_flight(run.pipeline_table)) / run.pipeline_repeats
-    activations = saved * layers * in_flight + a * t * m.d_model
-    if tabled and run.pipeline_schedule == "zero_bubble":  # each stashed B's output gradient, until its W
-        activations += in_flight * a * t * m.d_model
-    logits = t * (m.vocab_size // tp) * 4 * 2
-    compute = run.placement()["compute"]
-    table = param_table(m)
-    accumulators = 0
-    if run.grad_accum > 1:  # float32 accumulators, whole over the batch axes until the loop ends
-        accumulators = 4 * sum(local_size(leaf, compute if run.zero_stage < 3 else run.rules) for leaf in table)
-    gathered = 0
-    if run.zero_stage >= 3:
-        per_layer = sum(local_size(leaf, compute) for leaf in table if leaf.in_layers)
-        gathered = 2 * per_layer // m.n_layers * dtype_bytes(m.param_dtype)
-    if s["stage"] > 1 and run.pipeline_schedule in ("1f1b", *schedules.TABLE_SCHEDULES):
-        # the 1F1B loop sums float32 gradients of the whole stage (and embedding / head) across its
-        # slots, and under ZeRO-3 holds the stage's weights gathered for the whole step
-        whole = sum(local_size(leaf, compute) for leaf in table)
-        accumulators = 4 * whole
-        gathered = whole * dtype_bytes(m.param_dtype) if run.zero_stage >= 3 else 0
-    rebuild = everything if remat != "none" else 0
-    return {"activations": activations, "temporaries": logits + rebuild + accumulators + gathered}
+    return {"none": a * t * (3 * d_res + qkv + m.n_heads * m.head_dim // tp + 3 * f + 2 * m.d_model),
+            "selective": a * t * (d_res + qkv + 2 * m.d_model + 2 * f),
+            "full": a * t * d_res, "offload": a * t * d_res}[remat]
+
+
+def _residual_width(run: Step) -> int:
+    """The residual stream's width per device: split over `tensor` along the sequence under sequence
+    parallelism, and where the fused RMSNorm runs on each device's rows (its region splits them)."""
+    m = run.model
+    return m.d_model // (run.sizes["tensor"] if (m.sequence_parallel or m.fused_norm) else 1)
+
+
+def _layer_workspace(run: Step, t: int) -> int:
+    """One layer's backward (its forward rebuilt under remat): activations and their gradients, the
+    attention score matrices (XLA attention; the flash kernel keeps none), the MoE dispatch buffers."""
+    m, s = run.model, run.sizes
+    tp, a = s["tensor"], dtype_bytes(m.dtype)
+    qkv = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim // tp
+    per_token = _residual_width(run) + qkv + m.n_heads * m.head_dim // tp + m.d_model
+    if m.num_experts:
+        k, ep = m.experts_per_token, s["expert"]
+        if m.moe_dropless:  # sorted assignments; over `expert` a worst-case buffer per destination
+            rows = ep * t * min(k, m.num_experts // ep) if ep > 1 else t * k
+        else:
+            rows = math.ceil(t * k * m.capacity_factor)
+        mlp = rows * (m.d_model + 3 * (m.moe_mlp_dim or m.mlp_dim) // tp)
+        if m.moe_dropless and ep > 1:
+            mlp += EXCHANGE_BUFFERS * rows * m.d_model
+    else:
+        mlp = t * 3 * m.mlp_dim // tp
+    workspace = TOKEN_WORKSPACE * a * (t * per_token + mlp)
+    ring_flash = m.attention_impl == "ring" and s["sequence"] > 1  # flash blocks on GPU
+    if m.attention_impl == "xla" or (m.attention_impl == "ring" and not ring_flash):
+        t_kv = run.seq_len // s["sequence"] if m.attention_impl == "ring" else run.seq_len
+        workspace += SCORE_BYTES * t * (m.n_heads // tp) * t_kv
+    return workspace
+
+
+def _minor_fsdp_split(leaf: Leaf) -> bool:
+    """Weights stored split over fsdp along their last dimension (`embed`): the attention and MLP
+    (or expert) output projections."""
+    return leaf.in_layers and leaf.names[-1] == "embed" and leaf.path.rsplit("/", 1)[-1] in ("wo", "w_down")
+
+
+def activation_memory(run: Step, remat: str) -> dict[str, int]:
+    """Bytes kept for the backward pass (activations) and everything else a step allocates beside the
+    state and the gradients (temporaries), per device, as XLA:GPU lays the step out.
+
+    Activations, per layer and micro-batch in flight (t tokens on one device; heads, KV heads and
+    MLP width split over `tensor`, the residual too under sequence parallelism or the fused norm):
+    `none` everything the backward reads; `selective` the outputs of weight matmuls and the
+    residual input; `full` / `offload` the residual input. In flight: 1 without a pipeline; 1F1B up
+    to `stage` micro-batches, slot tables their table's peak of chunks; GPipe and circular all m.
+
+    Temporaries, the terms the H100 compiler shows at the peak (constants above):
+    * the larger of one layer's backward workspace (`_layer_workspace`) and the unfused loss's
+      logits (LOGIT_BYTES per [t, V/tp] element; gpipe / circular also hold the f32 gradient of the
+      whole batch's logits, the head running once after the pipeline);
+    * without ZeRO-3 the whole local gradient in float32 (computed whole, reduce-scattered after
+      the backward); with ZeRO-3 and fsdp two layers of gathered weights (the prefetch) and the
+      head's full float32 gradient (kept until its reduce-scatter at the end of the backward);
+    * pipelines: the stage's weights gathered once per step (ZeRO-3, compute dtype), float32
+      gradient accumulators of the whole stage and one micro-batch's stage gradient;
+    * gradient accumulation: float32 accumulators and the micro-batch's gradients, and the
+      embedding's float32 scatter-add target;
+    * MoE: EXPERT_GRAD_COPIES of the experts' float32 gradients.
+    """
+    m, s = run.model, run.sizes
+    a = dtype_bytes(m.dtype)
+    p = s["stage"]
+    pipelined = p > 1
+    layers = m.n_layers // p
+    t = run.micro_tokens // (run.microbatches if pipelined else 1)
+    autodiff_pipe = pipelined and run.pipeline_schedule in ("gpipe", "circular")
+    in_flight: float = 1
+    if pipelined:
+        in_flight = min(p, run.microbatches)
+        if run.pipeline_schedule in schedules.TABLE_SCHEDULES:
+            in_flight = max(schedules.in_flight(run.pipeline_table)) / run.pipeline_repeats
+        elif autodiff_pipe:  # the tick loop's autodiff keeps every micro-batch's stage input
+            in_flight = run.microbatches
+    activations = int(_saved_per_layer(run, remat, t) * layers * in_flight)
+
+    place = run.placement()
+    compute, table = place["compute"], param_table(m)
+    whole = sum(local_size(leaf, compute) for leaf in table)  # the weights a device computes with
+    per_layer = sum(local_size(leaf, compute) for leaf in table if leaf.in_layers) // layers
+    zero3 = run.zero_stage >= 3 and s["fsdp"] > 1
+    loss = 0 if m.fused_loss else LOGIT_BYTES * t * m.vocab_size // s["tensor"]
+    if autodiff_pipe and not m.fused_loss:
+        loss += 4 * t * run.microbatches * m.vocab_size // s["tensor"]
+    temporaries = max(_layer_workspace(run, t), loss)
+    if pipelined:
+        temporaries += 2 * 4 * whole + (dtype_bytes(m.dtype) * whole if zero3 else 0)
+    else:
+        if run.zero_stage < 3:
+            grads = sum(local_size(leaf, place["grads"]) for leaf in table)
+            temporaries += 4 * max(0, whole - grads)  # the whole gradient beside its shard, until scattered
+        if zero3:
+            head = sum(local_size(leaf, compute) for leaf in table if leaf.path.endswith("head"))
+            # XLA lays out a float32 copy of the weights whose fsdp-split dimension is the minor one
+            # (the output projections) before the layer loop gathers them
+            transposed = sum(local_size(leaf, place["params"]) for leaf in table if _minor_fsdp_split(leaf))
+            temporaries += 2 * a * per_layer + 4 * head + 4 * transposed
+        elif run.zero_stage >= 1 and s["fsdp"] > 1:
+            head = sum(local_size(leaf, compute) for leaf in table if leaf.path.endswith("head"))
+            temporaries += 4 * head
+    if run.grad_accum > 1:
+        accumulators = sum(local_size(leaf, compute if run.zero_stage < 3 else run.rules) for leaf in table)
+        embedding = sum(local_size(leaf, compute) for leaf in table if leaf.path.endswith("embedding"))
+        temporaries += 2 * 4 * accumulators + 4 * embedding
+    if m.num_experts:
+        experts = sum(local_size(leaf, place["grads"]) for leaf in table if "expert" in leaf.names)
+        temporaries += int(EXPERT_GRAD_COPIES * 4 * experts)
+    return {"activations": activations, "temporaries": int(temporaries)}
