@@ -91,6 +91,9 @@ def target_devices(target: str, count: int, devices_per_node: int = 8) -> tuple:
     from jax.experimental import topologies
 
     keep_jax_on_cpu()
+    # a program compiled for devices that are not attached cannot be loaded back from JAX's persistent
+    # compilation cache (it warns on every lookup): these compiles skip it
+    jax.config.update("jax_enable_compilation_cache", False)
     topology = topologies.get_topology_desc(platform="cuda", topology=f"1x{count // per_node}x{per_node}",
                                             target_config=config)
     return tuple(topology.devices)

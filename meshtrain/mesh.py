@@ -81,12 +81,14 @@ def make_mesh(config: ml_collections.ConfigDict, devices: list | None = None) ->
 def _hybrid_device_array(ici: tuple[int, ...], dcn: tuple[int, ...], devices: list) -> np.ndarray:
     """Devices laid out so that each axis is (cross-node part) x (in-node part), nodes outermost.
 
-    Nodes ("granules") are slices where the devices know theirs (TPU), else processes; a single
-    process of fake CPU devices is cut into consecutive granules so the layout can be tested.
+    Nodes ("granules") are slices where the devices span several (multi-slice TPU), else the processes
+    the devices belong to (GPU nodes: one process per node, also for a GPU target's devices compiled
+    ahead of time; GPU devices report one slice, 0, however many nodes); a single process of fake CPU
+    devices is cut into consecutive granules so the layout can be tested.
     """
-    if all(hasattr(d, "slice_index") for d in devices):
+    if len({getattr(d, "slice_index", 0) for d in devices}) > 1:
         return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices, allow_split_physical_axes=True)
-    if jax.process_count() > 1:
+    if len({d.process_index for d in devices}) > 1:
         return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices, process_is_granule=True,
                                                     allow_split_physical_axes=True)
     per_granule = int(np.prod(ici))

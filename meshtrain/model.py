@@ -278,9 +278,17 @@ class Transformer(nn.Module):
         return constrain(x, residual_names(self.cfg), self.rules)
 
     def head_loss(self, x: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
-        """Summed cross-entropy of the layer stack's output x [B,T,D] (final norm, head, loss): 1F1B's last stage."""
-        return cross_entropy_sum(self._logits(self.final_norm(x)), batch["targets"], batch["loss_mask"],
-                                 self._vocab_split())
+        """Summed cross-entropy of the layer stack's output x [B,T,D] (final norm, head, loss): the last
+        stage of 1F1B and the slot-table schedules."""
+        return self._loss_sum(self.final_norm(x), batch)
+
+    def _loss_sum(self, x: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
+        """Summed cross-entropy of the normed hidden states x [B,T,D]: the fused Pallas head + loss under
+        `model.fused_loss` (no [B,T,V] logits), else the logits and `cross_entropy_sum`."""
+        if self.cfg.fused_loss:
+            return fused_loss_sum(x, self.head_weight().astype(x.dtype), batch["targets"], batch["loss_mask"],
+                                  vocab_split=self._vocab_split() and not self.cfg.tie_embeddings)
+        return cross_entropy_sum(self._logits(x), batch["targets"], batch["loss_mask"], self._vocab_split())
 
     def head_weight(self) -> jax.Array:
         """[D, V] output projection (the embedding's transpose when tied)."""
@@ -304,10 +312,7 @@ class Transformer(nn.Module):
         aux, metrics = moe_lib.loss_terms(stats, self.cfg)
         for name, value in metrics.items():
             self.sow("metrics", name, value, reduce_fn=lambda _, new: new, init_fn=lambda: jnp.zeros(()))
-        if self.cfg.fused_loss:
-            return fused_loss_sum(x, self.head_weight().astype(x.dtype), batch["targets"], batch["loss_mask"],
-                                  vocab_split=self._vocab_split() and not self.cfg.tie_embeddings), aux
-        return cross_entropy_sum(self._logits(x), batch["targets"], batch["loss_mask"], self._vocab_split()), aux
+        return self._loss_sum(x, batch), aux
 
     def _vocab_split(self) -> bool:
         """Whether the logits' vocabulary dimension is split over devices (a static fact of the rules)."""

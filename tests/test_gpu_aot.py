@@ -19,9 +19,10 @@ from __future__ import annotations
 import itertools
 import subprocess
 
+import numpy as np
 import pytest
 
-from meshtrain import aot, config as config_lib
+from meshtrain import aot, attention, config as config_lib, mesh as mesh_lib
 from meshtrain.plan import verify
 from tests import test_readme_commands as readme
 from tests.utils import ROOT, apply_overrides, composed_config, load_config_file
@@ -56,7 +57,7 @@ def _compile(config, devices: int = 8, sample=None) -> aot.Report:
 
 def _kernels_expected(config, report: aot.Report) -> set[str]:
     expected = set()
-    if config.attention.impl == "pallas" or (config.attention.impl == "ring" and report.sizes["sequence"] > 1):
+    if config.attention.impl == "pallas" or attention.ring_flash(config, report.sizes, "gpu"):
         expected |= {"flash_attention_forward", "flash_attention_dq", "flash_attention_dkdv"}
     if config.model.fused_norm:
         expected |= {"rms_norm_forward", "rms_norm_backward"}
@@ -155,9 +156,12 @@ def test_multi_node_target_is_nodes_of_eight():
     devices = aot.target_devices("h100", 64)
     assert len(devices) == 64 and len({d.process_index for d in devices}) == 8
     assert all(d.device_kind == "NVIDIA H100 80GB HBM3" for d in devices)
-    config = _bf16_composed({"data": 2, "fsdp": 2, "tensor": 2}, **{"mesh.dcn_data": 2})
-    with config.unlocked():
-        config.mesh.data = 16  # 16 x 2 x 2 = 64: data across nodes, fsdp x tensor inside
+    config = _bf16_composed({"data": 16, "fsdp": 2, "tensor": 2}, **{"mesh.dcn_data": 8, "train.batch_size": 32})
+    # 16 x 2 x 2 = 64: data across the 8 nodes (and 2 ways inside), fsdp x tensor inside each node
+    mesh = mesh_lib.make_mesh(config, list(devices))
+    for axis in ("tensor", "fsdp"):  # the in-node axes' groups never leave a node
+        groups = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), -1).reshape(-1, mesh.shape[axis])
+        assert all(len({d.process_index for d in group}) == 1 for group in groups), axis
     report = _compile(config, 64)
     assert report.devices == 64 and report.sizes["data"] == 16
 
