@@ -169,6 +169,9 @@ class Report:
             lines.append(f"  {name:<19} {gib(c):>11}  {gib(p) if p is not None else '':>11}  {ratio:>8}")
         lines.append(f"  usable HBM          {gib(self.usable_bytes):>11}  -> "
                      f"{'fits' if self.fits else 'DOES NOT FIT'}")
+        if not self.fits:
+            lines.append("  to fit: gradient accumulation (--config.train.grad_accum_steps), a smaller batch, the "
+                         "Pallas kernels, or more devices; `python -m meshtrain.plan --devices N` searches")
         lines.append(_kernel_line(self.step))
         lines.append(f"GEMMs: {self.step.gemms} ({self.step.fp8_gemms} in FP8)")
         lines.append(_collective_lines(self.step))

@@ -1,0 +1,65 @@
+"""Llama 3 8B / 70B and Mixtral 8x7B meshes compiled for H100 without a GPU: memory per device, fits or not.
+
+`python bench/aot.py [--quick] [--target h100]` (needs the `gpu` extra: XLA's GPU compiler)
+
+Each mesh of `tests/test_gpu_aot.py`'s planner table (the real model shapes, bf16, full remat, ZeRO-3)
+goes through `meshtrain.aot`: the compiler's per-device total (arguments + temporaries + outputs not
+aliased) beside the planner's, whether it fits the target's usable HBM, the Pallas kernels that are
+Triton calls, the asynchronous collectives with compute scheduled beside them, and the compile time.
+`--quick` compiles the two smallest (llama3_8b on fsdp=8, with and without the kernels). Prints a
+table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+QUICK = ("8b-fsdp8", "8b-fsdp8-kernels")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
+    parser.add_argument("--target", default="h100")
+    args = parser.parse_args()
+    from meshtrain import aot
+
+    aot.keep_jax_on_cpu()
+    from tests.test_gpu_aot import PLANNER
+    from tests.utils import apply_overrides, load_config_file
+
+    names = QUICK if args.quick else tuple(PLANNER)
+    rows, start = [], time.perf_counter()
+    header = (f"{'mesh':<32} {'devices':>7} {'compiler GiB':>12} {'planner GiB':>11} {'planner/compiler':>16} "
+              f"{'fits':>4} {'overlapped':>10} {'kernels':>7} {'compile s':>9}")
+    print(header, flush=True)
+    for name in names:
+        config_name, devices, overrides = PLANNER[name]
+        config = apply_overrides(load_config_file(config_name), overrides)
+        report = aot.compile_report(config, args.target, devices, sample=None)
+        mem, plan = report.step.memory["peak"], report.planner["peak"]
+        pairs = sum(c["pairs"] for c in report.step.collectives.values())
+        hidden = sum(c["overlapped"] for c in report.step.collectives.values())
+        row = {"mesh": name, "config": config_name, "devices": devices, "sizes": report.sizes,
+               "compiler_bytes": mem, "planner_bytes": plan, "planner_over_compiler": round(plan / mem, 4),
+               "fits": report.fits, "async_pairs": pairs, "overlapped": hidden,
+               "triton_kernels": sum(report.step.kernels.values()), "compile_s": round(report.step.compile_seconds, 1)}
+        rows.append(row)
+        print(f"{name:<32} {devices:>7} {mem / 2**30:>12.2f} {plan / 2**30:>11.2f} {plan / mem:>16.3f} "
+              f"{'yes' if report.fits else 'no':>4} {f'{hidden}/{pairs}':>10} {row['triton_kernels']:>7} "
+              f"{row['compile_s']:>9.1f}", flush=True)
+    worst = max(abs(r["planner_over_compiler"] - 1) for r in rows)
+    print(f"largest planner error {worst:.1%}; {time.perf_counter() - start:.0f} s in all")
+    print(json.dumps({"bench": "aot", "target": args.target, "quick": args.quick, "rows": rows,
+                      "largest_planner_error": round(worst, 4)}))
+
+
+if __name__ == "__main__":
+    main()
