@@ -54,8 +54,13 @@ class GpuCompilerMissing(RuntimeError):
 
 def gpu_compiler_installed() -> bool:
     """Whether JAX's CUDA plugin (the `gpu` extra) is importable."""
-    return any(importlib.util.find_spec(name) is not None
-               for name in ("jax_cuda12_plugin", "jax_plugins.xla_cuda12"))
+    for name in ("jax_plugins.xla_cuda12", "jax_cuda12_plugin"):
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except ModuleNotFoundError:  # no jax_plugins namespace at all
+            continue
+    return False
 
 
 def keep_jax_on_cpu() -> None:
@@ -70,7 +75,7 @@ def keep_jax_on_cpu() -> None:
 def target_config(target: str) -> str:
     """The `GpuTargetConfig` text of `target` (one of TARGETS)."""
     if target not in TARGETS:
-        raise config_lib.ConfigError("--target", target, f"must be one of {', '.join(sorted(TARGETS))}")
+        raise ValueError(f"--target={target}: must be one of {', '.join(sorted(TARGETS))}")
     return importlib.resources.files("meshtrain.targets").joinpath(TARGETS[target]).read_text()
 
 
@@ -78,14 +83,14 @@ def target_config(target: str) -> str:
 def target_devices(target: str, count: int, devices_per_node: int = 8) -> tuple:
     """`count` devices of `target`, `devices_per_node` to a node (their process_index is the node).
 
-    Raises ConfigError for a count that does not fill whole nodes and GpuCompilerMissing without the
+    Raises ValueError for a count that does not fill whole nodes and GpuCompilerMissing without the
     `gpu` extra.
     """
     config = target_config(target)
     per_node = min(count, devices_per_node)
     if count < 1 or count % per_node:
-        raise config_lib.ConfigError("--devices", count, f"must be a positive multiple of --devices_per_node="
-                                     f"{devices_per_node} (whole nodes), or at most one node")
+        raise ValueError(f"--devices={count}: must be a positive multiple of --devices_per_node={devices_per_node} "
+                         "(whole nodes), or at most one node")
     if not gpu_compiler_installed():
         raise GpuCompilerMissing(GPU_EXTRA)
     from jax.experimental import topologies

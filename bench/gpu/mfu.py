@@ -95,14 +95,19 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small model (the CI run; forced on CPU)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default="", help="also write the JSON line here")
+    parser.add_argument("--variants", default="", help="comma-separated subset of " + ", ".join(
+        f"{m}{'+kernels' if k else ''}" for m, k in VARIANTS))
     args = parser.parse_args()
     import jax
 
     quick = args.quick or jax.default_backend() == "cpu"
     device = jax.devices()[0]
     rows = {}
+    chosen = set(args.variants.split(",")) if args.variants else None
     for matmuls, kernels in VARIANTS:
         name = f"{matmuls}{'+kernels' if kernels else ''}"
+        if chosen is not None and name not in chosen:
+            continue
         try:
             rows[name] = measure(bench_config(quick, matmuls, kernels), 2 if quick else args.steps)
         except Exception as error:  # noqa: BLE001 - one variant's failure is a result, the others still run
