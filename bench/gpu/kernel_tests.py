@@ -33,7 +33,8 @@ def gpu_visible() -> bool:
 
 
 def _env(platform: str) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS=platform, PYTHONPATH=str(ROOT))
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep carried wheels
+    env = dict(os.environ, JAX_PLATFORMS=platform, PYTHONPATH=path)
     env["MESHTRAIN_PALLAS"] = "compiled" if platform == "cuda" else "interpret"
     return env
 
@@ -50,7 +51,7 @@ def run(select: str = "") -> dict:
     return {"bench": "gpu_kernel_tests", "platform": platform,
             "mode": "compiled" if platform == "cuda" else "interpret", "tests": len(results),
             "passed": sum(v == "passed" for v in results.values()), "failed": failed,
-            "pytest_exit": proc.returncode, "tail": proc.stdout[-2000:] if proc.returncode else ""}
+            "pytest_exit": proc.returncode, "tail": (proc.stdout + proc.stderr)[-2000:] if proc.returncode else ""}
 
 
 def _read_junit(path: pathlib.Path) -> dict[str, str]:
