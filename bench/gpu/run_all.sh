@@ -13,9 +13,10 @@
 # Install: where JAX already sees the GPU (a machine set up with its own JAX for CUDA) that JAX is
 # kept and meshtrain runs from this checkout without its pins; its other needs come from the package
 # index, or from a folder of wheels on machines without one (WHEELS=/path/to/wheels, made by
-# bench/gpu/offline_wheels.sh: installed with --no-deps into SITE, default /tmp/meshtrain-site). Where JAX does not see the GPU, the `gpu` extra is
-# installed (pip install -e '.[gpu]'). On a machine without an NVIDIA GPU it stops at once.
-# Each part has its own time limit; the whole run takes under 10 minutes on one H100.
+# bench/gpu/offline_wheels.sh: installed with --no-deps into SITE, default /tmp/meshtrain-site).
+# Where JAX does not see the GPU, the `gpu` extra is installed (pip install -e '.[gpu]'). On a
+# machine without an NVIDIA GPU it stops at once. Each part has its own time limit (180 + 300 + 90 s),
+# so the parts end within 10 minutes; a part over its limit is recorded as such and the next runs.
 set -uo pipefail
 OUT=${1:?usage: bench/gpu/run_all.sh OUT_DIR}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
