@@ -340,6 +340,9 @@ class ModelConfig:
     router_z_loss_weight: float = 0.001
     matmul_precision: str = "bf16"
     fp8_history: int = 16
+    # Not a config key: True in the program of FP8 training's first step (empty amax histories: each
+    # operand scales by its own current amax); `train_step.build` compiles it beside the usual step.
+    fp8_first_step: bool = False
 
     @property
     def fp8(self) -> bool:

@@ -12,7 +12,10 @@ keeps an amax history per operand (`[3, H]`: input, kernel, output gradient; new
 "fp8" variable collection, and the scale of a step comes from the largest amax of the last H
 steps: the power of two at or above `amax / fp8_max`, so the largest value lands in the format's
 top binade. Before the
-first step the history is empty, so that step scales by its own amax. The current amaxes leave
+first step the history is empty, so that step scales by its own amax: it runs a program of its own
+(`ModelConfig.fp8_first_step`, chosen by `train_step.build`'s step); every later step scales from the
+histories alone (an operand whose whole history is 0 scales by 1), so the current amaxes are only
+recorded and their reductions over the devices hold nothing up (XLA combines them). The current amaxes leave
 the step as the cotangent of the history (flax's "overwrite with gradient" idea): the history
 enters the differentiated function as flax's `fm32` dtype, whose cotangents combine by `max`
 instead of `+`, so a matmul used by several micro-batches records the largest amax of all of them,
@@ -28,13 +31,18 @@ and they are maximised once after the loop (`per_device` under autodiff; the 1F1
 loops carry them beside the gradient sums). Only the first step, whose
 history is still empty, scales by the current amax of what each device holds.
 
-Quantisation is written as quantise -> dequantise pairs around an ordinary dot
-(`convert(f8) * scale`): the pattern XLA's GPU compiler rewrites into one FP8 GEMM with the scales
-applied (on Hopper, cuBLASLt), and on a CPU it computes the same FP8-rounded operands exactly.
+Each quantised matmul is a dot of the FP8 values themselves, accumulated in float32, with the
+two scales applied to its output: forward e4m3 x e4m3, input gradient e5m2 x e4m3, weight gradient
+e4m3 x e5m2 (`QuantisedDot`: einsums and the MoE's grouped matmul). XLA's H100 compiler makes each
+of them an FP8 GEMM (a Triton GEMM fusion with f8 operands, or cuBLASLt's FP8 call with Triton GEMMs
+off); a dot of values dequantised to bf16 first (`convert(f8) * scale`) stays a bf16 GEMM on the
+Triton path, its default. The backward keeps the FP8 operands, not bf16 copies. On a CPU the same
+dots compute the same FP8-rounded products exactly (float32 accumulation).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -75,60 +83,144 @@ def _varying(a: jax.Array) -> frozenset[str]:
     return jax.typeof(a).manual_axis_type.varying
 
 
-def scale_for(history: jax.Array, current: jax.Array, dtype) -> jax.Array:
-    """The scale of one operand: the power of two at or above its history's largest amax (the
-    current one while the history is empty) over the format's largest value; 1 when that amax is 0
-    or not finite.
+def scale_for(history: jax.Array, current: jax.Array | None, dtype) -> jax.Array:
+    """The scale of one operand: the power of two at or above its history's largest amax (with
+    `current`, the current one while the history is empty: the first step) over the format's largest
+    value; 1 when that amax is 0 or not finite.
 
     A power of two (as MXFP8's and DeepSeek-V3's scales are) makes x / scale exact, so quantising
     only rounds the mantissa, and it makes the scale immune to the last bits of the amax: a sharded
     run, whose sums run in another order, quantises with the very scales of one device.
     """
     amax = jnp.max(history)
-    amax = jnp.where(amax > 0, amax, current)
+    if current is not None:
+        amax = jnp.where(amax > 0, amax, current)
     mantissa, exponent = jnp.frexp(amax / jnp.float32(jnp.finfo(dtype).max))  # in [2**(e-1), 2**e)
     exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)  # a power of two is its own bound
     return jnp.where((amax > 0) & jnp.isfinite(amax), jnp.ldexp(jnp.float32(1), exponent), 1.0)
 
 
-def quantize_dequantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    """x rounded to `dtype` (e4m3 / e5m2) at `scale`, back in x's dtype: convert(f8) * scale.
-
-    bf16 and float32 hold every scale (float32's exponent range); float16 does not (a gradient's
-    scale is often below its smallest subnormal, 6e-8), so there the product is taken in float32.
-    """
+def quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """x / scale rounded to `dtype` (e4m3 / e5m2), clipped to its largest value."""
     fmax = jnp.float32(jnp.finfo(dtype).max)
-    q = jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax).astype(dtype)
-    if jnp.finfo(x.dtype).maxexp < jnp.finfo(jnp.float32).maxexp:
-        return (q.astype(jnp.float32) * scale).astype(x.dtype)
-    return q.astype(x.dtype) * scale.astype(x.dtype)
+    return jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax).astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def scaled_dot(dot: Callable, x: jax.Array, w: jax.Array, history: jax.Array, *extra) -> jax.Array:
-    """dot(x, w, *extra) on e4m3 operands; its backward takes the output gradient in e5m2.
+def quantize_dequantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """x rounded to `dtype` at `scale`, back in x's dtype (the value a quantised operand stands for);
+    the product is taken in float32, which holds every scale (float16 does not)."""
+    return (quantize(x, scale, dtype).astype(jnp.float32) * scale).astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Einsum:
+    """`jnp.einsum(eqn, a, b)` (the plain matmul), and its FP8 form with both transposes: each a dot
+    of FP8 operands accumulated in float32. Every index of an operand must appear in the other
+    operand or the output (a matmul's equation), so the transposes are einsums too."""
+
+    eqn: str
+
+    def __call__(self, a: jax.Array, b: jax.Array) -> jax.Array:
+        return jnp.einsum(self.eqn, a, b)
+
+    def _terms(self, a_ndim: int, b_ndim: int) -> tuple[str, str, str]:
+        """(lhs, rhs, out) with an ellipsis spelled out as letters the equation does not use."""
+        lhs, rest = self.eqn.replace(" ", "").split(",")
+        rhs, out = rest.split("->")
+        free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in self.eqn]
+        dots = max(a_ndim - len(lhs.replace("...", "")) if "..." in lhs else 0,
+                   b_ndim - len(rhs.replace("...", "")) if "..." in rhs else 0)
+        fill = "".join(free[:dots])
+        lhs, rhs, out = (t.replace("...", fill) for t in (lhs, rhs, out))
+        if any(c not in rhs + out for c in lhs) or any(c not in lhs + out for c in rhs) or len(set(lhs)) < len(lhs):
+            raise ValueError(f"{self.eqn!r}: not a matmul (an operand index in neither the other operand nor "
+                             "the output, or repeated)")
+        return lhs, rhs, out
+
+    def f8(self, a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
+        lhs, rhs, out = self._terms(a.ndim, b.ndim)
+        return jnp.einsum(f"{lhs},{rhs}->{out}", a, b, preferred_element_type=out_dtype)
+
+    def f8_lhs_grad(self, g: jax.Array, b: jax.Array, a_ndim: int, out_dtype) -> jax.Array:
+        lhs, rhs, out = self._terms(a_ndim, b.ndim)
+        return jnp.einsum(f"{out},{rhs}->{lhs}", g, b, preferred_element_type=out_dtype)
+
+    def f8_rhs_grad(self, a: jax.Array, g: jax.Array, b_ndim: int, out_dtype) -> jax.Array:
+        lhs, rhs, out = self._terms(a.ndim, b_ndim)
+        return jnp.einsum(f"{lhs},{out}->{rhs}", a, g, preferred_element_type=out_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedDot:
+    """`jax.lax.ragged_dot(a [M, K], b [G, K, N], group_sizes [G])` (the MoE's grouped matmul: rows
+    of a sorted by group), and its FP8 form with both transposes."""
+
+    def __call__(self, a: jax.Array, b: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        return jax.lax.ragged_dot(a, b, group_sizes)
+
+    def f8(self, a, b, out_dtype, group_sizes):
+        return jax.lax.ragged_dot(a, b, group_sizes, preferred_element_type=out_dtype)
+
+    def f8_lhs_grad(self, g, b, a_ndim, out_dtype, group_sizes):  # [M, N] x [G, N, K] -> [M, K]
+        del a_ndim
+        return jax.lax.ragged_dot(g, jnp.swapaxes(b, 1, 2), group_sizes, preferred_element_type=out_dtype)
+
+    def f8_rhs_grad(self, a, g, b_ndim, out_dtype, group_sizes):  # per group a_g^T g_g: [M,K] x [M,N] -> [G,K,N]
+        del b_ndim
+        dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                                 lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+        return jax.lax.ragged_dot_general(a, g, group_sizes, dims, preferred_element_type=out_dtype)
+
+
+RAGGED_DOT = RaggedDot()
+
+
+def _accumulated(dtype):
+    """The element type an FP8 dot writes (it accumulates in float32 either way): the compute dtype
+    when it has float32's exponent range (bf16, float32), so that what a remat policy saves of the
+    dot is no larger than the plain matmul's output; float32 for float16, which the unscaled product
+    (up to 448^2 x K) would overflow."""
+    return dtype if jnp.finfo(dtype).maxexp >= jnp.finfo(jnp.float32).maxexp else jnp.float32
+
+
+def _scaled(product: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """The dot of FP8 values times the product of their (power-of-two) scales, in `dtype`."""
+    return (product.astype(jnp.float32) * scale).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def scaled_dot(dot: Einsum | RaggedDot, first_step: bool, x: jax.Array, w: jax.Array, history: jax.Array,
+               *extra) -> jax.Array:
+    """dot(x, w, *extra) on e4m3 operands, in x's dtype; its backward takes the output gradient in e5m2.
 
     `history` [3, H] (float32, or `fm32` under `for_grad`): the amax history of (x, w, grad).
     Its cotangent carries this step's three amaxes in column 0 (-inf elsewhere).
+    `first_step`: the histories are empty and each operand scales by its own current amax. Otherwise
+    the scales come from the histories alone: the current amaxes are only recorded, so their
+    reductions over the devices wait for nothing and XLA combines them into a few per step.
     """
-    return _forward(dot, x, w, history, *extra)[0]
+    return _forward(dot, first_step, x, w, history, *extra)[0]
 
 
-def _forward(dot, x, w, history, *extra):
+def _forward(dot, first_step, x, w, history, *extra):
     h = _f32(history)
     amax_x, amax_w = amax(x), amax(w)
-    xq = quantize_dequantize(x, scale_for(h[0], amax_x, E4M3), E4M3)
-    wq = quantize_dequantize(w, scale_for(h[1], amax_w, E4M3), E4M3)
-    return dot(xq, wq, *extra), (xq, wq, amax_x, amax_w, history, extra)
+    sx = scale_for(h[0], amax_x if first_step else None, E4M3)
+    sw = scale_for(h[1], amax_w if first_step else None, E4M3)
+    xq, wq = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
+    y = _scaled(dot.f8(xq, wq, _accumulated(x.dtype), *extra), sx * sw, x.dtype)
+    dtypes = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))  # what dx and dw come back in (no bytes)
+    return y, (xq, wq, sx, sw, amax_x, amax_w, history, dtypes, extra)
 
 
-def _backward(dot, residuals, g):
-    xq, wq, amax_x, amax_w, history, extra = residuals
+def _backward(dot, first_step, residuals, g):
+    xq, wq, sx, sw, amax_x, amax_w, history, (x_like, w_like), extra = residuals
     h = _f32(history)
     amax_g = amax(g)
-    gq = quantize_dequantize(g, scale_for(h[2], amax_g, E5M2), E5M2)
-    _, vjp = jax.vjp(lambda a, b: dot(a, b, *extra), xq, wq)
-    dx, dw = vjp(gq)
+    sg = scale_for(h[2], amax_g if first_step else None, E5M2)
+    gq = quantize(g, sg, E5M2)
+    dx = _scaled(dot.f8_lhs_grad(gq, wq, xq.ndim, _accumulated(x_like.dtype), *extra), sg * sw, x_like.dtype)
+    dw = _scaled(dot.f8_rhs_grad(xq, gq, wq.ndim, _accumulated(w_like.dtype), *extra), sx * sg, w_like.dtype)
     newest = jnp.stack([amax_x, amax_w, amax_g])
     cot = jnp.full(h.shape, -jnp.inf, jnp.float32).at[:, 0].set(newest)
     # The cotangent varies as the history does: inside the accumulation loop the history is each
@@ -194,11 +286,9 @@ def advance(history: jax.Array, cotangent: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(newest), shifted, history)
 
 
-def einsum_dot(eqn: str) -> Callable:
-    return _EINSUMS.setdefault(eqn, functools.partial(jnp.einsum, eqn))
-
-
-_EINSUMS: dict[str, Callable] = {}  # one function per equation: custom_vjp's static argument hashes by identity
+def einsum_dot(eqn: str) -> Einsum:
+    """The matmul `eqn` as a `scaled_dot` argument (also callable as the plain einsum)."""
+    return Einsum(eqn)
 
 
 def history(module: nn.Module, name: str, length: int) -> jax.Array:
@@ -208,7 +298,7 @@ def history(module: nn.Module, name: str, length: int) -> jax.Array:
 
 def einsum(module: nn.Module, name: str, eqn: str, x: jax.Array, w: jax.Array, length: int) -> jax.Array:
     """jnp.einsum(eqn, x, w) through `scaled_dot`, with `module`'s history `name`."""
-    return scaled_dot(einsum_dot(eqn), x, w, history(module, name, length))
+    return scaled_dot(einsum_dot(eqn), module.cfg.fp8_first_step, x, w, history(module, name, length))
 
 
 def matmul(module: nn.Module, name: str) -> Callable:

@@ -142,28 +142,30 @@ def z_loss(sums: dict[str, jax.Array]) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 
 
-def _expert_dot(dot, histories: tuple[jax.Array, ...], i: int):
-    """`dot` as it is, or through FP8 with amax history i of (gate, up, down) when `histories` are given."""
+def _expert_dot(dot, histories: tuple[jax.Array, ...], i: int, first_step: bool = False):
+    """`dot` as it is, or through FP8 with amax history i of (gate, up, down) when `histories` are given
+    (`first_step`: the histories are empty, `fp8.scaled_dot`)."""
     if not histories:
         return dot
-    return lambda x, w, *extra: fp8_lib.scaled_dot(dot, x, w, histories[i], *extra)
+    return lambda x, w, *extra: fp8_lib.scaled_dot(dot, first_step, x, w, histories[i], *extra)
 
 
 def _swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                    histories: tuple[jax.Array, ...] = ()) -> jax.Array:
+                    histories: tuple[jax.Array, ...] = (), first_step: bool = False) -> jax.Array:
     """Each expert's SwiGLU on its own slots: x [n, E_l, C, D] -> [n, E_l, C, D] (FP8 with `histories`)."""
     up_dot, down_dot = fp8_lib.einsum_dot("necd,edf->necf"), fp8_lib.einsum_dot("necf,efd->necd")
-    gate = _expert_dot(up_dot, histories, 0)(x, w_gate)
-    up = _expert_dot(up_dot, histories, 1)(x, w_up)
-    return _expert_dot(down_dot, histories, 2)(nn.silu(gate) * up, w_down)
+    gate = _expert_dot(up_dot, histories, 0, first_step)(x, w_gate)
+    up = _expert_dot(up_dot, histories, 1, first_step)(x, w_up)
+    return _expert_dot(down_dot, histories, 2, first_step)(nn.silu(gate) * up, w_down)
 
 
 def _swiglu_grouped(x: jax.Array, group_sizes: jax.Array, w_gate, w_up, w_down,
-                    histories: tuple[jax.Array, ...] = ()) -> jax.Array:
+                    histories: tuple[jax.Array, ...] = (), first_step: bool = False) -> jax.Array:
     """Grouped SwiGLU: rows of x [M, D] sorted by expert, group_sizes [E_l]; rows past the groups give 0."""
-    gate = _expert_dot(jax.lax.ragged_dot, histories, 0)(x, w_gate, group_sizes)
-    up = _expert_dot(jax.lax.ragged_dot, histories, 1)(x, w_up, group_sizes)
-    return _expert_dot(jax.lax.ragged_dot, histories, 2)(nn.silu(gate) * up, w_down, group_sizes)
+    ragged = fp8_lib.RAGGED_DOT  # jax.lax.ragged_dot, with an FP8 form
+    gate = _expert_dot(ragged, histories, 0, first_step)(x, w_gate, group_sizes)
+    up = _expert_dot(ragged, histories, 1, first_step)(x, w_up, group_sizes)
+    return _expert_dot(ragged, histories, 2, first_step)(nn.silu(gate) * up, w_down, group_sizes)
 
 
 def capacity_slots(experts: jax.Array, num_experts: int, cap: int, valid: jax.Array | None = None) -> jax.Array:
@@ -184,7 +186,8 @@ def capacity_slots(experts: jax.Array, num_experts: int, cap: int, valid: jax.Ar
     return jnp.swapaxes(slot.reshape(b, k, t), 1, 2)
 
 
-def _capacity_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, cap, axis, ep, valid, histories=()):
+def _capacity_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, cap, axis, ep, valid, histories=(),
+                  first_step=False):
     """Capacity dispatch -> all_to_all -> experts -> all_to_all -> combine. x [b, T, D]; padding
     (`valid` False) is not dispatched, its output is 0 and it is not counted as dropped."""
     b, t, d = x.shape
@@ -199,7 +202,7 @@ def _capacity_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, cap
     if ep > 1:  # expert e's slots to device e // E_l: [b, E, C, D] -> [ep*b, E_l, C, D]
         buf = checkpoint_name(jax.lax.all_to_all(buf, axis, split_axis=1, concat_axis=0, tiled=True),
                               EXCHANGE_NAMES[0])
-    out = _swiglu_experts(buf, w_gate, w_up, w_down, histories)
+    out = _swiglu_experts(buf, w_gate, w_up, w_down, histories, first_step)
     if ep > 1:  # back to the tokens' devices: [ep*b, E_l, C, D] -> [b, E, C, D]
         out = checkpoint_name(jax.lax.all_to_all(out, axis, split_axis=0, concat_axis=1, tiled=True),
                               EXCHANGE_NAMES[1])
@@ -209,7 +212,7 @@ def _capacity_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, cap
     return y, jnp.sum(((slot == slots) & valid[..., None]).astype(jnp.float32))
 
 
-def _dropless_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, axis, ep, histories=()):
+def _dropless_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, axis, ep, histories=(), first_step=False):
     """Sort by expert -> (exchange) -> grouped matmuls -> (exchange) -> unsort, combine. x [b, T, D]."""
     b, t, d = x.shape
     k = experts.shape[-1]
@@ -219,7 +222,7 @@ def _dropless_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, axi
     tokens = x.reshape(n, d)[order // k]  # [A, D] sorted by expert
     counts = jnp.sum(jax.nn.one_hot(flat, num_experts, dtype=jnp.int32), axis=0)  # [E]
     if ep == 1:
-        out = _swiglu_grouped(tokens, counts, w_gate, w_up, w_down, histories)
+        out = _swiglu_grouped(tokens, counts, w_gate, w_up, w_down, histories, first_step)
     else:
         e_l = num_experts // ep
         s = n * min(k, e_l)  # most assignments one device can send to another
@@ -235,7 +238,7 @@ def _dropless_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, axi
         key = jnp.sum(jnp.arange(s)[None, :, None] >= bounds[:, None, :], axis=-1).reshape(ep * s)
         regroup = jnp.argsort(key, stable=True)  # local expert 0..E_l-1, padding (E_l) last
         grouped = _swiglu_grouped(recv.reshape(ep * s, d)[regroup], jnp.sum(mine, axis=0), w_gate, w_up, w_down,
-                                  histories)
+                                  histories, first_step)
         back = grouped[_inverse(regroup)].reshape(ep, s, d)
         ret = jax.lax.all_to_all(back, axis, split_axis=0, concat_axis=0, tiled=True)  # [ep(dest), S, D]
         ret = checkpoint_name(ret, EXCHANGE_NAMES[1])
@@ -270,10 +273,11 @@ def moe_ffn(x: jax.Array, w_router: jax.Array, w_gate: jax.Array, w_up: jax.Arra
     x = x.astype(dtype)
     if cfg.moe_dropless:
         y, dropped = _dropless_ffn(x, weights, experts, *w, num_experts=cfg.num_experts, axis=axis, ep=ep,
-                                   histories=histories)
+                                   histories=histories, first_step=cfg.fp8_first_step)
     else:
         y, dropped = _capacity_ffn(x, weights, experts, *w, num_experts=cfg.num_experts,
-                                   cap=capacity(cfg, x.shape[1]), axis=axis, ep=ep, valid=valid, histories=histories)
+                                   cap=capacity(cfg, x.shape[1]), axis=axis, ep=ep, valid=valid, histories=histories,
+                                   first_step=cfg.fp8_first_step)
     return y, router_stats(logits, probs, experts, dropped, cfg.moe_balance_scope, row_axes, token_axes, valid)
 
 

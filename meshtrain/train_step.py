@@ -349,9 +349,9 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_l
 def jit_train_step(factory: StateFactory, schedule: optax.Schedule, batch_sharding: NamedSharding, *,
                    accum_steps: int = 1, manual_axes: tuple[str, ...] = (), grads_fn: Callable = grads_one_pass,
                    grad_clip: float = 0.0, compiler_options: dict[str, str | bool] | None = None,
-                   checked: bool = True) -> Callable:
-    """The step jitted once: explicit in/out shardings, the state donated."""
-    step = functools.partial(train_step, model=factory.model, tx=factory.tx, schedule=schedule,
+                   checked: bool = True, model: model_lib.Transformer | None = None) -> Callable:
+    """The step jitted once: explicit in/out shardings, the state donated. `model`: the factory's by default."""
+    step = functools.partial(train_step, model=model or factory.model, tx=factory.tx, schedule=schedule,
                              grad_specs=factory.grad_specs, accum_steps=accum_steps, manual_axes=manual_axes,
                              grad_clip=grad_clip, grads_fn=grads_fn, checked=checked)
     replicated = NamedSharding(factory.mesh, P())
@@ -370,11 +370,47 @@ def build(run: Run) -> tuple[StateFactory, Callable]:
     factory = StateFactory(model, tx, run.mesh, Placement.for_zero_stage(run.rules, config.train.zero_stage),
                            (micro, config.train.seq_len))
     grads_fn = grads_function(run.pipeline, grads_one_pass)
-    step = jit_train_step(factory, optimizer_lib.learning_rate_schedule(config), run.batch_sharding,
-                          accum_steps=config.train.grad_accum_steps, manual_axes=run.accumulation_axes,
-                          grads_fn=grads_fn, grad_clip=config.train.grad_clip,
-                          compiler_options=run.compiler_options, checked=not run.kernels)
-    return factory, step
+    jitted = functools.partial(jit_train_step, factory, optimizer_lib.learning_rate_schedule(config),
+                               run.batch_sharding, accum_steps=config.train.grad_accum_steps,
+                               manual_axes=run.accumulation_axes, grads_fn=grads_fn,
+                               grad_clip=config.train.grad_clip, compiler_options=run.compiler_options,
+                               checked=not run.kernels)
+    if not run.model.fp8:
+        return factory, jitted()
+    first = model.clone(cfg=dataclasses.replace(model.cfg, fp8_first_step=True))
+    return factory, Fp8Step(jitted(), functools.partial(jitted, model=first))
+
+
+class Fp8Step:
+    """The FP8 train step: the usual program, scaling every quantised operand by its amax history,
+    and the first step's own program (`ModelConfig.fp8_first_step`: the histories are still empty,
+    so each operand scales by its current amax), run while the state's histories are empty (a fresh
+    state, or one switched from bf16; a withheld first step leaves them empty). Its other attributes
+    (`lower`, `trace`, ...) are the usual program's: what runs from the second step on."""
+
+    def __init__(self, steady: Callable, make_first: Callable[[], Callable]):
+        self._steady, self._make_first, self._first, self._histories_seen = steady, make_first, None, False
+
+    def __call__(self, state: TrainState, batch):
+        if not self._histories_seen:
+            if not _histories_recorded(state.fp8):
+                self._first = self._first or self._make_first()
+                return self._first(state, batch)
+            self._histories_seen = True  # histories never empty again: one check per step object
+        return self._steady(state, batch)
+
+    def __getattr__(self, name: str):
+        return getattr(self._steady, name)
+
+
+@jax.jit
+def _any_recorded(histories) -> jax.Array:
+    return functools.reduce(jnp.logical_or, [jnp.any(h != 0) for h in jax.tree.leaves(histories)], False)
+
+
+def _histories_recorded(histories) -> bool:
+    """Whether any amax history holds a step (one replicated scalar read on the host)."""
+    return bool(jax.device_get(_any_recorded(histories)))
 
 
 def grads_function(pipe: pipeline_lib.Pipeline | None, default):

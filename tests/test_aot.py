@@ -103,7 +103,10 @@ backend_config={name = "flash_attention_dq"}
 def test_compiled_module_reader_counts_fp8_gemms_and_triton_kernels():
     """A dot of two f8 operands and cuBLASLt's f8 call are FP8 GEMMs; a dot whose f8 operand is converted
     to bf16 first is a bf16 GEMM. Triton custom calls are counted by kernel name."""
-    assert hlo.gemms(COMPILED) == hlo.GemmCount(total=3, fp8=2)
+    found = hlo.gemms(COMPILED)
+    assert (found.total, found.fp8) == (3, 2)
+    assert found.of_types("f8e4m3fn", "f8e4m3fn") == 2 and found.of_types("bf16", "bf16") == 1
+    assert hlo.f8_conversions(COMPILED) == 1  # the bf16 GEMM's operand, widened from e4m3
     assert hlo.triton_kernels(COMPILED) == {"rms_norm_forward": 2, "flash_attention_dq": 1}
 
 

@@ -1,4 +1,5 @@
-"""FP8 matmuls (`model.matmul_precision='fp8'`, fp8.py): where the step quantises (its CUDA lowering),
+"""FP8 matmuls (`model.matmul_precision='fp8'`, fp8.py): where the step quantises and which dots take FP8
+operands (its CUDA lowering; tests/test_gpu_aot.py counts the FP8 GEMMs the H100 compiler makes),
 that sharding, accumulation and resume leave the numbers unchanged, and that the default dtype trains.
 
 Tolerances: with power-of-two scales every mesh quantises with the same scales, so what remains
@@ -79,6 +80,18 @@ def _f8_converts(text: str, dtype: str) -> tuple[int, int]:
     return to, back
 
 
+_F8_DOT = re.compile(r"stablehlo\.dot_general [^\n]*: \(tensor<[0-9x]*(f8\w+)>, tensor<[0-9x]*(f8\w+)>\)")
+
+
+def _f8_dots(text: str) -> dict[tuple[str, str], int]:
+    """The two FP8 element types (sorted) -> dot_generals that multiply them, in lowered StableHLO."""
+    found: dict[tuple[str, str], int] = {}
+    for pair in _F8_DOT.findall(text):
+        key = tuple(sorted(pair))
+        found[key] = found.get(key, 0) + 1
+    return found
+
+
 @functools.cache
 def _lowered(name: str, precision: str) -> tuple[str, object]:
     """The default-dtype (bf16) step lowered for CUDA on one device, without recomputation (each
@@ -97,14 +110,44 @@ def test_cuda_lowering_quantises_exactly_the_attention_and_mlp_matmuls(name):
     text, histories = _lowered(name, "fp8")
     assert _paths(histories) == QUANTISED[name]  # one amax history per FP8 matmul, none for head or router
     sites = len(QUANTISED[name])
-    # forward: input and weight to e4m3 and back (the pair XLA's GPU compiler fuses into an FP8 GEMM)
-    assert _f8_converts(text, "f8E4M3FN") == (2 * sites, 2 * sites)
-    # backward: the output gradient to e5m2 and back, once per matmul
-    assert _f8_converts(text, "f8E5M2") == (sites, sites)
+    # forward: input and weight to e4m3; backward: the output gradient to e5m2, once per matmul; none
+    # is converted back: the dots take the FP8 values (what XLA's GPU compiler makes FP8 GEMMs of)
+    assert _f8_converts(text, "f8E4M3FN") == (2 * sites, 0)
+    assert _f8_converts(text, "f8E5M2") == (sites, 0)
+    # forward e4m3 x e4m3; input gradient and weight gradient e5m2 with e4m3 (einsum picks the order)
+    assert _f8_dots(text) == {("f8E4M3FN", "f8E4M3FN"): sites, ("f8E4M3FN", "f8E5M2"): 2 * sites}
     plain, no_histories = _lowered(name, "bf16")
     assert no_histories == {}
     assert _f8_converts(plain, "f8E4M3FN") == (0, 0) and _f8_converts(plain, "f8E5M2") == (0, 0)
     assert text.count("stablehlo.dot_general") == plain.count("stablehlo.dot_general")  # no matmul added
+
+
+@pytest.mark.parametrize("dot, shapes", [
+    (fp8.einsum_dot("btd,df->btf"), ((2, 16, 32), (32, 24))),
+    (fp8.einsum_dot("btd,dsn...->btsn..."), ((2, 16, 32), (32, 2, 3, 8))),  # the fused QKV projection
+    (fp8.einsum_dot("necd,edf->necf"), ((2, 4, 8, 32), (4, 32, 16))),  # capacity experts
+    (fp8.RAGGED_DOT, ((24, 32), (3, 32, 16))),  # dropless experts: rows sorted by group
+], ids=["dense", "column-parallel", "experts", "grouped"])
+def test_fp8_dots_and_their_transposes_equal_the_dequantised_matmul(dot, shapes):
+    """`scaled_dot`'s forward, input gradient and weight gradient (dots of FP8 values, the scales
+    applied after) equal the plain matmul of the dequantised operands and its autodiff, in float32."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    x, w = (jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, shapes, strict=False))
+    extra = (jnp.array([10, 0, 14], jnp.int32),) if dot is fp8.RAGGED_DOT else ()
+    history = jnp.zeros((3, 4), jnp.float32)
+    y, vjp = jax.vjp(lambda x, w: fp8.scaled_dot(dot, True, x, w, history, *extra), x, w)
+    g = jax.random.normal(keys[2], y.shape, jnp.float32)
+    dx, dw = vjp(g)
+
+    def scale(a, dtype):
+        return fp8.scale_for(jnp.zeros(4), fp8.amax(a), dtype)
+    xq = fp8.quantize_dequantize(x, scale(x, fp8.E4M3), fp8.E4M3)
+    wq = fp8.quantize_dequantize(w, scale(w, fp8.E4M3), fp8.E4M3)
+    gq = fp8.quantize_dequantize(g, scale(g, fp8.E5M2), fp8.E5M2)
+    want, want_vjp = jax.vjp(lambda a, b: dot(a, b, *extra), xq, wq)
+    want_dx, want_dw = want_vjp(gq)
+    for got, ref in ((y, want), (dx, want_dx), (dw, want_dw)):
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
 
 
 # --- the same numbers on every mesh ---------------------------------------------------------

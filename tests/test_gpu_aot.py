@@ -10,6 +10,9 @@ with the `gpu` extra (`pytest -m gpu_aot`). Without the extra they fail with its
   each pipeline schedule, ring attention without zig-zag, selective remat, the sampling program;
   capacity MoE is in every triple with `expert` but not `sequence`).
 * llama3_8b (2 layers) with the kernels: every kernel, forward and backward, is a Triton call.
+* FP8 (`model.matmul_precision=fp8`): every quantised matmul runs as three FP8 GEMMs a step (forward
+  e4m3 x e4m3; input and weight gradients e5m2 with e4m3), no FP8 value is converted back to bf16,
+  the step's temporaries are no larger than bf16's and the amax reductions add at most 2 all-reduces.
 * The planner's per-device memory against the compiler's for the acceptance meshes: within 10%.
 * Multi-node targets: 64 devices as 8 nodes of 8 give the devices of 8 processes.
 * The README's `meshtrain.aot` and `plan --target` commands run.
@@ -18,13 +21,15 @@ with the `gpu` extra (`pytest -m gpu_aot`). Without the extra they fail with its
 from __future__ import annotations
 
 import itertools
+import math
 import subprocess
 
+import jax
 import numpy as np
 import pytest
 
-from meshtrain import aot, attention, config as config_lib, mesh as mesh_lib
-from meshtrain.plan import verify
+from meshtrain import aot, attention, config as config_lib, mesh as mesh_lib, train_step
+from meshtrain.plan import hlo, verify
 from tests import test_readme_commands as readme
 from tests.utils import ROOT, apply_overrides, composed_config, load_config_file
 
@@ -120,6 +125,50 @@ def test_llama3_8b_kernels_are_triton_calls():
     report = _compile(config, sample=None)
     assert set(report.step.kernels) == KERNEL_NAMES
     assert report.fits and report.step.collectives["all-gather"]["overlapped"] > 0
+
+
+# FP8 on H100: the meshes of the FP8 equivalence tests' kinds (GSPMD fsdp, data-parallel accumulation
+# region, expert parallelism, 1F1B's loop) and llama3_8b's real widths. Remat `none` (`selective` for
+# the 8B: both save the matmul outputs), so each forward GEMM runs once.
+FP8_MESHES = {
+    "tiny-fsdp8": ("tiny", {"mesh.fsdp": 8, "remat.policy": "none"}),
+    "tiny_moe-data8": ("tiny_moe", {"mesh.data": 8, "mesh.expert": 1, "remat.policy": "none"}),
+    "tiny_moe-expert2": ("tiny_moe", {"mesh.data": 4, "mesh.expert": 2, "remat.policy": "none"}),
+    "tiny-1f1b": ("tiny", {"mesh.data": 4, "mesh.stage": 2, "pipeline.schedule": "1f1b", "remat.policy": "none"}),
+    "llama3_8b-2layers": ("llama3_8b", {"mesh.fsdp": 8, "train.batch_size": 8, "model.n_layers": 2,
+                                        "remat.policy": "selective"}),
+}
+
+
+def _precision_pair(name: str):
+    """(bf16 report, fp8 report, fp8 GEMMs as executed, quantised matmuls run per device per step)."""
+    config_name, overrides = FP8_MESHES[name]
+    reports = {}
+    for precision in ("bf16", "fp8"):
+        config = apply_overrides(load_config_file(config_name), {
+            **{f"mesh.{a}": 1 for a in AXES}, "data.source": "synthetic", "model.dtype": "bfloat16", **overrides,
+            "model.matmul_precision": precision})
+        compiled, run, _ = aot.compile_step(config, "h100", 8)
+        reports[precision] = (compiled.as_text(), verify.compiled_memory(compiled), run)
+    text, _, run = reports["fp8"]
+    pipe = run.pipeline
+    executed = hlo.gemms(text, executed=True, branch_weights=pipe.slot_branch_share() if pipe else None)
+    factory, _ = train_step.build(run)
+    runs = sum(math.prod(h.shape[:-2]) for h in jax.tree.leaves(factory.abstract.fp8))  # sites x scanned units
+    runs = runs // pipe.stages * pipe.microbatches if pipe else runs * run.config.train.grad_accum_steps
+    return reports["bf16"], reports["fp8"], executed, runs
+
+
+@pytest.mark.parametrize("name", list(FP8_MESHES))
+def test_fp8_matmuls_are_fp8_gemms_on_h100(name):
+    (bf16_text, bf16_memory, _), (text, memory, run), executed, runs = _precision_pair(name)
+    assert executed.of_types("f8e4m3fn", "f8e4m3fn") == pytest.approx(runs)  # forward
+    assert executed.of_types("f8e4m3fn", "f8e5m2") == pytest.approx(2 * runs)  # input and weight gradients
+    assert hlo.f8_conversions(text) == 0  # no quantised tensor widened again: no bf16 copy of a weight
+    assert memory["temp"] <= bf16_memory["temp"]
+    n = math.prod(run.sizes.values())
+    all_reduces = [c for c in hlo.collectives(text, n) if c.kind == "all-reduce"]
+    assert len(all_reduces) <= len([c for c in hlo.collectives(bf16_text, n) if c.kind == "all-reduce"]) + 2
 
 
 # The acceptance meshes (issue: ahead-of-time compilation) and a few beside them: the planner's

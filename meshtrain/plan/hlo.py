@@ -303,19 +303,35 @@ def triton_kernels(hlo: str) -> collections.Counter:
 
 @dataclasses.dataclass(frozen=True)
 class GemmCount:
-    total: int  # GEMM instructions in the module: dots (GEMM fusions) and cuBLAS / cuBLASLt calls
-    fp8: int  # those whose two operands are FP8 (f8e4m3fn / f8e5m2): a tensor-core FP8 GEMM
+    total: float  # GEMMs: dots (GEMM fusions) and cuBLAS / cuBLASLt calls (per instruction, or as executed)
+    fp8: float  # those whose two operands are FP8 (f8e4m3fn / f8e5m2): a tensor-core FP8 GEMM
+    operands: tuple[tuple[str, float], ...] = ()  # ("f8e4m3fn x f8e5m2", n): element types, sorted, per GEMM
+
+    def of_types(self, a: str, b: str) -> float:
+        """GEMMs multiplying element types `a` and `b` (either order)."""
+        return dict(self.operands).get(" x ".join(sorted((a, b))), 0)
 
 
-def gemms(hlo: str) -> GemmCount:
+def _element_type(shape: str) -> str:
+    m = re.match(r"\(?(\w+)\[", shape)
+    return m.group(1) if m else "?"
+
+
+def gemms(hlo: str, executed: bool = False, branch_weights: tuple[float, ...] | None = None) -> GemmCount:
     """The GEMMs of a compiled GPU module: every `dot` left (each inside a Triton GEMM fusion after
     XLA:GPU's passes) and every cuBLAS(Lt) custom call, and which of them multiply FP8 operands.
+    `executed`: each counted as often as it runs per call (loop bodies times their trip counts,
+    conditional branches by `branch_weights`, see `_multiplicities`), else once per instruction.
 
     A dot of values dequantised to bf16 is a bf16 GEMM however its inputs were stored; only a dot
     whose operands are f8 typed (or cuBLASLt's `$f8` call) runs on the FP8 tensor cores."""
-    comps, _ = _computations(hlo)
-    total = fp8 = 0
-    for lines in comps.values():
+    comps, entry = _computations(hlo)
+    mult = _multiplicities(comps, entry, branch_weights) if executed else None
+    kinds: collections.Counter = collections.Counter()
+    for name, lines in comps.items():
+        runs = mult.get(name, 0) if mult is not None else 1
+        if not runs:
+            continue
         types = {}
         for line in lines:
             if m := _INSTRUCTION.match(line):
@@ -324,15 +340,18 @@ def gemms(hlo: str) -> GemmCount:
             m = _INSTRUCTION.match(line)
             if not m:
                 continue
-            opcode = m.group(3)
-            if opcode == "dot":
-                operands = [op.strip().split()[-1].lstrip("%") for op in _top_level_args(m.group(4))[:2]]
-                total += 1
-                fp8 += all(_F8.match(types.get(op, "")) for op in operands)
-            elif opcode == "custom-call" and (t := _CUSTOM_TARGET.search(line)) and t.group(1).startswith("__cublas"):
-                total += 1
-                fp8 += "f8" in t.group(1)
-    return GemmCount(total, fp8)
+            opcode, cublas = m.group(3), None
+            if opcode == "custom-call" and (t := _CUSTOM_TARGET.search(line)) and t.group(1).startswith("__cublas"):
+                cublas = t.group(1)
+            if opcode != "dot" and cublas is None:
+                continue
+            operands = [op.strip().split()[-1].lstrip("%") for op in _top_level_args(m.group(4))[:2]]
+            pair = sorted(_element_type(types.get(op, "")) for op in operands)
+            if cublas is not None and "f8" in cublas and not all(t.startswith("f8") for t in pair):
+                pair = ["f8?", "f8?"]  # an FP8 call whose operands this module's text does not type
+            kinds[" x ".join(pair)] += runs
+    fp8 = sum(n for k, n in kinds.items() if all(t.startswith("f8") for t in k.split(" x ")))
+    return GemmCount(sum(kinds.values()), fp8, tuple(sorted(kinds.items())))
 
 
 def _top_level_args(text: str) -> list[str]:
@@ -350,3 +369,18 @@ def _top_level_args(text: str) -> list[str]:
             args.append(text[start:i])
             start = i + 1
     return [a for a in args if a.strip()]
+
+
+def f8_conversions(hlo: str) -> int:
+    """`convert` instructions whose operand is an FP8 value: a quantised tensor dequantised (to bf16
+    or float32) before its GEMM, which then runs in the wider type and keeps a wider copy."""
+    comps, _ = _computations(hlo)
+    found = 0
+    for lines in comps.values():
+        types = {m.group(1): m.group(2) for line in lines if (m := _INSTRUCTION.match(line))}
+        for line in lines:
+            m = _INSTRUCTION.match(line)
+            if m and m.group(3) == "convert":
+                operand = _top_level_args(m.group(4))[0].strip().split()[-1].lstrip("%")
+                found += _F8.match(types.get(operand, "")) is not None
+    return found
