@@ -409,8 +409,9 @@ def _any_recorded(histories) -> jax.Array:
 
 
 def _histories_recorded(histories) -> bool:
-    """Whether any amax history holds a step (one replicated scalar read on the host)."""
-    return bool(jax.device_get(_any_recorded(histories)))
+    """Whether any amax history holds a step: one replicated scalar, read from this process's own copy
+    (every process of a multi-process run reads the same value and picks the same program)."""
+    return bool(np.asarray(_any_recorded(histories).addressable_data(0)))
 
 
 def grads_function(pipe: pipeline_lib.Pipeline | None, default):
