@@ -246,7 +246,10 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--dir", default="", help="where checkpoints are written (default: a temporary dir)")
     parser.add_argument("--crash_trials", type=int, default=0, help="SIGKILL trials (0: none)")
+    parser.add_argument("--quick", action="store_true", help="the CI smoke run: the tiny state once, 10 steps")
     args = parser.parse_args()
+    if args.quick:
+        args.sizes, args.repeats, args.steps, args.every = "tiny", 1, 10, 5
     root = args.dir or tempfile.mkdtemp(prefix="meshtrain_ckpt_bench_")
     print(f"{len(jax.devices())} x {jax.devices()[0].device_kind}, writing to {root}")
     results = {"device": jax.devices()[0].device_kind, "devices": len(jax.devices()), "save_restore": []}

@@ -122,7 +122,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--json", default="", help="also write the results to this file")
+    parser.add_argument("--quick", action="store_true", help="the CI smoke run: the dp and zero3 cases")
     args = parser.parse_args()
+    if args.quick:
+        args.only = args.only or "dp,zero3"
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)

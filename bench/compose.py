@@ -39,8 +39,8 @@ def measure(config, steps: int) -> dict:
     run = Run.resolve(config, jax.devices()[:n])
     factory, step_fn = train_step.build(run)
     batches = synthetic_batches(config, steps)
-    if run.permutation is not None:
-        batches = [{k: v[:, run.permutation] for k, v in b.items()} for b in batches]
+    if run.layout.permutation is not None:
+        batches = [{k: v[:, run.layout.permutation] for k, v in b.items()} for b in batches]
     with jax.set_mesh(run.mesh):
         state = factory.create(config.seed)
         start = time.perf_counter()
@@ -68,9 +68,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--no-triples", action="store_true", help="only the six-axis mesh on 64 devices")
+    parser.add_argument("--quick", action="store_true", help="the CI smoke run: one triple (data, fsdp, tensor), 2 steps")
     args = parser.parse_args()
     meshes = [] if args.no_triples else [dict.fromkeys(t, 2) for t in itertools.combinations(AXES, 3)]
-    meshes.append(dict.fromkeys(AXES, 2))
+    if args.quick:
+        meshes, args.steps = meshes[:1], 2
+    else:
+        meshes.append(dict.fromkeys(AXES, 2))
     refs, rows = {}, []
     print(f"{'mesh':52} {'schedule':8} {'attention':9} {'MoE':4} {'ZeRO':4} {'max rel loss diff':>17} "
           f"{'compile s':>9} {'step s':>7}", flush=True)

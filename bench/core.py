@@ -159,7 +159,9 @@ def seconds_per_step(name: str, impl: str, steps: int, recopy: bool = True) -> f
     config = model_config(name)
     batch = make_batch(config)
     if impl == "meshtrain":
-        factory, step_fn = train_step_lib.build(Run.resolve(config, jax.devices()[:1]))
+        run = Run.resolve(config, jax.devices()[:1])
+        mesh = run.mesh
+        factory, step_fn = train_step_lib.build(run)
         holder = {"state": factory.create(0)}
         if recopy:
             holder["state"] = jax.tree.map(jnp.copy, holder["state"])

@@ -150,7 +150,10 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--data_dir", default="")
+    parser.add_argument("--quick", action="store_true", help="the CI smoke run: 20 batches")
     args = parser.parse_args()
+    if args.quick:
+        args.batches = 20
     if args.hf_rss_child:
         return hf_rss_child(args.hf_rss_child, args.data_dir)
     if args.hf_rss:

@@ -72,11 +72,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--out", default=str(pathlib.Path(__file__).with_name("fp8_curves.png")))
     parser.add_argument("--workdir", default="")
+    parser.add_argument("--quick", action="store_true", help="the CI smoke run: 8 steps, the plot written to a temporary folder")
     args = parser.parse_args()
+    if args.quick:
+        args.steps = 8
     with tempfile.TemporaryDirectory() as tmp:
         workdir = pathlib.Path(args.workdir or tmp)
         results = {p: summary(run(p, args.steps, workdir)) for p in ("bf16", "fp8")}
-    plot(results, pathlib.Path(args.out))
+        if args.quick:
+            args.out = str(pathlib.Path(tmp) / "fp8_curves.png")
+        plot(results, pathlib.Path(args.out))
     bf16, fp8 = results["bf16"], results["fp8"]
     gap = (fp8["final_loss"] - bf16["final_loss"]) / bf16["final_loss"]
     gap_tail = (fp8[f"mean_last_{TAIL}"] - bf16[f"mean_last_{TAIL}"]) / bf16[f"mean_last_{TAIL}"]

@@ -78,21 +78,25 @@ def main() -> None:
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quick", action="store_true", help="the CI smoke run: expert 1 and 8, capacity factor 1.25, 2 steps")
     args = parser.parse_args()
+    experts, factors = (1, 2, 4, 8), (1.0, 1.25, 2.0)
+    if args.quick:
+        experts, factors, args.steps = (1, 8), (1.25,), 2
 
     results = {"throughput": [], "capacity": []}
     print(f"tiny MoE (configs/tiny_moe.py), batch {args.batch_size} x {args.seq_len}, {args.dtype}, "
           f"{jax.device_count()} CPU devices, {args.steps} timed steps")
     print(f"{'mesh':<18}{'dispatch':<10}{'tokens/s':>10}{'step s':>9}{'dropped':>9}")
     for dropless in (False, True):
-        for expert in (1, 2, 4, 8):
+        for expert in experts:
             r = measure(make_config(args, expert, dropless, 1.25), args.steps)
             r.update(expert=expert, data=8 // expert, dispatch="dropless" if dropless else "capacity")
             results["throughput"].append(r)
             print(f"{f'expert={expert},data={8 // expert}':<18}{r['dispatch']:<10}{r['tokens_per_sec']:>10.0f}"
                   f"{r['step_s']:>9.3f}{r['dropped_fraction']:>9.4f}")
     print(f"\n{'capacity factor':<18}{'dropped fraction':>18}  (expert=8, data=1)")
-    for factor in (1.0, 1.25, 2.0):
+    for factor in factors:
         r = measure(make_config(args, 8, False, factor), args.steps)
         r.update(capacity_factor=factor)
         results["capacity"].append(r)

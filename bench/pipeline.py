@@ -41,7 +41,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
 
-from meshtrain import config as config_lib, pipeline, train_step  # noqa: E402
+from meshtrain import config as config_lib, train_step  # noqa: E402
+from meshtrain.parallel import layout, pipeline  # noqa: E402
 from meshtrain.run import Run
 
 
@@ -99,7 +100,10 @@ def main() -> None:
     parser.add_argument("--d_model", type=int, default=64)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="the CI smoke run: 2 stages, m 2 and 4, 4 layers, 2 steps")
     args = parser.parse_args()
+    if args.quick:
+        args.stages, args.microbatches, args.layers, args.steps = 2, "2,4", 4, 2
     ms = [int(m) for m in args.microbatches.split(",")]
     results = []
     print(f"p={args.stages}, micro-batch {args.rows} x {args.seq_len} tokens, d_model {args.d_model}, "
@@ -110,7 +114,7 @@ def main() -> None:
         rows = []
         for m in ms:
             config = make_config(args, schedule, m)
-            pipe = pipeline.Pipeline.from_config(config, {**{a: 1 for a in config_lib.MESH_AXES}, "stage": args.stages})
+            pipe = layout.pipeline_plan(config, {**{a: 1 for a in config_lib.MESH_AXES}, "stage": args.stages})
             print(f"running {schedule} m={m} ...", file=sys.stderr, flush=True)
             rows.append((m, pipe, *step_seconds(config, args.steps)))
         slope = np.polyfit([m for m, *_ in rows], [t for _, _, t, _ in rows], 1)[0]

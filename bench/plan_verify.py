@@ -7,6 +7,7 @@ table (per-device state / temp / peak bytes, bytes sent per mesh axis per step) 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import resource
@@ -24,6 +25,7 @@ def main() -> None:
     parser.add_argument("--zero", type=int, default=3)
     parser.add_argument("--remat", default="full")
     parser.add_argument("--accum", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="the CI smoke run: 2 layers")
     args = parser.parse_args()
     import jax
 
@@ -37,13 +39,17 @@ def main() -> None:
     for axis in config_lib.MESH_AXES:
         config.mesh[axis] = mesh.get(axis, 1)
     config.train.zero_stage, config.remat.policy, config.train.grad_accum_steps = args.zero, args.remat, args.accum
+    if args.quick:
+        config.model.n_layers = 2
     start = time.perf_counter()
     result = verify.verify(config, jax.devices()[:8])
     print(f"llama3_8b, mesh {args.mesh}, ZeRO-{args.zero}, remat={args.remat}, accumulation {args.accum}, "
           f"batch {config.train.batch_size} x {config.train.seq_len}")
     print(result.table())
-    print(f"total (build + lower + compile): {time.perf_counter() - start:.1f} s; "
-          f"host peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+    seconds, rss = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"total (build + lower + compile): {seconds:.1f} s; host peak RSS {rss:.2f} GiB")
+    print(json.dumps({"bench": "plan_verify", "layers": config.model.n_layers, **result.as_json(),
+                      "seconds": round(seconds, 1), "host_rss_gib": round(rss, 2)}))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from meshtrain import schedules  # noqa: E402
+from meshtrain.parallel import schedules  # noqa: E402
 
 COLOURS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b", None: "#eeeeee"}
 
@@ -62,7 +62,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="model chunks per stage (interleaved_1f1b)")
     parser.add_argument("--schedules", default=",".join(schedules.SCHEDULES))
     parser.add_argument("--draw", default="", help="write one PNG per schedule (its smallest m) into this folder")
+    parser.add_argument("--quick", action="store_true", help="the CI smoke run: p 2, m 4 and 8")
     args = parser.parse_args()
+    if args.quick:
+        args.stages, args.microbatches = 2, "4,8"
     p, rows = args.stages, []
     for name in args.schedules.split(","):
         v = args.repeats if name == "interleaved_1f1b" else 1

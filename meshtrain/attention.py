@@ -1,11 +1,11 @@
-"""Attention: the plain einsum form, the implementation choice, and the kernel run per shard.
+"""Attention on one device's view: the plain einsum form and the flash kernel run per shard.
 
-`config.attention.impl`, chosen once, outside traced code (`attention_fn`):
+`config.attention.impl`, chosen once, outside traced code (`parallel.layout.attention_fn`):
 
 * `xla`:    einsum attention (`xla_attention`), partitioned by XLA.
-* `ring`:   context parallelism over `sequence` (`ring_attention.py`, playbook "Context
-            Parallelism"); zig-zag layout applied once to the data (`data_permutation`).
-            On GPU each ring step's block runs in the Pallas flash kernel (`ring_flash`).
+* `ring`:   context parallelism over `sequence` (`parallel/ring_attention.py`, playbook "Context
+            Parallelism"); zig-zag layout applied once to the data (`layout.data_permutation`).
+            On GPU each ring step's block runs in the Pallas flash kernel (`layout.ring_flash`).
 * `pallas`: the Pallas flash kernel (playbook "Flash Attention 1-3") on each device's
             batch / head shard: a Pallas call is a custom call the SPMD partitioner cannot
             split, so it runs inside a `shard_map` over the axes its operands are split on
@@ -17,19 +17,15 @@ grouped-query (G = H / K query heads share a K/V head, never copied).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from meshtrain import ring_attention
 from meshtrain.config import BATCH_AXES, require
-from meshtrain.pallas_kernels import flash_attention, flash_attention_with_lse
-from meshtrain.pallas_kernels.flash_attention import MIN_BLOCK
+from meshtrain.pallas_kernels import flash_attention
 from meshtrain.sharding_rules import auto_axes, per_shard
 
 # attention_fn(q [B,T,H,Dh], k [B,T,K,Dh], v [B,T,K,Dh], segment_ids [B,T]) -> [B,T,H,Dh], causal.
@@ -83,67 +79,6 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     def local(q, k, v, segment_ids):
         return flash_attention(q, k, v, causal=True, segment_ids=segment_ids)
     return per_shard(local, (x, x, x, seg), x, batch + heads)(q, k, v, segment_ids)
-
-
-def ring(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, zigzag: bool,
-         transport: str = "ring", flash: bool = False) -> jax.Array:
-    """Ring attention over `sequence` of the current mesh; each step's block in the Pallas flash kernel
-    when `flash` (`ring_flash`: on GPU), else in jnp einsums."""
-    mesh = jax.sharding.get_abstract_mesh()
-    block_fn = flash_attention_with_lse if flash else None
-    heads = auto_axes(("tensor",))
-    if heads and k.shape[2] % mesh.shape["tensor"]:
-        heads = ()  # K/V heads replicated over `tensor`: nothing to keep apart
-    return ring_attention.ring_attention(q, k, v, segment_ids, mesh=mesh, zigzag=zigzag, block_fn=block_fn,
-                                         transport=transport, heads_axes=heads)
-
-
-def ring_flash(config: ml_collections.ConfigDict, sizes: dict[str, int], platform: str) -> bool:
-    """Whether ring attention computes its blocks with the Pallas flash kernel: compiled for a GPU
-    (`platform`: the mesh's devices, not the host's), each block (seq_len / mesh.sequence, halved by
-    zig-zag) a whole number of the kernel's smallest tile, and no MoE pipeline stage around it (its
-    loop stays type-checked, `pipeline.validate_config`; jnp blocks there)."""
-    if config.attention.impl != "ring" or sizes["sequence"] == 1 or platform != "gpu":
-        return False
-    if config.model.num_experts and sizes["stage"] > 1:
-        return False
-    block = config.train.seq_len // sizes["sequence"] // (2 if config.attention.zigzag else 1)
-    return block >= MIN_BLOCK and block % MIN_BLOCK == 0
-
-
-def uses_kernels(config: ml_collections.ConfigDict, sizes: dict[str, int], platform: str = "cpu") -> bool:
-    """Whether the step runs Pallas kernels, whose manual regions then go unchecked (a pallas_call
-    declares no variance): flash attention, the fused RMSNorm or loss, or ring attention's flash blocks
-    on a GPU (`ring_flash`)."""
-    m = config.model
-    named = config.attention.impl == "pallas" or m.fused_norm or m.fused_loss
-    return bool(named or ring_flash(config, sizes, platform))
-
-
-def in_conditional_slots(fn: AttentionFn) -> AttentionFn:
-    """`fn` as it must run inside a branch that only some stages take (a 1F1B slot): ring attention
-    moves its blocks by all-gather / reduce-scatter instead of collective-permutes."""
-    if isinstance(fn, functools.partial) and fn.func is ring:
-        return functools.partial(ring, **{**fn.keywords, "transport": "gather"})
-    return fn
-
-
-def attention_fn(config: ml_collections.ConfigDict, flash: bool = False) -> AttentionFn:
-    """The attention function of `config.attention.impl`; `flash`: ring attention's blocks in the Pallas
-    kernel (`ring_flash`)."""
-    impl = config.attention.impl
-    if impl == "ring":
-        return functools.partial(ring, zigzag=bool(config.attention.zigzag), flash=flash)
-    if impl == "pallas":
-        return pallas_attention
-    return xla_attention
-
-
-def data_permutation(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> np.ndarray | None:
-    """The token order of the data: zig-zag for ring attention over more than one device, else None."""
-    if config.attention.impl != "ring" or not config.attention.zigzag or sizes["sequence"] == 1:
-        return None
-    return ring_attention.zigzag_permutation(config.train.seq_len, sizes["sequence"])
 
 
 def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:

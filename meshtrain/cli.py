@@ -1,4 +1,6 @@
-"""Flag parsing shared by meshtrain's commands: a bad `--config.*` flag is one line and exit code 2.
+"""What meshtrain's commands share: flag parsing, config files, logging and the runtime's start.
+
+A bad `--config.*` flag is one line and exit code 2.
 
 ml_collections applies `--config.a.b=v` overrides while absl parses the command line, before any
 command code runs; a mistyped key would end there in a long traceback. `parse_flags` (absl's
@@ -17,7 +19,7 @@ import sys
 import ml_collections
 from absl import flags
 
-from meshtrain import config as config_lib
+from meshtrain import config as config_lib, hf, mesh as mesh_lib
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -111,3 +113,13 @@ def setup_logging(stream=sys.stdout, quiet: tuple[str, ...] = ("absl", "jax", "o
     log.propagate = False
     for noisy in quiet:
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def setup_runtime(config: ml_collections.ConfigDict) -> None:
+    """Before anything else touches JAX: fake CPU devices (`cpu_devices`), the multi-process start
+    (`distributed.*`), and the model shape of a Hugging Face checkpoint the run starts from
+    (`init.from_hf`: the checkpoint decides the architecture)."""
+    mesh_lib.fake_cpu_devices(config.cpu_devices)
+    mesh_lib.maybe_initialize_distributed(config)
+    if config.init.from_hf:
+        hf.apply_model_config(config)

@@ -42,7 +42,8 @@ from meshtrain.config import BATCH_AXES, ModelConfig
 from meshtrain.data import tokenizers
 from meshtrain.mesh import compiler_options
 from meshtrain.model import Transformer, params_mesh
-from meshtrain.run import Run, setup_runtime
+from meshtrain.run import Run
+from meshtrain.validate import validate
 from meshtrain.sharding_rules import Rules
 
 log = logging.getLogger("meshtrain")
@@ -249,7 +250,8 @@ def _restore(config, hf_dir: str) -> tuple[Run, dict]:
     the batch axes and `tensor` (evaluation runs every layer on whole sequences)."""
     if hf_dir:
         config.init.from_hf = hf_dir
-    setup_runtime(config)
+    cli.setup_runtime(config)
+    validate(config, jax.device_count())
     resolved = Run.resolve(config)
     for axis in ("stage", "sequence"):
         config_lib.require(resolved.sizes[axis] == 1, f"mesh.{axis}", resolved.sizes[axis],

@@ -3,10 +3,11 @@
     MESHTRAIN_INJECT=stop:step:6:1   # process 1 stops itself (SIGSTOP) once step 6 is dispatched
     MESHTRAIN_INJECT=stop:save:8:1   # ... once its part of checkpoint 8 is being written
 
-The training loop calls `point("step", step)` after dispatching a step and `point("save", step)`
-right after a checkpoint save has started. A stopped process holds its sockets and sends no
+The training loop reads the variable once (`from_environment`) and calls the injection's
+`at("step", step)` after dispatching a step and `at("save", step)` right after a checkpoint
+save has started. A stopped process holds its sockets and sends no
 heartbeats: to its peers it is a hung host, the fault `run_loop.Watchdog` and the collectives'
-own timeouts must turn into one clear error. Unset (the default), `point` does nothing.
+own timeouts must turn into one clear error. Unset (the default), nothing happens (`NONE`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,23 @@ class Injection:
     step: int
     process: int | None  # None: every process
 
+    def at(self, point: str, step: int) -> None:
+        """Carries out the injection if it is meant for (`point`, `step`) on this process."""
+        if (self.point, self.step) != (point, step):
+            return
+        if self.process is not None and self.process != jax.process_index():
+            return
+        if self.action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+NONE = Injection("", "", -1, None)  # nothing injected
+
+
+def from_environment() -> Injection:
+    """The injection `MESHTRAIN_INJECT` configures, parsed once (`NONE` when unset); ValueError if malformed."""
+    return parse(os.environ.get(ENV, "")) or NONE
+
 
 def parse(spec: str) -> Injection | None:
     """The injection `spec` describes (None for ""); ValueError naming the rule otherwise."""
@@ -43,14 +61,3 @@ def parse(spec: str) -> Injection | None:
     except ValueError:
         raise ValueError(rule) from None
     return Injection(parts[0], parts[1], numbers[0], numbers[1] if len(numbers) > 1 else None)
-
-
-def point(name: str, step: int) -> None:
-    """Carries out the injection configured for (`name`, `step`) on this process, if any."""
-    injection = parse(os.environ.get(ENV, ""))
-    if injection is None or (injection.point, injection.step) != (name, step):
-        return
-    if injection.process is not None and injection.process != jax.process_index():
-        return
-    if injection.action == "stop":
-        os.kill(os.getpid(), signal.SIGSTOP)

@@ -25,7 +25,7 @@ Every recorded amax is global: the partitioner all-reduces `max` over the automa
 manual region's devices (the accumulation loop's) each record their own, reduced with one `pmax`
 per step after the loop (`train_step.accumulate_gradients`), so no collective waits inside the
 layers and a sharded run quantises with the same scales as one device. A pipeline's stage loop
-does the same per stage (`pipeline.py`): each stage holds its own layers' histories, every device
+does the same per stage (`parallel/pipeline.py`): each stage holds its own layers' histories, every device
 of the batch axes records its own amaxes (only in ticks that run a micro-batch, `recorded_if`),
 and they are maximised once after the loop (`per_device` under autodiff; the 1F1B and slot-table
 loops carry them beside the gradient sums). Only the first step, whose

@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from typing import Any
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -234,13 +234,23 @@ def remat_block(cfg: ModelConfig) -> type[nn.Module]:
     return nn.remat(unit, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
 
 
+class LayerStack(Protocol):
+    """Runs a bound `Transformer`'s scanned layers another way than `nn.scan` over one device's view:
+    `parallel.pipeline.Pipeline` runs them as a pipeline over `stage`. The model imports no runner."""
+
+    def forward(self, model: Transformer, x: jax.Array, positions: jax.Array,
+                segment_ids: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """x [B,T,D] through every layer -> (x [B,T,D], MoE router statistics; {} for a dense model)."""
+        ...
+
+
 class Transformer(nn.Module):
     """Embedding -> L scanned layers -> final norm -> output head (optionally tied)."""
 
     cfg: ModelConfig
     rules: Rules
     attention_fn: AttentionFn = xla_attention
-    pipeline: Any = None  # a pipeline.Pipeline when mesh.stage > 1: the layer stack runs through it
+    pipeline: LayerStack | None = None  # when mesh.stage > 1 the layer stack runs through it
     decode: bool = False  # attention over a KV cache ("cache" collection; see Attention)
 
     def setup(self):
@@ -263,7 +273,7 @@ class Transformer(nn.Module):
     def hidden_and_stats(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array):
         """Final-norm hidden states [B,T,D] and the MoE layers' router statistics ([L/moe_every]; None if dense)."""
         x = self.embed(tokens)
-        if self.pipeline is not None and not self.is_initializing():  # pipeline.py, over `stage`
+        if self.pipeline is not None and not self.is_initializing():  # parallel/pipeline.py, over `stage`
             x, stats = self.pipeline.forward(self, x, positions, segment_ids)
             return self.final_norm(x), stats or None
         x, stats = self.layers(x, positions, segment_ids)

@@ -1,7 +1,7 @@
 """The training loop's policy: when to save, preemption, the non-finite guard, evaluation windows,
 and the metric records of logged steps.
 
-    loop = Loop(run, factory)
+    loop = Loop(run, factory, evaluate_tasks=..., sample=...)   # optional: lm-eval tasks, a text sample
     state, start, data_state = loop.start(lambda: factory.create(config.seed))
     last = loop.train(step_fn, state, start, data.make_iterator(run, "train", state=data_state))
 
@@ -32,14 +32,12 @@ import numpy as np
 from meshtrain import (
     checkpoint,
     data,
-    evaluate as evaluate_lib,
     faults,
     fp8 as fp8_lib,
-    generate,
+    mesh as mesh_lib,
     metrics as metrics_lib,
     tensorboard as tensorboard_lib,
 )
-from meshtrain.data import tokenizers
 
 if TYPE_CHECKING:
     from meshtrain.run import Run
@@ -279,9 +277,10 @@ class RunCheckpoints:
         ckpts.close()
     """
 
-    def __init__(self, config: ml_collections.ConfigDict, factory: StateFactory, watchdog: Watchdog | None = None):
+    def __init__(self, config: ml_collections.ConfigDict, factory: StateFactory, watchdog: Watchdog | None = None,
+                 injection: faults.Injection = faults.NONE):
         """Checkpoints hold the layers in execution order (`StateFactory.to_canonical`); the run's
-        state holds them in its schedule's order."""
+        state holds them in its schedule's order. `injection`: a fault to inject (`faults`)."""
         self.config, self.factory, self.abstract_state = config, factory, factory.abstract
         self.every = int(config.checkpoint.every)
         self.ckpt = checkpoint.Checkpointer(checkpoint.checkpoint_root(config.workdir),
@@ -292,6 +291,7 @@ class RunCheckpoints:
         self.spikes = SpikeGuard(config)
         self.preemption = Preemption()
         self._record = checkpoint.config_record(config)
+        self.injection = injection
         self.failed = False  # set by the loop when it ends with an error
 
     def start(self, create: Callable[[], object]) -> tuple[object, int, dict | None]:
@@ -327,7 +327,7 @@ class RunCheckpoints:
             else:
                 self.watchdog.arm(f"the checkpoint save at step {step}")
                 self.ckpt.save(step, self.factory.to_canonical(state), data_state(), self.meta(step))
-                faults.point("save", step)
+                self.injection.at("save", step)
         if preempted:
             log.warning("preempted: checkpoint saved at step %d; exiting", step)
         return preempted
@@ -472,28 +472,29 @@ class Loop:
     `sample_every` (steps of either are logged too), profiling the configured steps,
     checkpointing and stopping on preemption or a non-finite step."""
 
-    def __init__(self, run: Run, factory: StateFactory):
+    def __init__(self, run: Run, factory: StateFactory, *,
+                 evaluate_tasks: Callable[[dict], dict[str, float]] | None = None,
+                 sample: Callable[[dict], str] | None = None):
+        """`evaluate_tasks(params)`: extra evaluation metrics at each `eval_every` step (lm-eval's tasks,
+        `evaluate.in_loop`); `sample(params)`: the text logged every `sample_every` steps
+        (`sample.in_loop`). Each is required when its config key asks for it."""
         config = run.config
         self.run, self.config = run, config
+        if config.eval_every and config.eval_tasks and evaluate_tasks is None:
+            raise ValueError("config.eval_tasks is set: Loop needs its evaluate_tasks function")
+        if config.sample_every and sample is None:
+            raise ValueError("config.sample_every is set: Loop needs its sample function")
+        self.evaluate_tasks, self.sample = evaluate_tasks, sample
         self.is_main = jax.process_index() == 0
         self.watchdog = Watchdog(float(config.train.hang_timeout_s), checkpoint.checkpoint_root(config.workdir),
                                  enabled=jax.process_count() > 1)
-        self.ckpts = RunCheckpoints(config, factory, self.watchdog)
+        self.ckpts = RunCheckpoints(config, factory, self.watchdog, faults.from_environment())
         self._create: Callable[[], object] | None = None
-        self.eval_step = make_eval_step(factory, run.compiler_options) if config.eval_every else None
+        self.eval_step = make_eval_step(factory, mesh_lib.compiler_options(run.mesh)) if config.eval_every else None
         self.flops_per_token = metrics_lib.flops_per_token(run.model, config.train.seq_len)
         self.peak = metrics_lib.device_peak_flops(
             fp8_share=metrics_lib.fp8_flops_per_token(run.model) / self.flops_per_token)
         self.tokens_per_step = config.train.batch_size * config.train.seq_len
-        self.tokenizer = tokenizers.load_tokenizer(config.data.tokenizer) if config.sample_every else None
-
-    def sample(self, params: dict) -> str:
-        """The model's continuation of `sample_prompt` (KV-cache decoding on the run's mesh, seeded by
-        `config.seed`): what `python -m meshtrain.sample` prints from this step's checkpoint."""
-        c = self.config
-        sampling = generate.Sampling(c.sample_temperature, c.sample_top_k, seed=c.seed)
-        return generate.continue_text(self.run.model, params, self.tokenizer, c.sample_prompt,
-                                      c.sample_max_new_tokens, sampling)
 
     def start(self, create: Callable[[], object]) -> tuple[object, int, dict | None]:
         """(state, steps already done, data state): resumed from the newest checkpoint, else `create()`."""
@@ -537,7 +538,7 @@ class Loop:
                     rows_at[step] = int(it.state()["next_row"])
                     profiler.before(step)
                     state, metrics = step_fn(state, next(it))
-                    faults.point("step", step)
+                    self.injection.at("step", step)
                     profiler.after(step, metrics)
                     window.steps += 1
                     due_eval = bool(self.eval_step) and step % config.eval_every == 0
@@ -552,9 +553,9 @@ class Loop:
                                 dog.disarm()
                             last["eval_loss"] = evaluate(self.run, self.eval_step, state)
                             last["eval_perplexity"] = float(np.exp(last["eval_loss"]))
-                            if config.eval_tasks:  # lm-eval's requests take as long as they take
+                            if self.evaluate_tasks is not None:  # lm-eval's requests take as long as they take
                                 dog.disarm()
-                                last.update(evaluate_lib.in_loop(self.run, state.params))
+                                last.update(self.evaluate_tasks(state.params))
                             evaluated = True
                         if due_sample:
                             if not sampled:  # the first sample compiles

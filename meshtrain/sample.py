@@ -11,15 +11,32 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 
+import jax
 from absl import app, flags
 from ml_collections import config_flags
 
 from meshtrain import checkpoint, cli, config as config_lib, generate, hf, train_step
 from meshtrain.data import tokenizers
-from meshtrain.run import Run, setup_runtime
+from meshtrain.run import Run
+from meshtrain.validate import validate
 
 log = logging.getLogger("meshtrain")
+
+
+def in_loop(run: Run) -> Callable[[dict], str]:
+    """What the training loop logs every `sample_every` steps: params -> the model's continuation of
+    `sample_prompt` (KV-cache decoding on the run's mesh, seeded by `config.seed`), what this command
+    prints from that step's checkpoint."""
+    c = run.config
+    tokenizer = tokenizers.load_tokenizer(c.data.tokenizer)
+    sampling = generate.Sampling(c.sample_temperature, c.sample_top_k, seed=c.seed)
+
+    def continuation(params: dict) -> str:
+        return generate.continue_text(run.model, params, tokenizer, c.sample_prompt, c.sample_max_new_tokens, sampling)
+
+    return continuation
 
 
 def load_params(resolved: Run, hf_dir: str = "") -> dict:
@@ -53,8 +70,9 @@ def load_params(resolved: Run, hf_dir: str = "") -> dict:
 def sample(config, prompt: str, max_new_tokens: int, sampling: generate.Sampling, hf_dir: str = "") -> str:
     """The prompt's continuation as text."""
     if hf_dir:
-        config.init.from_hf = hf_dir  # the checkpoint decides the architecture (run.setup_runtime)
-    setup_runtime(config)
+        config.init.from_hf = hf_dir  # the checkpoint decides the architecture (cli.setup_runtime)
+    cli.setup_runtime(config)
+    validate(config, jax.device_count())
     resolved = Run.resolve(config)
     for axis in ("stage", "sequence"):
         config_lib.require(resolved.sizes[axis] == 1, f"mesh.{axis}", resolved.sizes[axis],

@@ -8,6 +8,7 @@ fed by the data iterator -> metrics and checkpoints.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -23,13 +24,16 @@ from meshtrain import (
     cli,
     config as config_lib,
     data,
+    evaluate,
     hf,
     model,
     run_loop,
+    sample,
     sharding_rules,
     train_step,
 )
-from meshtrain.run import Run, setup_runtime
+from meshtrain.run import Run
+from meshtrain.validate import validate
 
 log = logging.getLogger("meshtrain")
 
@@ -43,8 +47,9 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in 
 
 def run(config: ml_collections.ConfigDict) -> dict:
     """Trains for `config.steps` steps; returns the last logged metrics."""
-    setup_runtime(config)
-    resolved = Run.resolve(config)  # validates: a bad config stops here, before anything compiles
+    cli.setup_runtime(config)
+    validate(config, jax.device_count())  # a bad config stops here, before anything compiles
+    resolved = Run.resolve(config)
     for line in resolved.describe():
         log.info("%s", line)
     factory, step_fn = train_step.build(resolved)
@@ -54,7 +59,9 @@ def run(config: ml_collections.ConfigDict) -> dict:
     log.info("model: %.2fM parameters, global batch %d x %d tokens, ZeRO-%d, data-parallel %d",
              model.num_params(resolved.model) / 1e6, config.train.batch_size, config.train.seq_len,
              config.train.zero_stage, resolved.data_parallel_size)
-    loop = run_loop.Loop(resolved, factory)
+    loop = run_loop.Loop(resolved, factory,
+                         evaluate_tasks=functools.partial(evaluate.in_loop, resolved) if config.eval_tasks else None,
+                         sample=sample.in_loop(resolved) if config.sample_every else None)
 
     def fresh_state():
         if config.init.from_hf:

@@ -34,14 +34,7 @@ import optax
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain import (
-    attention as attention_lib,
-    fp8 as fp8_lib,
-    model as model_lib,
-    optimizer as optimizer_lib,
-    pipeline as pipeline_lib,
-    pipeline_tables,
-)
+from meshtrain import fp8 as fp8_lib, mesh as mesh_lib, model as model_lib, optimizer as optimizer_lib
 from meshtrain.sharding_rules import Rules, named, vary
 
 if TYPE_CHECKING:
@@ -249,7 +242,7 @@ def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, man
     """Gradient accumulation (playbook "Gradient accumulation" + "Interplay with gradient accumulation").
 
     The micro-batch loop runs inside a `jax.shard_map` that is manual over `manual_axes`
-    (`Run.accumulation_axes`: the split batch axes over which the parameters are replicated, and
+    (`Layout.accumulation_axes`: the split batch axes over which the parameters are replicated, and
     `sequence` under ring attention), so every device accumulates its own local gradient and the
     data-parallel reduction happens once, after the loop, hierarchically: a reduce-scatter over
     `fsdp` first where the gradient rests sharded (ZeRO-2), then the all-reduce of the shard over
@@ -363,18 +356,18 @@ def jit_train_step(factory: StateFactory, schedule: optax.Schedule, batch_shardi
 def build(run: Run) -> tuple[StateFactory, Callable]:
     """The state factory and the jitted step of a resolved run; every choice is made here, once."""
     config = run.config
-    model = model_lib.Transformer(run.model, run.rules, attention_lib.attention_fn(config, flash=run.ring_flash),
-                                  pipeline=run.pipeline)
+    layout = run.layout
+    model = model_lib.Transformer(run.model, run.rules, layout.attention, pipeline=layout.pipeline)
     tx = optimizer_lib.make_optimizer(config)
     micro = config.train.batch_size // config.train.grad_accum_steps
     factory = StateFactory(model, tx, run.mesh, Placement.for_zero_stage(run.rules, config.train.zero_stage),
                            (micro, config.train.seq_len))
-    grads_fn = grads_function(run.pipeline, grads_one_pass)
+    grads_fn = layout.grads_function(grads_one_pass)
     jitted = functools.partial(jit_train_step, factory, optimizer_lib.learning_rate_schedule(config),
                                run.batch_sharding, accum_steps=config.train.grad_accum_steps,
-                               manual_axes=run.accumulation_axes, grads_fn=grads_fn,
-                               grad_clip=config.train.grad_clip, compiler_options=run.compiler_options,
-                               checked=not run.kernels)
+                               manual_axes=layout.accumulation_axes, grads_fn=grads_fn,
+                               grad_clip=config.train.grad_clip, compiler_options=mesh_lib.compiler_options(run.mesh),
+                               checked=not layout.kernels)
     if not run.model.fp8:
         return factory, jitted()
     first = model.clone(cfg=dataclasses.replace(model.cfg, fp8_first_step=True))
@@ -412,14 +405,3 @@ def _histories_recorded(histories) -> bool:
     """Whether any amax history holds a step: one replicated scalar, read from this process's own copy
     (every process of a multi-process run reads the same value and picks the same program)."""
     return bool(np.asarray(_any_recorded(histories).addressable_data(0)))
-
-
-def grads_function(pipe: pipeline_lib.Pipeline | None, default):
-    """The step's (loss_sum, aux, grads, amaxes) function: 1F1B's own loop (`pipeline.loss_and_grads`), the
-    slot-table loop of interleaved 1F1B and zero bubble (`pipeline_tables.loss_and_grads`), else
-    `default` (autodiff, gpipe and circular included)."""
-    if pipe is not None and pipe.schedule == "1f1b":
-        return pipeline_lib.loss_and_grads
-    if pipe is not None and pipe.schedule in pipeline_lib.TABLE_SCHEDULES:
-        return pipeline_tables.loss_and_grads
-    return default

@@ -19,7 +19,8 @@ import jax
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from meshtrain import aot, attention, config as config_lib, mesh as mesh_lib
+from meshtrain import aot, config as config_lib, mesh as mesh_lib
+from meshtrain.parallel import layout
 from meshtrain.pallas_kernels import target_platform
 from meshtrain.pallas_kernels._common import resolve_interpret
 from meshtrain.plan import hardware, hlo
@@ -134,8 +135,8 @@ def test_kernels_compile_for_the_mesh_platform_not_the_host():
 def test_ring_attention_uses_flash_blocks_on_gpu(mesh, overrides, platform, flash):
     config = tiny_config(mesh, **{"attention.impl": "ring", **overrides})
     sizes = config_lib.mesh_shape(config, 8)
-    assert attention.ring_flash(config, sizes, platform) is flash
-    assert attention.uses_kernels(config, sizes, platform) is flash  # its regions then go unchecked
+    assert layout.ring_flash(config, sizes, platform) is flash
+    assert layout.uses_kernels(config, sizes, platform) is flash  # its regions then go unchecked
 
 
 def test_multi_node_gpu_devices_group_by_process():

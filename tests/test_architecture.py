@@ -1,4 +1,5 @@
-"""The package's shape: `config` is a leaf, the imports form no cycle, the parameter list exists once."""
+"""The package's shape: `config` is a leaf, the imports form no cycle (annotations' included), the
+layers below the parallel plan import nothing above it, the parameter list exists once."""
 
 from __future__ import annotations
 
@@ -26,23 +27,15 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
-
-
 def import_graph() -> dict[str, set[str]]:
-    """meshtrain module -> the meshtrain modules it imports, at any depth of its code (imports
-    under `if TYPE_CHECKING:` are annotations only and do not run)."""
+    """meshtrain module -> the meshtrain modules it imports, at any depth of its code: inside
+    functions, and under `if TYPE_CHECKING:` (an annotation's dependency is a dependency too)."""
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         edges: set[str] = set()
         tree = ast.parse(path.read_text())
-        skipped = {id(n) for node in ast.walk(tree)
-                   if isinstance(node, ast.If) and _is_type_checking(node) for n in ast.walk(node)}
         for node in ast.walk(tree):
-            if id(node) in skipped:
-                continue
             if isinstance(node, ast.Import):
                 edges |= {a.name for a in node.names if a.name.startswith("meshtrain")}
             elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("meshtrain"):
@@ -87,6 +80,45 @@ def test_package_imports_have_no_cycle():
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
+# The commands: modules run as `python -m meshtrain.<name>`.
+COMMANDS = ("meshtrain.train", "meshtrain.evaluate", "meshtrain.sample", "meshtrain.aot", "meshtrain.launch",
+            "meshtrain.report", "meshtrain.lm_eval", "meshtrain.plan", "meshtrain.hf.__main__", "meshtrain.data.prepare")
+# What the model, the data and the kernels must not reach, directly or through anything they import.
+ABOVE = ("meshtrain.parallel", "meshtrain.run", "meshtrain.validate", "meshtrain.run_loop", *COMMANDS)
+BELOW = ("meshtrain.data", "meshtrain.model", "meshtrain.pallas_kernels")
+
+
+def _within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def test_model_data_and_kernels_import_nothing_above_them():
+    """`data/`, `model.py` and `pallas_kernels/` reach neither the parallel plan (`parallel/`), the run,
+    the loop nor a command: the model gets its layer-stack runner and attention function passed in
+    (`model.LayerStack`), the data its batch layout (`data.BatchLayout`)."""
+    graph = import_graph()
+    lower = [m for m in graph if _within(m, BELOW) and m != "meshtrain.data.prepare"]  # prepare is a command
+    assert {"meshtrain.model", "meshtrain.data", "meshtrain.data.loader", "meshtrain.pallas_kernels"} <= set(lower)
+    for module in lower:
+        bad = sorted(m for m in reachable(graph, module) if _within(m, ABOVE))
+        assert not bad, f"{module} imports {bad}"
+
+
+def test_the_run_loop_imports_no_command():
+    graph = import_graph()
+    assert not [m for m in reachable(graph, "meshtrain.run_loop") if _within(m, COMMANDS)]
+    assert not [m for m in reachable(graph, "meshtrain.run") if _within(m, COMMANDS + ("meshtrain.validate",))]
+
+
 def test_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
@@ -125,3 +157,18 @@ def test_planner_parameter_bytes_equal_the_initialised_model(name):
         experts = sum(leaf.size for leaf in table.values() if "expert" in leaf.names)
         assert model_lib.num_active_params(cfg) == model_lib.num_params(cfg) - experts + math.prod(
             (experts, cfg.experts_per_token)) // cfg.num_experts
+
+
+def test_every_benchmark_has_a_quick_mode_that_ci_runs():
+    """`bench/run_quick.py` (run by `.ci/run`) finds every benchmark script, and each takes `--quick`."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import run_quick
+    finally:
+        sys.path.pop(0)
+    names = {run_quick.name_of(p) for p in run_quick.benchmarks()}
+    on_disk = {str(p.relative_to(ROOT / "bench").with_suffix("")) for p in (ROOT / "bench").rglob("*.py")}
+    assert names == on_disk - {"run_quick"} and {"core", "comm", "gpu/mfu", "aot"} <= names
+    for name in names:
+        assert '"--quick"' in (ROOT / "bench" / f"{name}.py").read_text(), f"bench/{name}.py has no --quick mode"
+    assert "bench/run_quick.py" in (ROOT / ".ci" / "run").read_text()

@@ -9,7 +9,7 @@ import chex
 import numpy as np
 import pytest
 
-from meshtrain import attention
+from meshtrain.parallel import layout
 from meshtrain.validate import validate
 from tests.utils import run_steps, tiny_config
 
@@ -34,7 +34,7 @@ def test_ring_attention_trains_like_single_device(tiny_reference, mesh, accum, s
     config = tiny_config(mesh, **{"attention.impl": "ring", "train.grad_accum_steps": accum,
                                   "model.sequence_parallel": sp})
     sizes = validate(config, int(np.prod(list(mesh.values()))))
-    losses, params, _ = run_steps(config, _permuted(batches, attention.data_permutation(config, sizes)))
+    losses, params, _ = run_steps(config, _permuted(batches, layout.data_permutation(config, sizes)))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-6)
 

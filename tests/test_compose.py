@@ -39,8 +39,8 @@ def _train(config):
     """(losses, final params as numpy) of STEPS steps on the config's mesh, batches in its token order."""
     run = utils.resolve(config)
     batches = utils.synthetic_batches(config, STEPS)
-    if run.permutation is not None:
-        batches = [{k: v[:, run.permutation] for k, v in b.items()} for b in batches]
+    if run.layout.permutation is not None:
+        batches = [{k: v[:, run.layout.permutation] for k, v in b.items()} for b in batches]
     records, state, _ = utils.train(config, batches)
     return np.array([r["loss"] for r in records]), jax.tree.map(np.asarray, state.params)
 

@@ -21,7 +21,8 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import attention, config as config_lib
+from meshtrain import config as config_lib
+from meshtrain.parallel import layout
 from meshtrain.validate import validate
 from tests import utils
 
@@ -131,7 +132,7 @@ def test_trains_in_default_dtype_like_float32(kind, mesh, overrides):
     model_overrides = tuple(sorted((k, v) for k, v in overrides.items() if k not in LAYOUT_KEYS))
     batches, want = _reference(kind, (), model_overrides)
     sizes = validate(config, len(utils.devices_for(config)))
-    perm = attention.data_permutation(config, sizes)  # ring attention's zig-zag token order
+    perm = layout.data_permutation(config, sizes)  # ring attention's zig-zag token order
     if perm is not None:
         batches = [{k: v[:, perm] for k, v in b.items()} for b in batches]
     records, _, _ = utils.train(config, batches)
@@ -169,8 +170,8 @@ def test_composed_mesh_trains_in_default_dtype_like_float32(mesh, overrides):
     config.model.dtype = config_lib.default_config().model.dtype
     batches, want = _composed_reference("expert" in mesh, "sequence" in mesh)
     run = utils.resolve(config)
-    if run.permutation is not None:
-        batches = [{k: v[:, run.permutation] for k, v in b.items()} for b in batches]
+    if run.layout.permutation is not None:
+        batches = [{k: v[:, run.layout.permutation] for k, v in b.items()} for b in batches]
     records, _, _ = utils.train(config, batches)
     got = np.array([[r["loss"], r["grad_norm"]] for r in records])
     assert np.isfinite(got).all(), got

@@ -229,7 +229,7 @@ def _one_step_grads(name: str, mesh_key: tuple, overrides: tuple = ()):
     host_state, batches = _first_step(name)
     run = utils.resolve(_config(name, dict(mesh_key), **dict(overrides)))
     factory, _ = train_step.build(run)
-    grads_fn = train_step.grads_function(run.pipeline, train_step.grads_one_pass)
+    grads_fn = run.layout.grads_function(train_step.grads_one_pass)
     state = jax.tree.map(lambda a, target: jax.device_put(a, target.sharding), host_state, factory.abstract)
     state = factory.from_canonical(state)
 

@@ -28,7 +28,8 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import aot, attention, config as config_lib, mesh as mesh_lib, train_step
+from meshtrain import aot, config as config_lib, mesh as mesh_lib, train_step
+from meshtrain.parallel import layout
 from meshtrain.plan import hlo, verify
 from tests import test_readme_commands as readme
 from tests.utils import ROOT, apply_overrides, composed_config, load_config_file
@@ -63,7 +64,7 @@ def _compile(config, devices: int = 8, sample=None) -> aot.Report:
 
 def _kernels_expected(config, report: aot.Report) -> set[str]:
     expected = set()
-    if config.attention.impl == "pallas" or attention.ring_flash(config, report.sizes, "gpu"):
+    if config.attention.impl == "pallas" or layout.ring_flash(config, report.sizes, "gpu"):
         expected |= {"flash_attention_forward", "flash_attention_dq", "flash_attention_dkdv"}
     if config.model.fused_norm:
         expected |= {"rms_norm_forward", "rms_norm_backward"}
@@ -151,7 +152,7 @@ def _precision_pair(name: str):
         compiled, run, _ = aot.compile_step(config, "h100", 8)
         reports[precision] = (compiled.as_text(), verify.compiled_memory(compiled), run)
     text, _, run = reports["fp8"]
-    pipe = run.pipeline
+    pipe = run.layout.pipeline
     executed = hlo.gemms(text, executed=True, branch_weights=pipe.slot_branch_share() if pipe else None)
     factory, _ = train_step.build(run)
     runs = sum(math.prod(h.shape[:-2]) for h in jax.tree.leaves(factory.abstract.fp8))  # sites x scanned units

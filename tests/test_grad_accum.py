@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import attention
+from meshtrain.parallel import layout
 from meshtrain.validate import validate
 from tests.hlo_utils import collectives_by_computation
 from tests.utils import AXES, load_config_file, resolve, run_steps, synthetic_batches, tiny_config
@@ -78,7 +78,7 @@ def test_accumulation_with_each_feature_equals_one_device_one_batch(name, mesh, 
     batches = synthetic_batches(single, 2, seed=5)
     ref_losses, ref_params, _ = run_steps(single, batches)
     accum = make(mesh, **{"train.batch_size": 16, "train.grad_accum_steps": 2, **overrides})
-    perm = attention.data_permutation(accum, validate(accum, math.prod(mesh.values())))  # ring's zig-zag order
+    perm = layout.data_permutation(accum, validate(accum, math.prod(mesh.values())))  # ring's zig-zag order
     if perm is not None:
         batches = [{k: v[:, perm] for k, v in b.items()} for b in batches]
     losses, params, _ = run_steps(accum, batches)

@@ -21,9 +21,9 @@ from meshtrain import (
     config as config_lib,
     mesh as mesh_lib,
     model as model_lib,
-    pipeline as pipeline_lib,
     train_step as train_step_lib,
 )
+from meshtrain.parallel import layout as layout_lib, pipeline as pipeline_lib
 from meshtrain.config import ModelConfig
 from meshtrain.sharding_rules import Rules
 from meshtrain.validate import validate
@@ -87,9 +87,10 @@ def _pipelined(schedule: str, mesh_items: tuple, microbatches: int = M, batch: i
     """(pipeline, mesh, compiled (params, batch) -> (loss_sum, aux, grads)) as the train step builds it."""
     config = _config(schedule, dict(mesh_items), microbatches, batch, **{"train.zero_stage": zero})
     mesh = _mesh(config)
-    pipe = pipeline_lib.Pipeline.from_config(config, dict(mesh.shape))
+    layout = layout_lib.Layout.plan(config, dict(mesh.shape))
+    pipe = layout.pipeline
     model = model_lib.Transformer(ModelConfig.from_config(config), Rules.for_mesh(mesh), pipeline=pipe)
-    fn = train_step_lib.grads_function(pipe, _autodiff)
+    fn = layout.grads_function(_autodiff)
     factory = train_step_lib.StateFactory(model, optax.sgd(0.1), mesh,
                                           train_step_lib.Placement.for_zero_stage(model.rules, zero),
                                           (batch, SEQ))
@@ -204,15 +205,15 @@ def test_validation_names_the_key(overrides, key):
 
 def test_describe_reports_ticks_bubble_in_flight():
     p, m = 4, 8
-    line = pipeline_lib.Pipeline.from_config(_config("1f1b", {"stage": p}, microbatches=m), _sizes(stage=p)).describe()
+    line = layout_lib.pipeline_plan(_config("1f1b", {"stage": p}, microbatches=m), _sizes(stage=p)).describe()
     ticks = m + p - 1  # the playbook's 1F1B: the same bubble as all-forward-all-backward
     assert line == (f"pipeline 1f1b: {p} stages x 1 repeats, {m} micro-batches, {ticks} ticks, "
                     f"bubble {(p - 1) / ticks:.1%}, in flight per stage {[p - s for s in range(p)]}")
     circular = pipeline_lib.Pipeline("circular", 4, 8, 2)
     assert (circular.ticks, round(circular.bubble, 4)) == (19, round(3 / 19, 4))
-    assert pipeline_lib.Pipeline.from_config(_config("gpipe", {}), _sizes()) is None
+    assert layout_lib.pipeline_plan(_config("gpipe", {}), _sizes()) is None
     run = resolve(_config("gpipe", {"stage": 2}))
-    assert run.describe() == ["mesh stage=2 (2 devices, 1 process(es))", run.pipeline.describe()]
+    assert run.describe() == ["mesh stage=2 (2 devices, 1 process(es))", run.layout.pipeline.describe()]
 
 
 @pytest.mark.parametrize("p, m", [(2, 2), (2, 5), (3, 7), (4, 4), (4, 16)])

@@ -1,5 +1,5 @@
 """Interleaved 1F1B and zero bubble (ZB-H1) run from their slot tables in one SPMD loop
-(playbook, "Interleaving stages", "Zero Bubble and DualPipe"; `meshtrain/pipeline_tables.py`).
+(playbook, "Interleaving stages", "Zero Bubble and DualPipe"; `meshtrain/parallel/pipeline_tables.py`).
 
 Loss and every gradient equal the single-device model's (float32, 1e-5) on stage 2 and 4, beside
 `data`, `tensor` and ZeRO-3; the static program a table compiles to hands every operation the value
@@ -12,8 +12,9 @@ import re
 
 import pytest
 
-from meshtrain import config as config_lib, pipeline as pipeline_lib, pipeline_tables, schedules
-from meshtrain.pipeline_tables import FIELDS, SlotPlan, slot_plan
+from meshtrain import config as config_lib
+from meshtrain.parallel import layout as layout_lib, pipeline as pipeline_lib, pipeline_tables, schedules
+from meshtrain.parallel.pipeline_tables import FIELDS, SlotPlan, slot_plan
 from meshtrain.validate import validate
 from tests.test_pipeline import SEQ, _assert_equal_single_device, _config, _pipelined, _sizes, _temp_bytes
 
@@ -116,12 +117,11 @@ def test_temp_memory_flat_as_microbatches_grow(schedule):
 
 
 def test_describe_and_validation():
-    line = pipeline_lib.Pipeline.from_config(_config("zero_bubble", {"stage": 4}, microbatches=8),
-                                             _sizes(stage=4)).describe()
+    line = layout_lib.pipeline_plan(_config("zero_bubble", {"stage": 4}, microbatches=8), _sizes(stage=4)).describe()
     table = schedules.simulate("zero_bubble", 4, 8)
     assert line.startswith(f"pipeline zero_bubble: 4 stages x 1 repeats, 8 micro-batches, {len(table)} ticks")
     assert line.endswith(f"in flight per stage {schedules.in_flight(table)}, idle/busy {schedules.bubble(table):.3f}")
-    pipe = pipeline_lib.Pipeline.from_config(_config("interleaved_1f1b", {"stage": 2}), _sizes(stage=2))
+    pipe = layout_lib.pipeline_plan(_config("interleaved_1f1b", {"stage": 2}), _sizes(stage=2))
     assert pipe.repeats == 2 and pipe.ticks == len(schedules.simulate("interleaved_1f1b", 2, 4, 2))
     config = _config("interleaved_1f1b", {"stage": 4, "data": 2}, microbatches=6, batch=12)
     with pytest.raises(config_lib.ConfigError, match=re.escape("config.pipeline.microbatches=6")):

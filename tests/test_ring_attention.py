@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain import ring_attention as ra
+from meshtrain.parallel import ring_attention as ra
 from meshtrain.pallas_kernels.flash_attention import flash_attention_with_lse
 from tests.utils import mesh_of
 

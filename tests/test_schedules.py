@@ -1,11 +1,11 @@
-"""Pipeline slot tables (`meshtrain/schedules.py`): every dependency respected, every F / B / W of
+"""Pipeline slot tables (`meshtrain/parallel/schedules.py`): every dependency respected, every F / B / W of
 every micro-batch exactly once, and the executed tables' bubble equal to each schedule's formula."""
 
 from __future__ import annotations
 
 import pytest
 
-from meshtrain import schedules
+from meshtrain.parallel import schedules
 
 GRID = [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)]
 

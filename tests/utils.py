@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 
 from meshtrain import checkpoint as checkpoint_lib, config as config_lib, mesh as mesh_lib, train_step as train_step_lib
 from meshtrain.run import Run
+from meshtrain.validate import validate
 from meshtrain.sharding_rules import Rules
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -133,7 +134,9 @@ def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
 
 def resolve(config, devices=None) -> Run:
     """`config` resolved on the first (product of its mesh axes) devices."""
-    return Run.resolve(config, devices or devices_for(config))
+    devices = devices or devices_for(config)
+    validate(config, len(devices))
+    return Run.resolve(config, devices)
 
 
 # Config keys that choose how a run is laid out on its mesh, never the model or optimizer it starts with.
@@ -231,7 +234,7 @@ def losses_of(workdir) -> dict[int, float]:
 
 
 def abstract_state(config, devices=None):
-    factory, _ = train_step_lib.build(Run.resolve(config, devices))
+    factory, _ = train_step_lib.build(resolve(config, devices or jax.devices()))
     return factory.abstract
 
 

@@ -71,7 +71,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="")
     parser.add_argument("-k", dest="select", default="", help="pytest -k expression (a subset of the tests)")
+    parser.add_argument("--quick", action="store_true", help="the CI smoke run: the tests of the default block sizes")
     args = parser.parse_args()
+    if args.quick:
+        args.select = args.select or "default_blocks"
     result = run(args.select)
     print(f"Pallas kernel tests, {result['mode']} on {result['platform']}: {result['passed']} of {result['tests']} "
           "passed")

@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--zero", type=int, default=3)
     parser.add_argument("--accum", type=int, default=1)
     parser.add_argument("--out", default="", help="also write the JSON line here")
+    parser.add_argument("--quick", action="store_true", help="the CI smoke run: configs/tiny.py with 2 layers")
     args = parser.parse_args()
     import jax
 
@@ -36,6 +37,8 @@ def main() -> None:
     from tests.utils import load_config_file
 
     config = load_config_file(pathlib.Path(args.config).stem)
+    if args.quick:
+        config.model.n_layers = 2
     mesh = dict(part.split("=") for part in args.mesh.split(",")) if args.mesh else {"fsdp": len(jax.devices())}
     for axis in config_lib.MESH_AXES:
         config.mesh[axis] = int(mesh.get(axis, 1))

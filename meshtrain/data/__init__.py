@@ -1,6 +1,6 @@
 """The data pipeline: sources, tokenizers, packing, grain loading and global batches.
 
-    it = data.make_iterator(run, split="train", state=None)   # run: a resolved `meshtrain.run.Run`
+    it = data.make_iterator(run, split="train", state=None)   # run: a `meshtrain.run.Run` (a `BatchLayout`)
     batch = next(it)   # dict of global [train.batch_size, train.seq_len] jax.Arrays
     it.state()         # {"next_row": ...}: store it with the checkpoint, pass it back to resume
 
@@ -12,7 +12,7 @@ through `datasets`, `hf_source.py`) and `synthetic` (deterministic, for tests).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import jax
 import ml_collections
@@ -23,10 +23,7 @@ from meshtrain.data import packing
 from meshtrain.data.loader import DataIterator
 from meshtrain.data.synthetic import SyntheticRows
 
-if TYPE_CHECKING:
-    from meshtrain.run import Run
-
-__all__ = ["DataIterator", "iterator", "make_iterator", "packing"]
+__all__ = ["BatchLayout", "DataIterator", "iterator", "make_iterator", "packing"]
 
 SPLITS = ("train", "validation")
 _STATE_KEYS = ("source", "seed", "seq_len")
@@ -41,9 +38,22 @@ def _rows(config: ml_collections.ConfigDict, split: str):
     return sources.open_rows(config, split)
 
 
-def make_iterator(run: Run, split: str = "train", state: dict | None = None) -> DataIterator:
+class BatchLayout(Protocol):
+    """What the data needs of a run (`meshtrain.run.Run` is one): its config, how a batch is laid out
+    over the devices, and in which token order it arrives (`run.layout.permutation`)."""
+
+    config: ml_collections.ConfigDict
+    batch_sharding: jax.sharding.NamedSharding
+    layout: _TokenOrder
+
+
+class _TokenOrder(Protocol):
+    permutation: np.ndarray | None
+
+
+def make_iterator(run: BatchLayout, split: str = "train", state: dict | None = None) -> DataIterator:
     """The run's iterator of global batches of `split`: in its batch sharding and token order."""
-    return iterator(run.config, run.batch_sharding, split, state, run.permutation)
+    return iterator(run.config, run.batch_sharding, split, state, run.layout.permutation)
 
 
 def iterator(config: ml_collections.ConfigDict, sharding: jax.sharding.NamedSharding, split: str = "train",

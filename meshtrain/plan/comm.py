@@ -35,7 +35,7 @@ import collections
 import dataclasses
 import math
 
-from meshtrain import schedules
+from meshtrain.parallel import schedules
 from meshtrain.mesh import MESH_ORDER
 from meshtrain.plan.memory import Step, dtype_bytes, local_size, param_table
 

@@ -16,7 +16,8 @@ import math
 
 import ml_collections
 
-from meshtrain import config as config_lib, metrics, schedules
+from meshtrain import config as config_lib, metrics
+from meshtrain.parallel import schedules
 from meshtrain.mesh import MESH_ORDER
 from meshtrain.plan import comm, memory
 from meshtrain.plan.hardware import Gpu

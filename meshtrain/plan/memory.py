@@ -29,7 +29,8 @@ import math
 import ml_collections
 import numpy as np
 
-from meshtrain import model, schedules
+from meshtrain import model
+from meshtrain.parallel import schedules
 from meshtrain.config import ModelConfig
 from meshtrain.mesh import MESH_ORDER
 from meshtrain.sharding_rules import Rules
@@ -128,7 +129,7 @@ class Step:
 
     @property
     def pipeline_ticks(self) -> int:
-        """Clock ticks of the pipeline loop (pipeline.py): m + p - 1 (v*m + p - 1 circular; 1f1b: two slots a
+        """Clock ticks of the pipeline loop (parallel/pipeline.py): m + p - 1 (v*m + p - 1 circular; 1f1b: two slots a
         tick; interleaved_1f1b and zero_bubble: their slot table's ticks, one F, B or W per stage each)."""
         p, m, v = self.sizes["stage"], self.microbatches, self.pipeline_repeats
         if p == 1:

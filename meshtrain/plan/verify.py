@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from meshtrain import pipeline_tables, schedules, train_step
+from meshtrain import train_step
 from meshtrain.plan import comm, hlo, memory
 from meshtrain.plan.estimate import memory_breakdown
 from meshtrain.run import Run
+from meshtrain.validate import validate
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 
@@ -76,7 +77,9 @@ def compile_step(config: ml_collections.ConfigDict, devices: list | None = None,
 
     `devices` may be another platform's (`aot.target_devices`): nothing is created on them.
     `inputs=False` skips the rules that read files (the data need not exist to compile)."""
-    run = Run.resolve(config, devices, inputs=inputs)
+    devices = list(jax.devices() if devices is None else devices)
+    validate(config, len(devices), inputs=inputs)
+    run = Run.resolve(config, devices)
     factory, step_fn = train_step.build(run)
     start = time.perf_counter()
     with jax.set_mesh(run.mesh):
@@ -105,14 +108,7 @@ def model_memory(config: ml_collections.ConfigDict, sizes: dict[str, int], batch
 
 def compiler_bytes(compiled, run: Run) -> dict[str, float]:
     """Bytes one device sends per step over each mesh axis, counted from the compiled HLO."""
-    pipe = run.pipeline
-    weights = None
-    if pipe is not None and pipe.schedule == "1f1b":
-        weights = pipe.slot_branch_share()
-    elif pipe is not None and pipe.schedule in schedules.TABLE_SCHEDULES:
-        weights = pipeline_tables.branch_share(pipeline_tables.slot_plan(pipe.schedule, pipe.stages,
-                                                                         pipe.microbatches, pipe.repeats))
-    found = hlo.collectives(compiled.as_text(), math.prod(run.sizes.values()), weights)
+    found = hlo.collectives(compiled.as_text(), math.prod(run.sizes.values()), run.layout.branch_share())
     return hlo.bytes_by_axis(found, dict(run.mesh.shape))  # device order: the mesh's
 
 

@@ -7,7 +7,8 @@ different micro-batch at each clock tick. Activations move to the next stage wit
 pipelined stack (gpipe, circular).
 
 The loop's region. The tick loop is one `jax.shard_map` manual over `stage`, every split batch
-axis (`data`, `fsdp`, `expert`) and `sequence` when it is split (`Pipeline.axes`); `tensor`
+axis (`data`, `fsdp`, `expert`) and `sequence` when it is split (`Pipeline.axes`, from
+`layout.pipeline_axes`); `tensor`
 stays with the partitioner. So each device runs its own rows, the data-parallel gradient
 reduction happens once, as the loop's inputs are transposed, and ZeRO-3 weights are gathered once
 as they enter; the parts that need those axes manual run inside directly (regions compose by
@@ -59,7 +60,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -69,14 +69,8 @@ from flax import linen as nn
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from meshtrain import (
-    attention as attention_lib,
-    config as config_lib,
-    fp8 as fp8_lib,
-    model as model_lib,
-    moe as moe_lib,
-    schedules,
-)
+from meshtrain import config as config_lib, fp8 as fp8_lib, model as model_lib, moe as moe_lib
+from meshtrain.parallel import ring_attention, schedules
 from meshtrain.config import BATCH_AXES, Axis
 from meshtrain.sharding_rules import vary, varying
 
@@ -98,19 +92,6 @@ class Pipeline:
     # The loop's shard_map type-checks how values vary over its axes, except around Pallas kernels:
     # a pallas_call declares no variance, and in interpret mode (CPU) fails inside a checked region.
     checked: bool = True
-
-    @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict, sizes: Mapping[str, int],
-                    kernels: bool | None = None) -> Pipeline | None:
-        """The configured schedule on a mesh of `sizes`, or None when the mesh has a single stage.
-        `kernels`: whether the step runs Pallas kernels (`Run.kernels`; default: the ones the config names)."""
-        if sizes[STAGE] <= 1:
-            return None
-        pipe = config.pipeline
-        if kernels is None:
-            kernels = attention_lib.uses_kernels(config, sizes)
-        return cls(pipe.schedule, sizes[STAGE], pipe.microbatches,
-                   pipe.repeats if pipe.schedule in CHUNKED_SCHEDULES else 1, region_axes(sizes), checked=not kernels)
 
     @functools.cached_property
     def _table(self):
@@ -216,13 +197,6 @@ def stage_variables(model) -> dict:
     {"fp8": [L, 3, H] amax histories}; what a stage's chunk of layers is applied with."""
     variables = model.layers.variables
     return {name: variables[name] for name in ("params", FP8) if name in variables}
-
-
-def region_axes(sizes: Mapping[str, int]) -> tuple[str, ...]:
-    """The axes a pipeline loop is manual over: `stage`, every split batch axis (each device runs its
-    own rows, gradients are reduced once per step, ZeRO-3 weights gathered once as they enter), and
-    `sequence` when split (ring attention runs per device inside a stage)."""
-    return (STAGE, *(a for a in BATCH_AXES if sizes[a] > 1), *((SEQUENCE,) if sizes[SEQUENCE] > 1 else ()))
 
 
 def layer_specs(cfg, axes: tuple[str, ...]):
@@ -346,7 +320,7 @@ def run_gradient_loop(loop, params, histories, batch, model, total_tokens, **sta
     histories, float32); its gradients are their float32 gradient sums and largest amaxes."""
     pipe = model.pipeline
     inner = model.clone(rules=model.rules.with_manual(pipe.axes), pipeline=None,
-                        attention_fn=attention_lib.in_conditional_slots(model.attention_fn))
+                        attention_fn=ring_attention.in_conditional_slots(model.attention_fn))
     stack = stage_function(inner.cfg, inner.rules, inner.attention_fn)
     outer = {k: v for k, v in params.items() if k != "layers"}
     micro = jax.tree.map(functools.partial(_split, m=pipe.microbatches), batch)
@@ -370,7 +344,7 @@ def run_gradient_loop(loop, params, histories, batch, model, total_tokens, **sta
 def reduce_layer_grads(g_layers: dict, specs: dict, rest: tuple[str, ...]) -> dict:
     """A stage's layer gradient sums and amaxes, reduced over the loop's other axes once: a gradient
     summed over the axes its weight is replicated on (not `expert` for experts), an amax maximised."""
-    out = {"params": jax.tree.map(lambda g, spec: _psum(g, tuple(a for a in rest if a not in spec)),
+    out = {"params": jax.tree.map(lambda g, spec: psum(g, tuple(a for a in rest if a not in spec)),
                                   g_layers["params"], specs["params"], is_leaf=lambda x: isinstance(x, P))}
     if FP8 in g_layers:
         out[FP8] = jax.tree.map(lambda a: lax.pmax(a, rest) if rest else a, g_layers[FP8])
@@ -491,7 +465,7 @@ class _Residuals:
         return jax.tree.unflatten(self._treedef, leaves)
 
 
-class _SlotWork:
+class SlotWork:
     """What a 1F1B slot can do on one stage, as `lax.switch` branches (`one_f_one_b_branch` order):
     idle; a forward on a middle stage, on stage 0 (embedding first), on stage p-1 (head and loss
     after); a backward likewise. Each takes (carry, inbox, micro-batch) -> (carry, outbox).
@@ -602,18 +576,18 @@ class _SlotWork:
         return run
 
 
-def _psum(x, axes):
+def psum(x, axes):
     return lax.psum(x, axes) if axes else x
 
 
-def _pmean(x, axes):
+def pmean(x, axes):
     return lax.pmean(x, axes) if axes else x
 
 
 def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m, axes, units, specs):
     """One stage's 1F1B ticks: two slots per tick, each a forward or a backward (`one_f_one_b_slot`).
 
-    A slot runs only its own work (`lax.switch` over `_SlotWork.branches`), then one `ppermute`
+    A slot runs only its own work (`lax.switch` over `SlotWork.branches`), then one `ppermute`
     hands each slot's output to its neighbour: activations forward, input gradients back. A forward
     keeps what its backward needs (the stage's `jax.vjp` residuals: the activations the remat policy
     saves) in a stash of p slots (stage s uses p - s of them); the backward runs from them without
@@ -625,7 +599,7 @@ def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m,
     # differentiate per stage and per data-parallel rank; reduce once at the end
     outer = lax.pcast(outer, axes, to="varying")
     layers = vary(layers, rest)
-    work = _SlotWork(stack, model, layers, outer, micro, total_tokens, p=p, m=m, manual=axes, units=units)
+    work = SlotWork(stack, model, layers, outer, micro, total_tokens, p=p, m=m, manual=axes, units=units)
     branches = work.branches(one_f_one_b_branches_used(p, m))
 
     def tick(carry, t):
@@ -640,7 +614,7 @@ def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m,
     (c, _), _ = lax.scan(tick, (work.initial_carry(), inbox), jnp.arange(m + p - 1))
     g_layers = reduce_layer_grads(c["g_layers"], specs, rest)
     # every rank of a stage holds the same statistics (summed over the batch inside each layer)
-    stats = jax.tree.map(lambda a: _pmean(lax.psum(a, STAGE), rest) / (units * m), c["stats"])
+    stats = jax.tree.map(lambda a: pmean(lax.psum(a, STAGE), rest) / (units * m), c["stats"])
     return lax.psum(c["loss"], axes), stats, lax.psum(c["g_outer"], axes), g_layers
 
 
@@ -671,8 +645,3 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
         f"must be divisible by pipeline.microbatches*mesh.(data*fsdp*expert)={pipe.microbatches}*{dp}")
     req(config.train.grad_accum_steps == 1, "train.grad_accum_steps", config.train.grad_accum_steps,
         "must be 1 with mesh.stage > 1: pipeline.microbatches splits the batch instead")
-    kernels = attention_lib.uses_kernels(config, sizes)  # ring attention keeps jnp blocks in MoE stages
-    req(not (kernels and config.model.num_experts), "model.num_experts", config.model.num_experts,
-        "MoE layers and Pallas kernels (attention.impl='pallas', model.fused_*) cannot share a pipeline stage: "
-        "the kernels need the stage loop unchecked (interpret-mode pallas_call rejects variance types) and the "
-        "router statistics' gradients need it checked; drop one of them or use mesh.stage=1")

@@ -49,6 +49,7 @@ vary over the manual axis (`BlockAttention.vma_checked`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -58,6 +59,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
+
+from meshtrain.pallas_kernels import flash_attention_with_lse
+from meshtrain.sharding_rules import auto_axes
 
 Array = jax.Array
 BlockForward = Callable[..., tuple[Array, Array]]
@@ -709,3 +713,25 @@ def dense_attention_reference(
     mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (pos[None, :] <= pos[:, None])
     p = jax.nn.softmax(jnp.where(mask[:, None], s, -jnp.inf), axis=-1)
     return jnp.einsum("bhqs,bshd->bqhd", p, v_h)
+
+
+def ring(q: Array, k: Array, v: Array, segment_ids: Array, *, zigzag: bool, transport: str = "ring",
+         flash: bool = False) -> Array:
+    """Ring attention as the model calls attention (`attention.AttentionFn`), over `sequence` of the
+    current mesh: each step's block in the Pallas flash kernel when `flash` (`layout.ring_flash`: on
+    GPU), else in jnp einsums; K/V heads kept apart over `tensor` when they split over it."""
+    mesh = jax.sharding.get_abstract_mesh()
+    block_fn = flash_attention_with_lse if flash else None
+    heads = auto_axes(("tensor",))
+    if heads and k.shape[2] % mesh.shape["tensor"]:
+        heads = ()  # K/V heads replicated over `tensor`: nothing to keep apart
+    return ring_attention(q, k, v, segment_ids, mesh=mesh, zigzag=zigzag, block_fn=block_fn,
+                          transport=transport, heads_axes=heads)
+
+
+def in_conditional_slots(fn: Callable) -> Callable:
+    """Attention `fn` as it must run inside a branch that only some stages take (a 1F1B slot): ring
+    attention moves its blocks by all-gather / reduce-scatter instead of collective-permutes."""
+    if isinstance(fn, functools.partial) and fn.func is ring:
+        return functools.partial(ring, **{**fn.keywords, "transport": "gather"})
+    return fn

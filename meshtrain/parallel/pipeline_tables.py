@@ -39,12 +39,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from meshtrain import schedules
-from meshtrain.pipeline import (
+from meshtrain.parallel import schedules
+from meshtrain.parallel.pipeline import (
     STAGE,
-    _pmean,
-    _SlotWork,
+    SlotWork,
     aux_cotangents,
+    pmean,
     reduce_layer_grads,
     run_gradient_loop,
 )
@@ -155,7 +155,7 @@ def branch_share(plan: SlotPlan) -> tuple[float, ...]:
     return tuple(float(c) for c in counts / counts.sum())
 
 
-class _TableWork(_SlotWork):
+class _TableWork(SlotWork):
     """The operations of a slot table on one stage, as `lax.switch` branches (the branch constants
     above). Each takes (carry, x_in, g_in, j, c, slot) -> (carry, activation out, gradient out, dy).
 
@@ -306,5 +306,5 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     (c, _, _), _ = lax.scan(tick, (work.initial_carry(), inbox_f, inbox_b), jnp.asarray(plan.program))
     g_layers = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), c["g_layers"])
     g_layers = reduce_layer_grads(g_layers, specs, rest)
-    stats = jax.tree.map(lambda a: _pmean(lax.psum(a, STAGE), rest) / (units * m), c["stats"])
+    stats = jax.tree.map(lambda a: pmean(lax.psum(a, STAGE), rest) / (units * m), c["stats"])
     return lax.psum(c["loss"], axes), stats, lax.psum(c["g_outer"], axes), g_layers

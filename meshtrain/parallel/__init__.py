@@ -1,0 +1,19 @@
+"""Where the parallelisms meet: the parallel plan and the regions meshtrain writes by hand.
+
+    layout.py           Layout.plan(config, sizes, platform): the pipeline plan, which axes each manual
+                        region is manual over (accumulation, pipeline loop), whether Pallas kernels run
+                        (regions then unchecked), the attention function, the data's token order; the
+                        composition table of the regions is its docstring
+    pipeline.py         the pipeline over `stage`: gpipe / circular tick scan, 1F1B's slot loop, the stage
+                        function, stash and slot work shared with the tables
+    pipeline_tables.py  interleaved 1F1B and zero bubble run from their slot tables in one SPMD loop
+    schedules.py        the schedules as slot tables: simulate, check, bubble, in-flight micro-batches
+    ring_attention.py   context parallelism over `sequence`: the ring (zig-zag, custom backward) and the
+                        attention function the model calls
+
+Everything else is left to XLA's partitioner through the logical-axis rules (`sharding_rules.py`).
+The model imports nothing from here: it receives its attention function and its layer-stack runner
+(`model.LayerStack`) from `Layout`, through `train_step.build`. The MoE exchange over `expert` stays
+beside its layer (`moe.expert_parallel`) and opens its region over the batch axes its enclosing
+region left automatic.
+"""

@@ -1,0 +1,175 @@
+"""The parallel plan: from a config and the mesh's axis sizes, every region's manual axes, decided once.
+
+    layout = Layout.plan(config, sizes, platform="gpu")
+    layout.pipeline            # the schedule over `stage` (None when mesh.stage == 1)
+    layout.accumulation_axes   # what the gradient-accumulation loop is manual over
+    layout.attention           # the attention function the model runs (ring, flash or einsum)
+
+Playbook, "5D parallelism in a nutshell". XLA's partitioner handles every axis from the sharding
+rules alone (`sharding_rules.py`) except where meshtrain writes the communication by hand; there a
+`jax.shard_map` region is *manual* over some axes and automatic over the rest. Regions nest and
+compose by axis: an inner region opens a `shard_map` only over the axes its enclosing region left
+automatic (`Rules.manual` tells it which are already manual). The table, outermost first:
+
+| region | manual over | why | decided by |
+|---|---|---|---|
+| gradient accumulation (`train.grad_accum_steps > 1`) | split batch axes the parameters are replicated over (not `fsdp` under ZeRO-3), `sequence` under ring | one data-parallel reduction per step | `accumulation_axes` |
+| pipeline loop (`mesh.stage > 1`) | `stage`, every split batch axis, `sequence` when split | per-stage `switch` / `ppermute`, weights gathered once as they enter | `pipeline_axes` |
+| MoE layer (`model.num_experts`) | the batch axes not yet manual (`data`, `fsdp`, `expert`) | the token exchange over `expert` (`moe.expert_parallel`) | the enclosing region |
+| ring attention (`attention.impl='ring'`) | `sequence` (and `tensor` for the K/V heads) when not yet manual | K/V blocks travel the ring by `ppermute` | the enclosing region |
+| Pallas kernels (flash, fused norm / loss) | the axes each operand is split on | a `pallas_call` cannot be partitioned | `sharding_rules.per_shard` |
+
+A region holding a Pallas kernel is not type-checked for variance (`kernels`: a `pallas_call`
+declares none). The pipeline loop and the accumulation loop are never open together
+(`pipeline` rules: `train.grad_accum_steps` must be 1 with `mesh.stage > 1`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+
+import ml_collections
+import numpy as np
+
+from meshtrain import attention as attention_lib
+from meshtrain.config import BATCH_AXES, Axis, require
+from meshtrain.pallas_kernels.flash_attention import MIN_BLOCK
+from meshtrain.parallel import pipeline as pipeline_lib, pipeline_tables, ring_attention, schedules
+
+STAGE, SEQUENCE = Axis.STAGE.value, Axis.SEQUENCE.value
+GradsFn = Callable  # (params, histories, batch, model, total_tokens, accum_steps) -> (loss_sum, aux, grads, amaxes)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layout:
+    """Which regions a step opens, over which axes, and what runs inside them."""
+
+    sizes: Mapping[str, int]  # axis -> size, all six
+    platform: str  # what the step is compiled for ('cpu', 'gpu', 'tpu'): the mesh's devices
+    pipeline: pipeline_lib.Pipeline | None  # None unless mesh.stage > 1
+    accumulation_axes: tuple[str, ...]
+    kernels: bool  # Pallas kernels run: their regions go unchecked
+    ring_flash: bool  # ring attention's blocks in the Pallas flash kernel
+    attention: attention_lib.AttentionFn
+    permutation: np.ndarray | None  # the data's token order along the sequence (ring zig-zag), or None
+
+    @classmethod
+    def plan(cls, config: ml_collections.ConfigDict, sizes: Mapping[str, int], platform: str = "cpu") -> Layout:
+        """The plan of a validated `config` on a mesh of `sizes` whose devices are `platform`'s."""
+        kernels = uses_kernels(config, sizes, platform)
+        flash = ring_flash(config, sizes, platform)
+        return cls(sizes=sizes, platform=platform, pipeline=pipeline_plan(config, sizes, kernels=kernels),
+                   accumulation_axes=accumulation_axes(config, sizes), kernels=kernels, ring_flash=flash,
+                   attention=attention_fn(config, flash=flash), permutation=data_permutation(config, sizes))
+
+    def grads_function(self, default: GradsFn) -> GradsFn:
+        """The step's loss-and-gradient function: 1F1B's own loop (`pipeline.loss_and_grads`), the
+        slot-table loop of interleaved 1F1B and zero bubble (`pipeline_tables.loss_and_grads`), else
+        `default` (autodiff, gpipe and circular included)."""
+        pipe = self.pipeline
+        if pipe is not None and pipe.schedule == "1f1b":
+            return pipeline_lib.loss_and_grads
+        if pipe is not None and pipe.schedule in schedules.TABLE_SCHEDULES:
+            return pipeline_tables.loss_and_grads
+        return default
+
+    def branch_share(self) -> tuple[float, ...] | None:
+        """The share of a step's slot calls that take each branch of the pipeline's `lax.switch` (how
+        often each branch's collectives run: `plan.hlo.collectives`), or None without a slot loop."""
+        pipe = self.pipeline
+        if pipe is not None and pipe.schedule == "1f1b":
+            return pipe.slot_branch_share()
+        if pipe is not None and pipe.schedule in schedules.TABLE_SCHEDULES:
+            return pipeline_tables.branch_share(
+                pipeline_tables.slot_plan(pipe.schedule, pipe.stages, pipe.microbatches, pipe.repeats))
+        return None
+
+
+def pipeline_axes(sizes: Mapping[str, int]) -> tuple[str, ...]:
+    """The axes a pipeline loop is manual over: `stage`, every split batch axis (each device runs its
+    own rows, gradients are reduced once per step, ZeRO-3 weights gathered once as they enter), and
+    `sequence` when split (ring attention runs per device inside a stage)."""
+    return (STAGE, *(a for a in BATCH_AXES if sizes[a] > 1), *((SEQUENCE,) if sizes[SEQUENCE] > 1 else ()))
+
+
+def pipeline_plan(config: ml_collections.ConfigDict, sizes: Mapping[str, int], *,
+                  kernels: bool = False) -> pipeline_lib.Pipeline | None:
+    """The configured schedule on a mesh of `sizes`, or None when the mesh has a single stage.
+    `kernels`: whether the step runs Pallas kernels (the loop then goes unchecked)."""
+    if sizes[STAGE] <= 1:
+        return None
+    pipe = config.pipeline
+    repeats = pipe.repeats if pipe.schedule in pipeline_lib.CHUNKED_SCHEDULES else 1
+    return pipeline_lib.Pipeline(pipe.schedule, sizes[STAGE], pipe.microbatches, repeats, pipeline_axes(sizes),
+                                 checked=not kernels)
+
+
+def accumulation_axes(config: ml_collections.ConfigDict, sizes: Mapping[str, int]) -> tuple[str, ...]:
+    """The axes the gradient-accumulation loop is manual over (`train_step.accumulate_gradients`).
+
+    The split batch axes over which the parameters are replicated, so each device accumulates
+    locally and the data-parallel reduction runs once per step, plus `sequence` under ring
+    attention (the ring then runs per device inside). Under ZeRO-3 `fsdp` stays automatic:
+    each micro-batch gathers its weights and reduce-scatters its gradient (gradient shards
+    accumulate; no full-size buffer). An MoE layer under ZeRO-3 with `fsdp` split would need its
+    own shard_map over `fsdp` nested in the loop, which jax 0.10 cannot differentiate: there the
+    loop stays automatic and reduces per micro-batch.
+    """
+    zero3 = config.train.zero_stage >= 3
+    if zero3 and config.model.num_experts and sizes["fsdp"] > 1:
+        return ()
+    axes = tuple(a for a in BATCH_AXES if sizes[a] > 1 and not (zero3 and a == "fsdp"))
+    ring = config.attention.impl == "ring" and sizes[SEQUENCE] > 1
+    return axes + ((SEQUENCE,) if ring else ())
+
+
+def ring_flash(config: ml_collections.ConfigDict, sizes: Mapping[str, int], platform: str) -> bool:
+    """Whether ring attention computes its blocks with the Pallas flash kernel: compiled for a GPU
+    (`platform`: the mesh's devices, not the host's), each block (seq_len / mesh.sequence, halved by
+    zig-zag) a whole number of the kernel's smallest tile, and no MoE pipeline stage around it (its
+    loop stays type-checked, `validate_config`; jnp blocks there)."""
+    if config.attention.impl != "ring" or sizes[SEQUENCE] == 1 or platform != "gpu":
+        return False
+    if config.model.num_experts and sizes[STAGE] > 1:
+        return False
+    block = config.train.seq_len // sizes[SEQUENCE] // (2 if config.attention.zigzag else 1)
+    return block >= MIN_BLOCK and block % MIN_BLOCK == 0
+
+
+def uses_kernels(config: ml_collections.ConfigDict, sizes: Mapping[str, int], platform: str = "cpu") -> bool:
+    """Whether the step runs Pallas kernels, whose manual regions then go unchecked (a pallas_call
+    declares no variance): flash attention, the fused RMSNorm or loss, or ring attention's flash blocks
+    on a GPU (`ring_flash`)."""
+    m = config.model
+    named = config.attention.impl == "pallas" or m.fused_norm or m.fused_loss
+    return bool(named or ring_flash(config, sizes, platform))
+
+
+def attention_fn(config: ml_collections.ConfigDict, flash: bool = False) -> attention_lib.AttentionFn:
+    """The attention function of `config.attention.impl`; `flash`: ring attention's blocks in the Pallas
+    kernel (`ring_flash`)."""
+    impl = config.attention.impl
+    if impl == "ring":
+        return functools.partial(ring_attention.ring, zigzag=bool(config.attention.zigzag), flash=flash)
+    if impl == "pallas":
+        return attention_lib.pallas_attention
+    return attention_lib.xla_attention
+
+
+def data_permutation(config: ml_collections.ConfigDict, sizes: Mapping[str, int]) -> np.ndarray | None:
+    """The token order of the data: zig-zag for ring attention over more than one device, else None."""
+    if config.attention.impl != "ring" or not config.attention.zigzag or sizes[SEQUENCE] == 1:
+        return None
+    return ring_attention.zigzag_permutation(config.train.seq_len, sizes[SEQUENCE])
+
+
+def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
+    """Rules of the regions' composition (gathered by `meshtrain.validate`); raises ConfigError."""
+    kernels = uses_kernels(config, sizes)  # ring attention keeps jnp blocks in MoE stages
+    require(sizes[STAGE] == 1 or not (kernels and config.model.num_experts), "model.num_experts",
+            config.model.num_experts,
+            "MoE layers and Pallas kernels (attention.impl='pallas', model.fused_*) cannot share a pipeline stage: "
+            "the kernels need the stage loop unchecked (interpret-mode pallas_call rejects variance types) and the "
+            "router statistics' gradients need it checked; drop one of them or use mesh.stage=1")
