@@ -488,7 +488,8 @@ class Loop:
         self.is_main = jax.process_index() == 0
         self.watchdog = Watchdog(float(config.train.hang_timeout_s), checkpoint.checkpoint_root(config.workdir),
                                  enabled=jax.process_count() > 1)
-        self.ckpts = RunCheckpoints(config, factory, self.watchdog, faults.from_environment())
+        self.injection = faults.from_environment()  # MESHTRAIN_INJECT, read once
+        self.ckpts = RunCheckpoints(config, factory, self.watchdog, self.injection)
         self._create: Callable[[], object] | None = None
         self.eval_step = make_eval_step(factory, mesh_lib.compiler_options(run.mesh)) if config.eval_every else None
         self.flops_per_token = metrics_lib.flops_per_token(run.model, config.train.seq_len)
