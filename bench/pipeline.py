@@ -19,12 +19,23 @@ explain (the fixed cost c, embedding, head and optimizer included). It is printe
 the schedule's tick formula 1 - v*m/ticks (slot tables: the idle share of the table's cells).
 `temp MiB` is the compiled step's temporary memory per device (XLA's memory analysis): it grows
 with m under gpipe and circular, and stays flat under 1f1b, interleaved_1f1b and zero_bubble.
-The slot-table pictures: `python bench/schedules.py --draw DIR`. Prints a table and one JSON line.
+The slot-table pictures: `python bench/schedules.py --draw DIR`.
+
+Modeled on a GPU (`parallel/cost.py`). Fake CPU devices cannot show what lock-step costs on real
+ones, so each row also carries the step as the SPMD loop would run it on H100s: each branch of
+one stage (forward, fused backward, input-gradient-only and weight-gradient-only pullbacks) is
+compiled in bf16 and priced by XLA's FLOP and byte counts, then every tick lasts as long as its
+slowest stage plus the transfer after it. `modeled` is that step in units of one stage's forward
+on one micro-batch, `vs 1f1b` its ratio to 1f1b's at the same p and m. `--modeled` prints only
+the model, for a grid of p (`--stages 2,4`) and m, in seconds.
+
+Prints a table and one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -42,15 +53,16 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np  # noqa: E402
 
 from meshtrain import config as config_lib, train_step  # noqa: E402
-from meshtrain.parallel import layout, pipeline  # noqa: E402
+from meshtrain.parallel import cost, layout, pipeline  # noqa: E402
+from meshtrain.plan import hardware  # noqa: E402
 from meshtrain.run import Run
 
 
-def make_config(args, schedule: str, microbatches: int):
+def make_config(args, schedule: str, microbatches: int, stages: int | None = None):
     c = config_lib.default_config()
     for axis in config_lib.MESH_AXES:
         c.mesh[axis] = 1
-    c.mesh.stage = args.stages
+    c.mesh.stage = int(args.stages) if stages is None else stages
     c.model.update(vocab_size=264, d_model=args.d_model, n_layers=args.layers, n_heads=8, n_kv_heads=4,
                    head_dim=args.d_model // 8, mlp_dim=3 * args.d_model, dtype="float32")
     c.train.update(batch_size=args.rows * microbatches, seq_len=args.seq_len)
@@ -92,7 +104,7 @@ def step_seconds(config, steps: int) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--stages", default="4", help="p; --modeled takes a list (2,4)")
     parser.add_argument("--microbatches", default="4,8,16,32")
     parser.add_argument("--schedules", default=",".join(config_lib.PIPELINE_SCHEDULES))
     parser.add_argument("--rows", type=int, default=1, help="rows per micro-batch")
@@ -101,15 +113,20 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="the CI smoke run: 2 stages, m 2 and 4, 4 layers, 2 steps")
+    parser.add_argument("--modeled", action="store_true", help="only the modeled GPU step, no CPU timing")
+    parser.add_argument("--gpu", default="h100", help="the GPU of the model (plan.hardware)")
     args = parser.parse_args()
     if args.quick:
-        args.stages, args.microbatches, args.layers, args.steps = 2, "2,4", 4, 2
+        args.stages, args.microbatches, args.layers, args.steps = "2", "2,4", 4, 2
     ms = [int(m) for m in args.microbatches.split(",")]
-    results = []
+    if args.modeled:
+        return print_modeled(args, [int(p) for p in args.stages.split(",")], ms)
+    args.stages = int(args.stages)
+    results, gpu = [], hardware.get_gpu(args.gpu)
     print(f"p={args.stages}, micro-batch {args.rows} x {args.seq_len} tokens, d_model {args.d_model}, "
           f"{args.layers} layers, {jax.devices()[0].platform}")
     print(f"{'schedule':16} {'m':>3} {'ticks':>5} {'step ms':>8} {'ms/micro':>8} {'bubble meas':>11} "
-          f"{'formula':>8} {'temp MiB':>9}")
+          f"{'formula':>8} {'temp MiB':>9} {'modeled':>8} {'vs 1f1b':>8}")
     for schedule in args.schedules.split(","):
         rows = []
         for m in ms:
@@ -120,12 +137,48 @@ def main() -> None:
         slope = np.polyfit([m for m, *_ in rows], [t for _, _, t, _ in rows], 1)[0]
         for m, pipe, t, temp in rows:
             measured = 1 - m * slope / t
+            costs = modeled_costs(args, m, args.stages, gpu)
+            model = cost.step_time(schedule, args.stages, m, pipe.repeats, costs)
+            vs = model.seconds / cost.step_time("1f1b", args.stages, m, 1, costs).seconds
             results.append({"schedule": schedule, "stages": args.stages, "microbatches": m, "ticks": pipe.ticks,
                             "step_s": t, "bubble_measured": measured, "bubble_formula": pipe.bubble,
-                            "temp_bytes": temp})
+                            "temp_bytes": temp, "modeled_units": model.seconds / costs.forward,
+                            "modeled_vs_1f1b": vs})
             print(f"{schedule:16} {m:3d} {pipe.ticks:5d} {t * 1e3:8.1f} {t / m * 1e3:8.2f} "
-                  f"{measured:11.1%} {pipe.bubble:8.1%} {temp / 2**20:9.2f}")
+                  f"{measured:11.1%} {pipe.bubble:8.1%} {temp / 2**20:9.2f} {model.seconds / costs.forward:8.1f} "
+                  f"{vs:8.3f}")
     print(json.dumps(results))
+
+
+def modeled_costs(args, m: int, p: int, gpu) -> cost.BranchCosts:
+    """One stage's branch costs of the benchmark's model in bf16 (what a GPU runs), priced on `gpu`."""
+    config = make_config(args, "1f1b", m, stages=p)
+    config.model.dtype = "bfloat16"
+    return cost.BranchCosts.from_compiler(config, {**{a: 1 for a in config_lib.MESH_AXES}, "stage": p}, gpu)
+
+
+def print_modeled(args, stages: list[int], ms: list[int]) -> None:
+    """The modeled GPU step of every schedule for each (p, m): seconds, units of F, ratio to 1f1b."""
+    gpu, rows = hardware.get_gpu(args.gpu), []
+    print(f"modeled on {gpu.name}: micro-batch {args.rows} x {args.seq_len} tokens, d_model {args.d_model}, "
+          f"{args.layers} layers, bf16, interleaved v=2")
+    print(f"{'p':>2} {'m':>3} {'schedule':16} {'ticks':>5} {'step ms':>8} {'units':>7} {'vs 1f1b':>8} {'busy':>6}")
+    for p in stages:
+        for m in ms:
+            costs = modeled_costs(args, m, p, gpu)
+            base = cost.step_time("1f1b", p, m, 1, costs).seconds
+            for schedule in args.schedules.split(","):
+                e = cost.step_time(schedule, p, m, 2, costs)
+                rows.append({"stages": p, "microbatches": m, "schedule": schedule, "ticks": e.ticks,
+                             "seconds": e.seconds, "units": e.seconds / costs.forward, "vs_1f1b": e.seconds / base,
+                             "busy": e.efficiency})
+                print(f"{p:2d} {m:3d} {schedule:16} {e.ticks:5d} {e.seconds * 1e3:8.3f} {e.seconds / costs.forward:7.1f} "
+                      f"{e.seconds / base:8.3f} {e.efficiency:6.1%}")
+    units = costs.units()
+    print(f"branch costs (units of F): fused backward {units.backward:.2f}, input gradient {units.input_grad:.2f}, "
+          f"weight gradient {units.weight_grad:.2f}, transfer {units.transfer:.3f}")
+    print(json.dumps({"bench": "pipeline_modeled", "gpu": gpu.name, "rows": rows,
+                      "branch_units": dataclasses.asdict(units)}))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import math
 import ml_collections
 
 from meshtrain import config as config_lib, metrics
-from meshtrain.parallel import schedules
+from meshtrain.parallel import cost
 from meshtrain.mesh import MESH_ORDER
 from meshtrain.plan import comm, memory
 from meshtrain.plan.hardware import Gpu
@@ -97,13 +97,11 @@ def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu,
         seconds = nbytes / (gpu.nvlink_bandwidth if axis in inside else gpu.network_bandwidth)
         exposed[axis] = max(0.0, seconds - compute) if axis in OVERLAPPED else seconds
     bubble = 0.0
-    if sizes["stage"] > 1:
+    if sizes["stage"] > 1:  # the loop as executed in lock-step (`parallel.cost`), not the table's formula
         p, m, v = sizes["stage"], run.microbatches, run.pipeline_repeats
-        if run.pipeline_schedule == "zero_bubble":
-            # W re-traverses the stage's input-gradient chain (`pipeline_tables`): F + 2B + W
-            # = 4 units of work where autodiff does 3; the bubble falls to (p-1)/(3m)
-            compute *= 4 / 3
-        bubble = compute * schedules.formula(run.pipeline_schedule, p, m, v)
+        costs = cost.BranchCosts.analytic(compute / (m * (3 + RECOMPUTE[remat])), recompute_share=RECOMPUTE[remat],
+                                          recompute=remat != "none")
+        bubble = cost.step_time(run.pipeline_schedule, p, m, v, costs).seconds - compute
     step = compute + bubble + sum(exposed.values())
     fits = mem["total"] <= gpu.usable_bytes
     est = Estimate(config, run, remat, mem, per_axis, exposed, compute, bubble, step, tokens / step,

@@ -1,0 +1,122 @@
+"""The pipeline step as executed in lock-step (`parallel/cost.py`): ticks as long as their slowest
+stage, priced from the programs the loops run and from XLA's cost analysis of each branch."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshtrain import config as config_lib
+from meshtrain.parallel import cost, layout, pipeline, pipeline_tables
+from meshtrain.plan import estimate, hardware
+from tests.utils import load_config_file
+
+GRID = [(p, m) for p in (2, 4) for m in (4, 8, 16)]
+
+
+def _sizes(**axes) -> dict[str, int]:
+    return {**dict.fromkeys(config_lib.MESH_AXES, 1), **axes}
+
+
+def _pipeline(schedule: str, p: int, m: int, v: int = 2) -> pipeline.Pipeline:
+    config = config_lib.default_config()
+    config.pipeline.update(schedule=schedule, microbatches=m, repeats=v)
+    return layout.pipeline_plan(config, _sizes(stage=p))
+
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_with_every_operation_one_unit_the_model_counts_the_loops_ticks(p, m):
+    """F = B = W = 1 and free transfers: a step is as many units as the loop has ticks (1f1b: slots,
+    gpipe / circular: the forward loop and its transpose)."""
+    unit = cost.BranchCosts(1.0, 1.0, 1.0, 1.0, recompute=False)
+    for schedule in cost.SCHEDULES:
+        pipe = _pipeline(schedule, p, m)
+        executed = cost.step_time(schedule, p, m, pipe.repeats, unit)
+        loop_ticks = pipe.ticks if schedule in pipeline.TABLE_SCHEDULES else 2 * pipe.ticks
+        assert executed.ticks == loop_ticks
+        if schedule in ("gpipe", "circular"):
+            assert executed.seconds == pytest.approx(2 * pipe.ticks / pipe.repeats)  # chunks cost 1/v
+        elif schedule == "interleaved_1f1b":  # its W ticks idle: the fused B ran the weight gradient
+            busy = sum(any(op is not None and op.kind != "W" for op in row) for row in pipe._table)
+            assert executed.seconds == pytest.approx(busy / pipe.repeats)
+        else:
+            assert executed.seconds == pytest.approx(loop_ticks)
+
+
+@pytest.mark.parametrize("schedule", pipeline.TABLE_SCHEDULES)
+@pytest.mark.parametrize("p,m", GRID)
+def test_table_schedules_are_priced_by_the_program_the_loop_runs(schedule, p, m):
+    """The model walks the schedule's table; the loop runs `slot_plan`'s integer program: per tick,
+    the slowest branch any stage takes in it (idle, F, B, W), plus one transfer."""
+    costs = cost.BranchCosts(1.0, 2.5, 1.3, 2.2, transfer=0.1)
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    plan = pipeline_tables.slot_plan(schedule, p, m, v)
+    backward = costs.input_grad if plan.split else costs.backward
+    price = {pipeline_tables.IDLE: 0.0, pipeline_tables.FORWARD: costs.forward,
+             pipeline_tables.FORWARD_FIRST: costs.forward, pipeline_tables.FORWARD_LAST: costs.forward,
+             pipeline_tables.BACKWARD: backward, pipeline_tables.BACKWARD_FIRST: backward,
+             pipeline_tables.WEIGHTS: costs.weight_grad}
+    expected = sum(max(price[int(b)] / v for b in row[:, 0]) + costs.transfer for row in plan.program)
+    assert cost.step_time(schedule, p, m, v, costs).seconds == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_1f1b_is_priced_by_the_branch_each_stage_takes_in_each_slot(p, m):
+    costs = cost.BranchCosts(1.0, 2.5, 1.3, 2.2, transfer=0.1)
+    price = {0: 0.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 2.5, 5: 2.5, 6: 2.5}  # `one_f_one_b_branch` indices
+    expected = sum(max(price[int(pipeline.one_f_one_b_branch(p, m, s, u)[0])] for s in range(p)) + 0.1
+                   for u in range(2 * (m + p - 1)))
+    assert cost.step_time("1f1b", p, m, 1, costs).seconds == pytest.approx(expected)
+
+
+def _scaled_tiny(p: int, m: int):
+    """The acceptance shape: the tiny model scaled to d_model 512, 8 layers, one row per micro-batch."""
+    config = load_config_file("tiny")
+    config.model.update(n_layers=8, d_model=512, head_dim=64, mlp_dim=1536)
+    for axis in config_lib.MESH_AXES:
+        config.mesh[axis] = 1
+    config.mesh.stage, config.pipeline.microbatches, config.train.batch_size = p, m, m
+    return config
+
+
+@pytest.fixture(scope="module")
+def compiled_costs() -> cost.BranchCosts:
+    return cost.BranchCosts.from_compiler(_scaled_tiny(4, 16), _sizes(stage=4), hardware.get_gpu("h100"))
+
+
+def test_the_compiler_prices_the_branches_as_implemented(compiled_costs):
+    """XLA's counts of one stage's branches (bf16, H100 roofline): the fused backward costs two to
+    three forwards, the input-gradient-only pullback less, and the weight-gradient-only pullback as
+    much as the fused one (W runs the input-gradient chain again to reach the weights)."""
+    units = compiled_costs.units()
+    assert 1.5 < units.backward < 4.0
+    assert 1.0 < units.input_grad < units.backward
+    assert units.weight_grad == pytest.approx(units.backward, rel=0.05)
+    assert 0 < units.transfer < 0.1  # [1, 128, 512] bf16 over NVLink
+
+
+def test_lock_step_makes_the_split_schedules_slower_than_1f1b_as_implemented(compiled_costs):
+    """At p=4, m=16 the tables promise zero bubble and interleaving less idle time than 1F1B; in
+    lock-step, with W and the fused B as heavy as they are, both take longer (what the README's
+    modeled column shows)."""
+    ratios = cost.ratios(4, 16, 2, compiled_costs)
+    assert ratios["zero_bubble"] > 1.0 and ratios["interleaved_1f1b"] > 1.0
+    formula = {s: _pipeline(s, 4, 16).bubble for s in ("1f1b", "zero_bubble", "interleaved_1f1b")}
+    assert formula["zero_bubble"] < formula["1f1b"] and formula["interleaved_1f1b"] < formula["1f1b"]
+
+
+def test_the_planner_prices_the_pipeline_as_executed():
+    """`plan`'s step time uses the lock-step model: at p=4, m=16 zero bubble is slower than 1F1B
+    (the table's formula said a third of its bubble)."""
+    gpu = hardware.get_gpu("h100")
+    steps = {}
+    for schedule in ("1f1b", "zero_bubble"):
+        config = _scaled_tiny(4, 16)
+        config.pipeline.schedule = schedule
+        est = estimate.estimate(config, _sizes(stage=4), gpu)
+        m, remat = 16, config.remat.policy
+        forward = est.compute_seconds / (m * (3 + estimate.RECOMPUTE[remat]))
+        costs = cost.BranchCosts.analytic(forward, recompute=remat != "none")
+        assert est.bubble_seconds == pytest.approx(cost.step_time(schedule, 4, m, 1, costs).seconds
+                                                   - est.compute_seconds)
+        steps[schedule] = est.compute_seconds + est.bubble_seconds
+    assert steps["zero_bubble"] > steps["1f1b"]
