@@ -301,10 +301,37 @@ def einsum(module: nn.Module, name: str, eqn: str, x: jax.Array, w: jax.Array, l
     return scaled_dot(einsum_dot(eqn), module.cfg.fp8_first_step, x, w, history(module, name, length))
 
 
+# The split backward of zero bubble (`parallel/pipeline_tables.py`): which collections a matmul reads.
+SPLIT_INPUTS = "split_inputs"  # mutable: each matmul records its input (the forward); given: W reads them
+SPLIT_PROBES = "split_probes"  # given: B's zeros added to each matmul's output (their cotangents are its dy)
+SPLIT_OUTPUTS = "split_outputs"  # mutable: each matmul records its output (W, and the probes' shapes)
+
+
 def matmul(module: nn.Module, name: str) -> Callable:
     """The einsum of `module`'s matmul `name`: `einsum` above (its amax history `name`) under
-    `model.matmul_precision='fp8'`, else `jnp.einsum` in the compute dtype."""
+    `model.matmul_precision='fp8'`, else `jnp.einsum` in the compute dtype.
+
+    Under the split backward it also plays its part in B and W (playbook, "Zero Bubble"): with
+    `SPLIT_PROBES` given (B's forward) the weight is a constant, so the pullback computes input
+    gradients only, and the probe added to the output receives the output gradient dy; with
+    `SPLIT_INPUTS` mutable the input is recorded for W; with `SPLIT_INPUTS` given (W) the matmul
+    runs on the recorded input, so its weight gradient is the one GEMM x^T dy and nothing else of
+    the layer is live."""
     cfg = module.cfg
-    if cfg.matmul_precision != "fp8":
-        return jnp.einsum
-    return functools.partial(einsum, module, name, length=cfg.fp8_history)
+    base = jnp.einsum if cfg.matmul_precision != "fp8" else functools.partial(einsum, module, name,
+                                                                                length=cfg.fp8_history)
+
+    def run(eqn: str, x: jax.Array, w: jax.Array) -> jax.Array:
+        if module.is_mutable_collection(SPLIT_INPUTS):
+            module.sow(SPLIT_INPUTS, name, x)
+        elif module.has_variable(SPLIT_INPUTS, name):  # W
+            x = module.get_variable(SPLIT_INPUTS, name)[0]
+        if module.has_variable(SPLIT_PROBES, name):  # B's forward
+            y = base(eqn, x, jax.lax.stop_gradient(w)) + module.get_variable(SPLIT_PROBES, name)[0]
+        else:
+            y = base(eqn, x, w)
+        if module.is_mutable_collection(SPLIT_OUTPUTS):
+            module.sow(SPLIT_OUTPUTS, name, y)
+        return y
+
+    return run

@@ -40,7 +40,8 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
     """Runs the program on tags instead of arrays: every buffer slot holds the name of the value in
     it, and each operation checks it reads the value it needs. Returns {(kind, s, j, c): tick}."""
     f = {name: i for i, name in enumerate(FIELDS)}
-    stash = [[None] * (plan.stash_slots) for _ in range(p)]
+    stash = [[None] * (plan.stash_slots) for _ in range(p)]  # vjp residuals, F to B
+    weight = [[None] * (plan.weight_slots) for _ in range(p)]  # split: matmul inputs (F to W), their dy (B to W)
     inbox_f = [[None] * (plan.inbox_f_slots + 1) for _ in range(p)]
     inbox_b = [[None] * (plan.inbox_b_slots + 1) for _ in range(p)]
     ran = {}
@@ -48,12 +49,15 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
         sent_f, sent_b = [None] * p, [None] * p
         for s in range(p):
             row = plan.program[t, s]
-            branch, j, c, slot = (int(row[f[k]]) for k in ("branch", "micro", "chunk", "stash"))
+            branch, j, c, slot, wslot = (int(row[f[k]]) for k in ("branch", "micro", "chunk", "stash", "wstash"))
             if branch in (pipeline_tables.FORWARD, pipeline_tables.FORWARD_FIRST, pipeline_tables.FORWARD_LAST):
                 if branch != pipeline_tables.FORWARD_FIRST:
                     assert inbox_f[s][row[f["read_f"]]] == ("act", s, j, c), (t, s)
                 assert stash[s][slot] is None, f"tick {t} stage {s}: residual slot {slot} still in use"
                 stash[s][slot] = (s, j, c)
+                if plan.split:
+                    assert weight[s][wslot] is None, f"tick {t} stage {s}: weight slot {wslot} still in use"
+                    weight[s][wslot] = ("inputs", s, j, c)
                 if branch == pipeline_tables.FORWARD_LAST:
                     inbox_b[s][row[f["dy"]]] = ("grad", s, j, c)
                 else:
@@ -62,14 +66,16 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
             elif branch in (pipeline_tables.BACKWARD, pipeline_tables.BACKWARD_FIRST):
                 assert inbox_b[s][row[f["read_b"]]] == ("grad", s, j, c), (t, s)
                 assert stash[s][slot] == (s, j, c), (t, s)
-                if not plan.split:
-                    stash[s][slot] = None
+                stash[s][slot] = None
+                if plan.split:
+                    assert weight[s][wslot] == ("inputs", s, j, c), (t, s)
+                    weight[s][wslot] = ("inputs and dy", s, j, c)
                 if branch == pipeline_tables.BACKWARD:
                     sent_b[s] = ("grad", (s - 1) % p, j, c - (s == 0))
                 ran["B", s, j, c] = t
             elif branch == pipeline_tables.WEIGHTS:
-                assert stash[s][slot] == (s, j, c), (t, s)
-                stash[s][slot] = None
+                assert weight[s][wslot] == ("inputs and dy", s, j, c), (t, s)
+                weight[s][wslot] = None
                 ran["W", s, j, c] = t
         for s in range(p):  # the two ppermutes, then the inbox writes
             arriving_f, arriving_b = sent_f[(s - 1) % p], sent_b[(s + 1) % p]
@@ -102,7 +108,7 @@ def test_program_hands_every_operation_its_inputs(schedule, p):
         want = {(op.kind, s, op.micro, op.chunk): t for t, row in enumerate(table) for s, op in enumerate(row)
                 if op is not None and op.kind in kinds}
         assert ran == want
-        sizes[m] = (plan.stash_slots, plan.inbox_f_slots, plan.inbox_b_slots)
+        sizes[m] = (plan.stash_slots, plan.weight_slots, plan.inbox_f_slots, plan.inbox_b_slots)
     assert sizes[2 * p] == sizes[4 * p], sizes
 
 

@@ -14,9 +14,9 @@ Branches, per stage and micro-batch (a chunk of 1/v of the stage's layers under 
 * F: the forward, keeping its vjp residuals;
 * B: the fused backward (input and weight gradients): 1f1b, interleaved 1F1B (whose W ticks then
   idle), and gpipe / circular's transposed loop (which also recomputes the forward under remat);
-* B split (zero_bubble): the pullback for the input gradient only; W: the same pullback for the
-  weight gradients only, as implemented (it re-traverses the input-gradient chain to reach each
-  layer's weights, about twice a forward).
+* B split (zero_bubble): the pullback for the input gradient only (every matmul's weight a
+  constant); W: each matmul's weight GEMM from its recorded input and output gradient
+  (`pipeline.SplitStage`), about one forward.
 
 `BranchCosts.from_compiler` compiles each branch on one CPU device at the per-device micro-batch
 shape and turns XLA's FLOP and byte counts into seconds on a GPU (the roofline: the larger of FLOPs
@@ -46,19 +46,19 @@ class BranchCosts:
     forward: float
     backward: float  # fused: input and weight gradients
     input_grad: float  # split (zero_bubble's B)
-    weight_grad: float  # split (zero_bubble's W), as implemented
+    weight_grad: float  # split (zero_bubble's W): the weight GEMMs
     transfer: float = 0.0
     recompute: bool = True  # gpipe / circular recompute the stage's forward in their backward (remat per stage)
 
     @classmethod
     def analytic(cls, forward: float, transfer: float = 0.0, recompute_share: float = 0.0,
                  recompute: bool = True) -> BranchCosts:
-        """From a forward's seconds: B = 2F (two matmuls per forward one), the input gradient F, W 2F
-        (the implemented W runs the input-gradient chain again on its way to the weights); each
-        backward also recomputes `recompute_share` of the forward (remat `full`: 1); `recompute`:
-        gpipe / circular recompute each stage from its input (any remat policy but `none`)."""
+        """From a forward's seconds: B = 2F (two matmuls per forward one), the input gradient F and W
+        F (the weight GEMMs); the backwards also recompute `recompute_share` of the forward (remat
+        `full`: 1; W reads recorded inputs and recomputes nothing); `recompute`: gpipe / circular
+        recompute each stage from its input (any remat policy but `none`)."""
         r = recompute_share * forward
-        return cls(forward, 2 * forward + r, forward + r, 2 * forward + r, transfer, recompute)
+        return cls(forward, 2 * forward + r, forward + r, forward, transfer, recompute)
 
     def units(self) -> BranchCosts:
         """The same costs in units of the forward."""
@@ -73,14 +73,16 @@ class BranchCosts:
         and `sequence` not split), priced on `gpu` (`plan.hardware.Gpu`) by XLA's FLOP and byte counts."""
         from meshtrain import attention, config as config_lib, model as model_lib
         from meshtrain.mesh import single_device_mesh
-        from meshtrain.parallel.pipeline import stage_function
+        from meshtrain.parallel.pipeline import SplitStage, stage_function
         from meshtrain.sharding_rules import Rules
 
         cfg = config_lib.ModelConfig.from_config(config)
         p, m = sizes["stage"], config.pipeline.microbatches
         rows = max(1, config.train.batch_size // (m * config_lib.data_parallel_size(sizes)))
         mesh = single_device_mesh(jax.devices("cpu")[0])
-        stack = stage_function(cfg, Rules.for_mesh(mesh), attention.xla_attention)
+        rules = Rules.for_mesh(mesh)
+        stack = stage_function(cfg, rules, attention.xla_attention)
+        split = SplitStage.build(cfg, rules, attention.xla_attention)
         units = model_lib.scan_unit(cfg)[1] // p
         boxed = model_lib.abstract_params(cfg)["layers"]
         layers = jax.tree.map(lambda box: jax.ShapeDtypeStruct((units, *box.value.shape[1:]), box.value.dtype),
@@ -95,21 +97,31 @@ class BranchCosts:
         def fused(w, x, pos, g):
             return jax.vjp(lambda w, x: forward(w, x, pos), w, x)[1](g)
 
-        def input_grad(w, x, pos, g):
-            return jax.vjp(lambda x: forward(w, x, pos), x)[1](g)
+        def split_forward(w, x, pos, probes):  # F under the split: the matmul inputs recorded
+            return split.forward(w, x, pos, pos * 0 + 1, probes)
 
-        def weight_grad(w, x, pos, g):
-            return jax.vjp(lambda w: forward(w, x, pos), w)[1](g)
+        def input_grad(w, x, pos, probes, g):  # F and B: input gradients, the probes' output gradients
+            (y, _), pullback, recorded = jax.vjp(lambda w, x, q: split_forward(w, x, pos, q), w, x, probes,
+                                                 has_aux=True)
+            return pullback((g, {})), recorded
+
+        def weight_grad(w, recorded, x, pos, dys):  # W: the weight GEMMs
+            return jax.vjp(lambda w: split.weights(w, recorded, x, pos, pos * 0 + 1), w)[1](dys)
 
         with jax.set_mesh(mesh):
-            seconds = {name: _roofline(fn, (w, x, pos) if name == "forward" else (w, x, pos, x), gpu)
-                       for name, fn in (("forward", forward), ("fused", fused), ("input_grad", input_grad),
-                                        ("weight_grad", weight_grad))}
+            probes = jax.eval_shape(lambda w, x, pos: split.probes(w, x, pos, pos * 0 + 1), w, x, pos)
+            recorded = jax.eval_shape(split_forward, w, x, pos, probes)[1]
+            seconds = {"forward": _roofline(forward, (w, x, pos), gpu),
+                       "fused": _roofline(fused, (w, x, pos, x), gpu),
+                       "split_forward": _roofline(lambda *a: (split_forward(*a)[0][0], split_forward(*a)[1]),
+                                                  (w, x, pos, probes), gpu),
+                       "input_grad": _roofline(input_grad, (w, x, pos, probes, x), gpu),
+                       "weight_grad": _roofline(weight_grad, (w, recorded, x, pos, probes), gpu)}
         f = seconds["forward"]  # each backward was compiled with its forward: take it out
         nbytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
         link = gpu.nvlink_bandwidth if in_node else gpu.network_bandwidth
-        return cls(f, seconds["fused"] - f, seconds["input_grad"] - f, seconds["weight_grad"] - f, nbytes / link,
-                   recompute=cfg.remat_policy != "none")
+        return cls(f, seconds["fused"] - f, seconds["input_grad"] - seconds["split_forward"], seconds["weight_grad"],
+                   nbytes / link, recompute=cfg.remat_policy != "none")
 
 
 def _roofline(fn, args, gpu) -> float:
@@ -156,7 +168,7 @@ def step_time(schedule: str, p: int, m: int, v: int, costs: BranchCosts) -> Exec
             seconds += max(busy) + c.transfer  # one ppermute after every slot
         return Execution(schedule, seconds, slots, m * (c.forward + c.backward))
     table = schedules.simulate(schedule, p, m, v)
-    split = schedule == "zero_bubble"
+    split = schedule in schedules.SPLIT_BACKWARD
     price = {schedules.F: c.forward / v, schedules.B: (c.input_grad if split else c.backward) / v,
              schedules.W: c.weight_grad / v if split else 0.0}  # fused tables' W ticks idle
     seconds = sum(max([0.0] + [price[op.kind] for op in row if op is not None]) + c.transfer for row in table)

@@ -218,14 +218,11 @@ def stage_function(cfg, rules, attention_fn):
     model's block (with its remat policy), stats summed over the chunk's MoE units ({} if dense).
     The chunk's variables are `stage_variables` cut to k units ({"params": [k, ...]}, and under FP8
     {"fp8": [k, 3, H]}). `rules` are those of the loop's manual region."""
-    block_class = model_lib.remat_block(cfg)
-    if cfg.remat_policy == "none":
-        # A remat that saves everything: nothing is recomputed and the memory is that of no remat. Without
-        # one, jax 0.10's transpose of the layer scan inside 1F1B's and the slot tables' `jax.vjp` types
-        # an MoE layer's router-statistic cotangent as varying over the batch axes and tracing fails.
-        block_class = nn.remat(model_lib.scan_unit(cfg)[0], policy=jax.checkpoint_policies.everything_saveable,
-                               prevent_cse=False)
-    block = block_class(cfg, rules, attention_fn, parent=None)
+    # Under remat `none` the block is wrapped in a remat that saves everything (`_stage_block`): nothing is
+    # recomputed and the memory is that of no remat. Without one, jax 0.10's transpose of the layer scan
+    # inside 1F1B's and the slot tables' `jax.vjp` types an MoE layer's router-statistic cotangent as
+    # varying over the batch axes and tracing fails.
+    block = _stage_block(cfg, rules, attention_fn)
 
     def stack(chunk, x, positions, segment_ids):
         def layer(x, variables):
@@ -233,6 +230,67 @@ def stage_function(cfg, rules, attention_fn):
         x, stats = lax.scan(layer, x, chunk)
         return x, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats or {})
     return stack
+
+
+def _stage_block(cfg, rules, attention_fn):
+    """The stage's scanned unit (the model's block with its remat policy), unbound."""
+    block_class = model_lib.remat_block(cfg)
+    if cfg.remat_policy == "none":
+        block_class = nn.remat(model_lib.scan_unit(cfg)[0], policy=jax.checkpoint_policies.everything_saveable,
+                               prevent_cse=False)
+    return block_class(cfg, rules, attention_fn, parent=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitStage:
+    """A stage's chunk of layers run for the split backward (zero bubble; playbook, "Zero Bubble"):
+
+    * `forward(chunk, x, positions, segment_ids, probes) -> ((x, stats), recorded)`: the forward
+      whose vjp is B: every matmul's weight a constant, a zero probe added to its output (the
+      probes' cotangents are the matmuls' output gradients), its input recorded for W;
+    * `weights(chunk, recorded, x, positions, segment_ids) -> outputs`: every matmul again on its
+      recorded input (`x` only gives shapes): the pullback of these outputs at the output gradients
+      is the weight gradients, one GEMM per matmul, nothing else of a layer live;
+    * `probe_shapes(chunk, x, positions, segment_ids)`: the probes' zeros, [k, ...] per matmul.
+
+    Parameters that are not a matmul's weight (norm scales, MoE experts) get their gradients in B.
+    """
+
+    forward: object
+    weights: object
+    probes: object
+
+    @classmethod
+    def build(cls, cfg, rules, attention_fn) -> SplitStage:
+        block = _stage_block(cfg, rules, attention_fn)
+        inputs, probes_key, outputs = fp8_lib.SPLIT_INPUTS, fp8_lib.SPLIT_PROBES, fp8_lib.SPLIT_OUTPUTS
+
+        def forward(chunk, x, positions, segment_ids, probes):
+            def layer(x, scanned):
+                variables, probe = scanned
+                (y, stats), recorded = block.apply({**variables, probes_key: probe}, x, positions, segment_ids,
+                                                   mutable=[inputs])
+                return y, (stats, recorded[inputs])
+            x, (stats, recorded) = lax.scan(layer, x, (chunk, probes))
+            return (x, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats or {})), recorded
+
+        plain = model_lib.scan_unit(cfg)[0](cfg, rules, attention_fn, parent=None)  # W recomputes nothing
+
+        def weights(chunk, recorded, x, positions, segment_ids):
+            def layer(_, scanned):
+                variables, inputs_l = scanned
+                _, out = plain.apply({**variables, inputs: inputs_l}, jnp.zeros_like(x), positions, segment_ids,
+                                     mutable=[outputs])
+                return None, out[outputs]
+            return lax.scan(layer, None, (chunk, recorded))[1]
+
+        def probe_shapes(chunk, x, positions, segment_ids):
+            def layer(x, variables):
+                (y, _), out = block.apply(variables, x, positions, segment_ids, mutable=[outputs])
+                return y, jax.tree.map(lambda a: jnp.zeros_like(a), out[outputs])
+            return lax.scan(layer, x, chunk)[1]
+
+        return cls(forward, weights, probe_shapes)
 
 
 def _chunk_function(stack):
@@ -407,7 +465,7 @@ def _slot_pairs(p: int, parity: int) -> list[tuple[int, int]]:
     return pairs
 
 
-class _Residuals:
+class Residuals:
     """The residuals of a stage's `jax.vjp` (what its backward needs), kept between a forward slot
     and its backward slot.
 
@@ -431,8 +489,12 @@ class _Residuals:
             return self._stack(w, x, mb["positions"], mb["segment_ids"])
         return jax.vjp(run, w, x)
 
+    def _constants(self, w) -> list:
+        """The residuals that are the same arrays in every slot (the weights): never stashed."""
+        return jax.tree.leaves(self._layers if w is None else w)
+
     def _split(self, pullback, w):
-        weights = jax.tree.leaves(self._layers if w is None else w)
+        weights = self._constants(w)
         leaves, treedef = jax.tree.flatten(pullback)
         kinds = tuple(next((i for i, a in enumerate(weights) if leaf is a), None) for leaf in leaves)
         return [leaf for leaf, k in zip(leaves, kinds, strict=True) if k is None], kinds, treedef
@@ -449,20 +511,27 @@ class _Residuals:
         zeros = [jnp.zeros((slots, *a.shape), a.dtype) for a in jax.eval_shape(probe, x)]
         return [lax.pcast(z, axes, to="varying") for z in zeros] if axes else zeros
 
-    def store(self, stash: list[jax.Array], pullback, slot, w=None) -> list[jax.Array]:
+    def keep(self, pullback, w=None) -> list[jax.Array]:
+        """The pullback's non-weight residuals, as a slot of the stash holds them."""
         kept, kinds, _ = self._split(pullback, w)
-        if kinds != self._kinds or len(kept) != len(stash):
+        if kinds != self._kinds:
             raise RuntimeError("pipeline: a forward slot's vjp residuals differ from the traced structure")
+        return [vary(r, self._axes) for r in kept]
 
-        return [lax.dynamic_update_index_in_dim(buf, vary(r, self._axes), slot, 0)
-                for buf, r in zip(stash, kept, strict=True)]
+    def rebuild(self, kept: list[jax.Array], w=None):
+        """The pullback from a slot's residuals (`keep`) and the weights `w`."""
+        weights = self._constants(w)
+        kept = iter(kept)
+        leaves = [weights[k] if k is not None else next(kept) for k in self._kinds]
+        return jax.tree.unflatten(self._treedef, leaves)
+
+    def store(self, stash: list[jax.Array], pullback, slot, w=None) -> list[jax.Array]:
+        return [lax.dynamic_update_index_in_dim(buf, r, slot, 0)
+                for buf, r in zip(stash, self.keep(pullback, w), strict=True)]
 
     def load(self, stash: list[jax.Array], slot, w=None):
         """The pullback of the forward stored in `slot` (weights `w`)."""
-        weights = jax.tree.leaves(self._layers if w is None else w)
-        kept = iter([lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False) for buf in stash])
-        leaves = [weights[k] if k is not None else next(kept) for k in self._kinds]
-        return jax.tree.unflatten(self._treedef, leaves)
+        return self.rebuild([lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False) for buf in stash], w)
 
 
 class SlotWork:
@@ -480,7 +549,7 @@ class SlotWork:
                  manual: tuple[str, ...], units: int):
         self.model, self.layers, self.outer, self.micro = model, layers, outer, micro
         self.total_tokens, self.p, self.m, self.manual, self.units = total_tokens, p, m, manual, units
-        self.residuals = _Residuals(stack, layers)
+        self.residuals = Residuals(stack, layers)
 
     def _embed(self, o, tokens):
         return self.model.apply({"params": o}, tokens, method="embed")
@@ -531,7 +600,7 @@ class SlotWork:
         carry = dict(dy=act, g_layers=self._layer_sums(), g_outer=zeros32(self.outer),
                      loss=jnp.zeros((), jnp.float32), stats=zeros32(stats))
         stash = self.residuals.stash(self.p, lax.pcast(act, self.manual, to="varying"), self._pick(0), self.manual)
-        return {**self._varying(carry), "stash": stash}  # the stash: see _Residuals
+        return {**self._varying(carry), "stash": stash}  # the stash: see Residuals
 
     def branches(self, used: set[int]) -> list:
         """The `lax.switch` branches; those no stage ever takes (`used`: the schedule's) are idle, so

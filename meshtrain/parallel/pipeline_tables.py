@@ -40,9 +40,13 @@ import numpy as np
 from jax import lax
 
 from meshtrain.parallel import schedules
+from meshtrain import fp8 as fp8_lib
 from meshtrain.parallel.pipeline import (
+    FP8,
     STAGE,
+    Residuals,
     SlotWork,
+    SplitStage,
     aux_cotangents,
     pmean,
     reduce_layer_grads,
@@ -52,7 +56,7 @@ from meshtrain.sharding_rules import vary
 
 # branch indices of the tick's `lax.switch`
 IDLE, FORWARD, FORWARD_FIRST, FORWARD_LAST, BACKWARD, BACKWARD_FIRST, WEIGHTS = range(7)
-FIELDS = ("branch", "micro", "chunk", "stash", "read_f", "read_b", "dy", "recv_f", "recv_b")
+FIELDS = ("branch", "micro", "chunk", "stash", "wstash", "read_f", "read_b", "dy", "recv_f", "recv_b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,10 +69,11 @@ class SlotPlan:
     trash slot (nothing to keep)."""
 
     program: np.ndarray  # int32 [ticks, p, len(FIELDS)]
-    stash_slots: int
+    stash_slots: int  # vjp residuals, F to B
+    weight_slots: int  # split: the matmuls' inputs (F to W) and output gradients (B to W)
     inbox_f_slots: int
     inbox_b_slots: int
-    split: bool  # B and W are separate operations (zero_bubble)
+    split: bool  # B and W are separate operations (`schedules.SPLIT_BACKWARD`)
     wraps: bool  # activations go p-1 -> 0 (and gradients back) between chunks
 
     @property
@@ -92,15 +97,18 @@ def _allocate(intervals: list[tuple[float, float, object]]) -> tuple[dict, int]:
 def slot_plan(schedule: str, p: int, m: int, v: int = 1) -> SlotPlan:
     """The executable program of `schedule`'s table (see `SlotPlan`)."""
     table = schedules.simulate(schedule, p, m, v)
-    split = schedule == "zero_bubble"
+    split = schedule in schedules.SPLIT_BACKWARD
     when = {(op.kind, s, op.micro, op.chunk): t for t, row in enumerate(table) for s, op in enumerate(row) if op}
     stash_iv = [[] for _ in range(p)]
+    weight_iv = [[] for _ in range(p)]
     inbox_f_iv = [[] for _ in range(p)]
     inbox_b_iv = [[] for _ in range(p)]
     for (kind, s, j, c), t in when.items():
         if kind == schedules.F:
-            # residuals live until the backward that ends with them: B (fused) or W (split)
-            stash_iv[s].append((t, when[(schedules.W if split else schedules.B, s, j, c)], (s, j, c)))
+            # the residuals live until B; under the split, what W needs until W
+            stash_iv[s].append((t, when[(schedules.B, s, j, c)], (s, j, c)))
+            if split:
+                weight_iv[s].append((t, when[(schedules.W, s, j, c)], (s, j, c)))
             if s == p - 1 and c == v - 1:  # the loss gradient, left during the tick for this stage's B
                 inbox_b_iv[s].append((t + 0.25, when[(schedules.B, s, j, c)], (s, j, c)))
             else:  # the activation arrives at the next stage after the tick
@@ -109,16 +117,16 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1) -> SlotPlan:
         elif kind == schedules.B and not (s == 0 and c == 0):
             dst, dc = (s - 1, c) if s > 0 else (p - 1, c - 1)
             inbox_b_iv[dst].append((t + 0.5, when[(schedules.B, dst, j, dc)], (dst, j, dc)))
-    stash, inbox_f, inbox_b = ({}, {}, {})
+    stash, weight, inbox_f, inbox_b = ({}, {}, {}, {})
     sizes = []
-    for intervals, slots in ((stash_iv, stash), (inbox_f_iv, inbox_f), (inbox_b_iv, inbox_b)):
+    for intervals, slots in ((stash_iv, stash), (weight_iv, weight), (inbox_f_iv, inbox_f), (inbox_b_iv, inbox_b)):
         most = 0
         for s in range(p):
             got, used = _allocate(intervals[s])
             slots.update(got)
             most = max(most, used)
         sizes.append(max(most, 1))
-    n_stash, n_f, n_b = sizes
+    n_stash, n_weight, n_f, n_b = sizes
     program = np.zeros((len(table), p, len(FIELDS)), np.int32)
     program[:, :, FIELDS.index("recv_f")] = n_f
     program[:, :, FIELDS.index("recv_b")] = n_b
@@ -146,7 +154,8 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1) -> SlotPlan:
         row[FIELDS.index("branch")] = branch
         row[FIELDS.index("micro")], row[FIELDS.index("chunk")] = j, c
         row[FIELDS.index("stash")] = stash[key]
-    return SlotPlan(program, n_stash, n_f, n_b, split, wraps=v > 1)
+        row[FIELDS.index("wstash")] = weight.get(key, 0)
+    return SlotPlan(program, n_stash, n_weight, n_f, n_b, split, wraps=v > 1)
 
 
 def branch_share(plan: SlotPlan) -> tuple[float, ...]:
@@ -155,18 +164,61 @@ def branch_share(plan: SlotPlan) -> tuple[float, ...]:
     return tuple(float(c) for c in counts / counts.sum())
 
 
+class _SplitResiduals(Residuals):
+    """B's vjp residuals under the split backward (`SplitStage.forward`: matmul weights constant,
+    probes on the matmul outputs, inputs recorded for W)."""
+
+    def __init__(self, split: SplitStage, layers, probes):
+        super().__init__(None, layers)
+        self.split, self.probes = split, probes
+
+    def vjp_recording(self, x, mb, w):
+        """((y, stats), pullback (w, x, probes), recorded matmul inputs)."""
+        def run(w, x, probes):
+            if FP8 in w:
+                w = {**w, FP8: fp8_lib.for_grad(w[FP8])}
+            return self.split.forward(w, x, mb["positions"], mb["segment_ids"], probes)
+        return jax.vjp(run, w, x, self.probes, has_aux=True)
+
+    def vjp(self, x, mb, w=None):
+        out, pullback, _ = self.vjp_recording(x, mb, self._layers if w is None else w)
+        return out, pullback
+
+    def _constants(self, w) -> list:
+        # the probes are zeros, the same arrays in every slot: the remat keeps them as inputs, the stash does not
+        return super()._constants(w) + jax.tree.leaves(self.probes)
+
+
+def _store(buffers, values, slot):
+    return jax.tree.map(lambda buf, a: lax.dynamic_update_index_in_dim(buf, a, slot, 0), buffers, values)
+
+
+def _load(buffers, slot):
+    return jax.tree.map(lambda buf: lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False), buffers)
+
+
 class _TableWork(SlotWork):
     """The operations of a slot table on one stage, as `lax.switch` branches (the branch constants
-    above). Each takes (carry, x_in, g_in, j, c, slot) -> (carry, activation out, gradient out, dy).
+    above). Each takes (carry, x_in, g_in, j, c, held) -> (carry, activation out, gradient out, dy, put).
 
-    The carry holds the stash of vjp residuals (and, split, the output gradients W needs), float32
-    gradient sums of the stage's chunks (`g_layers` [v, k, ...]) and of the embedding / head, the
-    summed loss and MoE statistics."""
+    The carry holds float32 gradient sums of the stage's chunks (`g_layers` [v, k, ...]) and of the
+    embedding / head, the summed loss and MoE statistics. What lives from one operation to a later
+    one is kept in slot buffers outside the switch (`slot_buffers`): the vjp residuals (F to B) and,
+    split, the matmuls' inputs (F to W) and output gradients (B to W). The tick reads the slot an
+    operation needs into `held` and writes the slot it fills from `put`: a buffer updated inside a
+    `lax.switch` branch is copied whole by XLA, one read or written outside costs one slot."""
 
     def __init__(self, stack, model, layers, outer, micro, total_tokens, *, p, m, v, manual, units, plan):
         chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers)
         super().__init__(stack, model, chunks, outer, micro, total_tokens, p=p, m=m, manual=manual, units=units)
         self.plan, self.v = plan, v
+        if plan.split:  # B computes input gradients only; W the weight GEMMs from what B and F kept
+            self.split = SplitStage.build(model.cfg, model.rules, model.attention_fn)
+            mb, act = self._pick(0), self.activation()
+            shapes = jax.eval_shape(lambda: self.split.probes(self._chunk(0), self._varying(act), mb["positions"],
+                                                              mb["segment_ids"]))
+            probes = jax.tree.map(lambda a: self._varying(jnp.zeros(a.shape, a.dtype)), shapes)
+            self.residuals = _SplitResiduals(self.split, chunks, probes)
 
     def _chunk(self, c):
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, c, 0, keepdims=False), self.layers)
@@ -184,10 +236,21 @@ class _TableWork(SlotWork):
         zeros32 = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, jnp.float32))
         carry = dict(g_layers=self._layer_sums(), g_outer=zeros32(self.outer), loss=jnp.zeros((), jnp.float32),
                      stats=zeros32(stats))
+        return self._varying(carry)
+
+    def slot_buffers(self) -> dict:
+        """Zeroed slot buffers, one trash slot each beyond the plan's (where an operation that fills
+        nothing writes): "stash" (residuals), and split "inputs" and "dys"."""
+        act = self.activation()
+        chunk = jax.tree.map(lambda a: a[0], self.layers)
+        x = lax.pcast(act, self.manual, to="varying")
+        buffers = {"stash": self.residuals.stash(self.plan.stash_slots + 1, x, self._pick(0), self.manual, chunk)}
         if self.plan.split:
-            carry["g_stash"] = jnp.zeros((self.plan.stash_slots, *act.shape), act.dtype)
-        stash = self.residuals.stash(self.plan.stash_slots, x, self._pick(0), self.manual, chunk)
-        return {**self._varying(carry), "stash": stash}
+            _, _, recorded = jax.eval_shape(lambda x: self.residuals.vjp_recording(x, self._pick(0), chunk), x)
+            slots = functools.partial(jax.tree.map,
+                                      lambda a: jnp.zeros((self.plan.weight_slots + 1, *a.shape), a.dtype))
+            buffers.update(self._varying({"inputs": slots(recorded), "dys": slots(self.residuals.probes)}))
+        return buffers
 
     def inboxes(self) -> tuple[jax.Array, jax.Array]:
         """Zeroed activation and gradient inboxes, one trash slot each beyond the plan's slots."""
@@ -203,12 +266,15 @@ class _TableWork(SlotWork):
                  self._backward(False), self._backward(True), self._weights if self.plan.split else self._idle]
         return [branch if index in used else self._idle for index, branch in enumerate(every)]
 
-    def _outputs(self, like, y=None, dx=None, dy=None):
+    def _outputs(self, like, held, y=None, dx=None, dy=None, **put):
+        """(activation, gradient, dy, put): zeros where not given; `put` holds every slot buffer's
+        value, zeros for those the operation does not fill (they go to the trash slot)."""
         zeros = jnp.zeros_like(like)
-        return tuple(self._varying(a if a is not None else zeros) for a in (y, dx, dy))
+        put = {name: put.get(name, jax.tree.map(jnp.zeros_like, value)) for name, value in held.items()}
+        return (*(self._varying(a if a is not None else zeros) for a in (y, dx, dy)), self._varying(put))
 
-    def _idle(self, c, x, g, j, chunk, slot):
-        return (c, *self._outputs(x))
+    def _idle(self, c, x, g, j, chunk, held):
+        return (c, *self._outputs(x, held))
 
     def _add_layers(self, c, chunk, grads):
         old = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, chunk, 0, keepdims=False), c["g_layers"])
@@ -217,19 +283,23 @@ class _TableWork(SlotWork):
                                               c["g_layers"], new)}
 
     def _forward(self, first: bool, last: bool):
-        def run(c, x, g, j, chunk, slot):
+        def run(c, x, g, j, chunk, held):
             mb = self._pick(j)
             w = self._chunk(chunk)
             x_in = self._embed(self.outer, mb["inputs"]) if first else x
-            (y, stats), pullback = self.residuals.vjp(x_in, mb, w)
-            c = {**c, "stash": self.residuals.store(c["stash"], pullback, slot, w),
-                 "stats": self._acc(c["stats"], self._varying(stats))}
+            put = {}
+            if self.plan.split:
+                (y, stats), pullback, put["inputs"] = self.residuals.vjp_recording(x_in, mb, w)
+            else:
+                (y, stats), pullback = self.residuals.vjp(x_in, mb, w)
+            put["stash"] = self.residuals.keep(pullback, w)
+            c = {**c, "stats": self._acc(c["stats"], self._varying(stats))}
             if not last:
-                return (c, *self._outputs(x, y=y))
+                return (c, *self._outputs(x, held, y=y, **put))
             loss, head_vjp = jax.vjp(lambda o, y: self._head_loss(o, y, mb), self.outer, y)
             g_head, dy = head_vjp(self._varying((1.0 / self.total_tokens).astype(loss.dtype)))
             c = {**c, "loss": c["loss"] + loss, "g_outer": self._acc(c["g_outer"], g_head)}
-            return (c, *self._outputs(x, dy=dy))
+            return (c, *self._outputs(x, held, dy=dy, **put))
         return run
 
     def _cotangents(self, c, g):
@@ -238,28 +308,34 @@ class _TableWork(SlotWork):
         return (g, g_stats)
 
     def _backward(self, first: bool):
-        def run(c, x, g, j, chunk, slot):
+        def run(c, x, g, j, chunk, held):
             mb = self._pick(j)
             w = self._chunk(chunk)
-            pullback = self.residuals.load(c["stash"], slot, w)
-            g_w, dx = pullback(self._cotangents(c, g))
-            if self.plan.split:  # W comes later, from the same residuals and this output gradient
-                c = {**c, "g_stash": lax.dynamic_update_index_in_dim(c["g_stash"], g, slot, 0)}
+            pullback = self.residuals.rebuild(held["stash"], w)
+            put = {}
+            if self.plan.split:  # the matmuls' weight gradients come later (W), from their dy kept here
+                g_w, dx, put["dys"] = pullback(self._cotangents(c, g))
             else:
-                c = self._add_layers(c, chunk, g_w)
+                g_w, dx = pullback(self._cotangents(c, g))
+            c = self._add_layers(c, chunk, g_w)  # split: the parameters no matmul reads (norm scales, experts)
             if not first:
-                return (c, *self._outputs(x, dx=dx))
+                return (c, *self._outputs(x, held, dx=dx, **put))
             _, embed_vjp = jax.vjp(lambda o: self._embed(o, mb["inputs"]), self.outer)
             (g_embed,) = embed_vjp(dx)
-            return ({**c, "g_outer": self._acc(c["g_outer"], g_embed)}, *self._outputs(x))
+            return ({**c, "g_outer": self._acc(c["g_outer"], g_embed)}, *self._outputs(x, held, **put))
         return run
 
-    def _weights(self, c, x, g, j, chunk, slot):
-        w = self._chunk(chunk)
-        pullback = self.residuals.load(c["stash"], slot, w)
-        g_out = lax.dynamic_index_in_dim(c["g_stash"], slot, 0, keepdims=False)
-        g_w, _ = pullback(self._cotangents(c, g_out))
-        return (self._add_layers(c, chunk, g_w), *self._outputs(x))
+    def _weights(self, c, x, g, j, chunk, held):
+        """W: each matmul's weight gradient x^T dy from its recorded input and output gradient."""
+        mb, w = self._pick(j), self._chunk(chunk)
+
+        def outputs(w):
+            if FP8 in w:
+                w = {**w, FP8: fp8_lib.for_grad(w[FP8])}
+            return self.split.weights(w, held["inputs"], x, mb["positions"], mb["segment_ids"])
+        _, pullback = jax.vjp(outputs, w)
+        (g_w,) = pullback(held["dys"])
+        return (self._add_layers(c, chunk, g_w), *self._outputs(x, held))
 
 
 def loss_and_grads(params, histories, batch, model, total_tokens, accum_steps):
@@ -288,22 +364,34 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     forward_pairs, backward_pairs = _ring(p, 1, plan.wraps), _ring(p, -1, plan.wraps)
     field = {name: i for i, name in enumerate(FIELDS)}
 
+    # which operations fill each slot buffer (the others write to its trash slot), and the program
+    # field with the slot an operation reads or fills
+    fills = {"stash": (FORWARD, FORWARD_FIRST, FORWARD_LAST), "inputs": (FORWARD, FORWARD_FIRST, FORWARD_LAST),
+             "dys": (BACKWARD, BACKWARD_FIRST)}
+    slot_field = {"stash": "stash", "inputs": "wstash", "dys": "wstash"}
+
     def tick(carry, program):
-        c, inbox_f, inbox_b = carry
+        c, buffers, inbox_f, inbox_b = carry
         row = lax.dynamic_index_in_dim(program, s, 0, keepdims=False)
+        branch = row[field["branch"]]
         x = lax.dynamic_index_in_dim(inbox_f, row[field["read_f"]], 0, keepdims=False)
         g = lax.dynamic_index_in_dim(inbox_b, row[field["read_b"]], 0, keepdims=False)
-        c, y, dx, dy = lax.switch(row[field["branch"]], branches, c, x, g, row[field["micro"]],
-                                  row[field["chunk"]], row[field["stash"]])
+        held = {name: _load(buf, row[field[slot_field[name]]]) for name, buf in buffers.items()}
+        c, y, dx, dy, put = lax.switch(branch, branches, c, x, g, row[field["micro"]], row[field["chunk"]], held)
+        for name, buf in buffers.items():
+            trash = jax.tree.leaves(buf)[0].shape[0] - 1
+            slot = jnp.where(jnp.isin(branch, jnp.asarray(fills[name])), row[field[slot_field[name]]], trash)
+            buffers = {**buffers, name: _store(buf, put[name], slot)}
         inbox_b = lax.dynamic_update_index_in_dim(inbox_b, dy, row[field["dy"]], 0)
         inbox_f = lax.dynamic_update_index_in_dim(inbox_f, lax.ppermute(y, STAGE, forward_pairs),
                                                   row[field["recv_f"]], 0)
         inbox_b = lax.dynamic_update_index_in_dim(inbox_b, lax.ppermute(dx, STAGE, backward_pairs),
                                                   row[field["recv_b"]], 0)
-        return (c, inbox_f, inbox_b), None
+        return (c, buffers, inbox_f, inbox_b), None
 
     inbox_f, inbox_b = work.inboxes()
-    (c, _, _), _ = lax.scan(tick, (work.initial_carry(), inbox_f, inbox_b), jnp.asarray(plan.program))
+    init = (work.initial_carry(), work.slot_buffers(), inbox_f, inbox_b)
+    (c, _, _, _), _ = lax.scan(tick, init, jnp.asarray(plan.program))
     g_layers = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), c["g_layers"])
     g_layers = reduce_layer_grads(g_layers, specs, rest)
     stats = jax.tree.map(lambda a: pmean(lax.psum(a, STAGE), rest) / (units * m), c["stats"])

@@ -34,6 +34,9 @@ import dataclasses
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 TABLE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")  # the trainer runs these from their tables
+# ... and runs their B (input gradients) and W (weight GEMMs) as separate operations (`pipeline_tables`);
+# in interleaved 1F1B's table W follows its B at once, so the gradient leaves after W as the table says
+SPLIT_BACKWARD = TABLE_SCHEDULES
 F, B, W = "F", "B", "W"
 
 
