@@ -148,10 +148,9 @@ def _activations(run: Step, remat: str, backend: Backend) -> list[Coll]:
             # each stage runs m forward slots (a jax.vjp whose residuals wait for the backward) and m
             # backward slots (from the residuals; under full remat each layer's forward is recomputed
             # first) on one micro-batch each; idle slots are skipped. The last stage's forward slots
-            # add the vocabulary-split head's input-gradient.
-            # zero_bubble's W runs the pullback again for the weights: the backward's reductions twice
-            again = backward if run.pipeline_schedule == "zero_bubble" else 0
-            per_micro = layers * (2 + backward + recompute + again)
+            # add the vocabulary-split head's input-gradient. Under the split backward (zero bubble,
+            # interleaved) B holds the input gradients and their reductions; W's weight GEMMs reduce nothing.
+            per_micro = layers * (2 + backward + recompute)
             count = per_micro * run.microbatches + run.microbatches / s["stage"]
             out.append(Coll("all-reduce", x // run.microbatches, tp, count, "TP all-reduce"))
         elif m.sequence_parallel:
@@ -168,14 +167,11 @@ def _activations(run: Step, remat: str, backend: Backend) -> list[Coll]:
         n = s["sequence"]
         if s["stage"] > 1 and run.pipeline_schedule in SLOT_SCHEDULES:
             # inside 1F1B slots: one all-gather of the blocks forward, one backward (the recomputed
-            # forward shares it), and one reduce-scatter of dK/dV, written by hand; zero_bubble's W
-            # runs the backward's pair again
+            # forward shares it), and one reduce-scatter of dK/dV, written by hand (under the split
+            # backward in B: W runs no attention)
             seq = {"sequence": n}
-            backs = 2 if run.pipeline_schedule == "zero_bubble" else 1
-            out.append(Coll("all-gather", kv * n, seq, layers * (1 + backs) * micro, "ring K/V (gathered)",
-                            manual=True))
-            out.append(Coll("reduce-scatter", kv * n, seq, layers * backs * micro, "ring dK/dV (scattered)",
-                            manual=True))
+            out.append(Coll("all-gather", kv * n, seq, layers * 2 * micro, "ring K/V (gathered)", manual=True))
+            out.append(Coll("reduce-scatter", kv * n, seq, layers * micro, "ring dK/dV (scattered)", manual=True))
         else:
             hops = (n - 1) * (2 + (1 if remat != "none" else 0)) + n
             out.append(Coll("collective-permute", kv, {"sequence": n}, layers * hops * micro, "ring K/V"))

@@ -205,6 +205,21 @@ def _saved_per_layer(run: Step, remat: str, t: int) -> int:
             "full": a * t * d_res, "offload": a * t * d_res}[remat]
 
 
+def _split_per_layer(run: Step, t: int) -> int:
+    """Bytes the split backward keeps per layer and micro-batch of `t` tokens for W
+    (`parallel.pipeline.SplitStage`): each matmul's input (F to W) and output gradient (B to W)."""
+    m, tp = run.model, run.sizes["tensor"]
+    d, heads = m.d_model, m.n_heads * m.head_dim // tp
+    qkv = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim // tp
+    attention = (d + heads) + (qkv + d)  # inputs of q,k,v and the output projection; their output gradients
+    dense = (d + m.mlp_dim // tp) + (2 * m.mlp_dim // tp + d)
+    fm = (m.moe_mlp_dim or m.mlp_dim) // tp
+    shared = (d + fm) + (2 * fm + d) if m.shared_expert else 0
+    moe_share = 1 / m.moe_every if m.num_experts else 0.0
+    mlp = (1 - moe_share) * dense + moe_share * shared
+    return int(dtype_bytes(m.dtype) * t * (attention + mlp))
+
+
 def _residual_width(run: Step) -> int:
     """The residual stream's width per device: split over `tensor` along the sequence under sequence
     parallelism, and where the fused RMSNorm runs on each device's rows (its region splits them)."""
@@ -253,6 +268,8 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
     `none` everything the backward reads; `selective` the outputs of weight matmuls and the
     residual input; `full` / `offload` the residual input. In flight: 1 without a pipeline; 1F1B up
     to `stage` micro-batches, slot tables their table's peak of chunks; GPipe and circular all m.
+    The split backward (zero bubble, interleaved) also keeps each matmul's input and output gradient
+    from F and B to W (`_split_per_layer`), for its table's peak of chunks waiting for W.
 
     Temporaries, the terms the H100 compiler shows at the peak (constants above):
     * the larger of one layer's backward workspace (`_layer_workspace`) and the unfused loss's
@@ -282,6 +299,12 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
         elif autodiff_pipe:  # the tick loop's autodiff keeps every micro-batch's stage input
             in_flight = run.microbatches
     activations = int(_saved_per_layer(run, remat, t) * layers * in_flight)
+    if pipelined and run.pipeline_schedule in schedules.SPLIT_BACKWARD:
+        # W's inputs: the peak of micro-batch chunks between their F and their W, one trash slot more
+        from meshtrain.parallel.pipeline_tables import slot_plan
+
+        slots = slot_plan(run.pipeline_schedule, p, run.microbatches, run.pipeline_repeats).weight_slots + 1
+        activations += int(_split_per_layer(run, t) * layers * slots / run.pipeline_repeats)
 
     place = run.placement()
     compute, table = place["compute"], param_table(m)
