@@ -35,8 +35,8 @@ def test_with_every_operation_one_unit_the_model_counts_the_loops_ticks(p, m):
         assert executed.ticks == loop_ticks
         if schedule in ("gpipe", "circular"):
             assert executed.seconds == pytest.approx(2 * pipe.ticks / pipe.repeats)  # chunks cost 1/v
-        elif schedule == "interleaved_1f1b":  # its W ticks idle: the fused B ran the weight gradient
-            busy = sum(any(op is not None and op.kind != "W" for op in row) for row in pipe._table)
+        elif schedule in pipeline.TABLE_SCHEDULES:  # F, B and W each a tick's work; chunks cost 1/v
+            busy = sum(any(op is not None for op in row) for row in pipe._table)
             assert executed.seconds == pytest.approx(busy / pipe.repeats)
         else:
             assert executed.seconds == pytest.approx(loop_ticks)
@@ -85,28 +85,28 @@ def compiled_costs() -> cost.BranchCosts:
 
 def test_the_compiler_prices_the_branches_as_implemented(compiled_costs):
     """XLA's counts of one stage's branches (bf16, H100 roofline): the fused backward costs two to
-    three forwards, the input-gradient-only pullback less, and the weight-gradient-only pullback as
-    much as the fused one (W runs the input-gradient chain again to reach the weights)."""
+    three forwards; the split backward's B (input gradients) and W (weight GEMMs) each about half of
+    it, together about the fused one."""
     units = compiled_costs.units()
     assert 1.5 < units.backward < 4.0
-    assert 1.0 < units.input_grad < units.backward
-    assert units.weight_grad == pytest.approx(units.backward, rel=0.05)
+    assert 0.3 * units.backward < units.input_grad < 0.6 * units.backward
+    assert 0.3 * units.backward < units.weight_grad < 0.6 * units.backward
+    assert units.input_grad + units.weight_grad == pytest.approx(units.backward, rel=0.15)
     assert 0 < units.transfer < 0.1  # [1, 128, 512] bf16 over NVLink
 
 
-def test_lock_step_makes_the_split_schedules_slower_than_1f1b_as_implemented(compiled_costs):
-    """At p=4, m=16 the tables promise zero bubble and interleaving less idle time than 1F1B; in
-    lock-step, with W and the fused B as heavy as they are, both take longer (what the README's
-    modeled column shows)."""
+def test_the_split_schedules_beat_1f1b_as_executed(compiled_costs):
+    """The acceptance point, p=4, m=16 at the compiler's branch costs: zero bubble at most 0.90 of
+    1F1B's step, interleaved 1F1B (v=2) at most 0.95, in lock-step with their transfers."""
     ratios = cost.ratios(4, 16, 2, compiled_costs)
-    assert ratios["zero_bubble"] > 1.0 and ratios["interleaved_1f1b"] > 1.0
-    formula = {s: _pipeline(s, 4, 16).bubble for s in ("1f1b", "zero_bubble", "interleaved_1f1b")}
-    assert formula["zero_bubble"] < formula["1f1b"] and formula["interleaved_1f1b"] < formula["1f1b"]
+    print({name: round(r, 3) for name, r in ratios.items()})
+    assert ratios["zero_bubble"] <= 0.90
+    assert ratios["interleaved_1f1b"] <= 0.95
 
 
 def test_the_planner_prices_the_pipeline_as_executed():
-    """`plan`'s step time uses the lock-step model: at p=4, m=16 zero bubble is slower than 1F1B
-    (the table's formula said a third of its bubble)."""
+    """`plan`'s step time uses the lock-step model with the analytic branch costs (W = F, B = F + the
+    recomputation): at p=4, m=16 zero bubble is faster than 1F1B."""
     gpu = hardware.get_gpu("h100")
     steps = {}
     for schedule in ("1f1b", "zero_bubble"):
@@ -115,8 +115,9 @@ def test_the_planner_prices_the_pipeline_as_executed():
         est = estimate.estimate(config, _sizes(stage=4), gpu)
         m, remat = 16, config.remat.policy
         forward = est.compute_seconds / (m * (3 + estimate.RECOMPUTE[remat]))
-        costs = cost.BranchCosts.analytic(forward, recompute=remat != "none")
+        costs = cost.BranchCosts.analytic(forward, recompute_share=estimate.RECOMPUTE[remat],
+                                          recompute=remat != "none")
         assert est.bubble_seconds == pytest.approx(cost.step_time(schedule, 4, m, 1, costs).seconds
                                                    - est.compute_seconds)
         steps[schedule] = est.compute_seconds + est.bubble_seconds
-    assert steps["zero_bubble"] > steps["1f1b"]
+    assert steps["zero_bubble"] < steps["1f1b"]

@@ -15,18 +15,22 @@ and written to are fixed by the table, so the loop is one program on every devic
   them); micro-batches run in groups of p chunk by chunk. Bubble (p-1)/(v m) of the ideal time.
   Stage s holds at most (p - s - 1)*2 + (v - 1)*p + 1 chunk activations, each 1/v of a 1F1B stage's:
   bounded independent of m (`schedules.in_flight` counts them from the table).
-* zero_bubble (ZB-H1): B and W are separate operations. B runs the stage's `jax.vjp` pullback for
-  the input gradient only (the weight-gradient matmuls are dead code there) and sends it upstream
-  at once; W runs the same pullback, from the same stashed residuals and the stashed output
-  gradient, for the weight gradient only, in ticks that would otherwise idle. Bubble (p-1)/(3m) of
-  the ideal time, a third of 1F1B's, at 1F1B's activation memory (p micro-batches per stage at
-  most). The price: W re-traverses the stage's input-gradient chain to reach each layer's weights
-  (the forward is never recomputed; storing every linear layer's output gradient would avoid it).
+* zero_bubble (ZB-H1): B sends the input gradient upstream at once and W, in ticks that would
+  otherwise idle, computes the weight gradient. Bubble (p-1)/(3m) of the ideal time, a third of
+  1F1B's, with 1F1B's residuals (p micro-batches per stage at most).
+
+Both run the split backward (`pipeline.SplitStage`, `schedules.SPLIT_BACKWARD`): F records every
+matmul's input; B is the pullback of a forward whose matmul weights are constants and whose matmul
+outputs carry zero probes, so it computes the input gradients only and the probes' cotangents are
+the matmuls' output gradients; W is each matmul's weight GEMM x^T dy from what F and B kept. The
+price is memory: each chunk waiting for its W keeps its matmuls' inputs and output gradients.
 
 Buffers. Every value waiting between ticks sits in a slot of a statically sized buffer: the vjp
-residuals of a forward until its backward (fused) or its W (split), arriving activations and
-gradients until the operation that consumes them. Slots are assigned from the table's lifetimes,
-so buffer sizes are the table's peak occupancy, not m.
+residuals of a forward until its backward, the split backward's matmul inputs (F to W) and output
+gradients (B to W), arriving activations and gradients until the operation that consumes them.
+Slots are assigned from the table's lifetimes, so buffer sizes are the table's peak occupancy, not
+m. The tick reads and writes them outside its `lax.switch`: XLA copies a buffer that a branch
+updates whole, a slot read or written outside costs one slot.
 """
 
 from __future__ import annotations
