@@ -203,14 +203,15 @@ def _load(buffers, slot):
 
 class _TableWork(SlotWork):
     """The operations of a slot table on one stage, as `lax.switch` branches (the branch constants
-    above). Each takes (carry, x_in, g_in, j, c, held) -> (carry, activation out, gradient out, dy, put).
+    above). Each takes (carry, x_in, g_in, j, c, slot, weight slot, buffers) -> (carry, activation out,
+    gradient out, dy, put).
 
     The carry holds float32 gradient sums of the stage's chunks (`g_layers` [v, k, ...]) and of the
     embedding / head, the summed loss and MoE statistics. What lives from one operation to a later
     one is kept in slot buffers outside the switch (`slot_buffers`): the vjp residuals (F to B) and,
-    split, the matmuls' inputs (F to W) and output gradients (B to W). The tick reads the slot an
-    operation needs into `held` and writes the slot it fills from `put`: a buffer updated inside a
-    `lax.switch` branch is copied whole by XLA, one read or written outside costs one slot."""
+    split, the matmuls' inputs (F to W) and output gradients (B to W). A branch reads the slots it
+    needs from the buffers and returns what it fills as `put`, which the tick writes after the
+    switch: XLA copies a buffer that a branch updates whole, a slot written outside costs one slot."""
 
     def __init__(self, stack, model, layers, outer, micro, total_tokens, *, p, m, v, manual, units, plan):
         chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers)
@@ -270,15 +271,16 @@ class _TableWork(SlotWork):
                  self._backward(False), self._backward(True), self._weights if self.plan.split else self._idle]
         return [branch if index in used else self._idle for index, branch in enumerate(every)]
 
-    def _outputs(self, like, held, y=None, dx=None, dy=None, **put):
-        """(activation, gradient, dy, put): zeros where not given; `put` holds every slot buffer's
-        value, zeros for those the operation does not fill (they go to the trash slot)."""
+    def _outputs(self, like, buffers, y=None, dx=None, dy=None, **put):
+        """(activation, gradient, dy, put): zeros where not given; `put` holds a slot's value for
+        every buffer, zeros for those the operation does not fill (they go to the trash slot)."""
         zeros = jnp.zeros_like(like)
-        put = {name: put.get(name, jax.tree.map(jnp.zeros_like, value)) for name, value in held.items()}
+        put = {name: put.get(name, jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), buf))
+               for name, buf in buffers.items()}
         return (*(self._varying(a if a is not None else zeros) for a in (y, dx, dy)), self._varying(put))
 
-    def _idle(self, c, x, g, j, chunk, held):
-        return (c, *self._outputs(x, held))
+    def _idle(self, c, x, g, j, chunk, slot, wslot, buffers):
+        return (c, *self._outputs(x, buffers))
 
     def _add_layers(self, c, chunk, grads):
         old = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, chunk, 0, keepdims=False), c["g_layers"])
@@ -287,7 +289,7 @@ class _TableWork(SlotWork):
                                               c["g_layers"], new)}
 
     def _forward(self, first: bool, last: bool):
-        def run(c, x, g, j, chunk, held):
+        def run(c, x, g, j, chunk, slot, wslot, buffers):
             mb = self._pick(j)
             w = self._chunk(chunk)
             x_in = self._embed(self.outer, mb["inputs"]) if first else x
@@ -299,11 +301,11 @@ class _TableWork(SlotWork):
             put["stash"] = self.residuals.keep(pullback, w)
             c = {**c, "stats": self._acc(c["stats"], self._varying(stats))}
             if not last:
-                return (c, *self._outputs(x, held, y=y, **put))
+                return (c, *self._outputs(x, buffers, y=y, **put))
             loss, head_vjp = jax.vjp(lambda o, y: self._head_loss(o, y, mb), self.outer, y)
             g_head, dy = head_vjp(self._varying((1.0 / self.total_tokens).astype(loss.dtype)))
             c = {**c, "loss": c["loss"] + loss, "g_outer": self._acc(c["g_outer"], g_head)}
-            return (c, *self._outputs(x, held, dy=dy, **put))
+            return (c, *self._outputs(x, buffers, dy=dy, **put))
         return run
 
     def _cotangents(self, c, g):
@@ -312,10 +314,10 @@ class _TableWork(SlotWork):
         return (g, g_stats)
 
     def _backward(self, first: bool):
-        def run(c, x, g, j, chunk, held):
+        def run(c, x, g, j, chunk, slot, wslot, buffers):
             mb = self._pick(j)
             w = self._chunk(chunk)
-            pullback = self.residuals.rebuild(held["stash"], w)
+            pullback = self.residuals.rebuild(_load(buffers["stash"], slot), w)
             put = {}
             if self.plan.split:  # the matmuls' weight gradients come later (W), from their dy kept here
                 g_w, dx, put["dys"] = pullback(self._cotangents(c, g))
@@ -323,15 +325,16 @@ class _TableWork(SlotWork):
                 g_w, dx = pullback(self._cotangents(c, g))
             c = self._add_layers(c, chunk, g_w)  # split: the parameters no matmul reads (norm scales, experts)
             if not first:
-                return (c, *self._outputs(x, held, dx=dx, **put))
+                return (c, *self._outputs(x, buffers, dx=dx, **put))
             _, embed_vjp = jax.vjp(lambda o: self._embed(o, mb["inputs"]), self.outer)
             (g_embed,) = embed_vjp(dx)
-            return ({**c, "g_outer": self._acc(c["g_outer"], g_embed)}, *self._outputs(x, held, **put))
+            return ({**c, "g_outer": self._acc(c["g_outer"], g_embed)}, *self._outputs(x, buffers, **put))
         return run
 
-    def _weights(self, c, x, g, j, chunk, held):
+    def _weights(self, c, x, g, j, chunk, slot, wslot, buffers):
         """W: each matmul's weight gradient x^T dy from its recorded input and output gradient."""
         mb, w = self._pick(j), self._chunk(chunk)
+        held = {name: _load(buffers[name], wslot) for name in ("inputs", "dys")}
 
         def outputs(w):
             if FP8 in w:
@@ -339,7 +342,7 @@ class _TableWork(SlotWork):
             return self.split.weights(w, held["inputs"], x, mb["positions"], mb["segment_ids"])
         _, pullback = jax.vjp(outputs, w)
         (g_w,) = pullback(held["dys"])
-        return (self._add_layers(c, chunk, g_w), *self._outputs(x, held))
+        return (self._add_layers(c, chunk, g_w), *self._outputs(x, buffers))
 
 
 def loss_and_grads(params, histories, batch, model, total_tokens, accum_steps):
@@ -380,8 +383,8 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
         branch = row[field["branch"]]
         x = lax.dynamic_index_in_dim(inbox_f, row[field["read_f"]], 0, keepdims=False)
         g = lax.dynamic_index_in_dim(inbox_b, row[field["read_b"]], 0, keepdims=False)
-        held = {name: _load(buf, row[field[slot_field[name]]]) for name, buf in buffers.items()}
-        c, y, dx, dy, put = lax.switch(branch, branches, c, x, g, row[field["micro"]], row[field["chunk"]], held)
+        c, y, dx, dy, put = lax.switch(branch, branches, c, x, g, row[field["micro"]], row[field["chunk"]],
+                                       row[field["stash"]], row[field["wstash"]], buffers)
         for name, buf in buffers.items():
             trash = jax.tree.leaves(buf)[0].shape[0] - 1
             slot = jnp.where(jnp.isin(branch, jnp.asarray(fills[name])), row[field[slot_field[name]]], trash)
