@@ -278,7 +278,7 @@ def test_one_f_one_b_stash_keeps_activations_not_weights():
     with jax.set_mesh(mesh):
         params = nn.unbox(model.init(jax.random.key(0), batch["inputs"], batch["positions"],
                                      batch["segment_ids"])["params"])
-        residuals = pipeline_lib._Residuals(pipeline_lib.stage_function(model.cfg, model.rules, model.attention_fn),
+        residuals = pipeline_lib.Residuals(pipeline_lib.stage_function(model.cfg, model.rules, model.attention_fn),
                                             {"params": params["layers"]})
         mb = {k: v[:2] for k, v in batch.items()}
         x = jnp.zeros((2, SEQ, config.model.d_model), jnp.float32)
