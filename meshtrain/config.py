@@ -160,6 +160,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.pipeline.schedule = "gpipe"
     c.pipeline.microbatches = 4
     c.pipeline.repeats = 1
+    # zero_bubble / interleaved_1f1b's W: "gemms" (the weight GEMMs from each matmul's kept input and
+    # output gradient: W about one forward, more memory) or "pullback" (the stage's pullback again from
+    # its residuals: 1F1B's memory, W about two forwards)
+    c.pipeline.split_backward = "gemms"
 
     c.profile = ml_collections.ConfigDict()
     c.profile.steps = (0, 0)  # (first, last) step traced by jax.profiler into <workdir>/profile; (0, 0): off

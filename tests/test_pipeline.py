@@ -83,9 +83,9 @@ def _reference():
 
 
 @functools.cache
-def _pipelined(schedule: str, mesh_items: tuple, microbatches: int = M, batch: int = 8, zero: int = 1):
+def _pipelined(schedule: str, mesh_items: tuple, microbatches: int = M, batch: int = 8, zero: int = 1, **overrides):
     """(pipeline, mesh, compiled (params, batch) -> (loss_sum, aux, grads)) as the train step builds it."""
-    config = _config(schedule, dict(mesh_items), microbatches, batch, **{"train.zero_stage": zero})
+    config = _config(schedule, dict(mesh_items), microbatches, batch, **{"train.zero_stage": zero, **overrides})
     mesh = _mesh(config)
     layout = layout_lib.Layout.plan(config, dict(mesh.shape))
     pipe = layout.pipeline

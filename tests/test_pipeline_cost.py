@@ -121,3 +121,15 @@ def test_the_planner_prices_the_pipeline_as_executed():
                                                    - est.compute_seconds)
         steps[schedule] = est.compute_seconds + est.bubble_seconds
     assert steps["zero_bubble"] < steps["1f1b"]
+
+
+def test_the_pullback_split_prices_w_as_the_pullback_again():
+    """`pipeline.split_backward=pullback`: W runs the stage's pullback again (as heavy as the fused
+    backward), B the input-gradient pullback; the planner's analytic W is 2F + the recompute."""
+    config = _scaled_tiny(4, 16)
+    config.pipeline.split_backward = "pullback"
+    units = cost.BranchCosts.from_compiler(config, _sizes(stage=4), hardware.get_gpu("h100")).units()
+    assert units.weight_grad == pytest.approx(units.backward, rel=0.05)
+    assert 1.0 < units.input_grad < units.backward
+    analytic = cost.BranchCosts.analytic(1.0, recompute_share=1.0, split_backward="pullback")
+    assert (analytic.input_grad, analytic.weight_grad) == (2.0, 3.0)

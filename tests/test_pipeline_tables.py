@@ -36,12 +36,24 @@ def test_loss_and_grads_equal_single_device(case):
     _assert_equal_single_device(*_pipelined(schedule, tuple(mesh.items()), zero=zero))
 
 
+PULLBACK = [(s, mesh, zero) for s in SCHEDULES for mesh, zero in (MESHES[0], MESHES[-1])]
+
+
+@pytest.mark.parametrize("case", PULLBACK, ids=[_id(c) for c in PULLBACK])
+def test_pullback_split_equals_single_device(case):
+    """`pipeline.split_backward=pullback`: W runs the stage's pullback again from the residuals."""
+    schedule, mesh, zero = case
+    _assert_equal_single_device(*_pipelined(schedule, tuple(mesh.items()), zero=zero,
+                                            **{"pipeline.split_backward": "pullback"}))
+
+
 def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
     """Runs the program on tags instead of arrays: every buffer slot holds the name of the value in
     it, and each operation checks it reads the value it needs. Returns {(kind, s, j, c): tick}."""
     f = {name: i for i, name in enumerate(FIELDS)}
     stash = [[None] * (plan.stash_slots) for _ in range(p)]  # vjp residuals, F to B
-    weight = [[None] * (plan.weight_slots) for _ in range(p)]  # split: matmul inputs (F to W), their dy (B to W)
+    weight = [[None] * (plan.weight_slots) for _ in range(p)]  # gemms: matmul inputs (F to W), dy (B to W)
+    gemms, pullback = plan.gemms, plan.split and not plan.gemms  # pullback: the stage's dy (B to W)
     inbox_f = [[None] * (plan.inbox_f_slots + 1) for _ in range(p)]
     inbox_b = [[None] * (plan.inbox_b_slots + 1) for _ in range(p)]
     ran = {}
@@ -55,7 +67,7 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
                     assert inbox_f[s][row[f["read_f"]]] == ("act", s, j, c), (t, s)
                 assert stash[s][slot] is None, f"tick {t} stage {s}: residual slot {slot} still in use"
                 stash[s][slot] = (s, j, c)
-                if plan.split:
+                if gemms:
                     assert weight[s][wslot] is None, f"tick {t} stage {s}: weight slot {wslot} still in use"
                     weight[s][wslot] = ("inputs", s, j, c)
                 if branch == pipeline_tables.FORWARD_LAST:
@@ -66,9 +78,13 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
             elif branch in (pipeline_tables.BACKWARD, pipeline_tables.BACKWARD_FIRST):
                 assert inbox_b[s][row[f["read_b"]]] == ("grad", s, j, c), (t, s)
                 assert stash[s][slot] == (s, j, c), (t, s)
-                stash[s][slot] = None
-                if plan.split:
+                if not pullback:  # the pullback split's W reads the residuals again
+                    stash[s][slot] = None
+                if gemms:
                     assert weight[s][wslot] == ("inputs", s, j, c), (t, s)
+                    weight[s][wslot] = ("inputs and dy", s, j, c)
+                if pullback:
+                    assert weight[s][wslot] is None, f"tick {t} stage {s}: weight slot {wslot} still in use"
                     weight[s][wslot] = ("inputs and dy", s, j, c)
                 if branch == pipeline_tables.BACKWARD:
                     sent_b[s] = ("grad", (s - 1) % p, j, c - (s == 0))
@@ -76,6 +92,9 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
             elif branch == pipeline_tables.WEIGHTS:
                 assert weight[s][wslot] == ("inputs and dy", s, j, c), (t, s)
                 weight[s][wslot] = None
+                if pullback:
+                    assert stash[s][slot] == (s, j, c), (t, s)
+                    stash[s][slot] = None
                 ran["W", s, j, c] = t
         for s in range(p):  # the two ppermutes, then the inbox writes
             arriving_f, arriving_b = sent_f[(s - 1) % p], sent_b[(s + 1) % p]
@@ -92,16 +111,17 @@ def row_slot(plan: SlotPlan, t: int, s: int, name: str) -> int:
     return int(plan.program[t, s, FIELDS.index(name)])
 
 
+@pytest.mark.parametrize("split_backward", pipeline_lib.SPLIT_MODES)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("p", [2, 4, 8])
-def test_program_hands_every_operation_its_inputs(schedule, p):
+def test_program_hands_every_operation_its_inputs(schedule, p, split_backward):
     """Every F and B of every micro-batch and chunk runs once, on the table's tick, reading the
     activation / gradient it needs from the slot the program names, never overwriting a value still
     waiting; zero_bubble also runs every W once. Buffer sizes do not grow with m."""
     v = 2 if schedule == "interleaved_1f1b" else 1
     sizes = {}
     for m in (p, 2 * p, 4 * p):
-        plan = slot_plan(schedule, p, m, v)
+        plan = slot_plan(schedule, p, m, v, split_backward)
         ran = _replay(plan, p, m, v)
         table = schedules.simulate(schedule, p, m, v)
         kinds = "FBW" if plan.split else "FB"

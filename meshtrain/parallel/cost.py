@@ -52,13 +52,15 @@ class BranchCosts:
 
     @classmethod
     def analytic(cls, forward: float, transfer: float = 0.0, recompute_share: float = 0.0,
-                 recompute: bool = True) -> BranchCosts:
+                 recompute: bool = True, split_backward: str = "gemms") -> BranchCosts:
         """From a forward's seconds: B = 2F (two matmuls per forward one), the input gradient F and W
         F (the weight GEMMs); the backwards also recompute `recompute_share` of the forward (remat
         `full`: 1; W reads recorded inputs and recomputes nothing); `recompute`: gpipe / circular
-        recompute each stage from its input (any remat policy but `none`)."""
+        recompute each stage from its input (any remat policy but `none`). `split_backward`
+        pullback: W runs the input-gradient chain again on its way to the weights, 2F + the recompute."""
         r = recompute_share * forward
-        return cls(forward, 2 * forward + r, forward + r, forward, transfer, recompute)
+        w = forward if split_backward == "gemms" else 2 * forward + r
+        return cls(forward, 2 * forward + r, forward + r, w, transfer, recompute)
 
     def units(self) -> BranchCosts:
         """The same costs in units of the forward."""
@@ -117,6 +119,11 @@ class BranchCosts:
                                                   (w, x, pos, probes), gpu),
                        "input_grad": _roofline(input_grad, (w, x, pos, probes, x), gpu),
                        "weight_grad": _roofline(weight_grad, (w, recorded, x, pos, probes), gpu)}
+            if config.pipeline.split_backward == "pullback":  # B and W: the stage's pullback for dx, then for dw
+                seconds["input_grad"] = _roofline(lambda w, x, pos, g: jax.vjp(lambda x: forward(w, x, pos), x)[1](g),
+                                                  (w, x, pos, x), gpu) - seconds["forward"] + seconds["split_forward"]
+                seconds["weight_grad"] = _roofline(lambda w, x, pos, g: jax.vjp(lambda w: forward(w, x, pos), w)[1](g),
+                                                   (w, x, pos, x), gpu) - seconds["forward"]
         f = seconds["forward"]  # each backward was compiled with its forward: take it out
         nbytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
         link = gpu.nvlink_bandwidth if in_node else gpu.network_bandwidth

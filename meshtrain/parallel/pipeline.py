@@ -80,6 +80,8 @@ TABLE_SCHEDULES = schedules.TABLE_SCHEDULES  # run from their slot tables (`pipe
 CHUNKED_SCHEDULES = ("circular", "interleaved_1f1b")  # v = pipeline.repeats chunks per stage
 
 
+SPLIT_MODES = ("gemms", "pullback")  # `pipeline.split_backward`
+
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
     """A pipeline schedule: p stages, m micro-batches, v repeats (chunks per stage)."""
@@ -92,6 +94,7 @@ class Pipeline:
     # The loop's shard_map type-checks how values vary over its axes, except around Pallas kernels:
     # a pallas_call declares no variance, and in interpret mode (CPU) fails inside a checked region.
     checked: bool = True
+    split_backward: str = "gemms"  # slot tables' W (`pipeline_tables.SlotPlan.split_backward`)
 
     @functools.cached_property
     def _table(self):
@@ -699,6 +702,8 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     if p == 1:
         return
     v = pipe.repeats
+    req(pipe.split_backward in SPLIT_MODES, "pipeline.split_backward", pipe.split_backward,
+        f"must be one of {SPLIT_MODES}")
     req(pipe.schedule in CHUNKED_SCHEDULES or v == 1, "pipeline.repeats", v,
         f"repeats > 1 needs pipeline.schedule in {CHUNKED_SCHEDULES} (got {pipe.schedule!r})")
     req(pipe.schedule != "interleaved_1f1b" or pipe.microbatches % p == 0, "pipeline.microbatches",

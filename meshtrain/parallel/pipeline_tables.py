@@ -74,11 +74,19 @@ class SlotPlan:
 
     program: np.ndarray  # int32 [ticks, p, len(FIELDS)]
     stash_slots: int  # vjp residuals, F to B
-    weight_slots: int  # split: the matmuls' inputs (F to W) and output gradients (B to W)
+    weight_slots: int  # split: what W needs beyond the residuals (`split_backward`)
     inbox_f_slots: int
     inbox_b_slots: int
     split: bool  # B and W are separate operations (`schedules.SPLIT_BACKWARD`)
     wraps: bool  # activations go p-1 -> 0 (and gradients back) between chunks
+    # split: "gemms" (W: the weight GEMMs from the matmuls' inputs, F to W, and output gradients,
+    # B to W) or "pullback" (W: the stage's pullback again, from the residuals, kept until W, and the
+    # stage's output gradient, B to W)
+    split_backward: str = "gemms"
+
+    @property
+    def gemms(self) -> bool:
+        return self.split and self.split_backward == "gemms"
 
     @property
     def ticks(self) -> int:
@@ -98,7 +106,7 @@ def _allocate(intervals: list[tuple[float, float, object]]) -> tuple[dict, int]:
     return slots, used
 
 
-def slot_plan(schedule: str, p: int, m: int, v: int = 1) -> SlotPlan:
+def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "gemms") -> SlotPlan:
     """The executable program of `schedule`'s table (see `SlotPlan`)."""
     table = schedules.simulate(schedule, p, m, v)
     split = schedule in schedules.SPLIT_BACKWARD
@@ -109,16 +117,19 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1) -> SlotPlan:
     inbox_b_iv = [[] for _ in range(p)]
     for (kind, s, j, c), t in when.items():
         if kind == schedules.F:
-            # the residuals live until B; under the split, what W needs until W
-            stash_iv[s].append((t, when[(schedules.B, s, j, c)], (s, j, c)))
-            if split:
+            # the residuals live until B (W under the split's pullback); the gemms split's inputs until W
+            last = schedules.W if split and split_backward == "pullback" else schedules.B
+            stash_iv[s].append((t, when[(last, s, j, c)], (s, j, c)))
+            if split and split_backward == "gemms":
                 weight_iv[s].append((t, when[(schedules.W, s, j, c)], (s, j, c)))
             if s == p - 1 and c == v - 1:  # the loss gradient, left during the tick for this stage's B
                 inbox_b_iv[s].append((t + 0.25, when[(schedules.B, s, j, c)], (s, j, c)))
             else:  # the activation arrives at the next stage after the tick
                 dst, dc = (s + 1, c) if s < p - 1 else (0, c + 1)
                 inbox_f_iv[dst].append((t + 0.5, when[(schedules.F, dst, j, dc)], (dst, j, dc)))
-        elif kind == schedules.B and not (s == 0 and c == 0):
+        elif kind == schedules.B and split and split_backward == "pullback":  # its output gradient, to W
+            weight_iv[s].append((t, when[(schedules.W, s, j, c)], (s, j, c)))
+        if kind == schedules.B and not (s == 0 and c == 0):
             dst, dc = (s - 1, c) if s > 0 else (p - 1, c - 1)
             inbox_b_iv[dst].append((t + 0.5, when[(schedules.B, dst, j, dc)], (dst, j, dc)))
     stash, weight, inbox_f, inbox_b = ({}, {}, {}, {})
@@ -159,7 +170,7 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1) -> SlotPlan:
         row[FIELDS.index("micro")], row[FIELDS.index("chunk")] = j, c
         row[FIELDS.index("stash")] = stash[key]
         row[FIELDS.index("wstash")] = weight.get(key, 0)
-    return SlotPlan(program, n_stash, n_weight, n_f, n_b, split, wraps=v > 1)
+    return SlotPlan(program, n_stash, n_weight, n_f, n_b, split, wraps=v > 1, split_backward=split_backward)
 
 
 def branch_share(plan: SlotPlan) -> tuple[float, ...]:
@@ -217,7 +228,7 @@ class _TableWork(SlotWork):
         chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers)
         super().__init__(stack, model, chunks, outer, micro, total_tokens, p=p, m=m, manual=manual, units=units)
         self.plan, self.v = plan, v
-        if plan.split:  # B computes input gradients only; W the weight GEMMs from what B and F kept
+        if plan.gemms:  # B computes input gradients only; W the weight GEMMs from what B and F kept
             self.split = SplitStage.build(model.cfg, model.rules, model.attention_fn)
             mb, act = self._pick(0), self.activation()
             shapes = jax.eval_shape(lambda: self.split.probes(self._chunk(0), self._varying(act), mb["positions"],
@@ -245,12 +256,15 @@ class _TableWork(SlotWork):
 
     def slot_buffers(self) -> dict:
         """Zeroed slot buffers, one trash slot each beyond the plan's (where an operation that fills
-        nothing writes): "stash" (residuals), and split "inputs" and "dys"."""
+        nothing writes): "stash" (residuals); split, "inputs" and "dys" (gemms) or "gs" (pullback)."""
         act = self.activation()
         chunk = jax.tree.map(lambda a: a[0], self.layers)
         x = lax.pcast(act, self.manual, to="varying")
         buffers = {"stash": self.residuals.stash(self.plan.stash_slots + 1, x, self._pick(0), self.manual, chunk)}
-        if self.plan.split:
+        if self.plan.split and not self.plan.gemms:  # the stage's output gradient, B to W
+            buffers["gs"] = lax.pcast(jnp.zeros((self.plan.weight_slots + 1, *act.shape), act.dtype), self.manual,
+                                      to="varying")
+        elif self.plan.split:
             _, _, recorded = jax.eval_shape(lambda x: self.residuals.vjp_recording(x, self._pick(0), chunk), x)
             slots = functools.partial(jax.tree.map,
                                       lambda a: jnp.zeros((self.plan.weight_slots + 1, *a.shape), a.dtype))
@@ -294,7 +308,7 @@ class _TableWork(SlotWork):
             w = self._chunk(chunk)
             x_in = self._embed(self.outer, mb["inputs"]) if first else x
             put = {}
-            if self.plan.split:
+            if self.plan.gemms:
                 (y, stats), pullback, put["inputs"] = self.residuals.vjp_recording(x_in, mb, w)
             else:
                 (y, stats), pullback = self.residuals.vjp(x_in, mb, w)
@@ -319,11 +333,14 @@ class _TableWork(SlotWork):
             w = self._chunk(chunk)
             pullback = self.residuals.rebuild(_load(buffers["stash"], slot), w)
             put = {}
-            if self.plan.split:  # the matmuls' weight gradients come later (W), from their dy kept here
+            if self.plan.gemms:  # the matmuls' weight gradients come later (W), from their dy kept here
                 g_w, dx, put["dys"] = pullback(self._cotangents(c, g))
             else:
                 g_w, dx = pullback(self._cotangents(c, g))
-            c = self._add_layers(c, chunk, g_w)  # split: the parameters no matmul reads (norm scales, experts)
+            if self.plan.split and not self.plan.gemms:  # W runs the pullback again for g_w (dead code here)
+                put["gs"] = g
+            else:  # gemms split: the parameters no matmul reads (norm scales)
+                c = self._add_layers(c, chunk, g_w)
             if not first:
                 return (c, *self._outputs(x, buffers, dx=dx, **put))
             _, embed_vjp = jax.vjp(lambda o: self._embed(o, mb["inputs"]), self.outer)
@@ -332,8 +349,13 @@ class _TableWork(SlotWork):
         return run
 
     def _weights(self, c, x, g, j, chunk, slot, wslot, buffers):
-        """W: each matmul's weight gradient x^T dy from its recorded input and output gradient."""
+        """W: each matmul's weight gradient x^T dy from its recorded input and output gradient
+        (gemms); or the stage's pullback again, from its residuals and output gradient (pullback)."""
         mb, w = self._pick(j), self._chunk(chunk)
+        if not self.plan.gemms:
+            pullback = self.residuals.rebuild(_load(buffers["stash"], slot), w)
+            g_w, _ = pullback(self._cotangents(c, _load(buffers["gs"], wslot)))
+            return (self._add_layers(c, chunk, g_w), *self._outputs(x, buffers))
         held = {name: _load(buffers[name], wslot) for name in ("inputs", "dys")}
 
         def outputs(w):
@@ -350,7 +372,7 @@ def loss_and_grads(params, histories, batch, model, total_tokens, accum_steps):
     (the contract of `pipeline.loss_and_grads`)."""
     del accum_steps  # the validator requires train.grad_accum_steps == 1 with a pipeline
     pipe = model.pipeline
-    plan = slot_plan(pipe.schedule, pipe.stages, pipe.microbatches, pipe.repeats)
+    plan = slot_plan(pipe.schedule, pipe.stages, pipe.microbatches, pipe.repeats, pipe.split_backward)
     return run_gradient_loop(_table_loop, params, histories, batch, model, total_tokens, plan=plan, v=pipe.repeats)
 
 
@@ -374,8 +396,8 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     # which operations fill each slot buffer (the others write to its trash slot), and the program
     # field with the slot an operation reads or fills
     fills = {"stash": (FORWARD, FORWARD_FIRST, FORWARD_LAST), "inputs": (FORWARD, FORWARD_FIRST, FORWARD_LAST),
-             "dys": (BACKWARD, BACKWARD_FIRST)}
-    slot_field = {"stash": "stash", "inputs": "wstash", "dys": "wstash"}
+             "dys": (BACKWARD, BACKWARD_FIRST), "gs": (BACKWARD, BACKWARD_FIRST)}
+    slot_field = {"stash": "stash", "inputs": "wstash", "dys": "wstash", "gs": "wstash"}
 
     def tick(carry, program):
         c, buffers, inbox_f, inbox_b = carry

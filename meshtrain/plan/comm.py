@@ -149,8 +149,10 @@ def _activations(run: Step, remat: str, backend: Backend) -> list[Coll]:
             # backward slots (from the residuals; under full remat each layer's forward is recomputed
             # first) on one micro-batch each; idle slots are skipped. The last stage's forward slots
             # add the vocabulary-split head's input-gradient. Under the split backward (zero bubble,
-            # interleaved) B holds the input gradients and their reductions; W's weight GEMMs reduce nothing.
-            per_micro = layers * (2 + backward + recompute)
+            # interleaved) B holds the input gradients and their reductions; W's weight GEMMs reduce
+            # nothing, W as the pullback again runs the backward's reductions a second time.
+            again = backward if _pullback_w(run) else 0
+            per_micro = layers * (2 + backward + recompute + again)
             count = per_micro * run.microbatches + run.microbatches / s["stage"]
             out.append(Coll("all-reduce", x // run.microbatches, tp, count, "TP all-reduce"))
         elif m.sequence_parallel:
@@ -168,10 +170,13 @@ def _activations(run: Step, remat: str, backend: Backend) -> list[Coll]:
         if s["stage"] > 1 and run.pipeline_schedule in SLOT_SCHEDULES:
             # inside 1F1B slots: one all-gather of the blocks forward, one backward (the recomputed
             # forward shares it), and one reduce-scatter of dK/dV, written by hand (under the split
-            # backward in B: W runs no attention)
+            # backward in B: W runs no attention, or, as the pullback again, the backward's pair again)
             seq = {"sequence": n}
-            out.append(Coll("all-gather", kv * n, seq, layers * 2 * micro, "ring K/V (gathered)", manual=True))
-            out.append(Coll("reduce-scatter", kv * n, seq, layers * micro, "ring dK/dV (scattered)", manual=True))
+            backs = 2 if _pullback_w(run) else 1
+            out.append(Coll("all-gather", kv * n, seq, layers * (1 + backs) * micro, "ring K/V (gathered)",
+                            manual=True))
+            out.append(Coll("reduce-scatter", kv * n, seq, layers * backs * micro, "ring dK/dV (scattered)",
+                            manual=True))
         else:
             hops = (n - 1) * (2 + (1 if remat != "none" else 0)) + n
             out.append(Coll("collective-permute", kv, {"sequence": n}, layers * hops * micro, "ring K/V"))
@@ -210,3 +215,8 @@ def bytes_by_axis(colls: list[Coll]) -> dict[str, float]:
         for axis, nbytes in attribute(c.kind, c.full_bytes, c.axes).items():
             total[axis] += nbytes * c.count
     return dict(total)
+
+
+def _pullback_w(run) -> bool:
+    """Whether the slot table's W runs the stage's pullback again (`pipeline.split_backward=pullback`)."""
+    return run.pipeline_schedule in schedules.SPLIT_BACKWARD and run.split_backward == "pullback"

@@ -100,7 +100,7 @@ def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu,
     if sizes["stage"] > 1:  # the loop as executed in lock-step (`parallel.cost`), not the table's formula
         p, m, v = sizes["stage"], run.microbatches, run.pipeline_repeats
         costs = cost.BranchCosts.analytic(compute / (m * (3 + RECOMPUTE[remat])), recompute_share=RECOMPUTE[remat],
-                                          recompute=remat != "none")
+                                          recompute=remat != "none", split_backward=run.split_backward)
         bubble = cost.step_time(run.pipeline_schedule, p, m, v, costs).seconds - compute
     step = compute + bubble + sum(exposed.values())
     fits = mem["total"] <= gpu.usable_bytes

@@ -120,12 +120,13 @@ class Step:
     microbatches: int = 1  # pipeline micro-batches
     pipeline_repeats: int = 1
     pipeline_schedule: str = "gpipe"
+    split_backward: str = "gemms"  # slot tables' W (`pipeline.split_backward`)
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict, sizes: dict[str, int]) -> Step:
         return cls(ModelConfig.from_config(config), dict(sizes), config.train.zero_stage, config.train.batch_size,
                    config.train.seq_len, config.train.grad_accum_steps, config.pipeline.microbatches,
-                   config.pipeline.repeats, config.pipeline.schedule)
+                   config.pipeline.repeats, config.pipeline.schedule, config.pipeline.split_backward)
 
     @property
     def pipeline_ticks(self) -> int:
@@ -268,8 +269,9 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
     `none` everything the backward reads; `selective` the outputs of weight matmuls and the
     residual input; `full` / `offload` the residual input. In flight: 1 without a pipeline; 1F1B up
     to `stage` micro-batches, slot tables their table's peak of chunks; GPipe and circular all m.
-    The split backward (zero bubble, interleaved) also keeps each matmul's input and output gradient
-    from F and B to W (`_split_per_layer`), for its table's peak of chunks waiting for W.
+    The split backward (zero bubble, interleaved) with `split_backward` gemms also keeps each matmul's
+    input and output gradient from F and B to W (`_split_per_layer`), for its table's peak of chunks
+    waiting for W (pullback: the residuals until W, as the table's in-flight count has them).
 
     Temporaries, the terms the H100 compiler shows at the peak (constants above):
     * the larger of one layer's backward workspace (`_layer_workspace`) and the unfused loss's
@@ -299,7 +301,7 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
         elif autodiff_pipe:  # the tick loop's autodiff keeps every micro-batch's stage input
             in_flight = run.microbatches
     activations = int(_saved_per_layer(run, remat, t) * layers * in_flight)
-    if pipelined and run.pipeline_schedule in schedules.SPLIT_BACKWARD:
+    if pipelined and run.pipeline_schedule in schedules.SPLIT_BACKWARD and run.split_backward == "gemms":
         # W's inputs: the peak of micro-batch chunks between their F and their W, a trash slot and the
         # slot the tick writes after its switch (`pipeline_tables._TableWork`)
         from meshtrain.parallel.pipeline_tables import slot_plan
