@@ -111,19 +111,20 @@ class BranchCosts:
             return jax.vjp(lambda w: split.weights(w, recorded, x, pos, pos * 0 + 1), w)[1](dys)
 
         with jax.set_mesh(mesh):
-            probes = jax.eval_shape(lambda w, x, pos: split.probes(w, x, pos, pos * 0 + 1), w, x, pos)
-            recorded = jax.eval_shape(split_forward, w, x, pos, probes)[1]
-            seconds = {"forward": _roofline(forward, (w, x, pos), gpu),
-                       "fused": _roofline(fused, (w, x, pos, x), gpu),
-                       "split_forward": _roofline(lambda *a: (split_forward(*a)[0][0], split_forward(*a)[1]),
-                                                  (w, x, pos, probes), gpu),
-                       "input_grad": _roofline(input_grad, (w, x, pos, probes, x), gpu),
-                       "weight_grad": _roofline(weight_grad, (w, recorded, x, pos, probes), gpu)}
+            seconds = {"forward": _roofline(forward, (w, x, pos), gpu), "fused": _roofline(fused, (w, x, pos, x), gpu)}
             if config.pipeline.split_backward == "pullback":  # B and W: the stage's pullback for dx, then for dw
-                seconds["input_grad"] = _roofline(lambda w, x, pos, g: jax.vjp(lambda x: forward(w, x, pos), x)[1](g),
-                                                  (w, x, pos, x), gpu) - seconds["forward"] + seconds["split_forward"]
-                seconds["weight_grad"] = _roofline(lambda w, x, pos, g: jax.vjp(lambda w: forward(w, x, pos), w)[1](g),
-                                                   (w, x, pos, x), gpu) - seconds["forward"]
+                pullback_x = lambda w, x, pos, g: jax.vjp(lambda x: forward(w, x, pos), x)[1](g)  # noqa: E731
+                pullback_w = lambda w, x, pos, g: jax.vjp(lambda w: forward(w, x, pos), w)[1](g)  # noqa: E731
+                seconds["split_forward"] = seconds["forward"]
+                seconds["input_grad"] = _roofline(pullback_x, (w, x, pos, x), gpu)
+                seconds["weight_grad"] = _roofline(pullback_w, (w, x, pos, x), gpu) - seconds["forward"]
+            else:
+                probes = jax.eval_shape(lambda w, x, pos: split.probes(w, x, pos, pos * 0 + 1), w, x, pos)
+                recorded = jax.eval_shape(split_forward, w, x, pos, probes)[1]
+                seconds["split_forward"] = _roofline(lambda *a: (lambda out: (out[0][0], out[1]))(split_forward(*a)),
+                                                     (w, x, pos, probes), gpu)
+                seconds["input_grad"] = _roofline(input_grad, (w, x, pos, probes, x), gpu)
+                seconds["weight_grad"] = _roofline(weight_grad, (w, recorded, x, pos, probes), gpu)
         f = seconds["forward"]  # each backward was compiled with its forward: take it out
         nbytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
         link = gpu.nvlink_bandwidth if in_node else gpu.network_bandwidth

@@ -254,7 +254,7 @@ class SplitStage:
     * `weights(chunk, recorded, x, positions, segment_ids) -> outputs`: every matmul again on its
       recorded input (`x` only gives shapes): the pullback of these outputs at the output gradients
       is the weight gradients, one GEMM per matmul, nothing else of a layer live;
-    * `probe_shapes(chunk, x, positions, segment_ids)`: the probes' zeros, [k, ...] per matmul.
+    * `probes(chunk, x, positions, segment_ids)`: the probes' zeros, [k, ...] per matmul.
 
     Parameters that are not a matmul's weight (norm scales, MoE experts) get their gradients in B.
     """
