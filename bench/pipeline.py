@@ -138,7 +138,7 @@ def main() -> None:
         for m, pipe, t, temp in rows:
             measured = 1 - m * slope / t
             costs = modeled_costs(args, m, args.stages, gpu)
-            model = cost.step_time(schedule, args.stages, m, pipe.repeats, costs)
+            model = cost.step_time(schedule, args.stages, m, pipe.repeats, costs, pipe.weight_parts)
             vs = model.seconds / cost.step_time("1f1b", args.stages, m, 1, costs).seconds
             results.append({"schedule": schedule, "stages": args.stages, "microbatches": m, "ticks": pipe.ticks,
                             "step_s": t, "bubble_measured": measured, "bubble_formula": pipe.bubble,
@@ -158,25 +158,30 @@ def modeled_costs(args, m: int, p: int, gpu) -> cost.BranchCosts:
 
 
 def print_modeled(args, stages: list[int], ms: list[int]) -> None:
-    """The modeled GPU step of every schedule for each (p, m): seconds, units of F, ratio to 1f1b."""
+    """The modeled GPU step of every schedule for each (p, m): seconds, units of F, ratio to 1f1b. The
+    split schedules run W in the parts the model picks for their chunk's layers (`cost.weight_parts`)."""
     gpu, rows = hardware.get_gpu(args.gpu), []
     print(f"modeled on {gpu.name}: micro-batch {args.rows} x {args.seq_len} tokens, d_model {args.d_model}, "
           f"{args.layers} layers, bf16, interleaved v=2")
-    print(f"{'p':>2} {'m':>3} {'schedule':16} {'ticks':>5} {'step ms':>8} {'units':>7} {'vs 1f1b':>8} {'busy':>6}")
+    print(f"{'p':>2} {'m':>3} {'schedule':16} {'W parts':>7} {'ticks':>5} {'step ms':>8} {'units':>7} "
+          f"{'vs 1f1b':>8} {'busy':>6}")
     for p in stages:
         for m in ms:
             costs = modeled_costs(args, m, p, gpu)
             base = cost.step_time("1f1b", p, m, 1, costs).seconds
             for schedule in args.schedules.split(","):
-                e = cost.step_time(schedule, p, m, 2, costs)
-                rows.append({"stages": p, "microbatches": m, "schedule": schedule, "ticks": e.ticks,
-                             "seconds": e.seconds, "units": e.seconds / costs.forward, "vs_1f1b": e.seconds / base,
-                             "busy": e.efficiency})
-                print(f"{p:2d} {m:3d} {schedule:16} {e.ticks:5d} {e.seconds * 1e3:8.3f} {e.seconds / costs.forward:7.1f} "
-                      f"{e.seconds / base:8.3f} {e.efficiency:6.1%}")
+                v = 2 if schedule in pipeline.CHUNKED_SCHEDULES else 1
+                parts = cost.weight_parts(costs, args.layers // (p * v)) if schedule in pipeline.TABLE_SCHEDULES else 1
+                e = cost.step_time(schedule, p, m, 2, costs, parts)
+                rows.append({"stages": p, "microbatches": m, "schedule": schedule, "weight_parts": parts,
+                             "ticks": e.ticks, "seconds": e.seconds, "units": e.seconds / costs.forward,
+                             "vs_1f1b": e.seconds / base, "busy": e.efficiency})
+                print(f"{p:2d} {m:3d} {schedule:16} {parts:7d} {e.ticks:5d} {e.seconds * 1e3:8.3f} "
+                      f"{e.seconds / costs.forward:7.1f} {e.seconds / base:8.3f} {e.efficiency:6.1%}")
     units = costs.units()
-    print(f"branch costs (units of F): fused backward {units.backward:.2f}, input gradient {units.input_grad:.2f}, "
-          f"weight gradient {units.weight_grad:.2f}, transfer {units.transfer:.3f}")
+    print(f"branch costs (units of F): fused backward {units.backward:.2f}, split forward {units.forward_split:.2f}, "
+          f"input gradient {units.input_grad:.2f}, weight gradient {units.weight_grad:.2f}, "
+          f"transfer {units.transfer:.3f}")
     print(json.dumps({"bench": "pipeline_modeled", "gpu": gpu.name, "rows": rows,
                       "branch_units": dataclasses.asdict(units)}))
 

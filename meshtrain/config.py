@@ -164,6 +164,11 @@ def default_config() -> ml_collections.ConfigDict:
     # output gradient: W about one forward, more memory) or "pullback" (the stage's pullback again from
     # its residuals: 1F1B's memory, W about two forwards)
     c.pipeline.split_backward = "gemms"
+    # zero_bubble / interleaved_1f1b with split_backward "gemms": W runs as this many operations, each the
+    # weight GEMMs of a slice of the chunk's layers, so that a W tick lasts about as long as an F or B tick
+    # (W reads and writes the float32 gradient sums: about two forwards on micro-batches of a few hundred
+    # tokens, one on thousands); `bench/pipeline.py --modeled` prints the count the cost model picks
+    c.pipeline.weight_parts = 1
 
     c.profile = ml_collections.ConfigDict()
     c.profile.steps = (0, 0)  # (first, last) step traced by jax.profiler into <workdir>/profile; (0, 0): off
@@ -240,7 +245,7 @@ def _validate_positive(config) -> None:
     positive = ("model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
                 "model.head_dim", "model.mlp_dim", "train.batch_size", "train.seq_len",
                 "train.grad_accum_steps", "steps", "log_every", "checkpoint.keep",
-                "pipeline.microbatches", "pipeline.repeats", "model.fp8_history")
+                "pipeline.microbatches", "pipeline.repeats", "pipeline.weight_parts", "model.fp8_history")
     for key in positive:
         value = config
         for part in key.split("."):

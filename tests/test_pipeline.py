@@ -196,6 +196,11 @@ def test_one_f_one_b_temp_memory_flat_while_gpipe_grows():
     ({"pipeline.repeats": 2, "pipeline.schedule": "gpipe"}, "pipeline.repeats"),
     ({"model.num_experts": 4, "model.moe_every": 2, "model.n_layers": 2}, "model.n_layers"),
     ({"model.num_experts": 4, "attention.impl": "pallas"}, "model.num_experts"),
+    ({"pipeline.weight_parts": 2}, "pipeline.weight_parts"),  # gpipe runs no W of its own
+    ({"pipeline.weight_parts": 3, "pipeline.schedule": "zero_bubble"}, "pipeline.weight_parts"),  # 4 layers a stage
+    ({"pipeline.weight_parts": 2, "pipeline.schedule": "zero_bubble", "pipeline.split_backward": "pullback"},
+     "pipeline.weight_parts"),
+    ({"pipeline.weight_parts": 0, "pipeline.schedule": "zero_bubble"}, "pipeline.weight_parts"),
 ])
 def test_validation_names_the_key(overrides, key):
     config = _config("gpipe", {"stage": 2, "data": 2}, **overrides)

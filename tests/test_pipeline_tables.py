@@ -39,6 +39,20 @@ def test_loss_and_grads_equal_single_device(case):
 PULLBACK = [(s, mesh, zero) for s in SCHEDULES for mesh, zero in (MESHES[0], MESHES[-1])]
 
 
+# W in parts (`pipeline.weight_parts`): each a slice of the chunk's layers
+PARTS = [("zero_bubble", {"stage": 4, "fsdp": 2}, 3, 2),
+         ("interleaved_1f1b", {"stage": 2, "data": 2, "tensor": 2}, 1, 2)]
+
+
+@pytest.mark.parametrize("case", PARTS, ids=[_id(c[:3]) + f"-parts{c[3]}" for c in PARTS])
+def test_weight_parts_equal_single_device(case):
+    """`pipeline.weight_parts`: W of a micro-batch runs as parts, each the weight GEMMs of a slice of
+    the chunk's layers added to that slice's gradient sums."""
+    schedule, mesh, zero, parts = case
+    _assert_equal_single_device(*_pipelined(schedule, tuple(mesh.items()), zero=zero,
+                                            **{"pipeline.weight_parts": parts}))
+
+
 @pytest.mark.parametrize("case", PULLBACK, ids=[_id(c) for c in PULLBACK])
 def test_pullback_split_equals_single_device(case):
     """`pipeline.split_backward=pullback`: W runs the stage's pullback again from the residuals."""
@@ -54,6 +68,7 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
     stash = [[None] * (plan.stash_slots) for _ in range(p)]  # vjp residuals, F to B
     weight = [[None] * (plan.weight_slots) for _ in range(p)]  # gemms: matmul inputs (F to W), dy (B to W)
     gemms, pullback = plan.gemms, plan.split and not plan.gemms  # pullback: the stage's dy (B to W)
+    parts_run = {}  # (s, j, c) -> W parts run so far
     inbox_f = [[None] * (plan.inbox_f_slots + 1) for _ in range(p)]
     inbox_b = [[None] * (plan.inbox_b_slots + 1) for _ in range(p)]
     ran = {}
@@ -91,6 +106,11 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
                 ran["B", s, j, c] = t
             elif branch == pipeline_tables.WEIGHTS:
                 assert weight[s][wslot] == ("inputs and dy", s, j, c), (t, s)
+                part = parts_run.get((s, j, c), 0)
+                assert int(row[f["part"]]) == part, (t, s)  # the parts in order, each once
+                parts_run[s, j, c] = part + 1
+                if part + 1 < plan.weight_parts:  # the last part frees what W reads
+                    continue
                 weight[s][wslot] = None
                 if pullback:
                     assert stash[s][slot] == (s, j, c), (t, s)
@@ -111,22 +131,23 @@ def row_slot(plan: SlotPlan, t: int, s: int, name: str) -> int:
     return int(plan.program[t, s, FIELDS.index(name)])
 
 
-@pytest.mark.parametrize("split_backward", pipeline_lib.SPLIT_MODES)
+@pytest.mark.parametrize("split_backward, parts", [("gemms", 1), ("gemms", 3), ("pullback", 1)])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("p", [2, 4, 8])
-def test_program_hands_every_operation_its_inputs(schedule, p, split_backward):
+def test_program_hands_every_operation_its_inputs(schedule, p, split_backward, parts):
     """Every F and B of every micro-batch and chunk runs once, on the table's tick, reading the
     activation / gradient it needs from the slot the program names, never overwriting a value still
-    waiting; zero_bubble also runs every W once. Buffer sizes do not grow with m."""
+    waiting; every W runs once (its parts in order, the last freeing what they read). Buffer sizes
+    do not grow with m."""
     v = 2 if schedule == "interleaved_1f1b" else 1
     sizes = {}
     for m in (p, 2 * p, 4 * p):
-        plan = slot_plan(schedule, p, m, v, split_backward)
+        plan = slot_plan(schedule, p, m, v, split_backward, parts)
         ran = _replay(plan, p, m, v)
-        table = schedules.simulate(schedule, p, m, v)
+        table = schedules.simulate(schedule, p, m, v, parts)
         kinds = "FBW" if plan.split else "FB"
         want = {(op.kind, s, op.micro, op.chunk): t for t, row in enumerate(table) for s, op in enumerate(row)
-                if op is not None and op.kind in kinds}
+                if op is not None and op.kind in kinds and (op.kind != schedules.W or op.part == parts - 1)}
         assert ran == want
         sizes[m] = (plan.stash_slots, plan.weight_slots, plan.inbox_f_slots, plan.inbox_b_slots)
     assert sizes[2 * p] == sizes[4 * p], sizes

@@ -37,6 +37,31 @@ def test_interleaved_activations_are_bounded_independent_of_m(p, v):
         schedules.in_flight(schedules.simulate("interleaved_1f1b", p, 4 * p, v))
 
 
+@pytest.mark.parametrize("schedule", schedules.SPLIT_BACKWARD)
+@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 16)])
+def test_weight_parts_split_every_w_keeping_the_in_flight_peak(schedule, p, m, parts):
+    """W in `parts` operations: each part of each W runs once, in order, after its B; the peak of
+    micro-batches held (F to the last part of W) stays the one-part table's, and the table has one more
+    tick per extra part of each W, less the idle ticks the parts fill."""
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    one, split = schedules.simulate(schedule, p, m, v), schedules.simulate(schedule, p, m, v, parts)
+    schedules.check(split, p, m, v, split=True)
+    assert schedules.weight_parts(split) == parts
+    for s in range(p):
+        ws = [(op.micro, op.chunk, op.part) for row in split for op in (row[s],) if op and op.kind == schedules.W]
+        assert ws == [(j, c, i) for j, c, _ in ws[::parts] for i in range(parts)]
+    assert schedules.in_flight(split) == schedules.in_flight(one)
+    extra = (parts - 1) * m * v
+    idle_one = sum(op is None for row in one for op in row) // p
+    assert len(one) + extra - idle_one <= len(split) <= len(one) + extra
+
+
+def test_weight_parts_need_a_split_backward():
+    with pytest.raises(ValueError, match="weight_parts"):
+        schedules.stage_orders("1f1b", 2, 4, weight_parts=2)
+
+
 def test_check_rejects_a_table_that_uses_a_gradient_before_it_exists():
     table = schedules.simulate("1f1b", 2, 2)
     swapped = [list(row) for row in table]

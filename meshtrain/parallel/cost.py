@@ -11,17 +11,21 @@ reads what it sends: nothing hides it). This module prices that execution:
 
 Branches, per stage and micro-batch (a chunk of 1/v of the stage's layers under interleaving):
 
-* F: the forward, keeping its vjp residuals;
-* B: the fused backward (input and weight gradients): 1f1b, interleaved 1F1B (whose W ticks then
-  idle), and gpipe / circular's transposed loop (which also recomputes the forward under remat);
-* B split (zero_bubble): the pullback for the input gradient only (every matmul's weight a
-  constant); W: each matmul's weight GEMM from its recorded input and output gradient
-  (`pipeline.SplitStage`), about one forward.
+* F: the forward, keeping its vjp residuals (the split's F also records every matmul's input);
+* B: the fused backward (input and weight gradients, added to the float32 gradient sums): 1f1b, and
+  gpipe / circular's transposed loop (which also recomputes the forward under remat);
+* B split (zero_bubble, interleaved_1f1b): the pullback for the input gradient only (every matmul's
+  weight a constant); W: each matmul's weight GEMM from its recorded input and output gradient
+  (`pipeline.SplitStage`), added to the sums, run as `weight_parts` operations on slices of the
+  chunk's layers when W is the longest branch (`weight_parts` picks how many).
 
-`BranchCosts.from_compiler` compiles each branch on one CPU device at the per-device micro-batch
-shape and turns XLA's FLOP and byte counts into seconds on a GPU (the roofline: the larger of FLOPs
-at the peak and bytes at HBM bandwidth); `BranchCosts.analytic` gives the same structure from the
-planner's compute estimate (F = a third of a micro-batch's forward + backward).
+`BranchCosts.from_compiler` compiles each branch on one CPU device as the loops run it and prices
+it on a GPU by the roofline: the larger of XLA's FLOP count at the bf16 peak and the bytes the
+branch must read and write (its arguments and results) at HBM bandwidth. On micro-batches of a few
+hundred tokens every branch is bound by those bytes: the float32 weights read by F and B, the
+float32 gradient sums read and written by W (and the fused B), which makes W about two forwards.
+`BranchCosts.analytic` gives the same structure from the planner's compute estimate (F = a third of
+a micro-batch's forward + backward).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import math
 import jax
 import jax.numpy as jnp
 import ml_collections
+from jax.extend import core as jex_core
 
 from meshtrain.parallel import schedules
 
@@ -49,6 +54,11 @@ class BranchCosts:
     weight_grad: float  # split (zero_bubble's W): the weight GEMMs
     transfer: float = 0.0
     recompute: bool = True  # gpipe / circular recompute the stage's forward in their backward (remat per stage)
+    split_forward: float | None = None  # F of the split backward (it also records the matmul inputs); None: `forward`
+
+    @property
+    def forward_split(self) -> float:
+        return self.forward if self.split_forward is None else self.split_forward
 
     @classmethod
     def analytic(cls, forward: float, transfer: float = 0.0, recompute_share: float = 0.0,
@@ -66,16 +76,30 @@ class BranchCosts:
         """The same costs in units of the forward."""
         f = self.forward
         return dataclasses.replace(self, forward=1.0, backward=self.backward / f, input_grad=self.input_grad / f,
-                                   weight_grad=self.weight_grad / f, transfer=self.transfer / f)
+                                   weight_grad=self.weight_grad / f, transfer=self.transfer / f,
+                                   split_forward=None if self.split_forward is None else self.split_forward / f)
 
     @classmethod
     def from_compiler(cls, config: ml_collections.ConfigDict, sizes, gpu, *, in_node: bool = True) -> BranchCosts:
-        """Each branch of one stage compiled on one CPU device at the per-device micro-batch shape
-        (rows = batch / (microbatches x data-parallel size), the stage's n_layers / stage layers, `tensor`
-        and `sequence` not split), priced on `gpu` (`plan.hardware.Gpu`) by XLA's FLOP and byte counts."""
+        """Each branch of one stage compiled on one CPU device as the loops run it, at the per-device
+        micro-batch shape (rows = batch / (microbatches x data-parallel size), the stage's n_layers /
+        stage layers, `tensor` and `sequence` not split), priced on `gpu` (`plan.hardware.Gpu`):
+
+        * F: the stage's vjp, returning its output and the residuals a stash slot keeps (the split's F
+          also the matmul inputs W reads);
+        * B: the pullback rebuilt from those residuals and the weights, its weight gradients added to
+          the float32 sums (the split's B: input gradients and the matmuls' output gradients, only
+          the parameters no matmul reads summed);
+        * W: the weight GEMMs from the recorded inputs and output gradients, added to the sums.
+
+        A branch's seconds are the larger of its FLOPs (XLA's cost analysis) at the bf16 peak and its
+        bytes at HBM bandwidth, the bytes being what it must read and write: its arguments and results
+        (XLA's memory analysis). XLA:CPU's own "bytes accessed" adds every unfused instruction's
+        operands (the float32 copies of bf16 dots among them), which a GPU's fusions never move."""
         from meshtrain import attention, config as config_lib, model as model_lib
         from meshtrain.mesh import single_device_mesh
-        from meshtrain.parallel.pipeline import SplitStage, stage_function
+        from meshtrain.parallel.pipeline import Residuals, SplitStage, stage_function
+        from meshtrain.parallel.pipeline_tables import SplitResiduals
         from meshtrain.sharding_rules import Rules
 
         cfg = config_lib.ModelConfig.from_config(config)
@@ -93,50 +117,103 @@ class BranchCosts:
         x = jax.ShapeDtypeStruct((rows, config.train.seq_len, cfg.d_model), cfg.dtype)
         pos = jax.ShapeDtypeStruct((rows, config.train.seq_len), jnp.int32)
 
-        def forward(w, x, pos):
-            return stack(w, x, pos, pos * 0 + 1)[0]
+        def micro(pos):
+            return {"positions": pos, "segment_ids": jnp.ones_like(pos)}
 
-        def fused(w, x, pos, g):
-            return jax.vjp(lambda w, x: forward(w, x, pos), w, x)[1](g)
-
-        def split_forward(w, x, pos, probes):  # F under the split: the matmul inputs recorded
-            return split.forward(w, x, pos, pos * 0 + 1, probes)
-
-        def input_grad(w, x, pos, probes, g):  # F and B: input gradients, the probes' output gradients
-            (y, _), pullback, recorded = jax.vjp(lambda w, x, q: split_forward(w, x, pos, q), w, x, probes,
-                                                 has_aux=True)
-            return pullback((g, {})), recorded
-
-        def weight_grad(w, recorded, x, pos, dys):  # W: the weight GEMMs
-            return jax.vjp(lambda w: split.weights(w, recorded, x, pos, pos * 0 + 1), w)[1](dys)
+        def residuals(w, x, pos, split_backward: bool):
+            r = SplitResiduals(split, w, split.probes(w, x, pos, jnp.ones_like(pos))) if split_backward \
+                else Residuals(stack, w)
+            r.structure(x, micro(pos))
+            return r
 
         with jax.set_mesh(mesh):
-            seconds = {"forward": _roofline(forward, (w, x, pos), gpu), "fused": _roofline(fused, (w, x, pos, x), gpu)}
-            if config.pipeline.split_backward == "pullback":  # B and W: the stage's pullback for dx, then for dw
-                pullback_x = lambda w, x, pos, g: jax.vjp(lambda x: forward(w, x, pos), x)[1](g)  # noqa: E731
-                pullback_w = lambda w, x, pos, g: jax.vjp(lambda w: forward(w, x, pos), w)[1](g)  # noqa: E731
+            stats = jax.eval_shape(lambda w, x, pos: stack(w, x, pos, jnp.ones_like(pos))[1], w, x, pos)
+
+            def cotangent(g):
+                return g, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats)
+
+            def forward(w, x, pos):  # F: output and the stash slot's residuals
+                r = residuals(w, x, pos, False)
+                (y, _), pullback = r.vjp(x, micro(pos), w)
+                return y, r.keep(pullback, w)
+
+            def backward(w, kept, g, pos, sums):  # B (fused): every gradient, summed
+                g_w, dx = residuals(w, g, pos, False).rebuild(kept, w)(cotangent(g))
+                return dx, _added(sums, g_w)
+
+            def split_forward(w, x, pos):  # F of the split: the matmul inputs recorded too
+                r = residuals(w, x, pos, True)
+                (y, _), pullback, recorded = r.vjp_recording(x, micro(pos), w)
+                return y, r.keep(pullback, w), recorded
+
+            kept = jax.eval_shape(forward, w, x, pos)[1]
+            _, split_kept, recorded = jax.eval_shape(split_forward, w, x, pos)
+            dys = jax.eval_shape(lambda w, x, pos: split.probes(w, x, pos, jnp.ones_like(pos)), w, x, pos)
+
+            def weight_grad(w, recorded, dys, pos):  # W's gradients: the weight GEMMs
+                return jax.vjp(lambda w: split.weights(w, recorded, jnp.zeros(x.shape, x.dtype), pos,
+                                                       jnp.ones_like(pos)), w)[1](dys)[0]
+
+            # the parameters whose gradients W computes (the matmul weights); B sums the others
+            from_w = [not zero for zero in _zero_outputs(weight_grad, w, recorded, dys, pos)]
+            sums32 = [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in jax.tree.leaves(w)]
+            sums_w = [a for a, kept_w in zip(sums32, from_w, strict=True) if kept_w]
+            sums_b = [a for a, kept_w in zip(sums32, from_w, strict=True) if not kept_w]
+
+            def input_grad(w, kept, g, pos, sums):  # B (split): input and output gradients, non-matmul sums
+                g_w, dx, dys = residuals(w, g, pos, True).rebuild(kept, w)(cotangent(g))
+                rest = [a for a, kept_w in zip(jax.tree.leaves(g_w), from_w, strict=True) if not kept_w]
+                return dx, dys, _added(sums, rest)
+
+            def weights(w, recorded, dys, pos, sums):  # W: the weight GEMMs, summed
+                grads = jax.tree.leaves(weight_grad(w, recorded, dys, pos))
+                produced = [a for a, kept_w in zip(grads, from_w, strict=True) if kept_w]
+                return _added(sums, produced)
+
+            sums = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), w)
+            seconds = {"forward": _roofline(forward, (w, x, pos), gpu),
+                       "backward": _roofline(backward, (w, kept, x, pos, sums), gpu),
+                       "split_forward": _roofline(split_forward, (w, x, pos), gpu),
+                       "input_grad": _roofline(input_grad, (w, split_kept, x, pos, sums_b), gpu),
+                       "weight_grad": _roofline(weights, (w, recorded, dys, pos, sums_w), gpu)}
+            if config.pipeline.split_backward == "pullback":  # B and W: the stage's pullback, for dx, then for dw
+                def pullback(w, kept, g, pos):
+                    return residuals(w, g, pos, False).rebuild(kept, w)(cotangent(g))
                 seconds["split_forward"] = seconds["forward"]
-                seconds["input_grad"] = _roofline(pullback_x, (w, x, pos, x), gpu)
-                seconds["weight_grad"] = _roofline(pullback_w, (w, x, pos, x), gpu) - seconds["forward"]
-            else:
-                probes = jax.eval_shape(lambda w, x, pos: split.probes(w, x, pos, pos * 0 + 1), w, x, pos)
-                recorded = jax.eval_shape(split_forward, w, x, pos, probes)[1]
-                seconds["split_forward"] = _roofline(lambda *a: (lambda out: (out[0][0], out[1]))(split_forward(*a)),
-                                                     (w, x, pos, probes), gpu)
-                seconds["input_grad"] = _roofline(input_grad, (w, x, pos, probes, x), gpu)
-                seconds["weight_grad"] = _roofline(weight_grad, (w, recorded, x, pos, probes), gpu)
-        f = seconds["forward"]  # each backward was compiled with its forward: take it out
+                seconds["input_grad"] = _roofline(lambda *a: pullback(*a)[1], (w, kept, x, pos), gpu)
+                def weights_again(w, kept, g, pos, sums):
+                    return _added(sums, pullback(w, kept, g, pos)[0])
+                seconds["weight_grad"] = _roofline(weights_again, (w, kept, x, pos, sums), gpu)
         nbytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
         link = gpu.nvlink_bandwidth if in_node else gpu.network_bandwidth
-        return cls(f, seconds["fused"] - f, seconds["input_grad"] - seconds["split_forward"], seconds["weight_grad"],
-                   nbytes / link, recompute=cfg.remat_policy != "none")
+        return cls(seconds["forward"], seconds["backward"], seconds["input_grad"], seconds["weight_grad"],
+                   nbytes / link, recompute=cfg.remat_policy != "none", split_forward=seconds["split_forward"])
+
+
+def _added(sums, grads):
+    """Float32 gradient sums plus this branch's gradients (what a branch's accumulation reads and writes)."""
+    return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), sums, grads)
+
+
+def _zero_outputs(fn, *args) -> list[bool]:
+    """Per output leaf of `fn`: whether it is a structural zero (autodiff's instantiated zero
+    cotangent of a parameter the function does not differentiate, `broadcast_in_dim 0.0`)."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    zeros = {id(eqn.outvars[0]) for eqn in jaxpr.eqns
+             if eqn.primitive.name == "broadcast_in_dim" and isinstance(eqn.invars[0], jex_core.Literal)
+             and eqn.invars[0].val == 0}
+    return [isinstance(v, jex_core.Literal) or id(v) in zeros for v in jaxpr.outvars]
 
 
 def _roofline(fn, args, gpu) -> float:
-    """Seconds of `fn` on `gpu`: XLA's FLOPs at the bf16 peak or its bytes at HBM bandwidth, the larger."""
-    analysis = jax.jit(fn).lower(*args).compile().cost_analysis()
+    """Seconds of `fn` on `gpu`: its FLOPs at the bf16 peak or the bytes of its arguments and results
+    at HBM bandwidth, the larger."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, list) else analysis
-    return max(analysis.get("flops", 0.0) / gpu.peak_flops, analysis.get("bytes accessed", 0.0) / gpu.hbm_bandwidth)
+    memory = compiled.memory_analysis()
+    nbytes = memory.argument_size_in_bytes + memory.output_size_in_bytes
+    return max(analysis.get("flops", 0.0) / gpu.peak_flops, nbytes / gpu.hbm_bandwidth)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,8 +230,9 @@ class Execution:
         return self.work / self.seconds
 
 
-def step_time(schedule: str, p: int, m: int, v: int, costs: BranchCosts) -> Execution:
-    """The pipeline part of a step as the lock-step loop runs it (module docstring)."""
+def step_time(schedule: str, p: int, m: int, v: int, costs: BranchCosts, weight_parts: int = 1) -> Execution:
+    """The pipeline part of a step as the lock-step loop runs it (module docstring); a split W run as
+    `weight_parts` operations costs 1/weight_parts of W each."""
     c = costs
     v = v if schedule in ("circular", "interleaved_1f1b") else 1  # chunks per stage
     if schedule in ("gpipe", "circular"):
@@ -175,17 +253,25 @@ def step_time(schedule: str, p: int, m: int, v: int, costs: BranchCosts) -> Exec
                     busy.append(c.forward if op == 1 else c.backward)
             seconds += max(busy) + c.transfer  # one ppermute after every slot
         return Execution(schedule, seconds, slots, m * (c.forward + c.backward))
-    table = schedules.simulate(schedule, p, m, v)
     split = schedule in schedules.SPLIT_BACKWARD
-    price = {schedules.F: c.forward / v, schedules.B: (c.input_grad if split else c.backward) / v,
-             schedules.W: c.weight_grad / v if split else 0.0}  # fused tables' W ticks idle
+    table = schedules.simulate(schedule, p, m, v, weight_parts if split else 1)
+    forward = c.forward_split if split else c.forward
+    price = {schedules.F: forward / v, schedules.B: (c.input_grad if split else c.backward) / v,
+             schedules.W: c.weight_grad / (v * weight_parts) if split else 0.0}  # fused tables' W ticks idle
     seconds = sum(max([0.0] + [price[op.kind] for op in row if op is not None]) + c.transfer for row in table)
-    per_micro = c.forward + (c.input_grad + c.weight_grad if split else c.backward)
+    per_micro = forward + (c.input_grad + c.weight_grad if split else c.backward)
     return Execution(schedule, seconds, len(table), m * per_micro)
 
 
-def table(p: int, m: int, v: int, costs: BranchCosts, names=SCHEDULES) -> list[Execution]:
-    return [step_time(name, p, m, v, costs) for name in names]
+def table(p: int, m: int, v: int, costs: BranchCosts, names=SCHEDULES, weight_parts: int = 1) -> list[Execution]:
+    return [step_time(name, p, m, v, costs, weight_parts) for name in names]
+
+
+def weight_parts(costs: BranchCosts, units: int) -> int:
+    """The W parts that balance a split schedule's ticks: W cut into the divisor of the chunk's `units`
+    scanned units nearest W's cost over the longer of F and B (1 when W is no longer than them)."""
+    ratio = costs.weight_grad / max(costs.forward_split, costs.input_grad)
+    return min((n for n in range(1, units + 1) if units % n == 0), key=lambda n: (abs(n - ratio), n))
 
 
 def ideal(m: int, costs: BranchCosts) -> float:
@@ -193,8 +279,8 @@ def ideal(m: int, costs: BranchCosts) -> float:
     return m * (costs.forward + costs.backward)
 
 
-def ratios(p: int, m: int, v: int, costs: BranchCosts) -> dict[str, float]:
+def ratios(p: int, m: int, v: int, costs: BranchCosts, weight_parts: int = 1) -> dict[str, float]:
     """Each schedule's modeled step over 1f1b's."""
     base = step_time("1f1b", p, m, v, costs).seconds
-    return {name: step_time(name, p, m, v, costs).seconds / base for name in SCHEDULES}
+    return {name: step_time(name, p, m, v, costs, weight_parts).seconds / base for name in SCHEDULES}
 

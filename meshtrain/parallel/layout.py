@@ -84,7 +84,7 @@ class Layout:
         if pipe is not None and pipe.schedule in schedules.TABLE_SCHEDULES:
             return pipeline_tables.branch_share(
                 pipeline_tables.slot_plan(pipe.schedule, pipe.stages, pipe.microbatches, pipe.repeats,
-                                          pipe.split_backward))
+                                          pipe.split_backward, pipe.weight_parts))
         return None
 
 
@@ -104,7 +104,8 @@ def pipeline_plan(config: ml_collections.ConfigDict, sizes: Mapping[str, int], *
     pipe = config.pipeline
     repeats = pipe.repeats if pipe.schedule in pipeline_lib.CHUNKED_SCHEDULES else 1
     return pipeline_lib.Pipeline(pipe.schedule, sizes[STAGE], pipe.microbatches, repeats, pipeline_axes(sizes),
-                                 checked=not kernels, split_backward=pipe.split_backward)
+                                 checked=not kernels, split_backward=pipe.split_backward,
+                                 weight_parts=pipe.weight_parts)
 
 
 def accumulation_axes(config: ml_collections.ConfigDict, sizes: Mapping[str, int]) -> tuple[str, ...]:

@@ -95,11 +95,12 @@ class Pipeline:
     # a pallas_call declares no variance, and in interpret mode (CPU) fails inside a checked region.
     checked: bool = True
     split_backward: str = "gemms"  # slot tables' W (`pipeline_tables.SlotPlan.split_backward`)
+    weight_parts: int = 1  # split W as this many operations on slices of the chunk's layers
 
     @functools.cached_property
     def _table(self):
         """The slot table of a table schedule (`schedules.simulate`)."""
-        return schedules.simulate(self.schedule, self.stages, self.microbatches, self.repeats)
+        return schedules.simulate(self.schedule, self.stages, self.microbatches, self.repeats, self.weight_parts)
 
     @property
     def ticks(self) -> int:
@@ -147,6 +148,8 @@ class Pipeline:
                 f"in flight per stage {list(self.in_flight())}")
         if self.schedule in TABLE_SCHEDULES:  # the playbook's ratio: idle over busy time of a stage
             line += f", idle/busy {schedules.bubble(self._table):.3f}"
+        if self.weight_parts > 1:
+            line += f", W in {self.weight_parts} parts"
         return line
 
     def execution_order(self, n_layers: int) -> np.ndarray:
@@ -502,16 +505,21 @@ class Residuals:
         kinds = tuple(next((i for i, a in enumerate(weights) if leaf is a), None) for leaf in leaves)
         return [leaf for leaf, k in zip(leaves, kinds, strict=True) if k is None], kinds, treedef
 
-    def stash(self, slots: int, x, mb, axes: tuple[str, ...], w=None) -> list[jax.Array]:
-        """Zeroed [slots, ...] buffers for the non-weight residuals, varying over the manual `axes`
-        (a slot index differs per stage, so every buffer does)."""
+    def structure(self, x, mb, axes: tuple[str, ...] = (), w=None) -> list[jax.ShapeDtypeStruct]:
+        """Traces the pullback's structure once (what `keep` and `rebuild` follow) and returns the
+        shapes of its non-weight residuals, which `keep` makes varying over the manual `axes`."""
         self._axes = axes
 
-        def probe(x):
+        def probe(w, x, mb):
             _, pullback = self.vjp(x, mb, w)
             kept, self._kinds, self._treedef = self._split(pullback, w)
             return kept
-        zeros = [jnp.zeros((slots, *a.shape), a.dtype) for a in jax.eval_shape(probe, x)]
+        return jax.eval_shape(probe, self._layers if w is None else w, x, mb)
+
+    def stash(self, slots: int, x, mb, axes: tuple[str, ...], w=None) -> list[jax.Array]:
+        """Zeroed [slots, ...] buffers for the non-weight residuals, varying over the manual `axes`
+        (a slot index differs per stage, so every buffer does)."""
+        zeros = [jnp.zeros((slots, *a.shape), a.dtype) for a in self.structure(x, mb, axes, w)]
         return [lax.pcast(z, axes, to="varying") for z in zeros] if axes else zeros
 
     def keep(self, pullback, w=None) -> list[jax.Array]:
@@ -704,6 +712,10 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     v = pipe.repeats
     req(pipe.split_backward in SPLIT_MODES, "pipeline.split_backward", pipe.split_backward,
         f"must be one of {SPLIT_MODES}")
+    parts = pipe.weight_parts
+    req(parts == 1 or (pipe.schedule in TABLE_SCHEDULES and pipe.split_backward == "gemms"), "pipeline.weight_parts",
+        parts, f"W runs in parts only under pipeline.schedule in {TABLE_SCHEDULES} with split_backward='gemms' "
+        f"(got {pipe.schedule!r}, {pipe.split_backward!r}): must be 1")
     req(pipe.schedule in CHUNKED_SCHEDULES or v == 1, "pipeline.repeats", v,
         f"repeats > 1 needs pipeline.schedule in {CHUNKED_SCHEDULES} (got {pipe.schedule!r})")
     req(pipe.schedule != "interleaved_1f1b" or pipe.microbatches % p == 0, "pipeline.microbatches",
@@ -712,6 +724,10 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     req(config.model.n_layers % (p * v * unit) == 0, "model.n_layers", config.model.n_layers,
         f"the {config.model.n_layers // unit} scanned units of {unit} layer(s) must be divisible by "
         f"mesh.stage*pipeline.repeats={p}*{v}")
+    chunk_units = config.model.n_layers // (p * v * unit)
+    req(chunk_units % parts == 0, "pipeline.weight_parts", parts,
+        f"must divide the {chunk_units} scanned units of a stage's chunk (model.n_layers / (mesh.stage*pipeline.repeats"
+        f"{'*model.moe_every' if unit > 1 else ''}))")
     req(pipe.microbatches >= p, "pipeline.microbatches", pipe.microbatches,
         f"must be >= mesh.stage={p} (every stage needs a micro-batch to work on)")
     dp = config_lib.data_parallel_size(sizes)

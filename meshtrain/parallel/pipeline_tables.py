@@ -60,7 +60,7 @@ from meshtrain.sharding_rules import vary
 
 # branch indices of the tick's `lax.switch`
 IDLE, FORWARD, FORWARD_FIRST, FORWARD_LAST, BACKWARD, BACKWARD_FIRST, WEIGHTS = range(7)
-FIELDS = ("branch", "micro", "chunk", "stash", "wstash", "read_f", "read_b", "dy", "recv_f", "recv_b")
+FIELDS = ("branch", "micro", "chunk", "stash", "wstash", "read_f", "read_b", "dy", "recv_f", "recv_b", "part")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +68,9 @@ class SlotPlan:
     """The static program of a slot table: `program[t, s]` holds, for stage s at tick t, the FIELDS:
     the branch, micro-batch and chunk of its operation, the residual slot it writes (F) or reads
     (B, W), the inbox slots its input activation (F) or output gradient (B) comes from, the gradient
-    inbox slot where the last stage's forward leaves its loss gradient, and the inbox slots where the
-    activation and gradient arriving after the tick go. A slot index equal to the buffer size is the
-    trash slot (nothing to keep)."""
+    inbox slot where the last stage's forward leaves its loss gradient, the inbox slots where the
+    activation and gradient arriving after the tick go, and which slice of the chunk's layers a W part
+    computes. A slot index equal to the buffer size is the trash slot (nothing to keep)."""
 
     program: np.ndarray  # int32 [ticks, p, len(FIELDS)]
     stash_slots: int  # vjp residuals, F to B
@@ -83,6 +83,7 @@ class SlotPlan:
     # B to W) or "pullback" (W: the stage's pullback again, from the residuals, kept until W, and the
     # stage's output gradient, B to W)
     split_backward: str = "gemms"
+    weight_parts: int = 1  # each W as this many operations, each on 1/weight_parts of the chunk's layers
 
     @property
     def gemms(self) -> bool:
@@ -106,9 +107,11 @@ def _allocate(intervals: list[tuple[float, float, object]]) -> tuple[dict, int]:
     return slots, used
 
 
-def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "gemms") -> SlotPlan:
-    """The executable program of `schedule`'s table (see `SlotPlan`)."""
-    table = schedules.simulate(schedule, p, m, v)
+def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "gemms",
+              weight_parts: int = 1) -> SlotPlan:
+    """The executable program of `schedule`'s table (see `SlotPlan`). A W in parts keeps what it reads
+    until its last part (the table's later ticks overwrite the earlier in `when`)."""
+    table = schedules.simulate(schedule, p, m, v, weight_parts)
     split = schedule in schedules.SPLIT_BACKWARD
     when = {(op.kind, s, op.micro, op.chunk): t for t, row in enumerate(table) for s, op in enumerate(row) if op}
     stash_iv = [[] for _ in range(p)]
@@ -146,9 +149,12 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
     program[:, :, FIELDS.index("recv_f")] = n_f
     program[:, :, FIELDS.index("recv_b")] = n_b
     program[:, :, FIELDS.index("dy")] = n_b
-    for (kind, s, j, c), t in when.items():
+    every = [(op.kind, s, op.micro, op.chunk, op.part, t)
+             for t, row in enumerate(table) for s, op in enumerate(row) if op]
+    for kind, s, j, c, part, t in every:
         row = program[t, s]
         key = (s, j, c)
+        row[FIELDS.index("part")] = part
         first, last = s == 0 and c == 0, s == p - 1 and c == v - 1
         if kind == schedules.F:
             branch = FORWARD_FIRST if first else FORWARD_LAST if last else FORWARD
@@ -170,7 +176,8 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
         row[FIELDS.index("micro")], row[FIELDS.index("chunk")] = j, c
         row[FIELDS.index("stash")] = stash[key]
         row[FIELDS.index("wstash")] = weight.get(key, 0)
-    return SlotPlan(program, n_stash, n_weight, n_f, n_b, split, wraps=v > 1, split_backward=split_backward)
+    return SlotPlan(program, n_stash, n_weight, n_f, n_b, split, wraps=v > 1, split_backward=split_backward,
+                    weight_parts=weight_parts)
 
 
 def branch_share(plan: SlotPlan) -> tuple[float, ...]:
@@ -179,7 +186,7 @@ def branch_share(plan: SlotPlan) -> tuple[float, ...]:
     return tuple(float(c) for c in counts / counts.sum())
 
 
-class _SplitResiduals(Residuals):
+class SplitResiduals(Residuals):
     """B's vjp residuals under the split backward (`SplitStage.forward`: matmul weights constant,
     probes on the matmul outputs, inputs recorded for W)."""
 
@@ -214,8 +221,8 @@ def _load(buffers, slot):
 
 class _TableWork(SlotWork):
     """The operations of a slot table on one stage, as `lax.switch` branches (the branch constants
-    above). Each takes (carry, x_in, g_in, j, c, slot, weight slot, buffers) -> (carry, activation out,
-    gradient out, dy, put).
+    above). Each takes (carry, x_in, g_in, j, c, slot, weight slot, W part, buffers) -> (carry,
+    activation out, gradient out, dy, put).
 
     The carry holds float32 gradient sums of the stage's chunks (`g_layers` [v, k, ...]) and of the
     embedding / head, the summed loss and MoE statistics. What lives from one operation to a later
@@ -234,7 +241,7 @@ class _TableWork(SlotWork):
             shapes = jax.eval_shape(lambda: self.split.probes(self._chunk(0), self._varying(act), mb["positions"],
                                                               mb["segment_ids"]))
             probes = jax.tree.map(lambda a: self._varying(jnp.zeros(a.shape, a.dtype)), shapes)
-            self.residuals = _SplitResiduals(self.split, chunks, probes)
+            self.residuals = SplitResiduals(self.split, chunks, probes)
 
     def _chunk(self, c):
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, c, 0, keepdims=False), self.layers)
@@ -293,17 +300,21 @@ class _TableWork(SlotWork):
                for name, buf in buffers.items()}
         return (*(self._varying(a if a is not None else zeros) for a in (y, dx, dy)), self._varying(put))
 
-    def _idle(self, c, x, g, j, chunk, slot, wslot, buffers):
+    def _idle(self, c, x, g, j, chunk, slot, wslot, part, buffers):
         return (c, *self._outputs(x, buffers))
 
-    def _add_layers(self, c, chunk, grads):
-        old = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, chunk, 0, keepdims=False), c["g_layers"])
-        new = self._acc_layers(old, grads)
-        return {**c, "g_layers": jax.tree.map(lambda a, n: lax.dynamic_update_index_in_dim(a, n, chunk, 0),
-                                              c["g_layers"], new)}
+    def _add_layers(self, c, chunk, grads, start=0):
+        """The gradient sums of chunk `chunk`'s layers start, start + 1, ... plus `grads` [layers, ...]."""
+        def window(a):  # [v, k, ...] -> the (chunk, layers) window `grads` covers
+            size = (1, jax.tree.leaves(grads)[0].shape[0], *a.shape[2:])
+            return lax.dynamic_slice(a, (chunk, start) + (0,) * (a.ndim - 2), size)[0]
+        new = self._acc_layers(jax.tree.map(window, c["g_layers"]), grads)
+        return {**c, "g_layers": jax.tree.map(
+            lambda a, n: lax.dynamic_update_slice(a, n[None], (chunk, start) + (0,) * (a.ndim - 2)),
+            c["g_layers"], new)}
 
     def _forward(self, first: bool, last: bool):
-        def run(c, x, g, j, chunk, slot, wslot, buffers):
+        def run(c, x, g, j, chunk, slot, wslot, part, buffers):
             mb = self._pick(j)
             w = self._chunk(chunk)
             x_in = self._embed(self.outer, mb["inputs"]) if first else x
@@ -328,7 +339,7 @@ class _TableWork(SlotWork):
         return (g, g_stats)
 
     def _backward(self, first: bool):
-        def run(c, x, g, j, chunk, slot, wslot, buffers):
+        def run(c, x, g, j, chunk, slot, wslot, part, buffers):
             mb = self._pick(j)
             w = self._chunk(chunk)
             pullback = self.residuals.rebuild(_load(buffers["stash"], slot), w)
@@ -348,15 +359,20 @@ class _TableWork(SlotWork):
             return ({**c, "g_outer": self._acc(c["g_outer"], g_embed)}, *self._outputs(x, buffers, **put))
         return run
 
-    def _weights(self, c, x, g, j, chunk, slot, wslot, buffers):
+    def _weights(self, c, x, g, j, chunk, slot, wslot, part, buffers):
         """W: each matmul's weight gradient x^T dy from its recorded input and output gradient
-        (gemms); or the stage's pullback again, from its residuals and output gradient (pullback)."""
+        (gemms), for the `part`-th 1/weight_parts of the chunk's layers; or the stage's pullback again,
+        from its residuals and output gradient (pullback)."""
         mb, w = self._pick(j), self._chunk(chunk)
         if not self.plan.gemms:
             pullback = self.residuals.rebuild(_load(buffers["stash"], slot), w)
             g_w, _ = pullback(self._cotangents(c, _load(buffers["gs"], wslot)))
             return (self._add_layers(c, chunk, g_w), *self._outputs(x, buffers))
         held = {name: _load(buffers[name], wslot) for name in ("inputs", "dys")}
+        size = jax.tree.leaves(w)[0].shape[0] // self.plan.weight_parts  # layers of one part
+        start = part * size
+        if self.plan.weight_parts > 1:  # every value here is [k layers, ...]: the part's window of them
+            w, held = jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, start, size, 0), (w, held))
 
         def outputs(w):
             if FP8 in w:
@@ -364,7 +380,7 @@ class _TableWork(SlotWork):
             return self.split.weights(w, held["inputs"], x, mb["positions"], mb["segment_ids"])
         _, pullback = jax.vjp(outputs, w)
         (g_w,) = pullback(held["dys"])
-        return (self._add_layers(c, chunk, g_w), *self._outputs(x, buffers))
+        return (self._add_layers(c, chunk, g_w, start), *self._outputs(x, buffers))
 
 
 def loss_and_grads(params, histories, batch, model, total_tokens, accum_steps):
@@ -372,7 +388,8 @@ def loss_and_grads(params, histories, batch, model, total_tokens, accum_steps):
     (the contract of `pipeline.loss_and_grads`)."""
     del accum_steps  # the validator requires train.grad_accum_steps == 1 with a pipeline
     pipe = model.pipeline
-    plan = slot_plan(pipe.schedule, pipe.stages, pipe.microbatches, pipe.repeats, pipe.split_backward)
+    plan = slot_plan(pipe.schedule, pipe.stages, pipe.microbatches, pipe.repeats, pipe.split_backward,
+                     pipe.weight_parts)
     return run_gradient_loop(_table_loop, params, histories, batch, model, total_tokens, plan=plan, v=pipe.repeats)
 
 
@@ -406,7 +423,7 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
         x = lax.dynamic_index_in_dim(inbox_f, row[field["read_f"]], 0, keepdims=False)
         g = lax.dynamic_index_in_dim(inbox_b, row[field["read_b"]], 0, keepdims=False)
         c, y, dx, dy, put = lax.switch(branch, branches, c, x, g, row[field["micro"]], row[field["chunk"]],
-                                       row[field["stash"]], row[field["wstash"]], buffers)
+                                       row[field["stash"]], row[field["wstash"]], row[field["part"]], buffers)
         for name, buf in buffers.items():
             trash = jax.tree.leaves(buf)[0].shape[0] - 1
             slot = jnp.where(jnp.isin(branch, jnp.asarray(fills[name])), row[field[slot_field[name]]], trash)

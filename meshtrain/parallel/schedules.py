@@ -6,7 +6,11 @@ Playbook, "Pipeline Parallelism": "GPipe", "One-forward-one-backward", "Interlea
 * F(j, c): the forward of micro-batch j through the stage's model chunk c (of v chunks; chunk c of
   stage s holds the layers of virtual stage c * p + s),
 * B(j, c): the input-gradient part of its backward (on the critical path: sent upstream at once),
-* W(j, c): the weight-gradient part (needed only by the optimizer step),
+* W(j, c): the weight-gradient part (needed only by the optimizer step); under the split backward
+  it may run as `weight_parts` operations W(j, c, part), each the weight GEMMs of 1/parts of the
+  chunk's layers, so that a W tick is no longer than an F or B tick (`parallel/cost.py` picks the
+  count from the compiler's branch costs: a W that reads and writes the float32 gradient sums costs
+  about two forwards when a micro-batch is small),
 
 and `simulate` runs those lists tick by tick (every operation one unit of time, a result usable
 by a neighbour on the next tick), each stage taking its next operation as soon as what it needs
@@ -45,6 +49,7 @@ class Op:
     kind: str  # F | B | W
     micro: int
     chunk: int = 0
+    part: int = 0  # W: which of the `weight_parts` slices of the chunk's layers
 
 
 def _fused(order: list[Op]) -> list[Op]:
@@ -57,10 +62,16 @@ def _fused(order: list[Op]) -> list[Op]:
     return out
 
 
-def stage_orders(schedule: str, p: int, m: int, v: int = 1) -> list[list[Op]]:
-    """Each stage's operations in the order it runs them."""
+def stage_orders(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1) -> list[list[Op]]:
+    """Each stage's operations in the order it runs them; under the split backward each W as
+    `weight_parts` consecutive operations."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}: expected one of {SCHEDULES}")
+    if weight_parts > 1:
+        if schedule not in SPLIT_BACKWARD:
+            raise ValueError(f"weight_parts={weight_parts}: only {SPLIT_BACKWARD} run W on its own")
+        return [[dataclasses.replace(op, part=i) for op in order
+                 for i in (range(weight_parts) if op.kind == W else (0,))] for order in stage_orders(schedule, p, m, v)]
     if schedule != "interleaved_1f1b":
         v = 1
     if schedule == "gpipe":
@@ -134,10 +145,11 @@ def _ready(op: Op, s: int, p: int, v: int, done: dict, split: bool) -> bool:
     return (B, s, op.micro, op.chunk) in done
 
 
-def simulate(schedule: str, p: int, m: int, v: int = 1) -> list[list[Op | None]]:
-    """The executed table: table[t][s] the operation stage s runs in tick t (None: idle)."""
+def simulate(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1) -> list[list[Op | None]]:
+    """The executed table: table[t][s] the operation stage s runs in tick t (None: idle). A W split
+    in parts counts as done when its last part is."""
     v = v if schedule == "interleaved_1f1b" else 1
-    orders = stage_orders(schedule, p, m, v)
+    orders = stage_orders(schedule, p, m, v, weight_parts)
     position = [0] * p
     done: dict[tuple, int] = {}
     table: list[list[Op | None]] = []
@@ -161,18 +173,25 @@ def check(table: list[list[Op | None]], p: int, m: int, v: int = 1, split: bool 
     """Raises AssertionError unless every F, B and W of every (micro-batch, chunk) runs exactly once
     on every stage and never before what it needs."""
     seen: dict[tuple, int] = {}
+    parts = weight_parts(table)
     for t, row in enumerate(table):
         for s, op in enumerate(row):
             if op is None:
                 continue
-            key = (op.kind, s, op.micro, op.chunk)
+            key = (op.kind, s, op.micro, op.chunk, op.part)
             assert key not in seen, f"{key} runs twice (ticks {seen[key]} and {t})"
-            earlier = {k for k, when in seen.items() if when < t}
+            earlier = {k[:4] for k, when in seen.items() if when < t and (k[0] != W or k[4] == parts - 1)}
             assert _ready(op, s, p, v, dict.fromkeys(earlier, 0), split), f"{key} at tick {t} runs before its inputs"
             seen[key] = t
-    expected = {(k, s, j, c) for k in (F, B, W) for s in range(p) for j in range(m) for c in range(v)}
+    expected = {(k, s, j, c, i) for k in (F, B, W) for s in range(p) for j in range(m) for c in range(v)
+                for i in range(parts if k == W else 1)}
     missing, extra = sorted(expected - set(seen))[:4], sorted(set(seen) - expected)[:4]
     assert not missing and not extra, f"missing {missing}, extra {extra}"
+
+
+def weight_parts(table: list[list[Op | None]]) -> int:
+    """How many operations each W runs as in `table`."""
+    return 1 + max((op.part for row in table for op in row if op is not None), default=0)
 
 
 def bubble(table: list[list[Op | None]]) -> float:
@@ -193,21 +212,22 @@ def formula(schedule: str, p: int, m: int, v: int = 1) -> float:
 
 def in_flight(table: list[list[Op | None]]) -> list[int]:
     """Per stage, the most micro-batch chunks whose activations it holds at once (from its F to its W)."""
-    p = len(table[0])
+    p, last = len(table[0]), weight_parts(table) - 1
     peak, live = [0] * p, [0] * p
     for row in table:
         for s, op in enumerate(row):
             if op is not None and op.kind == F:
                 live[s] += 1
                 peak[s] = max(peak[s], live[s])
-            elif op is not None and op.kind == W:
+            elif op is not None and op.kind == W and op.part == last:
                 live[s] -= 1
     return peak
 
 
-def summary(schedule: str, p: int, m: int, v: int = 1) -> str:
+def summary(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1) -> str:
     """One line for the run's start: ticks, bubble, in-flight activations per stage."""
-    table = simulate(schedule, p, m, v)
+    table = simulate(schedule, p, m, v, weight_parts)
     return (f"{schedule}: p={p} m={m}" + (f" v={v}" if schedule == "interleaved_1f1b" else "")
+            + (f" W in {weight_parts} parts" if weight_parts > 1 else "")
             + f", {len(table)} ticks, bubble {bubble(table):.3f} of busy time, "
             f"in flight per stage {in_flight(table)}")

@@ -121,12 +121,14 @@ class Step:
     pipeline_repeats: int = 1
     pipeline_schedule: str = "gpipe"
     split_backward: str = "gemms"  # slot tables' W (`pipeline.split_backward`)
+    weight_parts: int = 1  # split W as this many operations (`pipeline.weight_parts`)
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict, sizes: dict[str, int]) -> Step:
         return cls(ModelConfig.from_config(config), dict(sizes), config.train.zero_stage, config.train.batch_size,
                    config.train.seq_len, config.train.grad_accum_steps, config.pipeline.microbatches,
-                   config.pipeline.repeats, config.pipeline.schedule, config.pipeline.split_backward)
+                   config.pipeline.repeats, config.pipeline.schedule, config.pipeline.split_backward,
+                   config.pipeline.weight_parts)
 
     @property
     def pipeline_ticks(self) -> int:
@@ -143,7 +145,7 @@ class Step:
     def pipeline_table(self):
         """The executed slot table of a table schedule (`schedules.simulate`)."""
         return schedules.simulate(self.pipeline_schedule, self.sizes["stage"], self.microbatches,
-                                  self.pipeline_repeats)
+                                  self.pipeline_repeats, self.weight_parts)
 
     @property
     def rules(self) -> Rules:
@@ -306,7 +308,8 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
         # slot the tick writes after its switch (`pipeline_tables._TableWork`)
         from meshtrain.parallel.pipeline_tables import slot_plan
 
-        slots = slot_plan(run.pipeline_schedule, p, run.microbatches, run.pipeline_repeats).weight_slots + 2
+        slots = slot_plan(run.pipeline_schedule, p, run.microbatches, run.pipeline_repeats, run.split_backward,
+                          run.weight_parts).weight_slots + 2
         activations += int(_split_per_layer(run, t) * layers * slots / run.pipeline_repeats)
 
     place = run.placement()
