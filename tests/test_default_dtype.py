@@ -57,7 +57,7 @@ KINDS = {"dense": _dense, "pipeline": _pipeline, "moe": _moe}
 # Keys that choose how the step is laid out, never what it computes: the float32 reference drops them.
 LAYOUT_KEYS = {"train.zero_stage", "train.grad_accum_steps", "model.sequence_parallel", "remat.policy",
                "attention.impl", "model.fused_norm", "model.fused_loss", "pipeline.schedule",
-               "pipeline.repeats", "pipeline.microbatches"}
+               "pipeline.repeats", "pipeline.microbatches", "pipeline.weight_parts"}
 
 
 def _case(kind: str, mesh: dict, **overrides):
@@ -107,6 +107,10 @@ CASES = [
                             ("interleaved_1f1b", {"stage": 4, "data": 2}, 1),
                             ("zero_bubble", {"stage": 4, "tensor": 2}, 1),
                             ("interleaved_1f1b", {"stage": 4, "fsdp": 2}, 3)]],
+    _case("pipeline", {"stage": 4, "fsdp": 2}, **{"pipeline.schedule": "zero_bubble", "train.zero_stage": 3,
+                                                  "pipeline.weight_parts": 2}),
+    _case("pipeline", {"stage": 2, "data": 2, "tensor": 2}, **{"pipeline.schedule": "interleaved_1f1b",
+                                                               "pipeline.repeats": 2, "pipeline.weight_parts": 2}),
     # test_moe_train: expert parallelism alone, with data (the README's command), tensor, accumulation
     _case("moe", {"expert": 8}),
     _case("moe", {"expert": 4, "data": 2}),

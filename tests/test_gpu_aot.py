@@ -94,7 +94,8 @@ FEATURES = {
     "gpipe": ({"stage": 2, "data": 4}, {"pipeline.schedule": "gpipe"}),
     "circular": ({"stage": 2, "data": 4}, {"pipeline.schedule": "circular", "pipeline.repeats": 2}),
     "interleaved-1f1b": ({"stage": 2, "fsdp": 4}, {"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2}),
-    "zero-bubble": ({"stage": 2, "tensor": 2, "data": 2}, {"pipeline.schedule": "zero_bubble"}),
+    "zero-bubble": ({"stage": 2, "tensor": 2, "data": 2}, {"pipeline.schedule": "zero_bubble",
+                                                           "pipeline.weight_parts": 2}),
     "ring-contiguous": ({"sequence": 4, "data": 2}, {"attention.zigzag": False}),
     "remat-selective": ({"fsdp": 8}, {"remat.policy": "selective"}),
 }
