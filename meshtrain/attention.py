@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import ml_collections
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.config import BATCH_AXES, require
+from meshtrain.config import BATCH_AXES, CONTEXT_PARALLEL_IMPLS, require
 from meshtrain.pallas_kernels import flash_attention
 from meshtrain.sharding_rules import auto_axes, per_shard
 
@@ -82,9 +82,14 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
 
 
 def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
-    """Attention rules: ring needs seq_len divisible by 2 x sequence; xla/pallas cannot split the sequence."""
-    impl, n, t = config.attention.impl, sizes["sequence"], config.train.seq_len
+    """Attention rules: ring needs seq_len divisible by 2 x sequence; xla/pallas cannot split the
+    sequence (Ulysses' own rules: `parallel.ulysses.validate_config`)."""
+    att, n, t = config.attention, sizes["sequence"], config.train.seq_len
+    impl = att.impl
     require(impl != "ring" or t % (2 * n) == 0, "train.seq_len", t,
             f"ring attention cuts the sequence into 2 x mesh.sequence={2 * n} chunks (zig-zag); they must divide it")
-    require(impl == "ring" or n == 1, "attention.impl", impl,
-            f"mesh.sequence={n} splits the sequence: only attention.impl='ring' attends across sequence shards")
+    require(impl in CONTEXT_PARALLEL_IMPLS or n == 1, "attention.impl", impl,
+            f"mesh.sequence={n} splits the sequence: only attention.impl in {CONTEXT_PARALLEL_IMPLS} attends "
+            "across sequence shards")
+    require(impl == "ulysses" or att.ulysses_degree == 0, "attention.ulysses_degree", att.ulysses_degree,
+            "is read only with attention.impl='ulysses'")

@@ -36,7 +36,8 @@ MESH_AXES: tuple[str, ...] = tuple(a.value for a in Axis)
 BATCH_AXES: tuple[str, ...] = (Axis.DATA.value, Axis.FSDP.value, Axis.EXPERT.value)
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "selective", "full", "offload")
-ATTENTION_IMPLS = ("xla", "ring", "pallas")
+ATTENTION_IMPLS = ("xla", "ring", "ulysses", "pallas")
+CONTEXT_PARALLEL_IMPLS = ("ring", "ulysses")  # the implementations that split the sequence over `sequence`
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble")
 BALANCE_SCOPES = ("batch", "sequence")
 MATMUL_PRECISIONS = ("bf16", "fp8")  # bf16: matmuls in model.dtype; fp8: e4m3 / e5m2 operands (fp8.py)
@@ -113,6 +114,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.attention = ml_collections.ConfigDict()
     c.attention.impl = "xla"
     c.attention.zigzag = True  # ring attention: zig-zag load balancing of the causal work
+    # attention.impl='ulysses': devices of mesh.sequence per all-to-all group; 0 = all of them. A divisor
+    # U < mesh.sequence runs a ring across the mesh.sequence / U groups (ring x Ulysses)
+    c.attention.ulysses_degree = 0
 
     c.remat = ml_collections.ConfigDict()
     c.remat.policy = "selective"

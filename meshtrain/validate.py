@@ -11,10 +11,10 @@ from __future__ import annotations
 import ml_collections
 
 from meshtrain import attention, checkpoint, config as config_lib, data, eval_tasks, generate, moe
-from meshtrain.parallel import layout, pipeline
+from meshtrain.parallel import layout, pipeline, ulysses
 
 # Rules of the step's layout: pure functions of the config and the mesh shape.
-LAYOUT_RULES = (config_lib.validate_config, attention.validate_config, moe.validate_config,
+LAYOUT_RULES = (config_lib.validate_config, attention.validate_config, ulysses.validate_config, moe.validate_config,
                 pipeline.validate_config, layout.validate_config, generate.validate_config)
 # Rules that look at files: the data source and the checkpoint to restore.
 INPUT_RULES = (data.validate_config, checkpoint.validate_config, eval_tasks.validate_config)

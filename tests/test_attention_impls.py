@@ -39,6 +39,36 @@ def test_ring_attention_trains_like_single_device(tiny_reference, mesh, accum, s
     chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mesh,degree,zigzag", [({"sequence": 4, "data": 2}, 0, True), (RING_3D, 0, True),
+                                                 ({"sequence": 4, "data": 2}, 2, True),
+                                                 ({"sequence": 4, "data": 2}, 2, False)],
+                         ids=["sequence4-data2", "data2-sequence2-tensor2", "sequence4-data2-hybrid2-zigzag",
+                              "sequence4-data2-hybrid2-contiguous"])
+def test_ulysses_trains_like_single_device(tiny_reference, mesh, degree, zigzag):
+    """Ulysses (all-to-all over `sequence`, heads split over `tensor` too) and ring x Ulysses (groups of
+    2, a ring across the 2 groups, zig-zag or contiguous) on batches of two documents a row."""
+    batches, ref_losses, ref_params = tiny_reference
+    config = tiny_config(mesh, **{"attention.impl": "ulysses", "attention.ulysses_degree": degree,
+                                  "attention.zigzag": zigzag})
+    sizes = validate(config, int(np.prod(list(mesh.values()))))
+    losses, params, _ = run_steps(config, _permuted(batches, layout.data_permutation(config, sizes)))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mesh, overrides, key", [
+    ({"sequence": 4}, {"attention.ulysses_degree": 3}, "attention.ulysses_degree"),
+    ({"sequence": 8}, {}, "model.n_kv_heads"),  # 4 key/value heads over 8 devices
+    ({"sequence": 2, "tensor": 2}, {"model.n_heads": 12, "model.n_kv_heads": 6}, "model.n_kv_heads"),
+    ({"sequence": 4}, {"attention.ulysses_degree": 2, "train.seq_len": 36}, "train.seq_len"),
+    ({"sequence": 2}, {"attention.impl": "ring", "attention.ulysses_degree": 2}, "attention.ulysses_degree"),
+])
+def test_ulysses_validation_names_the_key(mesh, overrides, key):
+    config = tiny_config(mesh, **{"attention.impl": "ulysses", **overrides})
+    with pytest.raises(ValueError, match=f"config.{key}="):
+        validate(config, int(np.prod(list(mesh.values()))))
+
+
 def test_pallas_kernels_train_like_xla(tiny_reference):
     """attention.impl=pallas + fused RMSNorm + fused loss (interpret mode) == everything off."""
     batches, ref_losses, _ = tiny_reference

@@ -56,8 +56,8 @@ def _moe(mesh: dict, **overrides):
 KINDS = {"dense": _dense, "pipeline": _pipeline, "moe": _moe}
 # Keys that choose how the step is laid out, never what it computes: the float32 reference drops them.
 LAYOUT_KEYS = {"train.zero_stage", "train.grad_accum_steps", "model.sequence_parallel", "remat.policy",
-               "attention.impl", "model.fused_norm", "model.fused_loss", "pipeline.schedule",
-               "pipeline.repeats", "pipeline.microbatches", "pipeline.weight_parts"}
+               "attention.impl", "attention.ulysses_degree", "model.fused_norm", "model.fused_loss",
+               "pipeline.schedule", "pipeline.repeats", "pipeline.microbatches", "pipeline.weight_parts"}
 
 
 def _case(kind: str, mesh: dict, **overrides):

@@ -34,9 +34,9 @@ import ml_collections
 import numpy as np
 
 from meshtrain import attention as attention_lib
-from meshtrain.config import BATCH_AXES, Axis, require
+from meshtrain.config import BATCH_AXES, CONTEXT_PARALLEL_IMPLS, Axis, require
 from meshtrain.pallas_kernels.flash_attention import MIN_BLOCK
-from meshtrain.parallel import pipeline as pipeline_lib, pipeline_tables, ring_attention, schedules
+from meshtrain.parallel import pipeline as pipeline_lib, pipeline_tables, ring_attention, schedules, ulysses
 
 STAGE, SEQUENCE = Axis.STAGE.value, Axis.SEQUENCE.value
 GradsFn = Callable  # (params, histories, batch, model, total_tokens, accum_steps) -> (loss_sum, aux, grads, amaxes)
@@ -123,8 +123,8 @@ def accumulation_axes(config: ml_collections.ConfigDict, sizes: Mapping[str, int
     if zero3 and config.model.num_experts and sizes["fsdp"] > 1:
         return ()
     axes = tuple(a for a in BATCH_AXES if sizes[a] > 1 and not (zero3 and a == "fsdp"))
-    ring = config.attention.impl == "ring" and sizes[SEQUENCE] > 1
-    return axes + ((SEQUENCE,) if ring else ())
+    context = config.attention.impl in CONTEXT_PARALLEL_IMPLS and sizes[SEQUENCE] > 1
+    return axes + ((SEQUENCE,) if context else ())
 
 
 def ring_flash(config: ml_collections.ConfigDict, sizes: Mapping[str, int], platform: str) -> bool:
@@ -132,12 +132,20 @@ def ring_flash(config: ml_collections.ConfigDict, sizes: Mapping[str, int], plat
     (`platform`: the mesh's devices, not the host's), each block (seq_len / mesh.sequence, halved by
     zig-zag) a whole number of the kernel's smallest tile, and no MoE pipeline stage around it (its
     loop stays type-checked, `validate_config`; jnp blocks there)."""
-    if config.attention.impl != "ring" or sizes[SEQUENCE] == 1 or platform != "gpu":
+    if config.attention.impl not in CONTEXT_PARALLEL_IMPLS or sizes[SEQUENCE] == 1 or platform != "gpu":
         return False
     if config.model.num_experts and sizes[STAGE] > 1:
         return False
-    block = config.train.seq_len // sizes[SEQUENCE] // (2 if config.attention.zigzag else 1)
+    rings = ring_size(config, sizes)  # Ulysses: each device attends over a whole group's tokens
+    block = config.train.seq_len // rings // (2 if config.attention.zigzag and rings > 1 else 1)
     return block >= MIN_BLOCK and block % MIN_BLOCK == 0
+
+
+def ring_size(config: ml_collections.ConfigDict, sizes: Mapping[str, int]) -> int:
+    """Devices on the K/V ring: mesh.sequence under ring attention, the groups under Ulysses (1: none)."""
+    if config.attention.impl == "ulysses":
+        return sizes[SEQUENCE] // ulysses.degree(config.attention.ulysses_degree, sizes[SEQUENCE])
+    return sizes[SEQUENCE] if config.attention.impl == "ring" else 1
 
 
 def uses_kernels(config: ml_collections.ConfigDict, sizes: Mapping[str, int], platform: str = "cpu") -> bool:
@@ -154,17 +162,23 @@ def attention_fn(config: ml_collections.ConfigDict, flash: bool = False) -> atte
     kernel (`ring_flash`)."""
     impl = config.attention.impl
     if impl == "ring":
-        return functools.partial(ring_attention.ring, zigzag=bool(config.attention.zigzag), flash=flash)
+        return functools.partial(ring_attention.ring, zigzag=bool(config.attention.zigzag), flash=flash,
+                                 transport="ring")
+    if impl == "ulysses":
+        return functools.partial(ulysses.ulysses, ulysses_degree=config.attention.ulysses_degree,
+                                 zigzag=bool(config.attention.zigzag), flash=flash, transport="ring")
     if impl == "pallas":
         return attention_lib.pallas_attention
     return attention_lib.xla_attention
 
 
 def data_permutation(config: ml_collections.ConfigDict, sizes: Mapping[str, int]) -> np.ndarray | None:
-    """The token order of the data: zig-zag for ring attention over more than one device, else None."""
-    if config.attention.impl != "ring" or not config.attention.zigzag or sizes[SEQUENCE] == 1:
+    """The token order of the data: zig-zag for a ring of more than one device (ring attention over
+    mesh.sequence, or across Ulysses groups), else None."""
+    rings = ring_size(config, sizes)
+    if not config.attention.zigzag or rings == 1:
         return None
-    return ring_attention.zigzag_permutation(config.train.seq_len, sizes[SEQUENCE])
+    return ring_attention.zigzag_permutation(config.train.seq_len, rings)
 
 
 def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:

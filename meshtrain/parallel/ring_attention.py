@@ -340,7 +340,7 @@ def _backward_from_vjp(forward: BlockForward) -> BlockBackward:
     return backward
 
 
-def _resolve_block_fn(block_fn: BlockForward | BlockAttention | None) -> BlockAttention:
+def resolve_block_fn(block_fn: BlockForward | BlockAttention | None) -> BlockAttention:
     if block_fn is None:
         return JNP_BLOCK_ATTENTION
     if isinstance(block_fn, BlockAttention):
@@ -401,6 +401,23 @@ class _RingStep:
     sm_scale: float
     block: BlockAttention
     heads: tuple[str, ...] = ()  # automatic mesh axes splitting the heads (the gathered transport's)
+    # devices of `axis_name` in one Ulysses all-to-all group (`parallel/ulysses.py`): consecutive
+    # indices; the ring joins the devices at the same place of each group, n * group in all
+    group: int = 1
+
+    def index(self):
+        """This device's place on its ring."""
+        return lax.axis_index(self.axis_name) // self.group if self.n > 1 else 0
+
+    def pairs(self, hop: int = 1) -> list[tuple[int, int]]:
+        """(source, destination) indices along `axis_name` of one hop round every ring."""
+        g = self.group
+        return [(r * g + j, ((r + hop) % self.n) * g + j) for r in range(self.n) for j in range(g)]
+
+    def rings(self) -> list[list[int]] | None:
+        """The rings as `axis_index_groups` of a gather or scatter (None: the whole axis is one ring)."""
+        g = self.group
+        return [[r * g + j for r in range(self.n)] for j in range(g)] if g > 1 else None
 
     def masks(self, seg_q, seg_kv, idx, src) -> dict:
         """The block keywords: segment ids and global token positions of the queries and the keys."""
@@ -464,10 +481,6 @@ class _RingStep:
         return lax.cond(src < idx, early, late)
 
 
-def _ring_pairs(n: int) -> list[tuple[int, int]]:
-    return [(i, (i + 1) % n) for i in range(n)]
-
-
 def _forward_ring(step: _RingStep, q, k, v, seg):
     """The K/V blocks go round the ring (device i sends to i + 1); each is merged into the running
     (out, lse) by the online softmax. The next transfer is issued before the current block's compute.
@@ -475,11 +488,11 @@ def _forward_ring(step: _RingStep, q, k, v, seg):
     q: [B, L_seq, H, D]; k, v: [B, L_seq, K, D]; seg: [B, L_seq] -> out f32 [B, L_seq, H, D], lse f32 [B, H, L_seq].
     """
     n, axis = step.n, step.axis_name
-    idx = lax.axis_index(axis) if n > 1 else 0  # a ring of one needs no bound axis
+    idx = step.index()  # a ring of one needs no bound axis
     kv = (k, v, seg)
     out = lse = None
     for t in range(n):
-        nxt = lax.ppermute(kv, axis, _ring_pairs(n)) if t < n - 1 else None
+        nxt = lax.ppermute(kv, axis, step.pairs()) if t < n - 1 else None
         src = (idx - t) % n  # the device whose K/V block is here
         o_b, lse_b = step.forward(q, kv[0], kv[1], step.masks(seg, kv[2], idx, src), idx, src, t)
         out, lse = (o_b, lse_b) if out is None else _merge(out, lse, o_b, lse_b)
@@ -496,8 +509,8 @@ def _backward_ring(step: _RingStep, q, k, v, seg, out, lse, dout):
     forward to the backward, O(full sequence) per device instead of O(local block).
     """
     n, axis = step.n, step.axis_name
-    back = [(j, i) for i, j in _ring_pairs(n)]
-    idx = lax.axis_index(axis) if n > 1 else 0
+    back = step.pairs(-1)
+    idx = step.index()
     out_f, dout_f = out.astype(jnp.float32), dout.astype(jnp.float32)
     kv = (k, v, seg)
     dq = dkv = None
@@ -517,7 +530,7 @@ def _take(tree, i):
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
 
-def _per_head_shard(collective, heads: tuple[str, ...], in_dims: tuple, out_dims: tuple):
+def per_head_shard(collective, heads: tuple[str, ...], in_dims: tuple, out_dims: tuple):
     """`collective` (over the ring's axis) run on each device's heads when the automatic axes
     `heads` split them: under a still-automatic `tensor`, the partitioner replicates an
     all-gather's or reduce-scatter's operand over it first (a collective-permute passes the
@@ -531,22 +544,24 @@ def _per_head_shard(collective, heads: tuple[str, ...], in_dims: tuple, out_dims
 
 def _gather_blocks(step: _RingStep, k, v, seg):
     """Every device's (k, v, seg) block, stacked [N, B, L_seq, ...] in device order."""
-    gather = _per_head_shard(lambda *x: lax.all_gather(x, step.axis_name), step.heads, (2, 2, None), (3, 3, None))
+    gather = per_head_shard(lambda *x: lax.all_gather(x, step.axis_name, axis_index_groups=step.rings()),
+                             step.heads, (2, 2, None), (3, 3, None))
     return gather(k, v, seg)
 
 
 def _scatter_sums(step: _RingStep, dk_all, dv_all):
     """dK / dV [N, B, L_seq, K, D] of every block summed into their owners: [B, L_seq, K, D]."""
     def scatter(*d):
-        return tuple(lax.psum_scatter(x, step.axis_name, scatter_dimension=0, tiled=False) for x in d)
-    return _per_head_shard(scatter, step.heads, (3, 3), (2, 2))(dk_all, dv_all)
+        return tuple(lax.psum_scatter(x, step.axis_name, scatter_dimension=0, tiled=False,
+                                      axis_index_groups=step.rings()) for x in d)
+    return per_head_shard(scatter, step.heads, (3, 3), (2, 2))(dk_all, dv_all)
 
 
 def _forward_gathered(step: _RingStep, q, k, v, seg):
     """The ring's blocks, received by one all-gather over the axis instead of N - 1 hops (the same
     bytes); the blocks are visited in the ring's order, so the result is the ring's to the bit."""
-    n, axis = step.n, step.axis_name
-    idx = lax.axis_index(axis)
+    n = step.n
+    idx = step.index()
     every = _gather_blocks(step, k, v, seg)  # [N, B, L_seq, ...]
     out = lse = None
     for t in range(n):
@@ -560,8 +575,8 @@ def _forward_gathered(step: _RingStep, q, k, v, seg):
 def _backward_gathered(step: _RingStep, q, k, v, seg, out, lse, dout):
     """The backward ring's sums, with the blocks gathered once and dK/dV of every block summed
     into their owners by one reduce-scatter (the same bytes as the N hops of the dK/dV ring)."""
-    n, axis = step.n, step.axis_name
-    idx = lax.axis_index(axis)
+    n = step.n
+    idx = step.index()
     out_f, dout_f = out.astype(jnp.float32), dout.astype(jnp.float32)
     every = _gather_blocks(step, k, v, seg)
     dq = None
@@ -578,8 +593,8 @@ def _backward_gathered(step: _RingStep, q, k, v, seg, out, lse, dout):
     return dq, dk, dv
 
 
-def _make_local_attention(n: int, axis_name: str, zigzag: bool, sm_scale: float, block: BlockAttention,
-                          transport: str = "ring", heads: tuple[str, ...] = ()):
+def make_local_attention(n: int, axis_name: str, zigzag: bool, sm_scale: float, block: BlockAttention,
+                          transport: str = "ring", heads: tuple[str, ...] = (), group: int = 1):
     """The per-device attention over local blocks [B, L_seq, ...]: the forward ring, and the backward
     ring as its `jax.custom_vjp` with O(local block) residuals (q, k, v, segment ids, out, lse).
 
@@ -588,8 +603,9 @@ def _make_local_attention(n: int, axis_name: str, zigzag: bool, sm_scale: float,
     where a collective-permute would wait for every device of the mesh (XLA:CPU rendezvous over the
     permute's whole device set), while all-gather and reduce-scatter meet per group. `heads`: the
     automatic axes that split the K/V heads, across which those two collectives run per shard.
+    `group`: a ring of every `group`-th device of the axis (`_RingStep.group`, under Ulysses).
     """
-    step = _RingStep(n, axis_name, zigzag, sm_scale, block, heads if transport == "gather" else ())
+    step = _RingStep(n, axis_name, zigzag, sm_scale, block, heads if transport == "gather" else (), group)
     forward, backward = ((_forward_gathered, _backward_gathered) if transport == "gather" and n > 1
                          else (_forward_ring, _backward_ring))
 
@@ -649,7 +665,7 @@ def ring_attention(
       block_fn: the local block computation (see the module docstring); None = jnp.
         E.g. `pallas_kernels.flash_attention.flash_attention_with_lse` on GPU.
       transport: "ring" (collective-permutes) or "gather" (all-gather / reduce-scatter, the same
-        bytes): see `_make_local_attention`.
+        bytes): see `make_local_attention`.
       heads_axes: automatic mesh axes that split the heads (K and H) of q, k and v; the gathered
         transport moves each device's heads only.
 
@@ -678,12 +694,12 @@ def ring_attention(
         raise ValueError(f"sequence length T={t} must be divisible by {'2 * ' if zigzag else ''}mesh.{axis_name}={n} "
                          f"(= {chunks}) for ring attention (zigzag={zigzag}).")
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-    block = _resolve_block_fn(block_fn)
+    block = resolve_block_fn(block_fn)
     heads_axes = tuple(a for a in heads_axes if mesh.shape[a] > 1)
     if heads_axes and k.shape[2] % math.prod(mesh.shape[a] for a in heads_axes):
         raise ValueError(f"K={k.shape[2]} key/value heads do not split over {heads_axes} "
                          f"({[mesh.shape[a] for a in heads_axes]} ways)")
-    local = _make_local_attention(n, axis_name, zigzag, scale, block, transport, heads_axes)
+    local = make_local_attention(n, axis_name, zigzag, scale, block, transport, heads_axes)
     if inside or n == 1:  # the enclosing region (a pipeline stage) is manual over the ring, or no ring
         return local(q, k, v, segment_ids.astype(jnp.int32))
     x_spec, seg_spec = P(None, axis_name, None, None), P(None, axis_name)
@@ -731,7 +747,8 @@ def ring(q: Array, k: Array, v: Array, segment_ids: Array, *, zigzag: bool, tran
 
 def in_conditional_slots(fn: Callable) -> Callable:
     """Attention `fn` as it must run inside a branch that only some stages take (a 1F1B slot): ring
-    attention moves its blocks by all-gather / reduce-scatter instead of collective-permutes."""
-    if isinstance(fn, functools.partial) and fn.func is ring:
-        return functools.partial(ring, **{**fn.keywords, "transport": "gather"})
+    attention (alone or across Ulysses groups) moves its blocks by all-gather / reduce-scatter instead
+    of collective-permutes."""
+    if isinstance(fn, functools.partial) and "transport" in fn.keywords:
+        return functools.partial(fn.func, **{**fn.keywords, "transport": "gather"})
     return fn
