@@ -84,6 +84,25 @@ def test_pallas_kernels_compose(mesh, overrides):
     chex.assert_trees_all_close(params, ref_params, rtol=1e-4, atol=1e-5)
 
 
+ULYSSES = [({"sequence": 2, "expert": 2, "data": 2}, 0), ({"sequence": 2, "stage": 2, "data": 2}, 0),
+           ({"sequence": 4, "stage": 2}, 2)]
+
+
+@pytest.mark.parametrize("mesh, degree", ULYSSES, ids=["sequence-expert-data", "sequence-stage-data-1f1b",
+                                                       "sequence4-stage-1f1b-hybrid2"])
+def test_ulysses_composes(mesh, degree):
+    """Ulysses in place of the ring beside the MoE exchange over `expert` and inside 1F1B's slots (its
+    all-to-alls per group of `sequence` devices, which take the same branch), and ring x Ulysses in
+    1F1B's slots (the ring across the two groups by all-gather / reduce-scatter): the data=8 run's
+    losses and parameters."""
+    config = composed_config(mesh)
+    config.attention.impl, config.attention.ulysses_degree = "ulysses", degree
+    losses, params = _train(config)
+    ref_losses, ref_params = _reference("expert" in mesh, True)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5 if "data" in mesh else 1e-4)
+    chex.assert_trees_all_close(params, ref_params, rtol=1e-4, atol=1e-5)
+
+
 def _portable_config(workdir, mesh: dict, steps: int, **overrides):
     return utils.tiny_config(mesh, **{"model.n_layers": 8, "train.seq_len": 32, "pipeline.microbatches": 4,
                                       "steps": steps, "log_every": 1, "workdir": str(workdir), **overrides})

@@ -86,6 +86,10 @@ CASES = [
     _case("dense", {"sequence": 4, "data": 2}, **{"attention.impl": "ring"}),
     _case("dense", {"data": 2, "sequence": 2, "tensor": 2}, **{"attention.impl": "ring", "train.grad_accum_steps": 2}),
     _case("dense", {"data": 8}, **{"attention.impl": "ring"}),
+    # test_attention_impls: Ulysses, alone and with a ring across its groups
+    _case("dense", {"sequence": 4, "data": 2}, **{"attention.impl": "ulysses"}),
+    _case("dense", {"data": 2, "sequence": 2, "tensor": 2}, **{"attention.impl": "ulysses"}),
+    _case("dense", {"sequence": 4, "data": 2}, **{"attention.impl": "ulysses", "attention.ulysses_degree": 2}),
     _case("dense", {"data": 8}, **{"attention.impl": "pallas", "model.fused_norm": True, "model.fused_loss": True}),
     _case("dense", {"data": 2}, **{"attention.impl": "pallas", "model.fused_norm": True, "model.fused_loss": True,
                                    "train.grad_accum_steps": 2}),
@@ -152,7 +156,12 @@ COMPOSED = [t for t in itertools.combinations(config_lib.MESH_AXES, 3)
 KERNELS = {"attention.impl": "pallas", "model.fused_norm": True, "model.fused_loss": True}
 COMPOSED_CASES = [pytest.param(dict.fromkeys(t, 2), {}, id="-".join(t)) for t in COMPOSED] + [
     pytest.param({"stage": 2, "data": 2, "tensor": 2}, KERNELS, id="kernels-stage-data-tensor"),
-    pytest.param({"expert": 2, "data": 2}, KERNELS, id="kernels-expert-data")]
+    pytest.param({"expert": 2, "data": 2}, KERNELS, id="kernels-expert-data")] + [
+    # test_compose's Ulysses meshes: beside MoE, in 1F1B's slots, ring x Ulysses in the slots
+    pytest.param(mesh, {"attention.impl": "ulysses", "attention.ulysses_degree": degree},
+                 id="ulysses-" + "-".join(f"{a}{n}" for a, n in mesh.items())) for mesh, degree in (
+        ({"sequence": 2, "expert": 2, "data": 2}, 0), ({"sequence": 2, "stage": 2, "data": 2}, 0),
+        ({"sequence": 4, "stage": 2}, 2))]
 
 
 @functools.cache

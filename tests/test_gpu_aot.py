@@ -97,6 +97,11 @@ FEATURES = {
     "zero-bubble": ({"stage": 2, "tensor": 2, "data": 2}, {"pipeline.schedule": "zero_bubble",
                                                            "pipeline.weight_parts": 2}),
     "ring-contiguous": ({"sequence": 4, "data": 2}, {"attention.zigzag": False}),
+    "ulysses-tensor": ({"data": 2, "sequence": 2, "tensor": 2}, {"attention.impl": "ulysses"}),
+    "ulysses-hybrid": ({"sequence": 4, "data": 2}, {"attention.impl": "ulysses", "attention.ulysses_degree": 2}),
+    "ulysses-expert": ({"sequence": 2, "expert": 2, "data": 2}, {"attention.impl": "ulysses"}),
+    "ulysses-1f1b": ({"sequence": 2, "stage": 2, "data": 2}, {"attention.impl": "ulysses"}),
+    "ulysses-hybrid-1f1b": ({"sequence": 4, "stage": 2}, {"attention.impl": "ulysses", "attention.ulysses_degree": 2}),
     "remat-selective": ({"fsdp": 8}, {"remat.policy": "selective"}),
 }
 

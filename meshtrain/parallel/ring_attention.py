@@ -530,16 +530,18 @@ def _take(tree, i):
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
 
-def per_head_shard(collective, heads: tuple[str, ...], in_dims: tuple, out_dims: tuple):
+def per_head_shard(collective, heads: tuple[str, ...], in_dims: tuple, out_dims: tuple, checked: bool = True):
     """`collective` (over the ring's axis) run on each device's heads when the automatic axes
     `heads` split them: under a still-automatic `tensor`, the partitioner replicates an
     all-gather's or reduce-scatter's operand over it first (a collective-permute passes the
-    sharding through), so the K/V heads would cross `tensor` for nothing."""
+    sharding through), so the K/V heads would cross `tensor` for nothing. `checked`: whether the
+    enclosing region type-checks variance (not around a kernel), which this region then follows."""
     if not heads:
         return collective
     def specs(dims):
         return tuple(P() if d is None else P(*([None] * d), heads) for d in dims)
-    return jax.shard_map(collective, in_specs=specs(in_dims), out_specs=specs(out_dims), axis_names=set(heads))
+    return jax.shard_map(collective, in_specs=specs(in_dims), out_specs=specs(out_dims), axis_names=set(heads),
+                         check_vma=checked)
 
 
 def _gather_blocks(step: _RingStep, k, v, seg):

@@ -64,7 +64,8 @@ def _local(q, k, v, seg, *, n: int, u: int, zigzag: bool, block, transport: str,
         def move(*xs):
             return tuple(lax.all_to_all(x, SEQUENCE, split, concat, tiled=True, axis_index_groups=grouped) for x in xs)
         return move if not heads else (
-            lambda *xs: ring_attention.per_head_shard(move, heads, (2,) * len(xs), (2,) * len(xs))(*xs))
+            lambda *xs: ring_attention.per_head_shard(move, heads, (2,) * len(xs), (2,) * len(xs),
+                                                      block.vma_checked)(*xs))
 
     q, k, v = exchange(2, 1)(q, k, v)  # [B, U L, H / U, D]
     seg = lax.all_gather(seg, SEQUENCE, axis=1, tiled=True, axis_index_groups=grouped)  # [B, U L]
