@@ -29,7 +29,11 @@ sys.path.insert(0, str(ROOT))
 LIMIT = 1.05
 ACC4 = {"train.grad_accum_steps": 4, "train.batch_size": 32}
 # Cases whose excess is known and not yet removed: reported, not failed.
-OPEN: dict[str, str] = {}
+OPEN: dict[str, str] = {
+    "ring zero3 f2": "ZeRO-3 over sequence x fsdp: XLA:CPU reduces the gradient of a (sequence, fsdp)-sharded weight "
+                     "by a reduce-scatter over sequence and, inside the layer loop, an all-reduce over fsdp (2x the "
+                     "hierarchical reduce-scatter's fsdp bytes); sequence moves 0.78x the ledger's, the total 0.88x",
+}
 
 # name, mesh, overrides (dotted keys; "moe": the tiny MoE config)
 CASES = [
@@ -46,6 +50,17 @@ CASES = [
     ("tp d2", {"tensor": 4, "data": 2}, {"train.zero_stage": 0}),
     ("tp+sp d2", {"tensor": 4, "data": 2}, {"train.zero_stage": 0, "model.sequence_parallel": True}),
     ("ring d2", {"sequence": 4, "data": 2}, {"train.zero_stage": 0, "attention.impl": "ring"}),
+    ("ulysses d2", {"sequence": 4, "data": 2}, {"train.zero_stage": 0, "attention.impl": "ulysses"}),
+    ("ulysses tp d2", {"sequence": 2, "tensor": 2, "data": 2}, {"train.zero_stage": 0, "attention.impl": "ulysses"}),
+    ("ulysses noremat", {"sequence": 4, "data": 2}, {"train.zero_stage": 0, "attention.impl": "ulysses",
+                                                     "remat.policy": "none"}),
+    ("ulys2xring d2", {"sequence": 4, "data": 2}, {"train.zero_stage": 0, "attention.impl": "ulysses",
+                                                  "attention.ulysses_degree": 2}),
+    ("ulys2xring 1f1b", {"stage": 2, "sequence": 4}, {"train.zero_stage": 0, "attention.impl": "ulysses",
+                                                     "attention.ulysses_degree": 2, "pipeline.schedule": "1f1b"}),
+    ("ring zero1 f2", {"sequence": 4, "fsdp": 2}, {"train.zero_stage": 1, "attention.impl": "ring"}),
+    ("ring zero3 f2", {"sequence": 4, "fsdp": 2}, {"train.zero_stage": 3, "attention.impl": "ring"}),
+    ("ring zero1 acc4", {"sequence": 4, "fsdp": 2}, {"train.zero_stage": 1, "attention.impl": "ring", **ACC4}),
     ("gpipe d4", {"stage": 2, "data": 4}, {"train.zero_stage": 0, "train.batch_size": 32, "pipeline.microbatches": 8}),
     ("circular d4", {"stage": 2, "data": 4}, {"train.zero_stage": 0, "train.batch_size": 32, "pipeline.microbatches": 8,
                                               "pipeline.schedule": "circular", "pipeline.repeats": 2}),

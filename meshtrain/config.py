@@ -284,8 +284,9 @@ def _validate_shapes(config, sizes: dict[str, int]) -> None:
     _divides("model.n_kv_heads", m.n_kv_heads, "KV heads", sizes["tensor"], "mesh.tensor")
     _divides("model.mlp_dim", m.mlp_dim, "the MLP width", sizes["tensor"], "mesh.tensor")
     _divides("model.vocab_size", m.vocab_size, "the vocabulary", sizes["tensor"], "mesh.tensor")
-    if config.train.zero_stage > 0:  # ZeRO shards the `embed` dimension of parameter-sized state over fsdp
-        _divides("model.d_model", m.d_model, "d_model (sharded by ZeRO)", sizes["fsdp"], "mesh.fsdp")
+    if config.train.zero_stage > 0:  # ZeRO shards the `embed` dimension of parameter-sized state over both
+        _divides("model.d_model", m.d_model, "d_model (sharded by ZeRO)", sizes["sequence"] * sizes["fsdp"],
+                 "mesh.sequence*mesh.fsdp")
     _divides("model.n_layers", m.n_layers, "layers", sizes["stage"], "mesh.stage")
     _divides("train.seq_len", t.seq_len, "the sequence length", sizes["sequence"], "mesh.sequence")
     if m.sequence_parallel:

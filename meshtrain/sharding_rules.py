@@ -5,9 +5,10 @@ The model names every dimension of every parameter and activation with a logical
 partitioner then derives the collectives (playbook: "Tensor Parallelism", "ZeRO",
 "Sequence Parallelism"). Two mappings exist, as in the playbook's ZeRO section:
 
-* storage: how state rests between steps. The `fsdp` entries apply only to the state
-  that the ZeRO stage shards (optimizer state from stage 1, gradients from 2, parameters
-  from 3).
+* storage: how state rests between steps. The ZeRO entries (`sequence` and `fsdp` on the
+  model dimension: ZeRO shards over both, since the `sequence` devices would otherwise hold
+  replicas) apply only to the state that the ZeRO stage shards (optimizer state from stage 1,
+  gradients from 2, parameters from 3).
 * compute: how activations flow; they never mention `fsdp` on a feature dimension.
 
 Resolution skips a mesh axis an earlier dimension already uses, and refuses a dimension
@@ -28,6 +29,10 @@ from meshtrain.config import BATCH_AXES, Axis
 
 D, F, T, S, E, ST = (Axis.DATA.value, Axis.FSDP.value, Axis.TENSOR.value, Axis.SEQUENCE.value,
                      Axis.EXPERT.value, Axis.STAGE.value)
+# The axes ZeRO shards parameter-sized state over (playbook, "ZeRO"; Megatron's distributed optimizer
+# shards over the data-parallel x context-parallel group): `sequence` first, so that a region manual
+# over `sequence` alone (ring or Ulysses attention under ZeRO-3) leaves the state its outer shards.
+ZERO_AXES: tuple[str, ...] = (S, F)
 
 # logical name -> mesh axes, one entry per name.
 RULES: dict[str, tuple[str, ...]] = {
@@ -42,7 +47,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "act_vocab": (T,),
     "act_expert": (E,),
     # parameters (storage mapping; `fsdp` entries only where the ZeRO stage shards the state)
-    "embed": (F,),                 # ZeRO shards the model dimension of every weight
+    "embed": ZERO_AXES,            # ZeRO shards the model dimension of every weight
     "heads": (T,),                 # Megatron: attention heads split over tensor
     "kv_heads": (T,),
     "head_dim": (),
@@ -100,7 +105,7 @@ class Rules:
             return ()
         if name not in RULES:
             raise ShardingRuleError(f"unknown logical axis name {name!r}; known: {sorted(RULES)}")
-        return tuple(a for a in RULES[name] if self.shard_fsdp or a != F)
+        return tuple(a for a in RULES[name] if self.shard_fsdp or a not in ZERO_AXES)
 
     def spec(self, names: tuple[str | None, ...], shape: tuple[int, ...] | None = None,
              what: str = "array") -> P:

@@ -35,7 +35,7 @@ from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import fp8 as fp8_lib, mesh as mesh_lib, model as model_lib, optimizer as optimizer_lib
-from meshtrain.sharding_rules import Rules, named, vary
+from meshtrain.sharding_rules import ZERO_AXES, Rules, named, vary
 
 if TYPE_CHECKING:
     from meshtrain.run import Run
@@ -230,11 +230,19 @@ def _accumulate_local(params, histories, micro_batches, model, total_tokens, acc
     return loss_sum, jax.tree.map(jnp.mean, aux), grads, amaxes
 
 
-def _fsdp_dim(spec: P) -> int | None:
+def _axes_of(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry."""
+    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
+def _zero_dim(spec: P, axes: tuple[str, ...]) -> tuple[int | None, tuple[str, ...]]:
+    """(dimension, the ZeRO axes among `axes` that split it, in the spec's order): where a gradient that
+    rests sharded over ZeRO's axes (`sharding_rules.ZERO_AXES`) is reduce-scattered; (None, ()) if none."""
     for dim, entry in enumerate(spec):
-        if entry == "fsdp" or (isinstance(entry, tuple) and "fsdp" in entry):
-            return dim
-    return None
+        found = tuple(a for a in _axes_of(entry) if a in ZERO_AXES and a in axes)
+        if found:
+            return dim, found
+    return None, ()
 
 
 def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, manual_axes, grad_specs,
@@ -259,7 +267,6 @@ def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, man
     if not manual_axes:
         return _accumulate_local(params, histories, micro_batches, model, total_tokens, accum_steps)
     inner = model.clone(rules=model.rules.with_manual(manual_axes))
-    scatter_fsdp = "fsdp" in manual_axes
     split = ("expert",) if "expert" in manual_axes else ()  # expert weights enter split: the exchange runs inside
     is_spec = functools.partial(jax.tree.map, is_leaf=lambda x: isinstance(x, P))
 
@@ -272,11 +279,11 @@ def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, man
                                                          accum_steps, manual_axes)
 
         def reduce(g, spec):
-            over = tuple(a for a in manual_axes if a not in spec)  # not over the axes the weight is split on
-            dim = _fsdp_dim(spec) if scatter_fsdp else None
-            if dim is not None:  # the shard first: the other axes then move 1/fsdp of it
-                g = jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dim, tiled=True)
-                over = tuple(a for a in over if a != "fsdp")
+            split_on = {a for entry in spec for a in _axes_of(entry)}
+            over = tuple(a for a in manual_axes if a not in split_on)  # not over the axes the weight is split on
+            dim, zero = _zero_dim(spec, manual_axes)
+            if dim is not None:  # the shard first: the other axes then move 1/(its ZeRO axes) of it
+                g = jax.lax.psum_scatter(g, zero, scatter_dimension=dim, tiled=True)
             return jax.lax.psum(g, over) if over else g
         grads = is_spec(reduce, grads, grad_specs)
         amaxes = jax.tree.map(lambda a: jax.lax.pmax(a, manual_axes), amaxes)  # each device saw its part: global
@@ -284,7 +291,8 @@ def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, man
                 grads, amaxes)
 
     def leaving(spec: P) -> P:
-        return P(*[("fsdp" if _fsdp_dim(P(e)) == 0 and scatter_fsdp else (e if e in split else None)) for e in spec])
+        dim, zero = _zero_dim(spec, manual_axes)
+        return P(*[(zero if d == dim else (e if e in split else None)) for d, e in enumerate(spec)])
 
     grad_out_specs = is_spec(leaving, grad_specs)
     param_in_specs = is_spec(entering, grad_specs)

@@ -23,6 +23,11 @@ CASES = [
     ({"fsdp": 4, "data": 2}, {"train.zero_stage": 3, **ACC4}),
     ({"tensor": 4, "data": 2}, {"train.zero_stage": 0}),
     ({"sequence": 4, "data": 2}, {"train.zero_stage": 0, "attention.impl": "ring"}),
+    # Ulysses (four all-to-alls a layer forward, their transposes backward), and a ring across its two groups
+    ({"sequence": 4, "data": 2}, {"train.zero_stage": 0, "attention.impl": "ulysses"}),
+    ({"sequence": 4, "data": 2}, {"train.zero_stage": 0, "attention.impl": "ulysses", "attention.ulysses_degree": 2}),
+    # ZeRO-1 over sequence x fsdp with accumulation: the reduce-scatter and the gather span both axes
+    ({"sequence": 4, "fsdp": 2}, {"train.zero_stage": 1, "attention.impl": "ring", **ACC4}),
     ({"stage": 2, "data": 4}, {"train.zero_stage": 0, "pipeline.microbatches": 8, "train.batch_size": 32}),
     # ring inside 1F1B slots (gathered transport) beside tensor: each device gathers its own K/V heads
     ({"stage": 2, "sequence": 2, "tensor": 2}, {"train.zero_stage": 0, "attention.impl": "ring",

@@ -213,6 +213,21 @@ def test_planner_memory_within_10_percent_of_the_h100_compiler(name):
         f"{name}: planner {planned / 2**30:.2f} GiB, compiler {compiled / 2**30:.2f} GiB")
 
 
+@pytest.mark.parametrize("impl", ["ring", "ulysses"])
+def test_zero_over_sequence_holds_the_state_of_fsdp8(impl):
+    """llama3_8b (2 layers) on fsdp4 x sequence2 under ZeRO (the config's stage), ring or Ulysses: the
+    state rests sharded over sequence x fsdp, so the compiled step's argument bytes per device are
+    within 5% of fsdp8's (the sequence devices hold no replicas)."""
+    reports = {}
+    for name, overrides in {"fsdp8": {"mesh.fsdp": 8}, "cp": {"mesh.fsdp": 4, "mesh.sequence": 2,
+                                                           "attention.impl": impl}}.items():
+        config = apply_overrides(load_config_file("llama3_8b"), {"model.n_layers": 2, "train.batch_size": 8,
+                                                                  **overrides})
+        reports[name] = _compile(config)
+    fsdp8, cp = (reports[k].step.memory["argument"] for k in ("fsdp8", "cp"))
+    assert cp <= 1.05 * fsdp8, (cp / 2**30, fsdp8 / 2**30)
+
+
 def test_multi_node_target_is_nodes_of_eight():
     devices = aot.target_devices("h100", 64)
     assert len(devices) == 64 and len({d.process_index for d in devices}) == 8

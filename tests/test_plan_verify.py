@@ -28,6 +28,8 @@ MESHES = [
     ({"expert": 8}, {"train.zero_stage": 0}),
     ({"data": 2, "fsdp": 2, "tensor": 2}, {"train.zero_stage": 3, "remat.policy": "full"}),
     ({"sequence": 4, "data": 2}, {"attention.impl": "ring", "train.zero_stage": 0}),
+    ({"sequence": 2, "tensor": 2, "data": 2}, {"attention.impl": "ulysses", "train.zero_stage": 0}),
+    ({"sequence": 4, "fsdp": 2}, {"attention.impl": "ulysses", "attention.ulysses_degree": 2, "train.zero_stage": 1}),
     ({"stage": 2, "data": 4}, {"train.zero_stage": 0, "pipeline.microbatches": 4}),
     ({"stage": 4, "data": 2}, {"train.zero_stage": 0, "pipeline.microbatches": 4}),
     ({"stage": 4, "tensor": 2}, {"train.zero_stage": 0, "pipeline.microbatches": 4, "pipeline.schedule": "1f1b"}),

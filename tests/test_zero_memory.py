@@ -51,3 +51,20 @@ def test_zero2_gradient_rests_sharded_in_temp_memory(unsharded):
     temps = {stage: _compiled(tiny_config({"fsdp": 8}, **{"train.zero_stage": stage}))[1].temp_size_in_bytes
              for stage in (0, 2)}
     assert temps[0] - temps[2] >= (1 - 1 / 8) * params, temps
+
+
+@pytest.mark.parametrize("impl", ["ring", "ulysses"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_shards_over_sequence_too(unsharded, stage, impl):
+    """Context parallelism (playbook, "Context Parallelism"): the `sequence` devices would otherwise hold
+    replicas, so ZeRO shards over sequence x fsdp (Megatron's distributed optimizer over the
+    data-parallel x context-parallel group): the state on fsdp=2 x sequence=4 rests as on fsdp=8."""
+    total, params, opt = unsharded
+    mesh = {"fsdp": 2, "sequence": 4}
+    factory, memory, batch_bytes = _compiled(tiny_config(mesh, **{"train.zero_stage": stage,
+                                                                   "attention.impl": impl}))
+    state_bytes = memory.argument_size_in_bytes - batch_bytes
+    expected = {1: params + opt / 8, 3: total / 8}[stage]
+    assert abs(state_bytes - expected) <= 0.05 * expected, (stage, state_bytes, expected)
+    opt_specs = jax.tree.leaves(factory.specs.opt_state, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+    assert any(("sequence", "fsdp") in tuple(s) for s in opt_specs)

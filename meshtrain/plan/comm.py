@@ -4,17 +4,20 @@ Playbook, appendix A0 (ring collectives) and A3 ("Math for Compute/Communication
 applied to meshtrain's implementation (`train_step.py`, `model.py`, `sharding_rules.py`):
 
 * batch axes (`data`, `fsdp`, `expert` for dense layers, and `sequence`, over which the
-  parameters are replicated): gradient all-reduce; under ZeRO-2/3 a reduce-scatter over
-  `fsdp` first, then the all-reduce of the shard over the other axes; with a pipeline the layer
-  gradients once per step (the stage loop is manual over the batch axes);
-* ZeRO-1/2: all-gather of the updated parameters over `fsdp`; ZeRO-3: all-gather of every
+  parameters are replicated): gradient all-reduce; under ZeRO a reduce-scatter over ZeRO's axes
+  (`fsdp`, and `sequence` when it splits: `sharding_rules.ZERO_AXES`) first, then the all-reduce
+  of the shard over the other axes; with a pipeline the layer gradients once per step (the stage
+  loop is manual over the batch axes);
+* ZeRO-1/2: all-gather of the updated parameters over ZeRO's axes; ZeRO-3: all-gather of every
   weight in the forward pass and of each rematerialised layer again in the backward pass,
   per micro-batch (the playbook's 3 Psi against 2 Psi);
 * `tensor`: two all-reduces of the [t, D] residual per layer forward (attention and MLP
   row-parallel outputs), their transposes backward; with sequence parallelism each becomes
   reduce-scatter + all-gather;
 * `sequence`: ring attention passes the K/V block s-1 times per layer forward, and K/V plus
-  their gradients backward; `stage`: one activation forward and one gradient backward per
+  their gradients backward; Ulysses four all-to-alls per layer forward (q, k, v, output) and
+  their transposes backward, a ring across its groups when it has several; `stage`: one
+  activation forward and one gradient backward per
   pipeline tick; `expert`: all-to-all dispatch and combine per MoE layer, forward and back.
 
 Bytes are what each device sends. A collective over several axes is attributed axis by axis
@@ -38,6 +41,7 @@ import math
 from meshtrain.parallel import schedules
 from meshtrain.mesh import MESH_ORDER
 from meshtrain.plan.memory import Step, dtype_bytes, local_size, param_table
+from meshtrain.sharding_rules import ZERO_AXES
 
 # schedules whose loop computes loss and gradients itself (no autodiff of the tick loop)
 SLOT_SCHEDULES = ("1f1b", *schedules.TABLE_SCHEDULES)
@@ -112,20 +116,24 @@ def _gradient_and_zero(run: Step, remat: str, backend: Backend) -> list[Coll]:
                 out.append(Coll("all-reduce", full, axes, 1, f"grad {leaf.path}"))
             reduce = {}
             runs = 1
-        sharded = "fsdp" in reduce and "fsdp" in _spec_axes(leaf, place["grads"])
+        # ZeRO's axes (`sharding_rules.ZERO_AXES`: sequence and fsdp) that this leaf's state is split on
+        zero = {a: s[a] for a in ZERO_AXES if a in reduce and a in _spec_axes(leaf, place["grads"])}
         by_hand = run.zero_stage < 3  # the accumulation loop's psum_scatter; ZeRO-3's comes from the partitioner
-        if sharded:
-            out.append(Coll("reduce-scatter", full, {"fsdp": s["fsdp"]}, runs, f"grad {leaf.path}", by_hand))
-            rest = {a: n for a, n in reduce.items() if a != "fsdp"}
+        if zero:
+            out.append(Coll("reduce-scatter", full, zero, runs, f"grad {leaf.path}", by_hand))
+            rest = {a: n for a, n in reduce.items() if a not in zero}
             if rest:
-                out.append(Coll("all-reduce", full / s["fsdp"], rest, runs, f"grad {leaf.path}"))
+                out.append(Coll("all-reduce", full / math.prod(zero.values()), rest, runs, f"grad {leaf.path}"))
         elif reduce:
             out.append(Coll("all-reduce", full, reduce, runs, f"grad {leaf.path}"))
-        if s["fsdp"] > 1 and run.zero_stage in (1, 2) and "fsdp" in _spec_axes(leaf, place["optimizer"]):
-            out.append(Coll("all-gather", full, {"fsdp": s["fsdp"]}, 1, f"updated {leaf.path}"))
-        if s["fsdp"] > 1 and run.zero_stage >= 3 and "fsdp" in _spec_axes(leaf, place["params"]):
+        gathered = {a: s[a] for a in ZERO_AXES if s[a] > 1}
+        if gathered and run.zero_stage in (1, 2) and set(gathered) & _spec_axes(leaf, place["optimizer"]):
+            axes = {a: n for a, n in gathered.items() if a in _spec_axes(leaf, place["optimizer"])}
+            out.append(Coll("all-gather", full, axes, 1, f"updated {leaf.path}"))
+        if gathered and run.zero_stage >= 3 and set(gathered) & _spec_axes(leaf, place["params"]):
+            axes = {a: n for a, n in gathered.items() if a in _spec_axes(leaf, place["params"])}
             passes = 2 if (leaf.in_layers and remat != "none" and not pipelined) else 1
-            out.append(Coll("all-gather", full, {"fsdp": s["fsdp"]}, passes * runs, f"gather {leaf.path}"))
+            out.append(Coll("all-gather", full, axes, passes * runs, f"gather {leaf.path}"))
     return out
 
 
@@ -162,11 +170,17 @@ def _activations(run: Step, remat: str, backend: Backend) -> list[Coll]:
             out.append(Coll("all-gather", x, tp, gathers * micro, "SP all-gather"))
         else:
             out.append(Coll("all-reduce", x, tp, reductions * micro, "TP all-reduce"))
-    if s["sequence"] > 1:
+    u, n = run.context  # Ulysses' all-to-all group, the K/V ring
+    if u > 1:  # q, k, v and the output forward, their transposes backward, the forward again under remat
+        qkvo = t * (2 * m.n_heads + 2 * m.n_kv_heads) // s["tensor"] * m.head_dim * a
+        passes = 2 + (1 if remat != "none" else 0)
+        out.append(Coll("all-to-all", qkvo, {"sequence": u}, layers * passes * micro, "Ulysses q, k, v, output"))
+        out.append(Coll("all-gather", u * t * 4, {"sequence": u}, micro, "Ulysses segment ids"))
+    if n > 1:
         kv = 2 * t * (m.n_kv_heads // s["tensor"]) * m.head_dim * a
-        # forward ring (N-1 K/V hops), again when the layer is recomputed, the backward ring's K/V
-        # (N-1) and its dK/dV, which travel one more hop home (N).
-        n = s["sequence"]
+        # forward ring (N-1 K/V hops), again when the layer is recomputed (a ring of two: the backward's
+        # hop, merged), the backward ring's K/V (N-1) and its dK/dV, which travel one more hop home (N).
+        # Under Ulysses the ring joins the groups: N of them, blocks U times longer over 1/U of the heads.
         if s["stage"] > 1 and run.pipeline_schedule in SLOT_SCHEDULES:
             # inside 1F1B slots: one all-gather of the blocks forward, one backward (the recomputed
             # forward shares it), and one reduce-scatter of dK/dV, written by hand (under the split
@@ -178,7 +192,7 @@ def _activations(run: Step, remat: str, backend: Backend) -> list[Coll]:
             out.append(Coll("reduce-scatter", kv * n, seq, layers * backs * micro, "ring dK/dV (scattered)",
                             manual=True))
         else:
-            hops = (n - 1) * (2 + (1 if remat != "none" else 0)) + n
+            hops = (n - 1) * (2 + (1 if remat != "none" and n > 2 else 0)) + n
             out.append(Coll("collective-permute", kv, {"sequence": n}, layers * hops * micro, "ring K/V"))
     if s["stage"] > 1:
         xm = x * run.grad_accum // run.microbatches

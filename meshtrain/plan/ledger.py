@@ -28,8 +28,9 @@ import collections
 import dataclasses
 import math
 
-from meshtrain.plan.comm import attribute
+from meshtrain.plan.comm import SLOT_SCHEDULES, attribute
 from meshtrain.plan.memory import Step, dtype_bytes, local_size, param_table
+from meshtrain.sharding_rules import ZERO_AXES
 
 BATCH = ("data", "fsdp", "expert", "sequence")
 
@@ -84,10 +85,11 @@ class Ledger:
 
     def gradients(self) -> None:
         """Data parallelism and ZeRO: each parameter's gradient reduced over the batch axes it is
-        replicated on, once per step; ZeRO's gathers over `fsdp`."""
+        replicated on, once per step; ZeRO's reduce-scatters and gathers over its axes (`sequence`
+        and `fsdp`, `sharding_rules.ZERO_AXES`), each axis's share as the hierarchical ring moves it."""
         st, s = self.step, self.s
         place = st.placement()
-        a, z, nf = st.grad_accum, st.zero_stage, s["fsdp"]
+        a, z = st.grad_accum, st.zero_stage
         # 1F1B keeps the embedding/norm/head on every stage: their gradients are summed over stage too
         outer_over_stage = self.schedule == "1f1b" and s["stage"] > 1
         grouped: dict[tuple, float] = collections.defaultdict(float)
@@ -97,39 +99,46 @@ class Ledger:
             reduce = tuple(x for x in BATCH if s[x] > 1 and x not in used)
             if outer_over_stage and not leaf.in_layers:  # mesh order: stage sits between data and fsdp
                 reduce = tuple(x for x in ("data", "stage") + BATCH[1:] if x in reduce or x == "stage")
-            rest = tuple(x for x in reduce if x != "fsdp")
-            shards = z >= 1 and "fsdp" in reduce and "fsdp" in _axes(place["optimizer"].spec(leaf.names, leaf.shape))
-            zero3 = z >= 3 and shards
-            grouped[(reduce, rest, shards, zero3, leaf.in_layers)] += psi
-        for (reduce, rest, shards, zero3, in_layers), psi in grouped.items():
+            sharded = _axes(place["optimizer"].spec(leaf.names, leaf.shape)) if z >= 1 else set()
+            zero = tuple(x for x in ZERO_AXES if x in reduce and x in sharded)
+            rest = tuple(x for x in reduce if x not in zero)
+            grouped[(reduce, rest, zero, z >= 3 and bool(zero), leaf.in_layers)] += psi
+        for (reduce, rest, zero, zero3, in_layers), psi in grouped.items():
             where = "layer" if in_layers else "embedding/norm/head"
-            if not shards:
+            if not zero:
                 for axis, b in attribute("all-reduce", psi, dict((x, s[x]) for x in reduce)).items():
                     self._reduction(axis, b, f"{where} gradient all-reduce",
                                     f"2(N-1)/N Psi over {'x'.join(reduce)}, hierarchical")
                 continue
-            self.add("fsdp", "minimum", f"{where} gradient reduce-scatter", "(N_f-1)/N_f Psi", _ring(nf) * psi)
+            group = {x: s[x] for x in zero}
+            nz, names = math.prod(group.values()), "x".join(zero)
+            self._zero(group, "minimum", f"{where} gradient reduce-scatter over {names}", "(N_z-1)/N_z Psi", psi)
             if zero3 and a > 1:
-                self.add("fsdp", "choice", f"{where} gradient reduce-scatter per micro-batch",
-                         "(A-1)(N_f-1)/N_f Psi: gradient shards accumulate (a whole-size accumulator would "
-                         "cost Psi (1-1/N_f) of memory)", (a - 1) * _ring(nf) * psi)
-            for axis, b in attribute("all-reduce", psi / nf, dict((x, s[x]) for x in rest)).items():
+                self._zero(group, "choice", f"{where} gradient reduce-scatter per micro-batch",
+                           "(A-1)(N_z-1)/N_z Psi: gradient shards accumulate (a whole-size accumulator would "
+                           "cost Psi (1-1/N_z) of memory)", (a - 1) * psi)
+            for axis, b in attribute("all-reduce", psi / nz, dict((x, s[x]) for x in rest)).items():
                 self._reduction(axis, b, f"{where} gradient shard all-reduce",
-                                f"2(N-1)/N Psi/N_f over {'x'.join(rest)}")
+                                f"2(N-1)/N Psi/N_z over {'x'.join(rest)}")
             if not zero3:
-                self.add("fsdp", "minimum", f"{where} updated-parameter all-gather (ZeRO-1/2)",
-                         "(N_f-1)/N_f Psi", _ring(nf) * psi)
+                self._zero(group, "minimum", f"{where} updated-parameter all-gather (ZeRO-1/2) over {names}",
+                           "(N_z-1)/N_z Psi", psi)
                 continue
-            self.add("fsdp", "minimum", f"{where} weight all-gathers (ZeRO-3: forward, backward)",
-                     "2 (N_f-1)/N_f Psi", 2 * _ring(nf) * psi)
+            self._zero(group, "minimum", f"{where} weight all-gathers (ZeRO-3: forward, backward) over {names}",
+                       "2 (N_z-1)/N_z Psi", 2 * psi)
             if a > 1:
-                self.add("fsdp", "choice", f"{where} weights re-gathered per micro-batch",
-                         "2(A-1)(N_f-1)/N_f Psi (keeping them gathered would cost Psi (1-1/N_f) of memory)",
-                         2 * (a - 1) * _ring(nf) * psi)
+                self._zero(group, "choice", f"{where} weights re-gathered per micro-batch",
+                           "2(A-1)(N_z-1)/N_z Psi (keeping them gathered would cost Psi (1-1/N_z) of memory)",
+                           2 * (a - 1) * psi)
             if self.cpu and s["stage"] == 1:
-                self.add("fsdp", "cpu", f"{where} reduce-scatter written as all-reduce + slice",
-                         "A (N_f-1)/N_f Psi (the GPU compiler's ReduceScatterCreator forms a reduce-scatter)",
-                         a * _ring(nf) * psi)
+                self._zero(group, "cpu", f"{where} reduce-scatter written as all-reduce + slice",
+                           "A (N_z-1)/N_z Psi (the GPU compiler's ReduceScatterCreator forms a reduce-scatter)",
+                           a * psi)
+
+    def _zero(self, group: dict[str, int], kind: str, what: str, formula: str, nbytes: float) -> None:
+        """A ZeRO gather or reduce-scatter of `nbytes` over the ZeRO axes `group`, axis by axis."""
+        for axis, b in attribute("all-gather", nbytes, group).items():
+            self.add(axis, kind, what, formula, b)
 
     def _reduction(self, axis: str, nbytes: float, what: str, formula: str) -> None:
         """A gradient reduction's share on `axis`: the playbook's minimum over the batch axes; over
@@ -179,27 +188,46 @@ class Ledger:
                      f"A (4L+1{per}) (N_t-1)/N_t x", count * _ring(nt) * x)
 
     def sequence(self) -> None:
-        """Ring attention: K/V pass N-1 hops forward; backward K/V N-1 hops and dK/dV N hops (home).
+        """Context parallelism (playbook, "Context Parallelism").
 
-        Inside 1F1B slots the blocks move by all-gather and dK/dV by reduce-scatter
-        (`ring_attention`'s gathered transport): dK/dV cost N-1 blocks, and the backward's one
-        gather serves the recomputed forward too (the compiler merges the two identical gathers).
+        Ring attention: K/V pass N-1 hops forward; backward K/V N-1 hops and dK/dV N hops (home).
+        Inside 1F1B slots the blocks move by all-gather and dK/dV by reduce-scatter (`ring_attention`'s
+        gathered transport): dK/dV cost N-1 blocks, and the backward's one gather serves the recomputed
+        forward too (the compiler merges the two identical gathers). Remat re-runs the forward ring in
+        the backward, except on a ring of two, whose backward hop is the forward's (merged).
+
+        Ulysses over groups of U: four all-to-alls per layer forward (q, k, v, output), their transposes
+        backward, each (U-1)/U of its buffer; the segment ids all-gathered once per micro-batch. With
+        U < N a ring of R = N / U groups follows, its blocks U times longer over 1/U of the heads: the
+        same bytes as a ring block of N devices, over R hops.
         """
         st, s = self.step, self.s
-        n = s["sequence"]
-        if n == 1 or st.model.num_experts < 0:
+        u, r = st.context
+        if u * r == 1:
             return
         m = st.model
-        kv = 2 * st.micro_tokens * (m.n_kv_heads // s["tensor"]) * m.head_dim * dtype_bytes(m.dtype)
+        a, tp = dtype_bytes(m.dtype), s["tensor"]
         per = st.grad_accum * (m.n_layers // s["stage"])
-        if self.schedule == "1f1b" and s["stage"] > 1:
-            self.add("sequence", "minimum", "gathered K/V and reduce-scattered dK/dV", "A L 3 (N-1) kv",
-                     per * 3 * (n - 1) * kv)
+        if u > 1:
+            qkvo = st.micro_tokens * (2 * m.n_heads + 2 * m.n_kv_heads) // tp * m.head_dim * a
+            self.add("sequence", "minimum", "Ulysses all-to-alls of q, k, v and the output, and their transposes",
+                     "A L 2 (U-1)/U (2H + 2K)/N_t d_h t", per * 2 * _ring(u) * qkvo)
+            self.add("sequence", "minimum", "Ulysses segment-id all-gather (int32, every layer's)", "A (U-1) t 4B",
+                     st.grad_accum * (u - 1) * st.micro_tokens * 4)
+            if self.remat != "none":
+                self.add("sequence", "choice", "remat re-runs the forward all-to-alls in the backward",
+                         "A L (U-1)/U (2H + 2K)/N_t d_h t", per * _ring(u) * qkvo)
+        if r == 1:
             return
-        self.add("sequence", "minimum", "ring K/V and dK/dV", "A L ((N-1) + (N-1) + N) kv", per * (3 * n - 2) * kv)
-        if self.remat != "none":
+        kv = 2 * st.micro_tokens * (m.n_kv_heads // tp) * m.head_dim * a
+        if self.schedule in SLOT_SCHEDULES and s["stage"] > 1:
+            self.add("sequence", "minimum", "gathered K/V and reduce-scattered dK/dV", "A L 3 (R-1) kv",
+                     per * 3 * (r - 1) * kv)
+            return
+        self.add("sequence", "minimum", "ring K/V and dK/dV", "A L ((R-1) + (R-1) + R) kv", per * (3 * r - 2) * kv)
+        if self.remat != "none" and r > 2:
             self.add("sequence", "choice", "remat re-runs the forward ring in the backward",
-                     "A L (N-1) kv", per * (n - 1) * kv)
+                     "A L (R-1) kv", per * (r - 1) * kv)
 
     def stage(self) -> None:
         """Pipeline: each micro-batch's activation crosses each stage boundary once forward, its

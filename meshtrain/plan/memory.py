@@ -122,13 +122,14 @@ class Step:
     pipeline_schedule: str = "gpipe"
     split_backward: str = "gemms"  # slot tables' W (`pipeline.split_backward`)
     weight_parts: int = 1  # split W as this many operations (`pipeline.weight_parts`)
+    ulysses_degree: int = 0  # `attention.ulysses_degree` (0: all of mesh.sequence)
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict, sizes: dict[str, int]) -> Step:
         return cls(ModelConfig.from_config(config), dict(sizes), config.train.zero_stage, config.train.batch_size,
                    config.train.seq_len, config.train.grad_accum_steps, config.pipeline.microbatches,
                    config.pipeline.repeats, config.pipeline.schedule, config.pipeline.split_backward,
-                   config.pipeline.weight_parts)
+                   config.pipeline.weight_parts, config.attention.ulysses_degree)
 
     @property
     def pipeline_ticks(self) -> int:
@@ -150,6 +151,16 @@ class Step:
     @property
     def rules(self) -> Rules:
         return Rules(tuple((a, self.sizes[a]) for a in MESH_ORDER))
+
+    @property
+    def context(self) -> tuple[int, int]:
+        """(U, R): the all-to-all group and the K/V ring of context parallelism over `sequence` (ring
+        attention: (1, N); Ulysses: (U, N / U); neither: (1, 1))."""
+        n = self.sizes["sequence"]
+        if self.model.attention_impl == "ulysses":
+            u = n if self.ulysses_degree == 0 else self.ulysses_degree
+            return u, n // u
+        return 1, (n if self.model.attention_impl == "ring" else 1)
 
     @property
     def dp(self) -> int:
@@ -249,10 +260,9 @@ def _layer_workspace(run: Step, t: int) -> int:
     else:
         mlp = t * 3 * m.mlp_dim // tp
     workspace = TOKEN_WORKSPACE * a * (t * per_token + mlp)
-    ring_flash = m.attention_impl == "ring" and s["sequence"] > 1  # flash blocks on GPU
-    if m.attention_impl == "xla" or (m.attention_impl == "ring" and not ring_flash):
-        t_kv = run.seq_len // s["sequence"] if m.attention_impl == "ring" else run.seq_len
-        workspace += SCORE_BYTES * t * (m.n_heads // tp) * t_kv
+    context = m.attention_impl in ("ring", "ulysses") and s["sequence"] > 1  # ring / Ulysses: flash blocks on GPU
+    if m.attention_impl != "pallas" and not context:
+        workspace += SCORE_BYTES * t * (m.n_heads // tp) * run.seq_len
     return workspace
 
 
