@@ -10,6 +10,8 @@
     schedules.py        the schedules as slot tables: simulate, check, bubble, in-flight micro-batches
     ring_attention.py   context parallelism over `sequence`: the ring (zig-zag, custom backward) and the
                         attention function the model calls
+    ulysses.py          context parallelism by all-to-all (Ulysses), and a ring across its groups
+    cost.py             the pipeline step as the lock-step loop executes it, priced from compiled branches
 
 Everything else is left to XLA's partitioner through the logical-axis rules (`sharding_rules.py`).
 The model imports nothing from here: it receives its attention function and its layer-stack runner

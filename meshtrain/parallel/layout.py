@@ -17,6 +17,7 @@ automatic (`Rules.manual` tells it which are already manual). The table, outermo
 | pipeline loop (`mesh.stage > 1`) | `stage`, every split batch axis, `sequence` when split | per-stage `switch` / `ppermute`, weights gathered once as they enter | `pipeline_axes` |
 | MoE layer (`model.num_experts`) | the batch axes not yet manual (`data`, `fsdp`, `expert`) | the token exchange over `expert` (`moe.expert_parallel`) | the enclosing region |
 | ring attention (`attention.impl='ring'`) | `sequence` (and `tensor` for the K/V heads) when not yet manual | K/V blocks travel the ring by `ppermute` | the enclosing region |
+| Ulysses (`attention.impl='ulysses'`) | `sequence` when not yet manual; `tensor` around each all-to-all when it splits the heads | the all-to-alls trade the sequence split for a head split | the enclosing region |
 | Pallas kernels (flash, fused norm / loss) | the axes each operand is split on | a `pallas_call` cannot be partitioned | `sharding_rules.per_shard` |
 
 A region holding a Pallas kernel is not type-checked for variance (`kernels`: a `pallas_call`
