@@ -68,7 +68,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--no-triples", action="store_true", help="only the six-axis mesh on 64 devices")
-    parser.add_argument("--quick", action="store_true", help="the CI smoke run: one triple (data, fsdp, tensor), 2 steps")
+    parser.add_argument("--quick", action="store_true",
+                        help="the CI smoke run: one triple (data, fsdp, tensor), 2 steps")
     args = parser.parse_args()
     meshes = [] if args.no_triples else [dict.fromkeys(t, 2) for t in itertools.combinations(AXES, 3)]
     if args.quick:

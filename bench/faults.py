@@ -200,7 +200,8 @@ def main() -> None:
     parser.add_argument("--spike_trials", type=int, default=2)
     parser.add_argument("--dir", default="")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="the CI smoke run: one checkpoint, data and kill trial; no test-suite trials")
+    parser.add_argument("--quick", action="store_true",
+                        help="the CI smoke run: one checkpoint, data and kill trial; no test-suite trials")
     args = parser.parse_args()
     if args.quick:
         args.trials, args.kill_trials, args.disk_trials, args.hang_trials, args.spike_trials = 1, 1, 0, 0, 0

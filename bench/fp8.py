@@ -72,7 +72,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--out", default=str(pathlib.Path(__file__).with_name("fp8_curves.png")))
     parser.add_argument("--workdir", default="")
-    parser.add_argument("--quick", action="store_true", help="the CI smoke run: 8 steps, the plot written to a temporary folder")
+    parser.add_argument("--quick", action="store_true",
+                        help="the CI smoke run: 8 steps, the plot written to a temporary folder")
     args = parser.parse_args()
     if args.quick:
         args.steps = 8

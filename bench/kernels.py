@@ -165,7 +165,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768")
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--quick", action="store_true", help="the CI smoke run: on a GPU the 1024 and 2048 lengths, 2 iterations")
+    parser.add_argument("--quick", action="store_true",
+                        help="the CI smoke run: on a GPU the 1024 and 2048 lengths, 2 iterations")
     args = parser.parse_args(argv)
     if args.quick:
         args.lengths, args.iters = "1024,2048", 2

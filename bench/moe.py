@@ -78,7 +78,8 @@ def main() -> None:
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--quick", action="store_true", help="the CI smoke run: expert 1 and 8, capacity factor 1.25, 2 steps")
+    parser.add_argument("--quick", action="store_true",
+                        help="the CI smoke run: expert 1 and 8, capacity factor 1.25, 2 steps")
     args = parser.parse_args()
     experts, factors = (1, 2, 4, 8), (1.0, 1.25, 2.0)
     if args.quick:

@@ -43,8 +43,8 @@ from meshtrain.data import tokenizers
 from meshtrain.mesh import compiler_options
 from meshtrain.model import Transformer, params_mesh
 from meshtrain.run import Run
-from meshtrain.validate import validate
 from meshtrain.sharding_rules import Rules
+from meshtrain.validate import validate
 
 log = logging.getLogger("meshtrain")
 MIN_BUCKET = 16

@@ -20,9 +20,9 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from meshtrain import aot, config as config_lib, mesh as mesh_lib
-from meshtrain.parallel import layout
 from meshtrain.pallas_kernels import target_platform
 from meshtrain.pallas_kernels._common import resolve_interpret
+from meshtrain.parallel import layout
 from meshtrain.plan import hardware, hlo
 from tests.utils import ROOT, tiny_config
 

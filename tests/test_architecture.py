@@ -82,7 +82,8 @@ def test_package_imports_have_no_cycle():
 
 # The commands: modules run as `python -m meshtrain.<name>`.
 COMMANDS = ("meshtrain.train", "meshtrain.evaluate", "meshtrain.sample", "meshtrain.aot", "meshtrain.launch",
-            "meshtrain.report", "meshtrain.lm_eval", "meshtrain.plan", "meshtrain.hf.__main__", "meshtrain.data.prepare")
+            "meshtrain.report", "meshtrain.lm_eval", "meshtrain.plan", "meshtrain.hf.__main__",
+            "meshtrain.data.prepare")
 # What the model, the data and the kernels must not reach, directly or through anything they import.
 ABOVE = ("meshtrain.parallel", "meshtrain.run", "meshtrain.validate", "meshtrain.run_loop", *COMMANDS)
 BELOW = ("meshtrain.data", "meshtrain.model", "meshtrain.pallas_kernels")

@@ -23,8 +23,8 @@ from meshtrain import (
     model as model_lib,
     train_step as train_step_lib,
 )
-from meshtrain.parallel import layout as layout_lib, pipeline as pipeline_lib
 from meshtrain.config import ModelConfig
+from meshtrain.parallel import layout as layout_lib, pipeline as pipeline_lib
 from meshtrain.sharding_rules import Rules
 from meshtrain.validate import validate
 from tests.hlo_utils import collectives_by_computation

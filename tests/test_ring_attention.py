@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain.parallel import ring_attention as ra
 from meshtrain.pallas_kernels.flash_attention import flash_attention_with_lse
+from meshtrain.parallel import ring_attention as ra
 from tests.utils import mesh_of
 
 AXES = ("data", "stage", "fsdp", "expert", "sequence", "tensor")

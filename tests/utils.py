@@ -16,8 +16,8 @@ from jax.sharding import NamedSharding
 
 from meshtrain import checkpoint as checkpoint_lib, config as config_lib, mesh as mesh_lib, train_step as train_step_lib
 from meshtrain.run import Run
-from meshtrain.validate import validate
 from meshtrain.sharding_rules import Rules
+from meshtrain.validate import validate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 AXES = config_lib.MESH_AXES

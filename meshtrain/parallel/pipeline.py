@@ -70,8 +70,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshtrain import config as config_lib, fp8 as fp8_lib, model as model_lib, moe as moe_lib
-from meshtrain.parallel import ring_attention, schedules
 from meshtrain.config import BATCH_AXES, Axis
+from meshtrain.parallel import ring_attention, schedules
 from meshtrain.sharding_rules import vary, varying
 
 STAGE, SEQUENCE, EXPERT = Axis.STAGE.value, Axis.SEQUENCE.value, Axis.EXPERT.value

@@ -43,8 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from meshtrain.parallel import schedules
 from meshtrain import fp8 as fp8_lib
+from meshtrain.parallel import schedules
 from meshtrain.parallel.pipeline import (
     FP8,
     STAGE,

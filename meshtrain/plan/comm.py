@@ -38,8 +38,8 @@ import collections
 import dataclasses
 import math
 
-from meshtrain.parallel import schedules
 from meshtrain.mesh import MESH_ORDER
+from meshtrain.parallel import schedules
 from meshtrain.plan.memory import Step, dtype_bytes, local_size, param_table
 from meshtrain.sharding_rules import ZERO_AXES
 

@@ -17,8 +17,8 @@ import math
 import ml_collections
 
 from meshtrain import config as config_lib, metrics
-from meshtrain.parallel import cost
 from meshtrain.mesh import MESH_ORDER
+from meshtrain.parallel import cost
 from meshtrain.plan import comm, memory
 from meshtrain.plan.hardware import Gpu
 from meshtrain.sharding_rules import ShardingRuleError

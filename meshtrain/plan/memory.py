@@ -30,9 +30,9 @@ import ml_collections
 import numpy as np
 
 from meshtrain import model
-from meshtrain.parallel import schedules
 from meshtrain.config import ModelConfig
 from meshtrain.mesh import MESH_ORDER
+from meshtrain.parallel import schedules
 from meshtrain.sharding_rules import Rules
 
 GB = 10**9
