@@ -32,27 +32,35 @@ from meshtrain.sharding_rules import auto_axes, per_shard
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
-def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """Causal attention with document masking, written as einsums for XLA.
+def _causal(query_index: jax.Array, key_index: jax.Array, window: int) -> jax.Array:
+    """[T,S]: key at or before the query, and (window > 0) fewer than `window` tokens back."""
+    offset = query_index[:, None] - key_index[None, :]
+    return (offset >= 0) & (offset < window) if window else offset >= 0
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, window: int = 0) -> jax.Array:
+    """Causal attention with document masking, written as einsums for XLA; `window` > 0 limits each
+    query to its `window` latest keys (sliding-window attention, Mistral v0.1).
 
     Grouped-query attention shares each K/V head with G query heads without copying it.
     Scores and softmax run in float32.
     """
     t = q.shape[1]
-    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]  # [T,S]
+    causal = _causal(jnp.arange(t), jnp.arange(t), window)  # [T,S]
     same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B,T,S]
     return masked_attention(q, k, v, causal[None] & same_doc)
 
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_segment_ids: jax.Array,
-                     start: jax.Array) -> jax.Array:
+                     start: jax.Array, window: int = 0) -> jax.Array:
     """Attention of T new queries (cache slots start..start+T-1) over a KV cache of S slots.
 
     q [B,T,H,Dh]; k, v [B,S,K,Dh] (the new keys already written); key_segment_ids [B,S]: 0 for
-    padding and unwritten slots. A query sees the written, non-padding slots up to its own.
+    padding and unwritten slots. A query sees the written, non-padding slots up to its own (the
+    `window` latest of them when > 0).
     """
     t, s = q.shape[1], k.shape[1]
-    causal = (start + jnp.arange(t))[:, None] >= jnp.arange(s)[None, :]  # [T,S]
+    causal = _causal(start + jnp.arange(t), jnp.arange(s), window)  # [T,S]
     return masked_attention(q, k, v, causal[None] & (key_segment_ids > 0)[:, None, :])
 
 
@@ -93,3 +101,5 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
             "across sequence shards")
     require(impl == "ulysses" or att.ulysses_degree == 0, "attention.ulysses_degree", att.ulysses_degree,
             "is read only with attention.impl='ulysses'")
+    require(not config.model.sliding_window or impl == "xla", "model.sliding_window", config.model.sliding_window,
+            f"sliding-window attention runs in the einsum attention only: attention.impl must be 'xla' (got {impl!r})")

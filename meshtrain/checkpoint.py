@@ -14,8 +14,11 @@ Layout of `<workdir>/checkpoints/<step>/` (one orbax `CheckpointManager`, one ha
   (tensorstore, OCDBT); the run has no other random state: initialisation and the data
   order derive from `config.seed`, stored in `meta`.
 * `data`: the data iterator position, JSON (`DataIterator.state()`).
-* `meta`: JSON: the resolved config (for the record only; a run's config always comes
-  from its command line), the seed, and the count of skipped non-finite steps.
+* `meta`: JSON: the run's model and tokenizer (`run_record.record`: what the commands that read
+  the run adopt), the resolved config (for the record), the seed, and the count of skipped
+  non-finite steps. A parameters-only checkpoint (`python -m meshtrain.hf import --workdir`) says
+  so (`parameters_only`): its `state` holds the parameters alone, and a run resuming from it starts
+  its optimizer state afresh.
 
 When to save, preemption and the non-finite guard are the loop's policy (`run_loop.py`).
 
@@ -165,10 +168,15 @@ class Restored:
     """What a checkpoint gives back to a run."""
 
     step: int
-    state: object  # TrainState in the new run's shardings
+    state: object  # TrainState in the new run's shardings; None when only parameters were read
     data_state: dict
     meta: dict
     path: str
+    params: object = None  # the parameters alone (`restore_params`; a parameters-only checkpoint)
+
+    @property
+    def parameters_only(self) -> bool:
+        return self.state is None
 
 
 class Checkpointer:
@@ -312,6 +320,38 @@ class Checkpointer:
         return Restored(step=step, state=state, data_state=dict(restored["data"]),
                         meta=dict(restored["meta"]), path=path)
 
+    def meta(self, step: int) -> dict:
+        """Checkpoint `step`'s meta JSON, read as a file (nothing else of the checkpoint)."""
+        with open(os.path.join(self.step_path(step), "meta", "metadata")) as f:
+            return json.load(f)
+
+    def restore_params(self, abstract_params, step: int | None = None) -> Restored:
+        """Only the parameters of checkpoint `step` (default: the newest), in `abstract_params`' shardings:
+        what sampling and scoring read, and all a parameters-only checkpoint holds (`hf import`)."""
+        steps = self.all_steps()
+        step = steps[-1] if step is None and steps else step
+        if step not in steps:
+            raise ValueError(f"checkpoint directory {self.root!r}: no finished checkpoint {step!r} (finished: {steps})")
+        path = self.step_path(step)
+        problems = self.verify(step)
+        if problems:
+            raise CheckpointDamaged(step, path, problems)
+        try:
+            metadata = self._manager.item_metadata(step)["state"]
+        except Exception as error:  # noqa: BLE001
+            raise CheckpointDamaged(step, path, [f"orbax cannot read its metadata ({type(error).__name__}: "
+                                                 f"{error})"]) from error
+        target = {"params": abstract_params}
+        _check_shapes(target, metadata, path)
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(
+                    target), partial_restore=True), meta=ocp.args.JsonRestore()))
+        except Exception as error:  # noqa: BLE001
+            raise CheckpointDamaged(step, path, [f"orbax cannot read it ({type(error).__name__}: {error})"]) from error
+        return Restored(step=step, state=None, data_state={}, meta=dict(restored["meta"]), path=path,
+                        params=restored["state"]["params"])
+
     def wait(self) -> None:
         """Blocks until the pending asynchronous save is finished; raises CheckpointSaveError if it failed."""
         try:
@@ -437,6 +477,8 @@ def resume(config: ml_collections.ConfigDict, ckpt: Checkpointer, abstract_state
         damaged = []
         for step in reversed(ckpt.all_steps()):
             try:
+                if ckpt.meta(step).get("parameters_only"):  # `hf import --workdir`: parameters, step 0
+                    return ckpt.restore_params(abstract_state.params, step)
                 return ckpt.restore(abstract_state, step)
             except CheckpointDamaged as error:
                 moved = ckpt.set_aside(step)

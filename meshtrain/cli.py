@@ -18,8 +18,9 @@ import sys
 
 import ml_collections
 from absl import flags
+from ml_collections import config_flags
 
-from meshtrain import config as config_lib, hf, mesh as mesh_lib
+from meshtrain import config as config_lib, hf, mesh as mesh_lib, run_record
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -115,11 +116,25 @@ def setup_logging(stream=sys.stdout, quiet: tuple[str, ...] = ("absl", "jax", "o
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def setup_runtime(config: ml_collections.ConfigDict) -> None:
-    """Before anything else touches JAX: fake CPU devices (`cpu_devices`), the multi-process start
-    (`distributed.*`), and the model shape of a Hugging Face checkpoint the run starts from
+def setup_runtime(config: ml_collections.ConfigDict, given: dict | None = None, *, adopt: bool = True) -> None:
+    """Before anything else touches JAX: the model and tokenizer of the run in `workdir` when its
+    checkpoints describe it (`run_record.adopt`, unless `adopt` is False; `given`: the keys set on the
+    command line, which must not contradict it), fake CPU devices (`cpu_devices`), the multi-process
+    start (`distributed.*`), and the model shape of the Hugging Face checkpoint a new run starts from
     (`init.from_hf`: the checkpoint decides the architecture)."""
+    described = adopt and run_record.read(config.workdir) is not None
+    if described:
+        run_record.adopt(config, given or {})
     mesh_lib.fake_cpu_devices(config.cpu_devices)
     mesh_lib.maybe_initialize_distributed(config)
-    if config.init.from_hf:
+    if config.init.from_hf and not described:
         hf.apply_model_config(config)
+
+
+def given_keys() -> dict:
+    """The dotted config keys this command line set (`--config.model.n_layers=8` -> {"model.n_layers": 8});
+    {} when no `--config` flag was parsed (meshtrain used as a library)."""
+    try:
+        return dict(config_flags.get_override_values(flags.FLAGS["config"]))
+    except (KeyError, TypeError, AttributeError, flags.UnparsedFlagAccessError):
+        return {}

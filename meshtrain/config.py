@@ -37,6 +37,8 @@ BATCH_AXES: tuple[str, ...] = (Axis.DATA.value, Axis.FSDP.value, Axis.EXPERT.val
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "selective", "full", "offload")
 ATTENTION_IMPLS = ("xla", "ring", "ulysses", "pallas")
+ROPE_SCALINGS = ("none", "linear", "llama3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # model.family: what `hf export` writes (mixtral with experts)
 CONTEXT_PARALLEL_IMPLS = ("ring", "ulysses")  # the implementations that split the sequence over `sequence`
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble")
 BALANCE_SCOPES = ("batch", "sequence")
@@ -87,6 +89,19 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.head_dim = 16
     c.model.mlp_dim = 384
     c.model.rope_theta = 10000.0
+    # RoPE frequency scaling for long contexts: "none", "linear" (positions / rope_factor) or "llama3"
+    # (Llama 3.1: low frequencies / rope_factor, high ones kept, smoothed between rope_low_freq_factor and
+    # rope_high_freq_factor of rope_original_max_positions)
+    c.model.rope_scaling = "none"
+    c.model.rope_factor = 1.0
+    c.model.rope_low_freq_factor = 1.0
+    c.model.rope_high_freq_factor = 4.0
+    c.model.rope_original_max_positions = 8192
+    # the Hugging Face architecture an export writes: llama, mistral, qwen2, qwen3 (mixtral with experts)
+    c.model.family = "llama"
+    c.model.attention_bias = False  # biases on the q, k, v projections (Qwen2)
+    c.model.qk_norm = False  # RMSNorm of each query and key head before RoPE (Qwen3)
+    c.model.sliding_window = 0  # attend to at most this many tokens back (Mistral v0.1); 0: the whole context
     c.model.norm_eps = 1e-5
     c.model.tie_embeddings = False
     c.model.init_std = 0.02
@@ -237,7 +252,8 @@ def _validate_choices(config) -> None:
     for key, choices in (("model.dtype", DTYPES), ("model.param_dtype", DTYPES),
                          ("remat.policy", REMAT_POLICIES), ("attention.impl", ATTENTION_IMPLS),
                          ("pipeline.schedule", PIPELINE_SCHEDULES), ("model.moe_balance_scope", BALANCE_SCOPES),
-                         ("model.matmul_precision", MATMUL_PRECISIONS)):
+                         ("model.matmul_precision", MATMUL_PRECISIONS), ("model.rope_scaling", ROPE_SCALINGS),
+                         ("model.family", FAMILIES)):
         section, name = key.split(".")
         value = config[section][name]
         require(value in choices, key, value, f"must be one of {choices}")
@@ -256,14 +272,19 @@ def _validate_positive(config) -> None:
             value = value[part]
         require(isinstance(value, int) and value >= 1, key, value, "must be a positive integer")
     for key in ("eval_every", "eval_tasks_limit", "sample_every", "checkpoint.every", "cpu_devices",
-                "model.num_experts", "model.moe_mlp_dim"):
+                "model.num_experts", "model.moe_mlp_dim", "model.sliding_window"):
         value = config
         for part in key.split("."):
             value = value[part]
         require(isinstance(value, int) and value >= 0, key, value, "must be a non-negative integer")
-    for key in ("train.learning_rate", "model.norm_eps", "model.rope_theta", "model.init_std"):
+    for key in ("train.learning_rate", "model.norm_eps", "model.rope_theta", "model.init_std", "model.rope_factor",
+                "model.rope_original_max_positions"):
         section, name = key.split(".")
         require(config[section][name] > 0, key, config[section][name], "must be > 0")
+    m = config.model
+    require(m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor > 0,
+            "model.rope_high_freq_factor", m.rope_high_freq_factor,
+            f"must exceed model.rope_low_freq_factor={m.rope_low_freq_factor} > 0 (llama3 RoPE scaling)")
     require(0.0 <= config.train.min_lr_ratio <= 1.0, "train.min_lr_ratio", config.train.min_lr_ratio,
              "must be in [0, 1]")
     require(config.train.warmup_steps >= 0, "train.warmup_steps", config.train.warmup_steps, "must be >= 0")
@@ -332,6 +353,15 @@ class ModelConfig:
     head_dim: int
     mlp_dim: int
     rope_theta: float = 10000.0
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+    family: str = "llama"
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int = 0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02

@@ -37,14 +37,13 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from meshtrain import cli, config as config_lib, eval_tasks, generate, sample
+from meshtrain import cli, config as config_lib, default_run, eval_tasks, generate, sample
 from meshtrain.config import BATCH_AXES, ModelConfig
 from meshtrain.data import tokenizers
 from meshtrain.mesh import compiler_options
 from meshtrain.model import Transformer, params_mesh
 from meshtrain.run import Run
 from meshtrain.sharding_rules import Rules
-from meshtrain.validate import validate
 
 log = logging.getLogger("meshtrain")
 MIN_BUCKET = 16
@@ -109,17 +108,18 @@ def _lm_classes():
         """A meshtrain model as an lm-eval `LM` (see the module docstring)."""
 
         def __init__(self, config: str | None = None, workdir: str = "", hf_dir: str = "", batch_size: int = 8,
-                     max_length: int | None = None, *, model_config: ModelConfig | None = None,
+                     max_length: int | None = None, dtype: str = "", *, model_config: ModelConfig | None = None,
                      params: dict | None = None, tokenizer=None, device: str | None = None,
                      max_batch_size: int | None = None, **overrides):
-            """`config` (a config file), `workdir` or `hf_dir`, and dotted config keys as overrides
-            (`model_args="config=configs/tiny.py,workdir=runs/tiny,mesh.tensor=2"`); or a model already
-            in memory (`model_config`, `params`, `tokenizer`). `device` and `max_batch_size`, which
-            lm-eval passes to every model, are not used: the config's mesh places the model."""
+            """`workdir` (a run, which describes its model and tokenizer) or `hf_dir`, optionally a config
+            file (`config`), the compute `dtype` and dotted config keys as overrides
+            (`model_args="workdir=runs/tiny,mesh.tensor=2"`); or a model already in memory
+            (`model_config`, `params`, `tokenizer`). `device` and `max_batch_size`, which lm-eval passes
+            to every model, are not used: the config's mesh places the model."""
             super().__init__()
             del device, max_batch_size
-            if model_config is None:  # from lm-eval's --model_args: a config file and a run (or HF folder)
-                model_config, params, tokenizer, seq_len = load(config, workdir, hf_dir, overrides)
+            if model_config is None:  # from lm-eval's --model_args: a run (or HF folder) and a config file
+                model_config, params, tokenizer, seq_len = load(config, workdir, hf_dir, overrides, dtype)
                 max_length = max_length or seq_len
             if max_length is None:
                 raise ValueError("max_length: give the context length to score with (e.g. train.seq_len)")
@@ -138,6 +138,19 @@ def _lm_classes():
         @property
         def tokenizer_name(self) -> str:
             return self.tok.name
+
+        @property
+        def chat_template(self) -> str | None:
+            return getattr(self.tok, "chat_template", None)
+
+        def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+            """The conversation as the tokenizer's chat template writes it (a Hugging Face folder's
+            `tokenizer_config.json`); lm-eval's `--apply_chat_template` calls this."""
+            render = getattr(self.tok, "apply_chat_template", None)
+            if render is None:
+                raise ValueError(f"tokenizer {self.tok.name!r} has no chat template: --apply_chat_template needs "
+                                 "a Hugging Face tokenizer folder that has one")
+            return render(chat_history, add_generation_prompt=add_generation_prompt)
 
         def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
             del add_special_tokens, kwargs  # documents are framed by the caller (prefix token)
@@ -233,29 +246,21 @@ def _register() -> None:
 _register()
 
 
-def load(config_path: str | None, workdir: str, hf_dir: str, overrides: dict):
-    """(model config, params on the config's mesh, tokenizer, train.seq_len) from a config file and a
-    run's newest checkpoint (or a Hugging Face folder); `overrides` are dotted config keys."""
-    if not config_path:
-        raise config_lib.ConfigError("config", config_path, "give a config file, e.g. config=configs/tiny.py")
-    config = cli.apply_overrides(cli.load_config_file(config_path), overrides)
+def load(config_path: str | None, workdir: str, hf_dir: str, overrides: dict, dtype: str = ""):
+    """(model config, params on the config's mesh, tokenizer, train.seq_len) from a run's newest
+    checkpoint (its model and tokenizer from its record: `run_record`) or a Hugging Face folder, and a
+    config file (default: the defaults); `overrides` are dotted config keys."""
+    config = cli.apply_overrides(cli.load_config_file(config_path or default_run.PATH), overrides)
     if workdir:
         config.workdir = workdir
-    resolved, params = _restore(config, hf_dir)
+    resolved, params = _restore(config, hf_dir, dtype, given=overrides)
     return resolved.model, params, tokenizers.load_tokenizer(config.data.tokenizer), int(config.train.seq_len)
 
 
-def _restore(config, hf_dir: str) -> tuple[Run, dict]:
+def _restore(config, hf_dir: str, dtype: str = "", given: dict | None = None) -> tuple[Run, dict]:
     """The resolved run and its parameters (newest checkpoint, or `hf_dir`), on the config's mesh:
     the batch axes and `tensor` (evaluation runs every layer on whole sequences)."""
-    if hf_dir:
-        config.init.from_hf = hf_dir
-    cli.setup_runtime(config)
-    validate(config, jax.device_count())
-    resolved = Run.resolve(config)
-    for axis in ("stage", "sequence"):
-        config_lib.require(resolved.sizes[axis] == 1, f"mesh.{axis}", resolved.sizes[axis],
-                           "evaluation runs every layer on whole sequences: use the batch axes and tensor only")
+    resolved = sample.prepare(config, hf_dir, dtype, given, what="evaluation")
     return resolved, sample.load_params(resolved, hf_dir)
 
 
@@ -270,7 +275,11 @@ def in_loop(run, params: dict) -> dict[str, float]:
 
 
 def define_flags() -> None:
-    config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).", lock_config=True)
+    config_flags.DEFINE_config_file("config", default_run.PATH, "A config file (configs/*.py); default: the "
+                                    "defaults, the model and tokenizer coming from the run in --config.workdir.",
+                                    lock_config=True)
+    flags.DEFINE_enum("dtype", "", sample.DTYPES, "Compute dtype (default: the run's model.dtype; float32 for "
+                      "--hf_dir).")
     flags.DEFINE_list("tasks", [], "lm-eval task names (comma-separated).")
     flags.DEFINE_string("include_path", "", "A folder of lm-eval task YAMLs of your own.")
     flags.DEFINE_integer("batch_size", 8, "Sequences per forward pass (rounded up to the mesh's batch axes).")
@@ -287,13 +296,11 @@ def main(argv) -> None:
     logging.getLogger("absl").setLevel(logging.ERROR)
     f = flags.FLAGS
     config = f.config
-    if config is None:
-        raise app.UsageError("--config is required, e.g. --config configs/tiny.py")
     try:
         if not f.tasks:
             raise config_lib.ConfigError("tasks", "", "name at least one lm-eval task, e.g. --tasks=lambada_openai")
         cls = lm_class()
-        resolved, params = _restore(config, f.hf_dir)
+        resolved, params = _restore(config, f.hf_dir, f.dtype, cli.given_keys())
         lm = cls(model_config=resolved.model, params=params, tokenizer=tokenizers.load_tokenizer(config.data.tokenizer),
                  batch_size=f.batch_size, max_length=f.max_length or config.train.seq_len)
         limit = None if f.limit is None else (f.limit if f.limit < 1 else int(f.limit))

@@ -120,17 +120,33 @@ def generate(model_config: ModelConfig, params: dict, prompts: list[list[int]], 
 
 
 def continue_text(model_config: ModelConfig, params: dict, tokenizer, prompt: str, max_new_tokens: int,
-                  sampling: Sampling = Sampling()) -> str:
+                  sampling: Sampling = Sampling(), stop: tuple[str, ...] = ()) -> str:
     """The text `generate` continues `prompt` with, through `tokenizer` (`meshtrain.data.tokenizers`):
-    BOS first when the tokenizer has one, the EOS that ends it left out."""
-    ids = [int(i) for i in tokenizer.encode(prompt)]
-    if tokenizer.bos_id is not None:
-        ids = [tokenizer.bos_id, *ids]
-    new = generate(model_config, params, [ids], max_new_tokens, sampling, eos_id=tokenizer.eos_id,
-                   vocab_limit=tokenizer.vocab_size)[0]
-    if tokenizer.eos_id is not None and new and new[-1] == tokenizer.eos_id:
-        new = new[:-1]
-    return tokenizer.decode(new)
+    BOS first when the tokenizer has one, the EOS that ends it left out, cut before the first of the
+    `stop` strings."""
+    return continue_texts(model_config, params, tokenizer, [prompt], max_new_tokens, sampling, stop)[0]
+
+
+def continue_texts(model_config: ModelConfig, params: dict, tokenizer, prompts: list[str], max_new_tokens: int,
+                   sampling: Sampling = Sampling(), stop: tuple[str, ...] = ()) -> list[str]:
+    """`continue_text` of every prompt, decoded together in one batch on the parameters' mesh."""
+    rows = []
+    for prompt in prompts:
+        ids = [int(i) for i in tokenizer.encode(prompt)]
+        rows.append([tokenizer.bos_id, *ids] if tokenizer.bos_id is not None else ids or [tokenizer.pad_id])
+    out = []
+    for new in generate(model_config, params, rows, max_new_tokens, sampling, eos_id=tokenizer.eos_id,
+                        vocab_limit=tokenizer.vocab_size):
+        if tokenizer.eos_id is not None and new and new[-1] == tokenizer.eos_id:
+            new = new[:-1]
+        out.append(cut(tokenizer.decode(new), stop))
+    return out
+
+
+def cut(text: str, stop: tuple[str, ...]) -> str:
+    """`text` up to the first occurrence of any of the `stop` strings."""
+    ends = [text.find(s) for s in stop if s and s in text]
+    return text[:min(ends)] if ends else text
 
 
 def validate_config(config, sizes: dict[str, int]) -> None:

@@ -29,11 +29,12 @@ from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 
 from meshtrain import fp8 as fp8_lib, moe as moe_lib
 from meshtrain.attention import AttentionFn, cached_attention, xla_attention
-from meshtrain.config import ModelConfig
+from meshtrain.config import BATCH_AXES, ModelConfig
 from meshtrain.fused import fused_loss_sum, fused_rms_norm
 from meshtrain.mesh import MESH_ORDER, compiler_options, single_device_mesh
 from meshtrain.sharding_rules import Rules, constrain
@@ -48,10 +49,34 @@ REMAT_POLICIES = {
 }
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """RoPE's inverse frequencies [Dh/2] (float32), scaled for long contexts by `cfg.rope_scaling`:
+
+    * linear: every frequency / rope_factor (positions interpolated);
+    * llama3 (Llama 3.1): wavelengths longer than original_max_positions / low_freq_factor divided by
+      rope_factor, shorter than original_max_positions / high_freq_factor kept, those between
+      interpolated by how many times they fit in the original context.
+    """
+    dh = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dh, 2, dtype=np.float32) / np.float32(dh)))
+    factor = np.float32(cfg.rope_factor)
+    if cfg.rope_scaling == "linear":
+        return (inv_freq / factor).astype(np.float32)
+    if cfg.rope_scaling != "llama3":
+        return inv_freq.astype(np.float32)
+    old, low, high = cfg.rope_original_max_positions, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelen = 2 * np.float32(math.pi) / inv_freq
+    scaled = np.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Rotary position embedding (rotate-half layout), positions [B,T] restart per document."""
     dh = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))  # [Dh/2]
+    inv_freq = jnp.asarray(rope_frequencies(cfg))  # [Dh/2]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B,T,Dh/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B,T,1,Dh]
     x32 = x.astype(jnp.float32)
@@ -68,14 +93,17 @@ def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple[st
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in float32."""
+    """Root-mean-square layer norm over the last dimension, computed in float32. `names`: the scale's
+    logical axis (the model dimension, or `head_dim` for Qwen3's per-head query / key norm, which
+    always runs in jnp: the fused kernel takes [B,T,D] rows)."""
 
     cfg: ModelConfig
+    names: tuple[str, ...] = ("embed",)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = _param(self, "scale", (x.shape[-1],), ("embed",), nn.initializers.ones)
-        if self.cfg.fused_norm:
+        scale = _param(self, "scale", (x.shape[-1],), self.names, nn.initializers.ones)
+        if self.cfg.fused_norm and self.names == ("embed",):
             return fused_rms_norm(x, scale, eps=self.cfg.norm_eps)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.norm_eps)
@@ -125,11 +153,20 @@ class Attention(nn.Module):
         wv = _param(self, "wv", (d, kv, dh), ("embed", "kv_heads", "head_dim"))
         wo = _param(self, "wo", (h, dh, d), ("heads", "head_dim", "embed"))
         q, k, v = column_parallel(x, (wq, wk, wv), "heads", self.rules, dtype, fp8_lib.matmul(self, "qkv"))
-        q = constrain(rope(q, positions, cfg.rope_theta), ("batch", "length", "act_heads", None), self.rules)
-        k = constrain(rope(k, positions, cfg.rope_theta), ("batch", "length", "act_kv_heads", None), self.rules)
+        if cfg.attention_bias:  # Qwen2: biases on the q, k, v projections
+            q = q + _param(self, "bq", (h, dh), ("heads", "head_dim"), nn.initializers.zeros).astype(dtype)
+            k = k + _param(self, "bk", (kv, dh), ("kv_heads", "head_dim"), nn.initializers.zeros).astype(dtype)
+            v = v + _param(self, "bv", (kv, dh), ("kv_heads", "head_dim"), nn.initializers.zeros).astype(dtype)
+        if cfg.qk_norm:  # Qwen3: each query and key head RMS-normalised before RoPE
+            q = RMSNorm(cfg, ("head_dim",), name="q_norm")(q)
+            k = RMSNorm(cfg, ("head_dim",), name="k_norm")(k)
+        q = constrain(rope(q, positions, cfg), ("batch", "length", "act_heads", None), self.rules)
+        k = constrain(rope(k, positions, cfg), ("batch", "length", "act_kv_heads", None), self.rules)
         v = constrain(v, ("batch", "length", "act_kv_heads", None), self.rules)
         if self.decode:
             out = self._cached(q, k, v, segment_ids)
+        elif cfg.sliding_window:  # einsum attention only (validated): keys at most sliding_window - 1 back
+            out = self.attention_fn(q, k, v, segment_ids, window=cfg.sliding_window)
         else:
             out = self.attention_fn(q, k, v, segment_ids)  # [B,T,H,Dh]
         out = constrain(out, ("batch", "length", "act_heads", None), self.rules)
@@ -151,7 +188,8 @@ class Attention(nn.Module):
         cached_segments.value = jax.lax.dynamic_update_slice(cached_segments.value,
                                                              segment_ids.astype(jnp.int32), (0, start))
         index.value = start + q.shape[1]
-        return cached_attention(q, cached_k.value, cached_v.value, cached_segments.value, start)
+        return cached_attention(q, cached_k.value, cached_v.value, cached_segments.value, start,
+                                window=self.cfg.sliding_window)
 
 
 class Mlp(nn.Module):
@@ -404,10 +442,13 @@ def logits(model_config: ModelConfig, params: dict, tokens: jax.Array) -> jax.Ar
     mesh = params_mesh(params)
     model = Transformer(dataclasses.replace(model_config, matmul_precision="bf16"), Rules.for_mesh(mesh))
     tokens = jnp.asarray(tokens, jnp.int32)
+    rows = tokens.shape[0]
+    split = math.prod(mesh.shape[a] for a in BATCH_AXES)  # rows split over the batch axes: pad to fill them
+    tokens = jnp.pad(tokens, ((0, -rows % split), (0, 0)))
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     with jax.set_mesh(mesh):
         forward = jax.jit(model.apply, compiler_options=compiler_options(mesh))
-        return forward({"params": params}, tokens, positions, jnp.ones_like(tokens))
+        return forward({"params": params}, tokens, positions, jnp.ones_like(tokens))[:rows]
 
 
 def params_mesh(params: dict) -> jax.sharding.Mesh:

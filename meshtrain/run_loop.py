@@ -15,6 +15,7 @@ failed) or by `Watchdog` (no progress for `train.hang_timeout_s`). Checkpoint st
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -36,6 +37,7 @@ from meshtrain import (
     fp8 as fp8_lib,
     mesh as mesh_lib,
     metrics as metrics_lib,
+    run_record,
     tensorboard as tensorboard_lib,
 )
 
@@ -291,6 +293,7 @@ class RunCheckpoints:
         self.spikes = SpikeGuard(config)
         self.preemption = Preemption()
         self._record = checkpoint.config_record(config)
+        self._described = run_record.record(config)
         self.injection = injection
         self.failed = False  # set by the loop when it ends with an error
 
@@ -299,6 +302,11 @@ class RunCheckpoints:
         restored = checkpoint.resume(self.config, self.ckpt, self.abstract_state)
         if restored is None:
             return create(), 0, None
+        if restored.parameters_only:  # imported weights (`hf import --workdir`): the rest starts afresh
+            log.info("starting from the parameters of %s (step %d); optimizer state and data order afresh",
+                     restored.path, restored.step)
+            fresh = self.factory.to_canonical(create())
+            return self.factory.from_canonical(dataclasses.replace(fresh, params=restored.params)), restored.step, None
         self.guard.skipped = int(restored.meta.get("skipped_steps", 0))
         self.spikes.rollbacks = int(restored.meta.get("spike_rollbacks", 0))
         log.info("resumed from %s (step %d)", restored.path, restored.step)
@@ -334,7 +342,7 @@ class RunCheckpoints:
 
     def meta(self, step: int) -> dict:
         return {"step": step, "seed": int(self.config.seed), "skipped_steps": self.guard.skipped,
-                "spike_rollbacks": self.spikes.rollbacks, "config": self._record}
+                "spike_rollbacks": self.spikes.rollbacks, **self._described, "config": self._record}
 
     def _handle(self, entry: tuple[int, dict, bool] | None) -> None:
         if entry is None:

@@ -24,6 +24,7 @@ from meshtrain import (
     cli,
     config as config_lib,
     data,
+    default_run,
     evaluate,
     hf,
     model,
@@ -37,7 +38,8 @@ from meshtrain.validate import validate
 
 log = logging.getLogger("meshtrain")
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).",
+_CONFIG = config_flags.DEFINE_config_file("config", default_run.PATH, "A config file (configs/*.py); default: "
+                                          "the defaults (a run in --config.workdir brings its own model).",
                                           lock_config=True)
 # Multi-process runs (one process per host); shorthands for --config.distributed.*.
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0's coordinator.")
@@ -45,9 +47,11 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processe
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes).")
 
 
-def run(config: ml_collections.ConfigDict) -> dict:
-    """Trains for `config.steps` steps; returns the last logged metrics."""
-    cli.setup_runtime(config)
+def run(config: ml_collections.ConfigDict, given: dict | None = None) -> dict:
+    """Trains for `config.steps` steps; returns the last logged metrics. A workdir whose checkpoints
+    describe their run resumes with that run's model and tokenizer (`given`: the keys set on the
+    command line, which must not contradict it)."""
+    cli.setup_runtime(config, given)
     validate(config, jax.device_count())  # a bad config stops here, before anything compiles
     resolved = Run.resolve(config)
     for line in resolved.describe():
@@ -78,14 +82,12 @@ def main(argv) -> None:
     # a failed asynchronous save leaves one unretrieved future per array write; the run reports it once
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     config = _CONFIG.value
-    if config is None:
-        raise app.UsageError("--config is required, e.g. --config configs/tiny.py")
     for flag, key in ((_COORDINATOR, "coordinator_address"), (_NUM_PROCESSES, "num_processes"),
                       (_PROCESS_ID, "process_id")):
         if flag.value is not None:
             config.distributed[key] = flag.value
     try:
-        run(config)
+        run(config, cli.given_keys())
     except config_lib.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -105,10 +105,10 @@ def test_sample_command_refuses_what_it_cannot_run(tmp_path):
     """One ConfigError naming the key: a pipeline mesh, a workdir with no checkpoint."""
     staged = utils.tiny_config({"stage": 2, "data": 4}, workdir=str(tmp_path))
     with pytest.raises(config_lib.ConfigError, match=r"config\.mesh\.stage=2"):
-        sample.sample(staged, "def ", 4, generate.Sampling())
+        sample.sample(staged, ["def "], 4, generate.Sampling())
     empty = utils.tiny_config({"data": 8}, workdir=str(tmp_path / "none"))
     with pytest.raises(config_lib.ConfigError, match=r"config\.workdir=.*no checkpoint"):
-        sample.sample(empty, "def ", 4, generate.Sampling())
+        sample.sample(empty, ["def "], 4, generate.Sampling())
 
 
 def test_sample_continues_a_prompt_from_a_trained_run(tmp_path):
@@ -125,6 +125,6 @@ def test_sample_continues_a_prompt_from_a_trained_run(tmp_path):
 
     later = utils.config_for(tmp_path, {"tensor": 2, "data": 4}, **{
         "data.source": "synthetic", "checkpoint.restore_from": str(tmp_path / "checkpoints" / "2")})
-    text = sample.sample(later, "def ", 8, generate.Sampling(temperature=0.8, top_k=40, seed=config.seed))
+    [text] = sample.sample(later, ["def "], 8, generate.Sampling(temperature=0.8, top_k=40, seed=config.seed))
     assert text == records[2]["sample"]
     assert isinstance(text, str) and len(text.encode()) <= 8 * 4

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -18,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from meshtrain import config as config_lib, hf, model as model_lib
+from meshtrain import config as config_lib, generate, hf, model as model_lib
 from meshtrain.hf import __main__ as hf_cli, convert as hf_convert, formats as hf_formats, io as hf_io
 from meshtrain.run import Run
 from meshtrain.validate import validate
@@ -273,3 +274,103 @@ def test_from_hf_must_be_a_checkpoint_folder(tmp_path):
         validate(config, 1)
     with pytest.raises(config_lib.ConfigError, match=r"config.init.from_hf"):
         hf.apply_model_config(config)
+
+
+# ---- model families: Llama 3.1 (RoPE scaling), Qwen2 (q, k, v biases), Qwen3 (q/k norm), Mistral (window) ----
+
+FAMILY_MESHES = [None, {"data": 2, "fsdp": 2, "tensor": 2}]
+ROPE_LLAMA3 = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8}  # short: SEQ spans all three bands
+FAMILIES = {
+    "llama3.1": (transformers.LlamaForCausalLM, transformers.LlamaConfig, {"rope_parameters": ROPE_LLAMA3}),
+    "llama-linear": (transformers.LlamaForCausalLM, transformers.LlamaConfig,
+                     {"rope_parameters": {"rope_type": "linear", "rope_theta": 50000.0, "factor": 4.0}}),
+    "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, {"rope_theta": 50000.0}),
+    "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config, {"head_dim": 16, "rope_theta": 50000.0,
+                                                                        "tie_word_embeddings": True}),
+    "mistral-window": (transformers.MistralForCausalLM, transformers.MistralConfig,
+                       {"sliding_window": 5, "rope_theta": 50000.0}),
+}
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory) -> dict[str, str]:
+    """A random tiny model of each family, its biases and norm scales drawn too (they start at 0 and 1)."""
+    root, out = tmp_path_factory.mktemp("families"), {}
+    base = {k: v for k, v in LLAMA.items() if k != "rope_theta"}
+    for seed, (name, (model_cls, config_cls, extra)) in enumerate(FAMILIES.items()):
+        torch.manual_seed(seed)
+        model = model_cls(config_cls(**base, **extra)).eval()
+        with torch.no_grad():
+            for key, p in model.named_parameters():
+                if key.endswith("bias") or "norm" in key:
+                    p.add_(0.3 * torch.randn_like(p))
+        model.save_pretrained(root / name)
+        out[name] = str(root / name)
+    return out
+
+
+@pytest.mark.parametrize("mesh", FAMILY_MESHES, ids=["1dev", "data2-fsdp2-tensor2"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_logits_equal_transformers(families, name, mesh):
+    tokens = _tokens(5)
+    expected = _reference_logits(families[name], tokens)
+    cfg, params = hf.load(families[name], _mesh(mesh))
+    assert (cfg.rope_scaling, cfg.attention_bias, cfg.qk_norm, cfg.sliding_window) == {
+        "llama3.1": ("llama3", False, False, 0), "llama-linear": ("linear", False, False, 0),
+        "qwen2": ("none", True, False, 0), "qwen3": ("none", False, True, 0),
+        "mistral-window": ("none", False, False, 5)}[name]
+    got = np.asarray(model_lib.logits(cfg, params, tokens))
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
+    assert np.abs(expected).max() > 1.0
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_round_trip_is_bitwise(families, name, tmp_path):
+    cfg, params = hf.load(families[name], _mesh(FAMILY_MESHES[1]))
+    out = str(tmp_path / "export")
+    hf.save(cfg, params, out)
+    original, exported = _tensors(families[name]), _tensors(out)
+    assert sorted(original) == sorted(exported)
+    for key, tensor in original.items():
+        assert torch.equal(exported[key].view(torch.uint8), tensor.view(torch.uint8)), key
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(model).__name__ == type(transformers.AutoModelForCausalLM.from_pretrained(families[name])).__name__
+    tokens = _tokens(6)
+    with torch.no_grad():
+        np.testing.assert_array_equal(model(torch.tensor(tokens)).logits.numpy(),
+                                      _reference_logits(families[name], tokens))
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_greedy_decoding_gives_transformers_tokens(families, name):
+    prompts = [[5, 17, 33, 2, 9], [40, 41, 42, 43, 44, 45, 46, 47]]
+    cfg, params = hf.load(families[name])
+    ours = generate.generate(cfg, params, prompts, 12)
+    model = transformers.AutoModelForCausalLM.from_pretrained(families[name], dtype=torch.float32).eval()
+    for prompt, new in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            theirs = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                    pad_token_id=0)[0, len(prompt):].tolist()
+        assert new == theirs
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type='yarn'"),
+    ({"attention_bias": True}, "attention_bias=True"),
+])
+def test_unsupported_family_variants_are_refused(families, tmp_path, change, match):
+    folder = tmp_path / "variant"
+    folder.mkdir()
+    config = json.load(open(os.path.join(families["llama3.1"], "config.json")))
+    json.dump({**config, **change}, open(folder / "config.json", "w"))
+    with pytest.raises(hf_formats.HFFormatError, match=re.escape(match)):
+        hf_convert.model_config_from_hf(hf_formats.read_config(str(folder)))
+
+
+def test_logits_take_any_batch_size_on_a_sharded_mesh(checkpoints):
+    """One row on data2 x fsdp2 x tensor2 (rows padded to fill the batch axes, then dropped)."""
+    tokens = _tokens(7)[:1]
+    cfg, params = hf.load(checkpoints["llama"], _mesh({"data": 2, "fsdp": 2, "tensor": 2}))
+    np.testing.assert_allclose(np.asarray(model_lib.logits(cfg, params, tokens)),
+                               _reference_logits(checkpoints["llama"], tokens), atol=1e-5, rtol=1e-5)

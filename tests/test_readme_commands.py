@@ -4,7 +4,9 @@ it, with only its length cut: training commands get `--config.steps=2` and a wor
 Commands are read from the README's code blocks and from inline code spans that carry arguments
 (a bare `python -m meshtrain.plan` is a name, and must appear as a full command elsewhere).
 Placeholders are filled: `<workdir>` with the main job's workdir, `HF_DIR` with a tiny Llama saved
-by `transformers`, `OUT_DIR` with a new folder, `PARQUET_DIR` with a folder of one parquet file;
+by `transformers` (and a word-level `tokenizer.json`), `OUT_DIR` with a new folder, `PARQUET_DIR` with
+a folder of one parquet file, `PROMPTS_FILE` with a JSON Lines file of prompts, `IMPORTED_RUN` with
+the workdir `hf import --workdir` writes (the commands that read it run after that one);
 `[optional ...]` groups are left out. Everything
 runs in a temporary folder (with `configs/` linked in), datasets go to a temporary
 `TFDS_DATA_DIR`, and nothing is written outside the test's tmp dirs. The commands that compile for a
@@ -65,12 +67,18 @@ def readme_commands(text: str) -> tuple[list[str], set[str]]:
 def hf_dir(tmp_path_factory) -> str:
     import torch
     import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2)
     path = tmp_path_factory.mktemp("hf") / "llama"
     transformers.LlamaForCausalLM(config).save_pretrained(path)
+    words = ["<unk>", "<s>", "</s>", "def", "return", "class", "x", "(", ")", ":", "=", "1"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
     return str(path)
 
 
@@ -138,21 +146,27 @@ def test_readme_names_only_commands_it_also_prints():
 COMMANDS = readme_commands((ROOT / "README.md").read_text())[0]
 CPU_COMMANDS = [i for i, c in enumerate(COMMANDS) if not needs_gpu_compiler(c)]
 MAIN = next(i for i, c in enumerate(COMMANDS) if MODULE.match(c).group(1) == "meshtrain.train" and "explain" not in c)
-# commands that read the main job's workdir run right after it, in its case
+# commands that read the main job's workdir run right after it, in its case; likewise those reading the
+# run `hf import --workdir IMPORTED_RUN` writes
 ON_MAIN = [i for i, c in enumerate(COMMANDS) if "<workdir>" in c]
+IMPORT = next(i for i, c in enumerate(COMMANDS)
+              if c.startswith("python -m meshtrain.hf import") and "IMPORTED_RUN" in c)
+ON_IMPORT = [i for i, c in enumerate(COMMANDS) if "IMPORTED_RUN" in c and i != IMPORT]
 
 
-@pytest.mark.parametrize("index", [i for i in CPU_COMMANDS if i not in ON_MAIN],
+@pytest.mark.parametrize("index", [i for i in CPU_COMMANDS if i not in ON_MAIN + ON_IMPORT],
                          ids=lambda i: f"{i}-{MODULE.match(COMMANDS[i]).group(1).split('.', 1)[1]}")
 def test_every_readme_command_runs(tmp_path, hf_dir, tfds_dir, parquet_dir, jax_cache, index):
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "lm_eval").symlink_to(ROOT / "tests" / "lm_eval")  # the evaluation's example tasks
     env = command_env(tfds_dir, jax_cache)
-    for i in [index, *(ON_MAIN if index == MAIN else [])]:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def "}\n"class A("\n{"prompt": "x = ("}\n')
+    for i in [index, *(ON_MAIN if index == MAIN else []), *(ON_IMPORT if index == IMPORT else [])]:
         command = COMMANDS[i]
         filled = {"HF_DIR": hf_dir, "OUT_DIR": str(tmp_path / f"export{i}"), "<workdir>": str(tmp_path / f"run{MAIN}"),
-                  "PARQUET_DIR": parquet_dir}
+                  "PARQUET_DIR": parquet_dir, "PROMPTS_FILE": str(prompts), "IMPORTED_RUN": str(tmp_path / "imported")}
         args = prepare_command(command, i, tmp_path, filled)
         result = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"

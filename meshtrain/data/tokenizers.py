@@ -10,6 +10,7 @@ is usually padded up so that it divides the mesh (`padded_vocab_size`).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 
 import numpy as np
@@ -42,7 +43,9 @@ def _file_id(path: str) -> str:
 
 
 class HuggingFaceTokenizer:
-    """A `tokenizer.json` read with the `tokenizers` package."""
+    """A `tokenizer.json` read with the `tokenizers` package. Beside it, a Hugging Face folder's
+    `tokenizer_config.json` names the BOS and EOS tokens and holds the chat template (or
+    `chat_template.jinja` does); without it they are found by their usual spellings."""
 
     _BOS = ("<|begin_of_text|>", "<s>", "<bos>", "[CLS]")
     _EOS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[SEP]")
@@ -56,11 +59,22 @@ class HuggingFaceTokenizer:
                              "package (pip install tokenizers)") from error
         self._tok = tokenizers.Tokenizer.from_file(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.bos_id = self._find(self._BOS)
-        self.eos_id = self._find(self._EOS)
-        pad = self._find(self._PAD)
+        settings = _folder_settings(os.path.dirname(path))
+        self.bos_id = self._named(settings, "bos_token", self._BOS)
+        self.eos_id = self._named(settings, "eos_token", self._EOS)
+        pad = self._named(settings, "pad_token", self._PAD)
         self.pad_id = packing.PAD_ID if pad is None else pad
+        self.chat_template: str | None = settings.get("chat_template") if isinstance(
+            settings.get("chat_template"), str) else None
         self.name = f"hf-{_file_id(path)}"
+
+    def _named(self, settings: dict, key: str, candidates) -> int | None:
+        """The id of the folder's `key` token (None where it says null), else of a usual spelling."""
+        if key in settings:
+            token = settings[key]
+            token = token.get("content") if isinstance(token, dict) else token
+            return None if token is None else self._tok.token_to_id(token)
+        return self._find(candidates)
 
     def _find(self, candidates) -> int | None:
         for token in candidates:
@@ -74,6 +88,49 @@ class HuggingFaceTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+    def token(self, index: int | None) -> str:
+        return "" if index is None else self._tok.id_to_token(index)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The conversation as the folder's chat template writes it (Jinja, sandboxed as transformers
+        renders it); raises ValueError when the tokenizer has none."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template (tokenizer_config.json chat_template, or "
+                             "chat_template.jinja)")
+        return render_chat_template(self.chat_template, messages, add_generation_prompt,
+                                    bos_token=self.token(self.bos_id), eos_token=self.token(self.eos_id))
+
+
+def _folder_settings(folder: str) -> dict:
+    """`tokenizer_config.json` of a Hugging Face folder (plus `chat_template.jinja`), or {}."""
+    settings: dict = {}
+    config = os.path.join(folder, "tokenizer_config.json")
+    if os.path.isfile(config):
+        with open(config) as f:
+            settings = json.load(f)
+    template = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(template):
+        with open(template) as f:
+            settings["chat_template"] = f.read()
+    return settings
+
+
+def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool, **special) -> str:
+    """A Hugging Face chat template rendered as `transformers` renders it: Jinja in an immutable
+    sandbox, blocks trimmed, `raise_exception` and `strftime_now` available."""
+    import datetime
+
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise ValueError(f"chat template: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                             **special)
 
 
 class SentencePieceTokenizer:
@@ -99,13 +156,22 @@ class SentencePieceTokenizer:
         return self._sp.decode([int(i) for i in ids])
 
 
+def folder_tokenizer(folder: str) -> str | None:
+    """The `tokenizer.json` of a Hugging Face folder, or None."""
+    path = os.path.join(folder, "tokenizer.json")
+    return path if os.path.isfile(path) else None
+
+
 def load_tokenizer(spec: str):
-    """`"bytes"`, a path to a `tokenizer.json`, or a path to a sentencepiece `.model` file."""
+    """`"bytes"`, a path to a `tokenizer.json` (or a Hugging Face folder holding one), or a path to a
+    sentencepiece `.model` file."""
     if spec == "bytes":
         return ByteTokenizer()
+    if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "tokenizer.json")):
+        spec = os.path.join(spec, "tokenizer.json")
     if not os.path.isfile(spec):
-        raise ConfigError("data.tokenizer", spec, "must be 'bytes' or the path of an existing "
-                         "tokenizer.json or sentencepiece .model file")
+        raise ConfigError("data.tokenizer", spec, "must be 'bytes', a Hugging Face folder with a tokenizer.json, "
+                         "or the path of an existing tokenizer.json or sentencepiece .model file")
     if spec.endswith(".json"):
         return HuggingFaceTokenizer(spec)
     if spec.endswith(".model"):

@@ -21,21 +21,62 @@ from meshtrain.hf.formats import DTYPE_NAMES, IGNORED_SUFFIXES, HFFormatError, S
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # Architecture fields that a Hugging Face checkpoint decides when it starts a run (config.init.from_hf).
 ARCHITECTURE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim",
-                       "rope_theta", "norm_eps", "tie_embeddings", "num_experts", "experts_per_token",
-                       "moe_every", "moe_mlp_dim", "shared_expert")
+                       "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                       "rope_original_max_positions", "family", "attention_bias", "qk_norm", "sliding_window",
+                       "norm_eps", "tie_embeddings", "num_experts", "experts_per_token", "moe_every", "moe_mlp_dim",
+                       "shared_expert")
 
 
-def _rope_theta(hf: dict) -> float:
-    rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")
-    rope_type = rope.get("rope_type", (scaling or {}).get("rope_type", (scaling or {}).get("type", "default")))
-    if rope_type != "default" or (scaling and scaling.get("rope_type", scaling.get("type")) != "default"):
-        raise HFFormatError(f"config.json rope_parameters.rope_type={rope_type!r}: only the default "
-                            "(unscaled) RoPE is supported")
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+def _rope(hf: dict) -> dict:
+    """RoPE's fields of ModelConfig from `rope_parameters` (transformers 5) or `rope_scaling` (earlier):
+    the default, linear and llama3 (Llama 3.1) types."""
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    kind = params.get("rope_type", params.get("type", "default"))
+    out = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise HFFormatError("config.json partial_rotary_factor: only RoPE over the whole head is supported")
+    try:
+        if kind == "linear":
+            return {**out, "rope_scaling": "linear", "rope_factor": float(params["factor"])}
+        if kind == "llama3":
+            return {**out, "rope_scaling": "llama3", "rope_factor": float(params["factor"]),
+                    "rope_low_freq_factor": float(params["low_freq_factor"]),
+                    "rope_high_freq_factor": float(params["high_freq_factor"]),
+                    "rope_original_max_positions": int(params["original_max_position_embeddings"])}
+    except KeyError as e:
+        raise HFFormatError(f"config.json rope_type={kind!r} has no {e.args[0]!r}") from None
+    if kind != "default":
+        raise HFFormatError(f"config.json rope_type={kind!r}: supported are default, linear and llama3")
+    return out
+
+
+def _hf_rope(cfg: ModelConfig) -> dict:
+    """`rope_parameters` of a config.json (transformers 5), from ModelConfig."""
+    if cfg.rope_scaling == "none":
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling == "linear":
+        return {"rope_type": "linear", "rope_theta": cfg.rope_theta, "factor": cfg.rope_factor}
+    return {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": cfg.rope_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_positions}
+
+
+def _attention_fields(hf: dict, model_type: str) -> dict:
+    """Biases, q/k norm and sliding window: Qwen2 (q, k, v biases), Qwen3 (q/k RMSNorm), Mistral (a
+    sliding window on every layer); other variants are refused with the key."""
+    bias = {"qwen2": True}.get(model_type, bool(hf.get("attention_bias", False)))
+    if bias and model_type != "qwen2":
+        raise HFFormatError(f"config.json attention_bias=True ({model_type}: a bias on the output projection too): "
+                            "only Qwen2's q, k, v biases are supported")
+    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        raise HFFormatError("config.json use_sliding_window=True: per-layer sliding windows are not supported")
+    window = hf.get("sliding_window") if model_type in ("mistral", "mixtral") else None
+    return {"family": model_type if model_type != "mixtral" else "llama", "attention_bias": bias,
+            "qk_norm": model_type == "qwen3", "sliding_window": int(window or 0)}
 
 
 def model_config_from_hf(hf: dict, param_dtype: str | None = None) -> ModelConfig:
@@ -43,19 +84,16 @@ def model_config_from_hf(hf: dict, param_dtype: str | None = None) -> ModelConfi
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
         raise HFFormatError(f"config.json model_type={model_type!r}: supported are {sorted(ARCHITECTURES)}")
-    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+    for key, want in (("hidden_act", "silu"), ("mlp_bias", False)):
         if hf.get(key, want) != want:
             raise HFFormatError(f"config.json {key}={hf[key]!r}: only {want!r} is supported")
-    if hf.get("sliding_window") is not None:
-        log.warning("config.json sliding_window=%s: meshtrain attends to the whole causal context; "
-                    "logits match only for sequences up to that length", hf["sliding_window"])
     try:
         d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
         values = dict(
             vocab_size=int(hf["vocab_size"]), d_model=d, n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
             n_kv_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(hf.get("head_dim") or d // heads), mlp_dim=int(hf["intermediate_size"]),
-            rope_theta=_rope_theta(hf), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            **_rope(hf), **_attention_fields(hf, model_type), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
         if model_type == "mixtral":
             values.update(num_experts=int(hf["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
@@ -68,24 +106,47 @@ def model_config_from_hf(hf: dict, param_dtype: str | None = None) -> ModelConfi
     return ModelConfig(**values, param_dtype=dtype)
 
 
+def export_type(cfg: ModelConfig) -> str:
+    """The Hugging Face `model_type` that holds this model: mixtral with experts, else `model.family`,
+    which must have what the model uses (raises HFFormatError naming the key otherwise)."""
+    if cfg.num_experts:
+        if cfg.attention_bias or cfg.qk_norm:
+            raise HFFormatError("Mixtral has no attention biases or q/k norm: model.attention_bias and model.qk_norm "
+                                "must be False to export a mixture of experts")
+        return "mixtral"
+    wants = {"qwen2": (True, False), "qwen3": (False, True)}.get(cfg.family, (False, False))
+    if (cfg.attention_bias, cfg.qk_norm) != wants:
+        raise HFFormatError(f"model.family={cfg.family!r} has attention_bias={wants[0]}, qk_norm={wants[1]}; the "
+                            f"model has {cfg.attention_bias}, {cfg.qk_norm}: set model.family to the architecture "
+                            "(qwen2: q, k, v biases; qwen3: q/k norm)")
+    if cfg.sliding_window and cfg.family != "mistral":
+        raise HFFormatError(f"model.sliding_window={cfg.sliding_window}: only model.family='mistral' exports one")
+    return cfg.family
+
+
 def hf_config_from_model(cfg: ModelConfig, dtype: str) -> dict:
     """ModelConfig -> a `config.json` dict that `transformers` loads."""
-    moe = cfg.num_experts > 0
-    model_type = "mixtral" if moe else "llama"
+    model_type = export_type(cfg)
+    moe = model_type == "mixtral"
     hf = {
         "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
         "intermediate_size": (cfg.moe_mlp_dim or cfg.mlp_dim) if moe else cfg.mlp_dim,
         "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "attention_bias": False, "attention_dropout": 0.0, "max_position_embeddings": 8192,
+        "rope_theta": cfg.rope_theta, "rope_parameters": _hf_rope(cfg),
+        "attention_bias": False, "attention_dropout": 0.0,
+        "max_position_embeddings": max(8192, cfg.rope_original_max_positions if cfg.rope_scaling != "none" else 0),
         "dtype": dtype, "torch_dtype": dtype, "use_cache": True,
     }
     if moe:
         hf.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
                   output_router_logits=False, router_jitter_noise=0.0, sliding_window=None)
-    else:
+    elif model_type == "mistral":
+        hf["sliding_window"] = cfg.sliding_window or None
+    elif model_type in ("qwen2", "qwen3"):
+        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+    if model_type == "llama":
         hf["mlp_bias"] = False
     return hf
 
@@ -192,6 +253,11 @@ def _leaf_layouts(cfg: ModelConfig) -> dict[tuple[str, ...], Layout]:
         ("attn", "wk"): Layout(f"{attn}.k_proj.weight", one, ((k, dh), (d,)), (2, 0, 1)),
         ("attn", "wv"): Layout(f"{attn}.v_proj.weight", one, ((k, dh), (d,)), (2, 0, 1)),
         ("attn", "wo"): Layout(f"{attn}.o_proj.weight", one, ((d,), (h, dh)), (1, 2, 0)),
+        ("attn", "bq"): Layout(f"{attn}.q_proj.bias", one, ((h, dh),), (0, 1)),
+        ("attn", "bk"): Layout(f"{attn}.k_proj.bias", one, ((k, dh),), (0, 1)),
+        ("attn", "bv"): Layout(f"{attn}.v_proj.bias", one, ((k, dh),), (0, 1)),
+        ("q_norm", "scale"): Layout(f"{attn}.q_norm.weight", one, ((dh,),), (0,)),
+        ("k_norm", "scale"): Layout(f"{attn}.k_norm.weight", one, ((dh,),), (0,)),
         ("attn_norm", "scale"): Layout(f"{hf_layer}.input_layernorm.weight", one, ((d,),), (0,)),
         ("mlp_norm", "scale"): Layout(f"{hf_layer}.post_attention_layernorm.weight", one, ((d,),), (0,)),
         ("mlp", "w_gate"): Layout(f"{mlp}.gate_proj.weight", one, ((f,), (d,)), (1, 0)),
