@@ -45,6 +45,14 @@ BAD = [
     ({}, {"sample_every": 10, "sample_temperature": -0.5}, "sample_temperature"),
     ({}, {"sample_every": 10, "sample_top_k": -1}, "sample_top_k"),
     ({}, {"sample_every": 10, "sample_prompt": ""}, "sample_prompt"),
+    # model families (tests/test_hf.py): a sliding window is einsum attention's only
+    ({}, {"model.sliding_window": 4, "attention.impl": "pallas"}, "model.sliding_window"),
+    ({"sequence": 2, "data": 4}, {"model.sliding_window": 4, "attention.impl": "ring"}, "model.sliding_window"),
+    ({}, {"model.sliding_window": -1}, "model.sliding_window"),
+    ({}, {"model.rope_scaling": "yarn"}, "model.rope_scaling"),
+    ({}, {"model.rope_scaling": "llama3", "model.rope_high_freq_factor": 0.5}, "model.rope_high_freq_factor"),
+    ({}, {"model.rope_factor": 0.0}, "model.rope_factor"),
+    ({}, {"model.family": "gpt2"}, "model.family"),
 ]
 
 

@@ -54,6 +54,8 @@ def _moe(mesh: dict, **overrides):
 
 
 KINDS = {"dense": _dense, "pipeline": _pipeline, "moe": _moe}
+FAMILY = {"model.attention_bias": True, "model.qk_norm": True, "model.rope_scaling": "llama3",
+                        "model.rope_factor": 8.0, "model.rope_original_max_positions": 32, "model.sliding_window": 24}
 # Keys that choose how the step is laid out, never what it computes: the float32 reference drops them.
 LAYOUT_KEYS = {"train.zero_stage", "train.grad_accum_steps", "model.sequence_parallel", "remat.policy",
                "attention.impl", "attention.ulysses_degree", "model.fused_norm", "model.fused_loss",
@@ -93,6 +95,8 @@ CASES = [
     _case("dense", {"data": 8}, **{"attention.impl": "pallas", "model.fused_norm": True, "model.fused_loss": True}),
     _case("dense", {"data": 2}, **{"attention.impl": "pallas", "model.fused_norm": True, "model.fused_loss": True,
                                    "train.grad_accum_steps": 2}),
+    # test_hf: the model families' features (Qwen2 biases, Qwen3 q/k norm, Llama 3.1 RoPE, Mistral's window)
+    _case("dense", {"data": 2, "fsdp": 2, "tensor": 2}, **FAMILY),
     # test_pallas_cross_entropy: the fused loss on the head's vocabulary shard
     _case("dense", {"data": 2, "tensor": 2}, **{"model.fused_loss": True}),
     # test_pipeline: every schedule on its meshes, more micro-batches, ZeRO-3 under 1F1B

@@ -103,6 +103,11 @@ FEATURES = {
     "ulysses-1f1b": ({"sequence": 2, "stage": 2, "data": 2}, {"attention.impl": "ulysses"}),
     "ulysses-hybrid-1f1b": ({"sequence": 4, "stage": 2}, {"attention.impl": "ulysses", "attention.ulysses_degree": 2}),
     "remat-selective": ({"fsdp": 8}, {"remat.policy": "selective"}),
+    # the model families' features (tests/test_hf.py); a sliding window is einsum attention's only
+    "families": ({"fsdp": 4, "tensor": 2}, {"model.attention_bias": True, "model.qk_norm": True,
+                                             "model.rope_scaling": "llama3", "model.rope_factor": 8.0,
+                                             "model.rope_original_max_positions": 32, "model.sliding_window": 24,
+                                             "attention.impl": "xla"}),
 }
 
 
