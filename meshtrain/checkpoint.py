@@ -57,6 +57,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 
 import jax
 import ml_collections
@@ -70,14 +71,42 @@ CHECKSUMS_SUBDIR = "checksums"
 log = logging.getLogger("meshtrain")
 
 
-class _ChecksumItemFilter(logging.Filter):
-    """Drops orbax's warning that the checksums folder is an item it was not asked to restore."""
+class _OrbaxNoise(logging.Filter):
+    """Drops orbax's warning that the checksums folder is an item it was not asked to restore, and the
+    tracebacks its save threads log when a write fails: the run reports that failure once, in one line
+    (`CheckpointSaveError`), and stops."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return f'Item "{CHECKSUMS_SUBDIR}" was found in the checkpoint' not in record.getMessage()
+        message = record.getMessage()
+        if f'Item "{CHECKSUMS_SUBDIR}" was found in the checkpoint' in message:
+            return False
+        failed = "raised an exception" in message or "Failed to" in message or record.exc_info
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname and failed)
 
 
-logging.getLogger("absl").addFilter(_ChecksumItemFilter())
+logging.getLogger("absl").addFilter(_OrbaxNoise())
+
+
+def quiet_failed_save_threads() -> None:
+    """After a failed asynchronous save, tensorstore's writes still in flight call back into an event loop
+    orbax has closed, and each prints "RuntimeError: Event loop is closed" with its traceback (through
+    `sys.excepthook` or `sys.unraisablehook`). The commands that train install this once: those
+    tracebacks are dropped, every other exception is printed as before; the failure itself is
+    reported once (`CheckpointSaveError`)."""
+    previous, previous_unraisable = sys.excepthook, sys.unraisablehook
+
+    def closed_loop(value) -> bool:
+        return type(value) is RuntimeError and str(value) == "Event loop is closed"
+
+    def hook(kind, value, tb):
+        if not closed_loop(value):
+            previous(kind, value, tb)
+
+    def unraisable(info):
+        if not closed_loop(info.exc_value):
+            previous_unraisable(info)
+
+    sys.excepthook, sys.unraisablehook = hook, unraisable
 
 
 class CheckpointDamaged(Exception):
@@ -163,6 +192,17 @@ def checkpoint_root(workdir: str) -> str:
     return os.path.join(os.path.realpath(os.path.expanduser(workdir)), CHECKPOINT_SUBDIR)
 
 
+class Unverified(ValueError):
+    """A checkpoint without checksums, which the run does not trust (`checkpoint.trust_unverified`)."""
+
+    def __init__(self, step: int, path: str):
+        self.step, self.path = step, path
+        super().__init__(f"checkpoint step {step} at {path} has no checksums (a save stopped between its commit and "
+                         "its checksums): nothing shows whether its files are intact; set "
+                         "config.checkpoint.trust_unverified=True to restore it anyway (a non-finite loss right "
+                         "after will name it)")
+
+
 @dataclasses.dataclass
 class Restored:
     """What a checkpoint gives back to a run."""
@@ -242,6 +282,16 @@ class Checkpointer:
             self.last_saved = step
         return saved
 
+    def check(self) -> None:
+        """Raises CheckpointSaveError at once when the save in flight has failed (the run calls this
+        after every step: it stops at the step after a failed write, not at the next save)."""
+        if self._saving is None or not self._async:
+            return
+        try:
+            self._manager.check_for_errors()
+        except Exception as error:  # noqa: BLE001
+            raise self._failed(self._saving, error) from error
+
     def _failed(self, step: int | None, error: BaseException) -> CheckpointSaveError:
         self.save_error = CheckpointSaveError(step, self.root, error, self.latest_step())
         return self.save_error
@@ -277,13 +327,15 @@ class Checkpointer:
         self.last_saved = self.latest_step()
         return target
 
-    def restore(self, abstract_state, step: int | None = None) -> Restored:
+    def restore(self, abstract_state, step: int | None = None, *, trust_unverified: bool = True) -> Restored:
         """Reads checkpoint `step` (default: the newest finished one) into `abstract_state`'s shardings.
 
         Args:
           abstract_state: a pytree of `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` of the
             *current* run (e.g. `StateFactory.abstract`); the arrays come back in those shardings.
           step: which checkpoint; None for the newest.
+          trust_unverified: restore a checkpoint that has no checksums (with a warning); else
+            `Unverified` is raised.
         """
         steps = self.all_steps()
         if step is None:
@@ -298,6 +350,8 @@ class Checkpointer:
         if problems:
             raise CheckpointDamaged(step, path, problems)
         if problems is None:
+            if not trust_unverified:
+                raise Unverified(step, path)
             log.warning("checkpoint step %d at %s has no checksums: restoring it unverified", step, path)
         try:
             metadata = self._manager.item_metadata(step)["state"]
@@ -479,7 +533,9 @@ def resume(config: ml_collections.ConfigDict, ckpt: Checkpointer, abstract_state
             try:
                 if ckpt.meta(step).get("parameters_only"):  # `hf import --workdir`: parameters, step 0
                     return ckpt.restore_params(abstract_state.params, step)
-                return ckpt.restore(abstract_state, step)
+                return ckpt.restore(abstract_state, step, trust_unverified=bool(config.checkpoint.trust_unverified))
+            except Unverified as error:
+                raise config_lib.ConfigError("checkpoint.trust_unverified", False, str(error)) from error
             except CheckpointDamaged as error:
                 moved = ckpt.set_aside(step)
                 damaged.append(f"step {step} ({'; '.join(error.problems[:2])})")
@@ -489,7 +545,17 @@ def resume(config: ml_collections.ConfigDict, ckpt: Checkpointer, abstract_state
                                              "or use a new workdir") from error
         raise config_lib.ConfigError("workdir", config.workdir, f"every checkpoint is damaged: {', '.join(damaged)}; "
                                      f"they were moved to {ckpt.root}.damaged/ (nothing deleted): restore one by "
-                                     "hand or start a new workdir")
+                                     "hand, start a new workdir, or set config.checkpoint.restart_from_scratch=True "
+                                     "to train this one from step 0")
+    set_aside = _set_aside_steps(ckpt.root)
+    if set_aside and not config.checkpoint.restart_from_scratch:
+        raise config_lib.ConfigError("workdir", config.workdir, f"holds no intact checkpoint: its checkpoints of "
+                                     f"steps {set_aside} were damaged and moved to {ckpt.root}.damaged/; restore one "
+                                     "by hand, start a new workdir, or set config.checkpoint.restart_from_scratch=True "
+                                     "to train this one from step 0 on purpose")
+    if set_aside:
+        log.warning("config.checkpoint.restart_from_scratch: training %s from step 0; the damaged checkpoints "
+                    "stay in %s.damaged/", config.workdir, ckpt.root)
     if not config.checkpoint.restore_from:
         return None
     try:
@@ -512,6 +578,14 @@ def resume(config: ml_collections.ConfigDict, ckpt: Checkpointer, abstract_state
         raise
     except (ValueError, CheckpointDamaged) as error:
         raise config_lib.ConfigError("checkpoint.restore_from", config.checkpoint.restore_from, str(error)) from error
+
+
+def _set_aside_steps(root: str) -> list[int]:
+    """The steps of the damaged checkpoints `set_aside` moved to `<root>.damaged/`."""
+    damaged = root + ".damaged"
+    if not os.path.isdir(damaged):
+        return []
+    return sorted({int(name.split(".")[0]) for name in os.listdir(damaged) if name.split(".")[0].isdigit()})
 
 
 def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:

@@ -129,6 +129,25 @@ def setup_runtime(config: ml_collections.ConfigDict, given: dict | None = None, 
     mesh_lib.maybe_initialize_distributed(config)
     if config.init.from_hf and not described:
         hf.apply_model_config(config)
+    quiet_other_processes()
+
+
+class _OwnLinesOnly(logging.Filter):
+    """What a process other than 0 prints: errors, and warnings about itself (logged with
+    `extra={"local": True}`); the run's own lines and warnings come once, from process 0."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            return True
+        return record.levelno >= logging.WARNING and getattr(record, "local", False)
+
+
+def quiet_other_processes() -> None:
+    """In a multi-process run process 0 prints the run's lines; the others only their own warnings and errors."""
+    import jax
+
+    if jax.process_count() > 1 and jax.process_index() > 0:
+        logging.getLogger("meshtrain").addFilter(_OwnLinesOnly())
 
 
 def given_keys() -> dict:

@@ -166,6 +166,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.data.tokenizer = "bytes"
     c.data.data_dir = ""
     c.data.text_field = "text"
+    # a binary or non-UTF-8 file, or a JSON line without a string text: "skip" (by name, counted: the run prints
+    # the counts and metrics.jsonl's first record keeps them) or "error" (the first one stops the run)
+    c.data.on_bad_data = "skip"
     c.data.cross_document_attention = False
     c.data.prefetch = 2
 
@@ -174,6 +177,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.checkpoint.keep = 2
     c.checkpoint.async_save = True
     c.checkpoint.restore_from = ""
+    # a workdir whose checkpoints were all found damaged (and set aside) refuses to start over unless this is True
+    c.checkpoint.restart_from_scratch = False
+    # a checkpoint without checksums (a save killed before writing them) is restored only when this is True
+    c.checkpoint.trust_unverified = False
 
     c.pipeline = ml_collections.ConfigDict()
     c.pipeline.schedule = "gpipe"
@@ -253,7 +260,7 @@ def _validate_choices(config) -> None:
                          ("remat.policy", REMAT_POLICIES), ("attention.impl", ATTENTION_IMPLS),
                          ("pipeline.schedule", PIPELINE_SCHEDULES), ("model.moe_balance_scope", BALANCE_SCOPES),
                          ("model.matmul_precision", MATMUL_PRECISIONS), ("model.rope_scaling", ROPE_SCALINGS),
-                         ("model.family", FAMILIES)):
+                         ("model.family", FAMILIES), ("data.on_bad_data", ("skip", "error"))):
         section, name = key.split(".")
         value = config[section][name]
         require(value in choices, key, value, f"must be one of {choices}")
@@ -288,6 +295,15 @@ def _validate_positive(config) -> None:
     require(0.0 <= config.train.min_lr_ratio <= 1.0, "train.min_lr_ratio", config.train.min_lr_ratio,
              "must be in [0, 1]")
     require(config.train.warmup_steps >= 0, "train.warmup_steps", config.train.warmup_steps, "must be >= 0")
+    require(config.train.warmup_steps <= config.steps, "train.warmup_steps", config.train.warmup_steps,
+            f"must be <= steps={config.steps} (the learning rate would never reach train.learning_rate)")
+    for key in ("b1", "b2"):
+        require(0.0 <= config.train[key] < 1.0, f"train.{key}", config.train[key],
+                "must be in [0, 1) (an Adam moment's decay)")
+    require(config.train.eps > 0, "train.eps", config.train.eps, "must be > 0")
+    require(config.train.weight_decay >= 0, "train.weight_decay", config.train.weight_decay, "must be >= 0")
+    require(config.train.grad_clip >= 0, "train.grad_clip", config.train.grad_clip,
+            "must be >= 0 (the largest global gradient norm; 0: no clipping)")
     t = config.train
     require(t.spike_factor == 0 or t.spike_factor > 1, "train.spike_factor", t.spike_factor,
              "must be 0 (off) or > 1 (a multiple of the running median loss)")

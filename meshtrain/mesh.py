@@ -37,7 +37,7 @@ def fake_cpu_devices(count: int) -> None:
     if xla_bridge.backends_are_initialized():
         if jax.default_backend() == "cpu" and jax.device_count() != count:
             log.warning("JAX already started with %d devices; config.cpu_devices=%d ignored",
-                        jax.device_count(), count)
+                        jax.device_count(), count, extra={"local": True})
         return
     jax.config.update("jax_num_cpu_devices", count)
 

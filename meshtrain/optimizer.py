@@ -15,16 +15,15 @@ import optax
 def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
     """Linear warmup to `train.learning_rate`, then cosine decay to `min_lr_ratio` of it at `steps`."""
     t = config.train
-    warmup = min(t.warmup_steps, config.steps)
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=t.learning_rate, warmup_steps=warmup,
-        decay_steps=max(config.steps, warmup + 1), end_value=t.learning_rate * t.min_lr_ratio)
+        init_value=0.0, peak_value=t.learning_rate, warmup_steps=t.warmup_steps,
+        decay_steps=max(config.steps, t.warmup_steps + 1), end_value=t.learning_rate * t.min_lr_ratio)
 
 
 def _decay_mask(params):
-    """Weight decay on matrices only: not on norm scales."""
+    """Weight decay on matrices only: not on norm scales or the attention biases (Qwen2)."""
     def decays(path, _):
-        return not any(getattr(k, "key", None) == "scale" for k in path)
+        return not any(getattr(k, "key", None) in ("scale", "bq", "bk", "bv") for k in path)
     return jax.tree_util.tree_map_with_path(decays, params)
 
 

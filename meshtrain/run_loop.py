@@ -49,24 +49,39 @@ log = logging.getLogger("meshtrain")
 
 
 class Preemption:
-    """SIGTERM -> finish the current step, save, exit 0.
+    """SIGTERM -> finish the current step, save, exit 0; Ctrl-C (SIGINT) the same, exit 130, and a
+    second Ctrl-C aborts at once (the default handler is back after the first).
 
-    Single-process runs install their own SIGTERM handler that sets a flag. Multi-process runs
-    use JAX's preemption sync manager (started by `jax.distributed.initialize`, which catches
-    SIGTERM itself): `reached(step)` becomes true on every process at the same step, so all of
-    them save the same checkpoint.
+    Single-process runs install their own handlers that set a flag. Multi-process runs use JAX's
+    preemption sync manager (started by `jax.distributed.initialize`, which catches SIGTERM
+    itself): `reached(step)` becomes true on every process at the same step, so all of them save
+    the same checkpoint; a Ctrl-C there sends this process a SIGTERM, which joins that path.
     """
 
     def __init__(self):
         self._flag = False
+        self.interrupted = False  # stopped by Ctrl-C (SIGINT), not by SIGTERM
         self._multi = jax.process_count() > 1
-        self._previous = None
+        self._previous = {}
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers live in the main thread only (a run started from another thread keeps none)
         if not self._multi:
-            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_signal)
+        self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_interrupt)
 
     def _on_signal(self, signum, frame) -> None:
         del signum, frame
         self._flag = True
+
+    def _on_interrupt(self, signum, frame) -> None:
+        del frame
+        self.interrupted = True
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C ends the process at once
+        log.warning("Ctrl-C: saving at the end of this step, then exiting (Ctrl-C again to abort now)")
+        if self._multi:  # every process reaches JAX's preemption sync point at the same step
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            self._on_signal(signum, None)
 
     def reached(self, step: int) -> bool:
         """True when the run must save at `step` and stop (call once per step, on every process)."""
@@ -80,17 +95,33 @@ class Preemption:
         return self._flag
 
     def close(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
+
+
+class Interrupted(RuntimeError):
+    """The run stopped at a Ctrl-C, after saving (exit code 130, the shell's for SIGINT)."""
+
+    def __init__(self, step: int, path: str):
+        self.step = step
+        super().__init__(f"interrupted (Ctrl-C) at step {step}; checkpoint saved at {path}: run the same command "
+                         "to resume")
+
+
+INTERRUPT_EXIT_CODE = 130
 
 
 class NonFiniteError(RuntimeError):
     """A step's loss or gradient norm was not finite and `train.skip_nonfinite` is off."""
 
-    def __init__(self, step: int, loss: float, grad_norm: float, last_good: str | None):
+    def __init__(self, step: int, loss: float, grad_norm: float, last_good: str | None, suspect: str | None = None):
         self.step, self.loss, self.grad_norm, self.last_good = step, loss, grad_norm, last_good
-        where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was saved yet"
+        if suspect:  # the run restored it and has saved nothing since: what it holds may be what is wrong
+            where = (f"the checkpoint this run restored, {suspect}, is suspect: no step since restoring it was "
+                     "finite; an older checkpoint, or a new workdir, is the way on")
+        else:
+            where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was saved yet"
         super().__init__(f"non-finite values at step {step}: loss={loss}, grad_norm={grad_norm}; the update "
                          f"was not applied and the run stopped ({where}); set config.train.skip_nonfinite=True "
                          f"to skip such steps instead")
@@ -296,6 +327,8 @@ class RunCheckpoints:
         self._described = run_record.record(config)
         self.injection = injection
         self.failed = False  # set by the loop when it ends with an error
+        self.resumed: int | None = None  # the step restored at start (suspect if the next steps are non-finite)
+        self.finite_since_resume = False
 
     def start(self, create: Callable[[], object]) -> tuple[object, int, dict | None]:
         """(state, steps already done, data iterator state) from the newest checkpoint, else fresh."""
@@ -307,6 +340,7 @@ class RunCheckpoints:
                      restored.path, restored.step)
             fresh = self.factory.to_canonical(create())
             return self.factory.from_canonical(dataclasses.replace(fresh, params=restored.params)), restored.step, None
+        self.resumed = restored.step
         self.guard.skipped = int(restored.meta.get("skipped_steps", 0))
         self.spikes.rollbacks = int(restored.meta.get("spike_rollbacks", 0))
         log.info("resumed from %s (step %d)", restored.path, restored.step)
@@ -323,6 +357,7 @@ class RunCheckpoints:
           NonFiniteError: a non-finite step and `train.skip_nonfinite` off.
           RollBack: a loss spike is complete (the loop restores `rollback_target`).
         """
+        self.ckpt.check()  # a save that failed since the last step ends the run now, not at the next save
         self._handle(self.guard.push(step, metrics))
         if sync or self.spikes.enabled and step == last_step:
             self._handle(self.guard.check())
@@ -337,7 +372,8 @@ class RunCheckpoints:
                 self.ckpt.save(step, self.factory.to_canonical(state), data_state(), self.meta(step))
                 self.injection.at("save", step)
         if preempted:
-            log.warning("preempted: checkpoint saved at step %d; exiting", step)
+            how = "interrupted (Ctrl-C)" if self.preemption.interrupted else "preempted"
+            log.warning("%s: checkpoint saved at step %d; exiting", how, step)
         return preempted
 
     def meta(self, step: int) -> dict:
@@ -356,7 +392,11 @@ class RunCheckpoints:
                 return
             self.ckpt.wait()
             latest = self.ckpt.latest_step()
-            raise NonFiniteError(step, loss, grad_norm, self.ckpt.step_path(latest) if latest is not None else None)
+            suspect = (self.ckpt.step_path(latest) if latest is not None and latest == self.resumed
+                       and not self.finite_since_resume else None)
+            raise NonFiniteError(step, loss, grad_norm, self.ckpt.step_path(latest) if latest is not None else None,
+                                 suspect)
+        self.finite_since_resume = True
         if self.spikes.enabled:
             median = self.spikes.median()
             if self.spikes.observe(step, float(np.asarray(metrics["loss"]))):
@@ -524,8 +564,9 @@ class Loop:
                 **{k: float(v) for k, v in metrics.items() if k not in _MAIN_KEYS},
                 **metrics_lib.memory_stats()}
 
-    def train(self, step_fn, state, start: int, it) -> dict:
-        """Runs steps start+1 .. config.steps; returns the last logged record."""
+    def train(self, step_fn, state, start: int, it, first_record: dict | None = None) -> dict:
+        """Runs steps start+1 .. config.steps; returns the last logged record. `first_record`: fields the
+        first record this run writes to metrics.jsonl keeps (what reading the data skipped)."""
         config, dog = self.config, self.watchdog
         writer = metrics_lib.MetricsWriter(config.workdir, enabled=self.is_main)
         writer.truncate_after(start)  # a resume from an older checkpoint: its later records were rolled back
@@ -571,6 +612,8 @@ class Loop:
                                 dog.disarm()
                             last["sample"] = self.sample(state.params)
                             sampled = True
+                        if first_record:
+                            last, first_record = {**last, **first_record}, None
                         writer.write(last)
                         tb.write(last)
                         progress.clear()

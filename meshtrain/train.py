@@ -32,6 +32,7 @@ from meshtrain import (
     sample,
     sharding_rules,
     train_step,
+    workdir_lock,
 )
 from meshtrain.run import Run
 from meshtrain.validate import validate
@@ -53,6 +54,11 @@ def run(config: ml_collections.ConfigDict, given: dict | None = None) -> dict:
     command line, which must not contradict it)."""
     cli.setup_runtime(config, given)
     validate(config, jax.device_count())  # a bad config stops here, before anything compiles
+    with workdir_lock.WorkdirLock(config.workdir, jax.process_index()):  # one run per workdir
+        return _train(config)
+
+
+def _train(config: ml_collections.ConfigDict) -> dict:
     resolved = Run.resolve(config)
     for line in resolved.describe():
         log.info("%s", line)
@@ -73,7 +79,18 @@ def run(config: ml_collections.ConfigDict, given: dict | None = None) -> dict:
         return factory.create(config.seed)
 
     state, start, data_state = loop.start(fresh_state)
-    return loop.train(step_fn, state, start, data.make_iterator(resolved, "train", state=data_state))
+    it = data.make_iterator(resolved, "train", state=data_state)
+    report, examples = data.read_report(config)
+    if report:
+        log.info("data: %d files, %d documents; skipped %d file(s) (binary, not UTF-8 or unreadable) and %d JSON "
+                 "line(s) (not JSON, no %r, or not text)%s", report["data_files"], report["data_documents"],
+                 report["data_skipped_files"], report["data_skipped_lines"], config.data.text_field,
+                 f": e.g. {', '.join(examples[:3])}" if examples else "")
+    result = loop.train(step_fn, state, start, it, first_record=report)
+    if loop.ckpts.preemption.interrupted:  # Ctrl-C: saved, stopped; the shell's exit code for SIGINT
+        saved = loop.ckpts.ckpt.last_saved
+        raise run_loop.Interrupted(saved, loop.ckpts.ckpt.step_path(saved) if saved is not None else "nowhere")
+    return result
 
 
 def main(argv) -> None:
@@ -81,6 +98,7 @@ def main(argv) -> None:
     cli.setup_logging(sys.stdout)
     # a failed asynchronous save leaves one unretrieved future per array write; the run reports it once
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    checkpoint.quiet_failed_save_threads()
     config = _CONFIG.value
     for flag, key in ((_COORDINATOR, "coordinator_address"), (_NUM_PROCESSES, "num_processes"),
                       (_PROCESS_ID, "process_id")):
@@ -91,6 +109,9 @@ def main(argv) -> None:
     except config_lib.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except run_loop.Interrupted as e:
+        print(f"error: {e}", file=sys.stderr)
+        _exit(run_loop.INTERRUPT_EXIT_CODE)
     except (run_loop.NonFiniteError, run_loop.SpikeError) as e:
         print(f"error: {e}", file=sys.stderr)
         _exit(3)

@@ -327,3 +327,35 @@ def test_synchronous_saves_are_checksummed_too(tmp_path):
     assert ckpt.verify(1) == []
     assert os.listdir(os.path.join(ckpt.step_path(1), checkpoint_lib.CHECKSUMS_SUBDIR)) == ["process_0.json"]
     ckpt.close()
+
+
+def test_every_checkpoint_damaged_refuses_a_silent_fresh_start(reference, tmp_path):
+    """All checkpoints damaged: the launch that finds them stops (they are moved aside); the relaunch,
+    which sees no checkpoint at all, refuses too instead of training from step 0, until told to with
+    `checkpoint.restart_from_scratch` (then it trains the reference run's losses from the start)."""
+    root = _copy_checkpoints(reference, tmp_path / "run", (11, 12))
+    _flip_byte(os.path.join(root, "12"))
+    _truncate(os.path.join(root, "11"))
+    with pytest.raises(config_lib.ConfigError, match=r"every checkpoint is damaged.*restart_from_scratch"):
+        train.run(config_for(tmp_path / "run"))
+    with pytest.raises(config_lib.ConfigError, match=r"config\.workdir=.*holds no intact checkpoint.*steps \[11, 12\]"
+                                                     r".*restart_from_scratch=True"):
+        train.run(config_for(tmp_path / "run"))
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")  # refused before anything was written
+    result = train.run(config_for(tmp_path / "run", **{"checkpoint.restart_from_scratch": True}))
+    assert result["step"] == STEPS and losses_of(tmp_path / "run") == losses_of(reference)
+
+
+def test_a_checkpoint_without_checksums_needs_trust_and_a_nan_after_it_names_it(reference, tmp_path, monkeypatch):
+    """No checksums (a save stopped before writing them): refused, naming `checkpoint.trust_unverified`;
+    trusted, it restores, and a non-finite step right after names it as suspect, not as good."""
+    import shutil
+
+    root = _copy_checkpoints(reference, tmp_path / "run", (10,))
+    shutil.rmtree(os.path.join(root, "10", checkpoint_lib.CHECKSUMS_SUBDIR))
+    with pytest.raises(config_lib.ConfigError, match=r"config\.checkpoint\.trust_unverified=False: checkpoint step 10"):
+        train.run(config_for(tmp_path / "run"))
+    hook_data(monkeypatch, nan_at(11))
+    with pytest.raises(run_loop.NonFiniteError, match=r"checkpoints/10, is suspect") as error:
+        train.run(config_for(tmp_path / "run", **{"checkpoint.trust_unverified": True}))
+    assert error.value.step == 11 and "last good" not in str(error.value)

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import checkpoint as checkpoint_lib, faults, launch, run_loop, train
+from meshtrain import checkpoint as checkpoint_lib, data, faults, launch, run_loop, train
 from tests.utils import ROOT, abstract_state, cli_args, config_for, load, losses_of, subprocess_env
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("compilation_cache")]
@@ -58,6 +58,14 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, compilation_
     output = second.stdout + second.stderr
     assert second.returncode == 0, output[-3000:]
     assert "(8 devices, 2 process(es))" in output and f"(step {preempted_at})" in output
+    # process 0 prints the run's lines, process 1 none of them (its own warnings and errors only)
+    assert output.count(f"step {STEPS} |") == 1 and output.count("(8 devices, 2 process(es))") == 1, output[-3000:]
+    # each process checksummed its own shards; the checkpoint verifies whole
+    final = checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_root(workdir), read_only=True)
+    assert final.verify(STEPS) == []
+    assert sorted(os.listdir(os.path.join(final.step_path(STEPS), checkpoint_lib.CHECKSUMS_SUBDIR))) == [
+        "process_0.json", "process_1.json"]
+    final.close()
 
     config = config_for(one_of_eight, **{"steps": STEPS})
     two, one = losses_of(workdir), losses_of(one_of_eight)  # losses_of refuses a step written twice
@@ -159,6 +167,41 @@ def test_a_hung_process_ends_the_job_and_the_relaunch_resumes(tmp_path, compilat
     np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rtol=1e-5, atol=0)
     rolled_back = [json.loads(line)["step"] for line in open(workdir / "metrics.rolled_back.jsonl")]
     assert rolled_back and min(rolled_back) == 5
+
+
+def test_a_spike_in_a_two_process_run_is_rolled_back_like_in_one(tmp_path, compilation_cache):
+    """The planted rows of tests/test_loss_spike.py in a 2 x 4 run (each process poisons the rows it
+    reads, through tests/planted/sitecustomize.py): both processes see the spike at the same steps,
+    roll back to the same checkpoint, skip the same rows, and train on to the losses of a 1 x 8 run
+    that never saw them."""
+    from tests import test_loss_spike as spike
+
+    workdir = tmp_path / "two"
+    overrides = {"steps": spike.STEPS, "data.source": "synthetic", "checkpoint.every": spike.EVERY,
+                 "train.batch_size": spike.BATCH, "train.learning_rate": 1e-2, "train.warmup_steps": 2,
+                 "train.spike_factor": 1.5, "train.spike_steps": 2, "train.spike_window": 8}
+    cmd = [sys.executable, "-m", "meshtrain.launch", "--processes", "2", "--",
+           *cli_args({**overrides, "workdir": workdir, "cpu_devices": 4})]
+    env = {**subprocess_env(compilation_cache), "MESHTRAIN_TEST_POISON": f"{spike.FIRST_ROW}:{spike.END_ROW}",
+           "PYTHONPATH": f"{ROOT / 'tests' / 'planted'}:{ROOT}"}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=WAIT_S)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert output.count("loss spike at steps") == 1, output[-3000:]  # logged once, by process 0
+    rolled_back = sorted(json.loads(line)["step"] for line in open(workdir / "metrics.rolled_back.jsonl"))
+    assert rolled_back == list(range(spike.EVERY * 3 + 1, spike.POISONED_STEPS[-1] + 1))
+
+    clean = tmp_path / "clean"
+    original = data._rows
+    try:
+        data._rows = lambda config, split: (spike._Without(original(config, split)) if split == "train"
+                                            else original(config, split))
+        train.run(config_for(clean, **overrides))
+    finally:
+        data._rows = original
+    two, one = losses_of(workdir), losses_of(clean)
+    assert sorted(two) == list(range(1, spike.STEPS + 1))
+    np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rtol=1e-5, atol=0)
 
 
 def test_launcher_reports_a_failed_process():

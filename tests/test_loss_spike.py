@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from meshtrain import data, run_loop, train
+from tests import planted_rows
 from tests.utils import config_for, losses_of
 
 pytestmark = pytest.mark.usefixtures("compilation_cache")
@@ -21,21 +22,8 @@ FIRST_ROW = (POISONED_STEPS[0] - 1) * BATCH
 END_ROW = POISONED_STEPS[-1] * BATCH  # rows [FIRST_ROW, END_ROW) are random tokens
 
 
-class _Poisoned:
-    """Train rows whose global indices in [first, end) are uniform random tokens."""
-
-    def __init__(self, rows, vocab_size: int, first: int = FIRST_ROW, end: int = END_ROW):
-        self.rows, self.vocab_size, self.first, self.end = rows, vocab_size, first, end
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, row: int):
-        tokens, doc_ids = self.rows[row]
-        if self.first <= int(row) < self.end:
-            rng = np.random.default_rng(int(row))
-            return rng.integers(3, self.vocab_size, tokens.shape).astype(tokens.dtype), np.ones_like(doc_ids)
-        return tokens, doc_ids
+def _Poisoned(rows, vocab_size: int, first: int = FIRST_ROW, end: int = END_ROW):
+    return planted_rows.Poisoned(rows, vocab_size, first, end)
 
 
 class _Without:

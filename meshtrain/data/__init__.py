@@ -23,7 +23,7 @@ from meshtrain.data import packing
 from meshtrain.data.loader import DataIterator
 from meshtrain.data.synthetic import SyntheticRows
 
-__all__ = ["BatchLayout", "DataIterator", "iterator", "make_iterator", "packing"]
+__all__ = ["BatchLayout", "DataIterator", "iterator", "make_iterator", "packing", "read_report"]
 
 SPLITS = ("train", "validation")
 _STATE_KEYS = ("source", "seed", "seq_len")
@@ -49,6 +49,15 @@ class BatchLayout(Protocol):
 
 class _TokenOrder(Protocol):
     permutation: np.ndarray | None
+
+
+def read_report(config: ml_collections.ConfigDict) -> tuple[dict[str, int], list[str]]:
+    """(counts, examples) of the files and lines a text source skipped (`sources.read_report`)."""
+    if config.data.source != "text_files":
+        return {}, []
+    from meshtrain.data import sources
+
+    return sources.read_report(config)
 
 
 def make_iterator(run: BatchLayout, split: str = "train", state: dict | None = None) -> DataIterator:

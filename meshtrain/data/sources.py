@@ -47,7 +47,17 @@ def data_dir(config) -> str:
 def text_files_builder(config) -> TextFiles:
     files = corpus.expand_files(config.data.files)
     name = corpus.corpus_name(config.data.files, files, config.data.text_field)
-    return TextFiles(files=files, name=name, text_field=config.data.text_field, data_dir=data_dir(config))
+    return TextFiles(files=files, name=name, text_field=config.data.text_field,
+                     strict=config.data.on_bad_data == "error", data_dir=data_dir(config))
+
+
+def read_report(config) -> tuple[dict[str, int], list[str]]:
+    """(counts, a few of the skipped files or lines) of what reading the text files met, as the run logs
+    it once and keeps it in its first metrics record; ({}, []) for other sources."""
+    if config.data.source != "text_files":
+        return {}, []
+    stats = builder(config).load_read_stats()
+    return corpus.read_report(stats), list(stats.get("examples", []))
 
 
 def builder(config, prepare_if_missing: bool = True):
@@ -66,6 +76,13 @@ def builder(config, prepare_if_missing: bool = True):
                 if not result.is_prepared():
                     raise
         _require_dataset_info(source, str(result.data_dir))
+        report = corpus.read_report(result.load_read_stats())
+        skipped = report.get("data_skipped_files") or report.get("data_skipped_lines")
+        if config.data.on_bad_data == "error" and skipped:
+            raise config_lib.ConfigError("data.on_bad_data", "error", f"the dataset prepared in {result.data_dir} "
+                                         f"skipped {report['data_skipped_files']} file(s) and "
+                                         f"{report['data_skipped_lines']} line(s); delete it to prepare it again "
+                                         "and meet the first one as an error")
         return result
     if source.startswith(hf_source.PREFIX):
         result = hf_source.HFDataset(source, config.data.text_field, data_dir(config))

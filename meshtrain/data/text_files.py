@@ -49,8 +49,10 @@ def split_of(text: str) -> str:
 class TextFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     """Documents of a list of local files (see `corpus.read_documents`), stored as array_record."""
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES: ClassVar[dict[str, str]] = {"1.0.0": "Text documents of local files, split by content hash."}
+    VERSION = tfds.core.Version("1.1.0")
+    RELEASE_NOTES: ClassVar[dict[str, str]] = {"1.0.0": "Text documents of local files, split by content hash.",
+                                               "1.1.0": "Binary and non-UTF-8 files, and JSON lines without a "
+                                                        "string text, skipped and counted."}
 
     @tfds_utils.classproperty
     @classmethod
@@ -59,9 +61,9 @@ class TextFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         # import `importlib_resources`, which a TFDS install without TensorFlow may lack.
         return None
 
-    def __init__(self, *, files: list[str], name: str, text_field: str = "text", **kwargs):
+    def __init__(self, *, files: list[str], name: str, text_field: str = "text", strict: bool = False, **kwargs):
         self._files = list(files)
-        self._text_field = text_field
+        self._text_field, self._strict = text_field, strict
         self.read_stats = corpus.ReadStats()
         super().__init__(config=tfds.core.BuilderConfig(name=name), file_format="array_record", **kwargs)
 
@@ -75,7 +77,7 @@ class TextFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     def _split_generators(self, dl_manager):
         del dl_manager
         hashes = {key: _hash(text) for key, text in corpus.read_documents(self._files, self._text_field,
-                                                                           self.read_stats)}
+                                                                           self.read_stats, self._strict)}
         if not hashes:
             raise ValueError(f"config.data.files: the {len(self._files)} files hold no document "
                              f"({self.read_stats.unreadable_files} unreadable, e.g. {self.read_stats.examples})")
