@@ -144,6 +144,8 @@ def _owner(rel: str) -> int:
     return int(m.group(1)) if m else 0
 
 
+_TEMPORARY = re.compile(r"\.orbax-checkpoint-tmp[^/\\]*")
+
 # written or rewritten by orbax as it commits the step, after the checksums
 _REWRITTEN_AT_COMMIT = ("commit_success.txt", "_CHECKPOINT_METADATA")
 
@@ -156,7 +158,8 @@ def write_checksums(step_dir: str, process: int) -> dict:
         dirnames[:] = [d for d in dirnames if d != CHECKSUMS_SUBDIR]
         for name in files:
             full = os.path.join(dirpath, name)
-            rel = os.path.relpath(full, step_dir)
+            # a path as it will be once committed: orbax may write an item in a temporary directory too
+            rel = _TEMPORARY.sub("", os.path.relpath(full, step_dir))
             if name in _REWRITTEN_AT_COMMIT or _owner(rel) != process:
                 continue
             entries[rel] = list(checksums.size_and_crc32(full))
@@ -175,7 +178,8 @@ def verify_checksums(step_dir: str) -> list[str] | None:
     manifests = sorted(glob.glob(os.path.join(step_dir, CHECKSUMS_SUBDIR, "process_*.json")))
     if not manifests:
         return None
-    problems = []
+    problems = [f"files of process {owner} have no checksum file (checksums/process_{owner}.json)"
+                for owner in sorted(_writers(step_dir) - {_manifest_process(m) for m in manifests})]
     for manifest in manifests:
         try:
             with open(manifest) as f:
@@ -185,6 +189,18 @@ def verify_checksums(step_dir: str) -> list[str] | None:
             continue
         problems += checksums.mismatches(step_dir, entries)
     return problems
+
+
+def _manifest_process(manifest: str) -> int:
+    return int(re.search(r"process_(\d+)\.json$", manifest).group(1))
+
+
+def _writers(step_dir: str) -> set[int]:
+    """The processes whose shards a step holds (`ocdbt.process_<i>` directories)."""
+    found = set()
+    for _, dirnames, _ in os.walk(step_dir):
+        found |= {int(m.group(1)) for d in dirnames if (m := re.fullmatch(r"ocdbt\.process_(\d+)", d))}
+    return found
 
 
 def checkpoint_root(workdir: str) -> str:
@@ -440,7 +456,29 @@ def _state_handler() -> ocp.PyTreeCheckpointHandler:
         (int, type_handlers.ScalarHandler()), (float, type_handlers.ScalarHandler()),
         (np.number, type_handlers.ScalarHandler()), (np.ndarray, type_handlers.NumpyHandler()),
         (jax.Array, array_handler))
-    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+    handler.async_save = _checksummed(handler.async_save)
+    return handler
+
+
+def _checksummed(async_save):
+    """`async_save` of the arrays' handler that, on a process other than the primary, writes that
+    process's checksums once its own writes finish, before the barrier that precedes the commit
+    (orbax runs the manager's post-finalization callback on the primary alone, which checksums its
+    own files there). An instance attribute, not a subclass: orbax pairs save arguments with the
+    handler's exact class."""
+
+    async def save(directory, *args, **kwargs):
+        futures = await async_save(directory, *args, **kwargs)
+        process = jax.process_index()
+        if process == 0:
+            return futures
+        from orbax.checkpoint._src.futures import future
+
+        step_dir = os.path.dirname(os.fspath(getattr(directory, "path", directory)))
+        return [future.ChainedFuture(list(futures or []), cb=lambda: write_checksums(step_dir, process))]
+
+    return save
 
 
 # Parts of the train state a run may start afresh when its checkpoint holds them in another form:

@@ -258,8 +258,18 @@ def _garble_json(step_dir) -> str:
     return path
 
 
+def _unchecksummed_process(step_dir) -> str:
+    """Shards of a second process whose checksum file never came (a process that wrote but did not
+    checksum): the missing file is what the error names."""
+    shards = os.path.join(step_dir, "state", "ocdbt.process_1")
+    os.makedirs(shards)
+    with open(os.path.join(shards, "manifest.ocdbt"), "wb") as f:
+        f.write(b"\0" * 16)
+    return os.path.join(step_dir, checkpoint_lib.CHECKSUMS_SUBDIR, "process_1.json")
+
+
 DAMAGES = {"truncated-array": _truncate, "flipped-byte": _flip_byte, "missing-metadata": _remove_metadata,
-           "garbled-json": _garble_json}
+           "garbled-json": _garble_json, "unchecksummed-process": _unchecksummed_process}
 
 
 def _copy_checkpoints(reference, workdir, steps) -> str:
