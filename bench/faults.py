@@ -1,7 +1,8 @@
 """Fault injection, N trials per fault: is each one caught, is the run recovered, is anything lost?
 
     python bench/faults.py [--trials 10] [--kill_trials 10] [--disk_trials 2] [--hang_trials 2]
-                           [--spike_trials 2] [--dir /tmp/x]
+                           [--spike_trials 2] [--lock_trials 2] [--interrupt_trials 2]
+                           [--save_fail_trials 2] [--dir /tmp/x]
 
 Faults (each injected for real, on files and processes):
 
@@ -21,8 +22,16 @@ Faults (each injected for real, on files and processes):
 * loss spike: planted rows of random tokens; the guarded run must roll back, skip exactly those
   rows and train the losses of a run that never saw them.
 
-The last three run their tests (`tests/test_checkpoint_crash.py`, `tests/test_launch.py`,
-`tests/test_loss_spike.py`), each case of a test one trial.
+* busy workdir: a second `python -m meshtrain.train` on a workdir another process holds must stop
+  at once (exit 2, one line naming the holder's pid); once the holder is SIGKILLed the same command
+  must train.
+* Ctrl-C: SIGINT mid-run must save at the end of the step and exit 130 with one line, and the
+  relaunch resume from that step; a second SIGINT while saving must abort at once.
+* save fails: the training process may not write files over 256 KiB (RLIMIT_FSIZE, as a full disk
+  fails a write); the run must stop before its next save with exit 4 and one line.
+
+The last six run their tests (`tests/test_checkpoint_crash.py`, `tests/test_launch.py`,
+`tests/test_loss_spike.py`, `tests/test_reliability.py`), each case of a test one trial.
 
 "data lost" counts finished checkpoints (or damaged bytes set aside) that a trial deleted or
 changed: it must be 0. Prints a table and one JSON line; exits 1 if a trial was not recovered.
@@ -175,7 +184,7 @@ def test_trials(fault: str, test: str, trials: int, root: str) -> dict:
     out = {"fault": fault, "trials": 0, "caught": 0, "recovered": 0, "data_lost": 0}
     os.makedirs(root, exist_ok=True)
     for trial in range(trials):
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", test,
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", *test.split(),
                                  "--basetemp", os.path.join(root, f"trial_{trial}")], cwd=ROOT,
                                 capture_output=True, text=True)
         cases = [line for line in result.stdout.splitlines() if line.startswith(("PASSED ", "FAILED ", "ERROR "))]
@@ -198,6 +207,9 @@ def main() -> None:
     parser.add_argument("--disk_trials", type=int, default=2)
     parser.add_argument("--hang_trials", type=int, default=2, help="each runs the mid-step and the mid-save case")
     parser.add_argument("--spike_trials", type=int, default=2)
+    parser.add_argument("--lock_trials", type=int, default=2, help="a second run on a busy workdir")
+    parser.add_argument("--interrupt_trials", type=int, default=2, help="Ctrl-C: save and exit 130, and twice: abort")
+    parser.add_argument("--save_fail_trials", type=int, default=2, help="a save that fails (file size limit)")
     parser.add_argument("--dir", default="")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true",
@@ -205,6 +217,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.trials, args.kill_trials, args.disk_trials, args.hang_trials, args.spike_trials = 1, 1, 0, 0, 0
+        args.lock_trials = args.interrupt_trials = args.save_fail_trials = 0
     root = args.dir or tempfile.mkdtemp(prefix="meshtrain_faults_")
     rng = np.random.default_rng(args.seed)
     rows = []
@@ -219,7 +232,13 @@ def main() -> None:
             ("hung peer (SIGSTOP)", "tests/test_launch.py::test_a_hung_process_ends_the_job_and_the_relaunch_resumes",
              args.hang_trials),
             ("loss spike (planted rows)", "tests/test_loss_spike.py::"
-             "test_a_planted_spike_is_rolled_back_and_its_rows_skipped", args.spike_trials)):
+             "test_a_planted_spike_is_rolled_back_and_its_rows_skipped", args.spike_trials),
+            ("busy workdir (2nd run)", "tests/test_reliability.py::"
+             "test_a_killed_holder_never_blocks_and_a_live_one_is_named_on_the_command_line", args.lock_trials),
+            ("Ctrl-C (once; twice)", "tests/test_reliability.py::test_ctrl_c_saves_exits_130_and_the_relaunch_resumes "
+             "tests/test_reliability.py::test_a_second_ctrl_c_aborts_at_once", args.interrupt_trials),
+            ("save fails (RLIMIT_FSIZE)", "tests/test_reliability.py::"
+             "test_a_failed_save_ends_the_run_in_seconds_with_one_line", args.save_fail_trials)):
         if trials:
             rows.append(test_trials(fault, test, trials, os.path.join(root, fault.split()[0])))
     print(f"{'fault':<27} {'trials':>6} {'caught':>6} {'recovered':>9} {'data lost':>9}")

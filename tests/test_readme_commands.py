@@ -1,5 +1,5 @@
 """Every `python -m meshtrain...` command README.md prints runs to completion, as a user would type
-it, with only its length cut: training commands get `--config.steps=2` and a workdir of their own.
+it, with only its length cut: training commands get `--config.steps=2` (with a warmup of 1) and a workdir of their own.
 
 Commands are read from the README's code blocks and from inline code spans that carry arguments
 (a bare `python -m meshtrain.plan` is a name, and must appear as a full command elsewhere).
@@ -28,7 +28,7 @@ from tests.utils import ROOT
 pytestmark = pytest.mark.slow
 
 MODULE = re.compile(r"python -m (meshtrain[\w.]*)")
-SHORTEN = ["--config.steps=2", "--config.log_every=1"]  # the training commands' only change
+SHORTEN = ["--config.steps=2", "--config.train.warmup_steps=1", "--config.log_every=1"]  # training: length only
 
 
 def _join_continuations(block: str) -> list[str]:
