@@ -105,7 +105,8 @@ def test_ulysses_composes(mesh, degree):
 
 def _portable_config(workdir, mesh: dict, steps: int, **overrides):
     return utils.tiny_config(mesh, **{"model.n_layers": 8, "train.seq_len": 32, "pipeline.microbatches": 4,
-                                      "steps": steps, "log_every": 1, "workdir": str(workdir), **overrides})
+                                      "steps": steps, "train.warmup_steps": 1, "log_every": 1, "workdir": str(workdir),
+                                      **overrides})
 
 
 CIRCULAR = ({"stage": 2, "data": 4}, {"pipeline.schedule": "circular", "pipeline.repeats": 2})

@@ -73,7 +73,8 @@ def hf_run(tmp_path_factory):
     env.pop("XLA_FLAGS", None)
     result = subprocess.run(
         [sys.executable, "-m", "meshtrain.train", "--config", str(ROOT / "configs/tiny.py"),
-         f"--config.workdir={workdir}", "--config.steps=6", "--config.log_every=1", "--config.eval_every=3",
+         f"--config.workdir={workdir}", "--config.steps=6", "--config.train.warmup_steps=2", "--config.log_every=1",
+         "--config.eval_every=3",
          "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
          "--config.profile.steps=(2, 3)", f"--config.init.from_hf={root / 'hf'}"],
         capture_output=True, text=True, timeout=300, env=env, cwd=root)

@@ -134,13 +134,13 @@ def test_an_imported_run_trains_on_and_evaluates(hf_folder, imported, tmp_path):
     assert all(torch.equal(original[k], exported[k]) for k in original)
 
     config = _default(imported)
-    config.update_from_flattened_dict({"steps": 2, "log_every": 1, "train.batch_size": 8, "train.seq_len": 16,
-                                       "model.dtype": "float32", "checkpoint.every": 2})
+    config.update_from_flattened_dict({"steps": 2, "train.warmup_steps": 1, "log_every": 1, "train.batch_size": 8,
+                                       "train.seq_len": 16, "model.dtype": "float32", "checkpoint.every": 2})
     train.run(config, given={"steps": 2})
     losses = [json.loads(line)["loss"] for line in (imported / "metrics.jsonl").read_text().splitlines()]
     fresh = _default(tmp_path / "fresh")
-    fresh.update_from_flattened_dict({"steps": 1, "log_every": 1, "train.batch_size": 8, "train.seq_len": 16,
-                                      "model.dtype": "float32", "init.from_hf": hf_folder,
+    fresh.update_from_flattened_dict({"steps": 1, "train.warmup_steps": 1, "log_every": 1, "train.batch_size": 8,
+                                      "train.seq_len": 16, "model.dtype": "float32", "init.from_hf": hf_folder,
                                       "data.tokenizer": hf_folder})
     train.run(fresh)
     first = json.loads((tmp_path / "fresh" / "metrics.jsonl").read_text().splitlines()[0])["loss"]

@@ -217,9 +217,13 @@ def persistent_compilation_cache(directory):
 
 
 def config_for(workdir, mesh=None, **overrides):
+    """The checkpoint tests' run: tiny, 2 layers, `STEPS` steps on the default corpus; a shorter run
+    warms up over its whole length (a warmup longer than the run is refused)."""
+    steps = overrides.get("steps", STEPS)
     c = tiny_config(mesh or {"fsdp": 8}, **{
         "model.n_layers": 2, "train.seq_len": 32, "train.batch_size": 8, "steps": STEPS, "log_every": 1,
-        "data.source": "text_files", "workdir": str(workdir), "checkpoint.keep": 100, **overrides})
+        "data.source": "text_files", "workdir": str(workdir), "checkpoint.keep": 100,
+        "train.warmup_steps": min(10, steps), **overrides})
     return c
 
 
