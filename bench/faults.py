@@ -184,7 +184,7 @@ def test_trials(fault: str, test: str, trials: int, root: str) -> dict:
     out = {"fault": fault, "trials": 0, "caught": 0, "recovered": 0, "data_lost": 0}
     os.makedirs(root, exist_ok=True)
     for trial in range(trials):
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", *test.split(),
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", test,
                                  "--basetemp", os.path.join(root, f"trial_{trial}")], cwd=ROOT,
                                 capture_output=True, text=True)
         cases = [line for line in result.stdout.splitlines() if line.startswith(("PASSED ", "FAILED ", "ERROR "))]
@@ -235,8 +235,9 @@ def main() -> None:
              "test_a_planted_spike_is_rolled_back_and_its_rows_skipped", args.spike_trials),
             ("busy workdir (2nd run)", "tests/test_reliability.py::"
              "test_a_killed_holder_never_blocks_and_a_live_one_is_named_on_the_command_line", args.lock_trials),
-            ("Ctrl-C (once; twice)", "tests/test_reliability.py::test_ctrl_c_saves_exits_130_and_the_relaunch_resumes "
-             "tests/test_reliability.py::test_a_second_ctrl_c_aborts_at_once", args.interrupt_trials),
+            ("Ctrl-C (once; twice)", "tests/test_reliability.py::"
+             "test_ctrl_c_saves_exits_130_and_the_relaunch_resumes_where_a_second_ctrl_c_aborts",
+             args.interrupt_trials),
             ("save fails (RLIMIT_FSIZE)", "tests/test_reliability.py::"
              "test_a_failed_save_ends_the_run_in_seconds_with_one_line", args.save_fail_trials)):
         if trials:
