@@ -34,6 +34,7 @@ TAIL = 20  # steps averaged for the "final" loss besides the last step's own
 def run(precision: str, steps: int, workdir: pathlib.Path) -> list[dict]:
     config = utils.load_config_file("tiny")
     config.steps, config.log_every, config.workdir = steps, 1, str(workdir / precision)
+    config.train.warmup_steps = min(config.train.warmup_steps, steps)  # the --quick run is shorter than it
     config.model.matmul_precision = precision
     train.run(config)
     with open(workdir / precision / "metrics.jsonl") as f:

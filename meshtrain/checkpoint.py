@@ -391,9 +391,16 @@ class Checkpointer:
                         meta=dict(restored["meta"]), path=path)
 
     def meta(self, step: int) -> dict:
-        """Checkpoint `step`'s meta JSON, read as a file (nothing else of the checkpoint)."""
-        with open(os.path.join(self.step_path(step), "meta", "metadata")) as f:
-            return json.load(f)
+        """Checkpoint `step`'s meta JSON, read as a file (nothing else of the checkpoint).
+
+        Raises CheckpointDamaged when the file is missing or not JSON (a damaged step, like a bad checksum).
+        """
+        path = os.path.join(self.step_path(step), "meta", "metadata")
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except (OSError, ValueError) as error:
+            raise CheckpointDamaged(step, self.step_path(step), [f"meta/metadata unreadable ({error})"]) from error
 
     def restore_params(self, abstract_params, step: int | None = None) -> Restored:
         """Only the parameters of checkpoint `step` (default: the newest), in `abstract_params`' shardings:

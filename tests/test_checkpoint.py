@@ -258,6 +258,14 @@ def _garble_json(step_dir) -> str:
     return path
 
 
+def _garble_meta(step_dir) -> str:
+    path = os.path.join(step_dir, "meta", "metadata")
+    with open(path, "r+b") as f:
+        f.seek(2)
+        f.write(b"\x00garbled")
+    return path
+
+
 def _unchecksummed_process(step_dir) -> str:
     """Shards of a second process whose checksum file never came (a process that wrote but did not
     checksum): the missing file is what the error names."""
@@ -300,14 +308,14 @@ def test_damaged_checkpoint_is_named_and_refused(reference, tmp_path, damage):
 
 
 def test_resume_falls_back_to_the_newest_intact_checkpoint(reference, tmp_path):
-    """Steps 12 and 11 damaged: the run names both, moves them to checkpoints.damaged/ unchanged,
+    """Steps 12 and 11 damaged (a flipped array byte; a garbled run record): the run names both, moves them to checkpoints.damaged/ unchanged,
     resumes from 10 and trains steps 11 and 12 to the uninterrupted run's losses and state, bitwise.
     `restore_from` naming a damaged step stops with one error naming the key."""
     import filecmp
 
     root = _copy_checkpoints(reference, tmp_path / "run", (9, 10, 11, 12))
     _flip_byte(os.path.join(root, "12"))
-    _truncate(os.path.join(root, "11"))
+    _garble_meta(os.path.join(root, "11"))
     kept = tmp_path / "kept"
     _copy_checkpoints(tmp_path / "run", kept, (11, 12))  # the damaged bytes, for comparison
     result = train.run(config_for(tmp_path / "run", **{"checkpoint.every": 1}))
