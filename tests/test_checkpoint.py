@@ -308,7 +308,8 @@ def test_damaged_checkpoint_is_named_and_refused(reference, tmp_path, damage):
 
 
 def test_resume_falls_back_to_the_newest_intact_checkpoint(reference, tmp_path):
-    """Steps 12 and 11 damaged (a flipped array byte; a garbled run record): the run names both, moves them to checkpoints.damaged/ unchanged,
+    """Steps 12 and 11 damaged (a flipped array byte; a garbled run record): the run names both, moves
+    them to checkpoints.damaged/ unchanged,
     resumes from 10 and trains steps 11 and 12 to the uninterrupted run's losses and state, bitwise.
     `restore_from` naming a damaged step stops with one error naming the key."""
     import filecmp
