@@ -229,7 +229,8 @@ def main() -> None:
     for fault, test, trials in (
             ("disk full during a save", "tests/test_checkpoint_crash.py::"
              "test_disk_full_during_a_save_stops_cleanly_and_resumes", args.disk_trials),
-            ("hung peer (SIGSTOP)", "tests/test_launch.py::test_a_hung_process_ends_the_job_and_the_relaunch_resumes",
+            ("hung peer (step; save)", "tests/test_launch.py::"
+             "test_a_hung_process_ends_the_job_and_the_relaunch_resumes",
              args.hang_trials),
             ("loss spike (planted rows)", "tests/test_loss_spike.py::"
              "test_a_planted_spike_is_rolled_back_and_its_rows_skipped", args.spike_trials),

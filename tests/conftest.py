@@ -10,8 +10,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests compare sharded and unsharded runs at 1e-5: matmuls must be full float32.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "float32")
 # Most tests compile a step and run it a few times: LLVM's lowest optimisation level halves the
-# CPU code generation time (the HLO passes, where the bf16 aborts lived, run unchanged).
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
+# CPU code generation time, and the classic elemental emitters in place of XLA:CPU's MLIR fusion
+# emitters take another fifth off each compile (measured: 7.0 -> 5.7 s for a bf16 zero-bubble step);
+# the HLO passes, where the bf16 aborts lived, run unchanged.
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
+                                    "--xla_cpu_use_fusion_emitters=false"]).strip()
 # Compiling for the H100 without one (the `gpu_aot` tests, where the CUDA plugin is installed): ptxas's
 # own optimisations cost about a tenth of each compile and change nothing the tests count (the
 # optimised HLO, its fusions, collectives, schedule and buffer sizes are fixed before ptxas runs).
