@@ -133,18 +133,18 @@ def test_killing_one_process_fails_the_job_promptly(tmp_path, compilation_cache)
 
 
 def test_a_hung_process_ends_the_job_and_the_relaunch_resumes(tmp_path, compilation_cache, one_of_eight):
-    """Process 1 stops itself (SIGSTOP) right after dispatching step 6; relaunched, it stops again while
-    its part of checkpoint 8 is being written. Each time process 0 ends within train.hang_timeout_s with
-    one line naming the hang and the checkpoint to resume from, exit code 5, and the launcher kills the
-    stopped process. The third launch resumes from checkpoint 4 (checkpoint 8 never finished) to the
-    1 x 8 losses."""
+    """Process 1 stops itself (SIGSTOP) while its part of checkpoint 8 is being written; relaunched
+    (from checkpoint 4), it stops again right after dispatching step 6. Each time process 0 ends within
+    train.hang_timeout_s with one line naming the hang and the checkpoint to resume from, exit code 5,
+    and the launcher kills the stopped process. The third launch resumes from checkpoint 4
+    (checkpoint 8 never finished) to the 1 x 8 losses."""
     timeout_s = 10
     workdir = tmp_path / "run"
     cmd = [sys.executable, "-m", "meshtrain.launch", "--processes", "2", "--grace_s", "2", "--",
            *cli_args({"steps": STEPS, "workdir": workdir, "cpu_devices": 4, "checkpoint.every": 4,
                       "train.hang_timeout_s": timeout_s})]
     env = subprocess_env(compilation_cache)
-    for attempt, (point, step) in enumerate([("step", 6), ("save", 8)]):
+    for attempt, (point, step) in enumerate([("save", 8), ("step", 6)]):
         hung = subprocess.run(cmd, cwd=ROOT, env={**env, faults.ENV: f"stop:{point}:{step}:1"}, capture_output=True,
                               text=True, timeout=WAIT_S)
         output = hung.stdout + hung.stderr

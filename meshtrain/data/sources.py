@@ -14,9 +14,11 @@ exact on any topology.
 from __future__ import annotations
 
 import array
+import contextlib
 import functools
 import logging
 import os
+import time
 
 import grain
 import numpy as np
@@ -39,16 +41,38 @@ def tokenizer_for(spec: str):
     return tokenizers.load_tokenizer(spec)
 
 
+DEFAULT_SUBDIR = "datasets"  # under the workdir, when neither data.data_dir nor $TFDS_DATA_DIR is set
+
+
 def data_dir(config) -> str:
-    """`config.data.data_dir`, else TFDS's default directory."""
-    return os.path.expanduser(config.data.data_dir or os.environ.get("TFDS_DATA_DIR", "~/tensorflow_datasets"))
+    """Where datasets are prepared and read: `config.data.data_dir`, else `$TFDS_DATA_DIR`, else
+    `<workdir>/datasets` (the run's own folder, never a hidden one of the home directory)."""
+    chosen = config.data.data_dir or os.environ.get("TFDS_DATA_DIR") or os.path.join(config.workdir or ".",
+                                                                                      DEFAULT_SUBDIR)
+    return os.path.expanduser(chosen)
+
+
+@contextlib.contextmanager
+def quiet_tfds():
+    """TensorFlow Datasets' own log lines (absl's "Using custom data configuration", "Downloading and
+    preparing dataset ...") and progress bars off while it builds or reads: the run says what it
+    prepares in its own lines."""
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
+    tfds.disable_progress_bar()
+    try:
+        yield
+    finally:
+        absl_logger.setLevel(level)
 
 
 def text_files_builder(config) -> TextFiles:
     files = corpus.expand_files(config.data.files)
     name = corpus.corpus_name(config.data.files, files, config.data.text_field)
-    return TextFiles(files=files, name=name, text_field=config.data.text_field,
-                     strict=config.data.on_bad_data == "error", data_dir=data_dir(config))
+    with quiet_tfds():
+        return TextFiles(files=files, name=name, text_field=config.data.text_field,
+                         strict=config.data.on_bad_data == "error", data_dir=data_dir(config))
 
 
 def read_report(config) -> tuple[dict[str, int], list[str]]:
@@ -62,15 +86,24 @@ def read_report(config) -> tuple[dict[str, int], list[str]]:
 
 def builder(config, prepare_if_missing: bool = True):
     """The TFDS builder of `config.data.source`, prepared (text_files) or checked (tfds:<name>)."""
+    with quiet_tfds():
+        return _builder(config, prepare_if_missing)
+
+
+def _builder(config, prepare_if_missing: bool):
     source = config.data.source
     if source == "text_files":
         result = text_files_builder(config)
         if not result.is_prepared():
             if not prepare_if_missing:
                 raise config_lib.ConfigError("data.source", source, f"not prepared in {result.data_dir}")
+            log.info("data: preparing %d file(s) into %s (once; later runs read it)", len(result.source_files),
+                     result.data_dir)
+            start = time.monotonic()
             try:
                 result.download_and_prepare()
                 result.write_read_stats()
+                log.info("data: prepared in %.1f s", time.monotonic() - start)
             except OSError:  # another process sharing data_dir may have finished first
                 result = text_files_builder(config)
                 if not result.is_prepared():
@@ -161,7 +194,8 @@ def token_cache(result, split: str, config, progress: bool = False) -> tuple[np.
     problems = text_files.damaged_shards(str(result.data_dir))
     if problems:
         raise _damaged(config.data.source, problems, str(result.data_dir))
-    source = result.as_data_source(split=tfds_split)
+    with quiet_tfds():
+        source = result.as_data_source(split=tfds_split)
     field = config.data.text_field
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     os.makedirs(directory, exist_ok=True)

@@ -67,6 +67,17 @@ class TextFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         self.read_stats = corpus.ReadStats()
         super().__init__(config=tfds.core.BuilderConfig(name=name), file_format="array_record", **kwargs)
 
+    @property
+    def source_files(self) -> list[str]:
+        """The text files this corpus is made of."""
+        return list(self._files)
+
+    def _log_download_bytes(self) -> None:  # TFDS prints these two lines itself; the run says its own
+        pass
+
+    def _log_download_done(self) -> None:
+        pass
+
     def _info(self) -> tfds.core.DatasetInfo:
         return tfds.core.DatasetInfo(
             builder=self,
