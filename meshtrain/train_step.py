@@ -325,7 +325,10 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_l
             state.params, batch, model=model, total_tokens=total_tokens, accum_steps=accum_steps,
             manual_axes=manual_axes, grad_specs=grad_specs, checked=checked, histories=state.fp8)
     grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, grad_specs)
-    grad_norm = optax.tree.norm(grads)  # computed once: logged, checked, and the clipping's norm
+    # Computed once (logged, checked, and the clipping's norm), in float32 whatever the parameters'
+    # dtype: bf16 gradients (`model.param_dtype=bfloat16`) squared and summed in bf16 round the norm
+    # to 8 bits on one device but not on a sharded mesh, whose partial sums XLA adds in float32.
+    grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
     loss = loss_sum / total_tokens
     # A non-finite loss or gradient norm withholds the update (params, optimizer state and step
     # stay as they were); the loop stops on it, or skips it under `train.skip_nonfinite`.

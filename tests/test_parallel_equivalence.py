@@ -4,6 +4,8 @@ The tiny model in float32 trains 3 steps on each mesh; losses after each step an
 parameters must match the 1-device run to rtol 1e-5.
 """
 
+import importlib.metadata
+
 import chex
 import jax
 import numpy as np
@@ -12,6 +14,8 @@ import pytest
 from meshtrain import train_step as train_step_lib
 from tests import utils
 from tests.utils import run_steps, tiny_config
+
+JAXLIB = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2])
 
 MESHES = [
     pytest.param({"data": 8}, {}, id="data8"),
@@ -78,4 +82,19 @@ def test_every_mesh_initialises_the_same_state(config):
     factory, _ = train_step_lib.build(utils.resolve(config))
     with jax.set_mesh(factory.mesh):
         state = jax.device_get(factory.to_canonical(factory.create(config.seed)))
-    utils.assert_bitwise(state, jax.device_get(factory.to_canonical(utils.initial_state(factory, config))))
+    want = jax.device_get(factory.to_canonical(utils.initial_state(factory, config)))
+    if JAXLIB < (0, 11):
+        utils.assert_bitwise(state, want)
+        return
+    # jaxlib >= 0.11 on a host with FMA units: XLA:CPU contracts multiply-adds of the initialisers'
+    # erf_inv polynomial in the 1F1B layouts' stage-sharded layer stacks but not in the one-device
+    # program (with `--xla_cpu_max_isa=SSE4_2`, no FMA instructions, every mesh is bit for bit equal
+    # on jaxlib 0.12 too). The random bits are the key's alone; the float values they become may move
+    # by the contractions' rounding: at most 2 ulp (measured: 2, on 4-9% of each layer kernel).
+    assert jax.tree.structure(state) == jax.tree.structure(want)
+    for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(want), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.dtype == np.float32:
+            np.testing.assert_array_max_ulp(x, y, maxulp=2)
+        else:
+            np.testing.assert_array_equal(x, y)
