@@ -13,7 +13,7 @@ from meshtrain.pallas_kernels import (
     flash_attention_with_lse_reference,
 )
 from meshtrain.pallas_kernels._common import resolve_interpret
-from tests.utils import pallas_interpret
+from tests.utils import lower_for_h100, pallas_interpret
 
 INTERPRET = pallas_interpret()  # interpret mode, or compiled on a GPU (MESHTRAIN_PALLAS=compiled)
 
@@ -168,10 +168,10 @@ def test_invalid_shapes_raise_wrapper_error(q_shape, kv_shape, kw, match):
     kv = jax.ShapeDtypeStruct(kv_shape, jnp.bfloat16)
     f = lambda q, k, v: flash_attention(q, k, v, interpret=False, **kw)
     if match is None:  # clamped block / padded head_dim: lowers
-        jax.jit(f).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
+        lower_for_h100(f, q, kv, kv)
         return
     with pytest.raises(ValueError, match=match):
-        jax.jit(f).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
+        lower_for_h100(f, q, kv, kv)
 
 
 LOWERING = [
@@ -205,5 +205,5 @@ def test_lowers_to_triton_forward_and_backward(b, lq, lk, h, kh, d, dtype, mode)
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
     for f in (fwd, jax.grad(loss, argnums=(0, 1, 2))):
-        text = jax.jit(f).trace(q, kv, kv, ids_q, ids_kv).lower(lowering_platforms=("cuda",)).as_text()
+        text = lower_for_h100(f, q, kv, kv, ids_q, ids_kv).as_text()
         assert "xla.gpu.triton" in text

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from meshtrain.pallas_kernels import RMSNormBlockSizes, rms_norm, rms_norm_reference
-from tests.utils import pallas_interpret
+from tests.utils import lower_for_h100, pallas_interpret
 
 INTERPRET = pallas_interpret()  # interpret mode, or compiled on a GPU (MESHTRAIN_PALLAS=compiled)
 
@@ -82,5 +82,5 @@ def test_lowers_to_triton_forward_and_backward(shape):
     fwd = lambda x, w: rms_norm(x, w, eps=1e-5, interpret=False)
     bwd = jax.grad(lambda x, w: jnp.sum(fwd(x, w).astype(jnp.float32)), argnums=(0, 1))
     for f in (fwd, bwd):
-        text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+        text = lower_for_h100(f, x, w).as_text()
         assert "xla.gpu.triton" in text

@@ -33,6 +33,21 @@ def pallas_interpret() -> bool:
     return mode == "interpret"
 
 
+H100_KIND = "NVIDIA H100 80GB HBM3"  # what an H100's JAX device reports as its device_kind
+
+
+def lower_for_h100(fn, *args):
+    """`fn` traced on `args` and lowered for CUDA on a host without a GPU, its Pallas kernels through
+    Triton for an H100. From jaxlib 0.11 on, Triton lowering asks the GPU it targets, and with no GPU
+    present it reads the abstract mesh's device: an H100 is named there (on jaxlib 0.10, which
+    assumed one, the same context changes nothing)."""
+    device = jax.sharding.AbstractDevice(device_kind=H100_KIND, num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("h100",), axis_types=(jax.sharding.AxisType.Explicit,),
+                                     abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
 def load_config_file(name: str):
     """`configs/<name>.py`'s get_config()."""
     spec = importlib.util.spec_from_file_location(f"configs_{name}", ROOT / "configs" / f"{name}.py")
