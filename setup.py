@@ -2,12 +2,20 @@
 
 from setuptools import find_packages, setup
 
-# Versions tested together on Python 3.11 (CPU) and CUDA 12 GPUs.
+# The supported range, tested at both ends by .ci/run: the floor on Python 3.11 (the CPU suite and
+# the H100 compiles), the ceiling (the newest releases) on Python 3.12 (`tests/newest.txt`, the fast
+# set). jax 0.11+ and flax 0.12.12 need Python >= 3.12, so 3.11 installs the floor exactly; on 3.12 and
+# 3.13 pip takes the newest release in range, or keeps a JAX already installed in range (a GPU machine's
+# own JAX for CUDA is never replaced).
+# (Plain string literals: bench/gpu/run_all.sh reads this list without running setup.py.)
 INSTALL_REQUIRES = [
-    "jax==0.10.2",
-    "jaxlib==0.10.2",
-    "flax==0.12.8",
-    "optax==0.2.8",
+    'jax==0.10.2; python_version < "3.12"',
+    'jaxlib==0.10.2; python_version < "3.12"',
+    'flax==0.12.8; python_version < "3.12"',
+    'jax>=0.10.2,<=0.12.0.1; python_version >= "3.12"',
+    'jaxlib>=0.10.2,<=0.12.0.1; python_version >= "3.12"',
+    'flax>=0.12.8,<=0.12.12; python_version >= "3.12"',
+    "optax==0.2.8",  # the newest release of each of these is the floor: one version, both ends
     "orbax-checkpoint==0.12.8",
     "chex==0.1.92",
     "ml-collections==1.1.0",
@@ -28,12 +36,20 @@ HF_TEST = ["torch==2.13.0", "transformers==5.23.0", "safetensors==0.8.0"]
 DATA = ["datasets==5.2.0"]
 EVAL = ["lm-eval==0.4.13", *DATA]
 
+TEST_CORE = ["pytest==9.0.3", "pytest-xdist==3.8.0", "tokenizers==0.23.3", "sentencepiece==0.2.3"]
+
 EXTRAS = {
     # tokenizers / sentencepiece: the tokenizer.json and .model readers (data.tokenizer)
-    "test": ["pytest==9.0.3", "pytest-xdist==3.8.0", "tokenizers==0.23.3", "sentencepiece==0.2.3", *HF_TEST, *EVAL],
+    # test-core: what the fast set on the newest JAX needs (no torch, no lm-eval); test: the whole suite
+    "test-core": TEST_CORE,
+    "test": [*TEST_CORE, *HF_TEST, *EVAL],
     "data": DATA,
     "eval": EVAL,
-    "gpu": ["jax[cuda12]==0.10.2"],
+    # XLA's GPU compiler and runtime: CUDA 12 builds (every version in range), CUDA 13 (jax >= 0.11,
+    # Python >= 3.12). A machine whose JAX already sees its GPUs needs neither (bench/gpu/run_all.sh).
+    "gpu": ['jax[cuda12]==0.10.2; python_version < "3.12"',
+            'jax[cuda12]>=0.10.2,<=0.12.0.1; python_version >= "3.12"'],
+    "gpu-cuda13": ['jax[cuda13]>=0.11.1,<=0.12.0.1; python_version >= "3.12"'],
 }
 
 setup(
@@ -42,7 +58,7 @@ setup(
     description="LLM training on one six-axis JAX device mesh (data, fsdp, tensor, sequence, expert, stage).",
     packages=find_packages(include=["meshtrain", "meshtrain.*"]),
     package_data={"meshtrain.targets": ["*.txtpb"]},  # GPU target descriptions (python -m meshtrain.aot)
-    python_requires=">=3.11",
+    python_requires=">=3.11,<3.14",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
 )

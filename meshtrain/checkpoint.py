@@ -58,6 +58,7 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Callable
 
 import jax
 import ml_collections
@@ -258,10 +259,17 @@ class Checkpointer:
             cleanup_tmp_directories=not read_only,  # leftovers of a process killed mid-save
             # checksums go into the step's temporary directory, before orbax commits it by renaming
             async_options=ocp.AsyncOptions(post_finalization_callback=self._checksum_pending) if async_save else None)
-        handlers = {"state": _state_handler(), "data": ocp.JsonCheckpointHandler(),
+        # called on every process with the step once its own writes of that step are finished, before
+        # the commit (fault injection: `faults`, a process that stops there leaves the step unfinished)
+        self.on_written: Callable[[int], None] | None = None
+        handlers = {"state": _state_handler(self._written), "data": ocp.JsonCheckpointHandler(),
                     "meta": ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.root, options=options, item_handlers=handlers)
         self.last_saved: int | None = self.latest_step()
+
+    def _written(self) -> None:
+        if self.on_written is not None:
+            self.on_written(self._saving)
 
     def latest_step(self) -> int | None:
         """The newest finished checkpoint's step (unfinished saves are not listed), or None."""
@@ -451,7 +459,7 @@ class Checkpointer:
                 log.warning("closing the checkpoint manager: %s", error)
 
 
-def _state_handler() -> ocp.PyTreeCheckpointHandler:
+def _state_handler(written: Callable[[], None]) -> ocp.PyTreeCheckpointHandler:
     """The arrays' handler. On CPU, orbax's replica-parallel saving (each replica writes a slice of
     a replicated array) compiles one slicing program per shard and replica, seconds per first save
     for nothing (the devices share one host memory), so it is off there; elsewhere orbax decides."""
@@ -464,26 +472,30 @@ def _state_handler() -> ocp.PyTreeCheckpointHandler:
         (np.number, type_handlers.ScalarHandler()), (np.ndarray, type_handlers.NumpyHandler()),
         (jax.Array, array_handler))
     handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
-    handler.async_save = _checksummed(handler.async_save)
+    handler.async_save = _checksummed(handler.async_save, written)
     return handler
 
 
-def _checksummed(async_save):
+def _checksummed(async_save, written: Callable[[], None]):
     """`async_save` of the arrays' handler that, on a process other than the primary, writes that
     process's checksums once its own writes finish, before the barrier that precedes the commit
     (orbax runs the manager's post-finalization callback on the primary alone, which checksums its
-    own files there). An instance attribute, not a subclass: orbax pairs save arguments with the
-    handler's exact class."""
+    own files there); then, on every process, calls `written`. An instance attribute, not a subclass:
+    orbax pairs save arguments with the handler's exact class."""
 
     async def save(directory, *args, **kwargs):
-        futures = await async_save(directory, *args, **kwargs)
-        process = jax.process_index()
-        if process == 0:
-            return futures
         from orbax.checkpoint._src.futures import future
 
+        futures = await async_save(directory, *args, **kwargs)
+        process = jax.process_index()
         step_dir = os.path.dirname(os.fspath(getattr(directory, "path", directory)))
-        return [future.ChainedFuture(list(futures or []), cb=lambda: write_checksums(step_dir, process))]
+
+        def done():
+            if process != 0:
+                write_checksums(step_dir, process)
+            written()
+
+        return [future.ChainedFuture(list(futures or []), cb=done)]
 
     return save
 

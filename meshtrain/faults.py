@@ -1,11 +1,13 @@
 """Faults injected for real, for tests and `bench/faults.py`: `MESHTRAIN_INJECT=<action>:<point>:<step>[:<process>]`.
 
     MESHTRAIN_INJECT=stop:step:6:1   # process 1 stops itself (SIGSTOP) once step 6 is dispatched
-    MESHTRAIN_INJECT=stop:save:8:1   # ... once its part of checkpoint 8 is being written
+    MESHTRAIN_INJECT=stop:save:8:1   # ... once its part of checkpoint 8 is written, before the commit
 
 The training loop reads the variable once (`from_environment`) and calls the injection's
-`at("step", step)` after dispatching a step and `at("save", step)` right after a checkpoint
-save has started. A stopped process holds its sockets and sends no
+`at("step", step)` after dispatching a step; the checkpointer calls `at("save", step)` from the
+save's background thread once this process's files of the step are written (and checksummed),
+before the barrier that precedes the commit: a process stopped there leaves the step unfinished,
+whatever the timing. A stopped process holds its sockets and sends no
 heartbeats: to its peers it is a hung host, the fault `run_loop.Watchdog` and the collectives'
 own timeouts must turn into one clear error. Unset (the default), nothing happens (`NONE`).
 """

@@ -326,6 +326,8 @@ class RunCheckpoints:
         self._record = checkpoint.config_record(config)
         self._described = run_record.record(config)
         self.injection = injection
+        if injection.point == "save":  # once this process's part of the step is written, before the commit
+            self.ckpt.on_written = lambda step: injection.at("save", step)
         self.failed = False  # set by the loop when it ends with an error
         self.resumed: int | None = None  # the step restored at start (suspect if the next steps are non-finite)
         self.finite_since_resume = False
@@ -370,7 +372,6 @@ class RunCheckpoints:
             else:
                 self.watchdog.arm(f"the checkpoint save at step {step}")
                 self.ckpt.save(step, self.factory.to_canonical(state), data_state(), self.meta(step))
-                self.injection.at("save", step)
         if preempted:
             how = "interrupted (Ctrl-C)" if self.preemption.interrupted else "preempted"
             log.warning("%s: checkpoint saved at step %d; exiting", how, step)

@@ -133,23 +133,27 @@ def test_killing_one_process_fails_the_job_promptly(tmp_path, compilation_cache)
 
 
 def test_a_hung_process_ends_the_job_and_the_relaunch_resumes(tmp_path, compilation_cache, one_of_eight):
-    """Process 1 stops itself (SIGSTOP) while its part of checkpoint 8 is being written; relaunched
-    (from checkpoint 4), it stops again right after dispatching step 6. Each time process 0 ends within
-    train.hang_timeout_s with one line naming the hang and the checkpoint to resume from, exit code 5,
-    and the launcher kills the stopped process. The third launch resumes from checkpoint 4
-    (checkpoint 8 never finished) to the 1 x 8 losses."""
+    """Process 1 stops itself (SIGSTOP) once its part of checkpoint 8 is written, before the commit;
+    relaunched, it stops again right after dispatching step 10. Each time process 0 ends within
+    train.hang_timeout_s with one line naming the hang and the newest intact checkpoint, exit code 5,
+    and the launcher kills the stopped process; each relaunch resumes from the checkpoint the line
+    named, and the third trains to the 1 x 8 losses. (Whether checkpoint 8 of the first launch is
+    committed is the barrier's race with the dying peer: its files are all written; the test holds
+    the run to whichever the line names.)"""
     timeout_s = 10
     workdir = tmp_path / "run"
+    root = checkpoint_lib.checkpoint_root(workdir)
     cmd = [sys.executable, "-m", "meshtrain.launch", "--processes", "2", "--grace_s", "2", "--",
            *cli_args({"steps": STEPS, "workdir": workdir, "cpu_devices": 4, "checkpoint.every": 4,
                       "train.hang_timeout_s": timeout_s})]
     env = subprocess_env(compilation_cache)
-    for attempt, (point, step) in enumerate([("save", 8), ("step", 6)]):
+    named = None
+    for point, step in [("save", 8), ("step", 10)]:
         hung = subprocess.run(cmd, cwd=ROOT, env={**env, faults.ENV: f"stop:{point}:{step}:1"}, capture_output=True,
                               text=True, timeout=WAIT_S)
         output = hung.stdout + hung.stderr
         assert hung.returncode == run_loop.HANG_EXIT_CODE, output[-3000:]
-        assert attempt == 0 or "(step 4)" in output, output[-3000:]  # the relaunch resumed
+        assert named is None or f"(step {named})" in output, output[-3000:]  # the relaunch resumed there
         error = [line for line in output.splitlines() if line.startswith("error: ")]
         assert len(error) == 1, output[-3000:]
         # the watchdog (the step after the hang, no progress for timeout_s) or gloo's own 30-s read
@@ -157,19 +161,21 @@ def test_a_hung_process_ends_the_job_and_the_relaunch_resumes(tmp_path, compilat
         hung_step = step + 1 if point == "save" else step
         assert re.match(rf"error: process 0: (no progress for {timeout_s} s in step {hung_step}"
                         rf"|step \d+ failed in a collective)", error[0]), error[0]
-        assert error[0].endswith(f"newest intact checkpoint ({checkpoint_lib.checkpoint_root(workdir)}/4)"), error[0]
-        ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_root(workdir), read_only=True)
-        assert ckpt.all_steps() == [4]
+        found = re.search(rf"newest intact checkpoint \({re.escape(root)}/(\d+)\)$", error[0])
+        assert found, error[0]
+        named = int(found.group(1))
+        ckpt = checkpoint_lib.Checkpointer(root, read_only=True)
+        assert ckpt.all_steps()[-1] == named and ckpt.verify(named) == [] and named in (4, 8)
         ckpt.close()
 
     again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=WAIT_S)
     output = again.stdout + again.stderr
-    assert again.returncode == 0 and "(step 4)" in output, output[-3000:]
+    assert again.returncode == 0 and f"(step {named})" in output, output[-3000:]
     two, one = losses_of(workdir), losses_of(one_of_eight)  # each step once: the hung runs' later records moved
     assert sorted(two) == list(range(1, STEPS + 1))
     np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rtol=1e-5, atol=0)
     rolled_back = [json.loads(line)["step"] for line in open(workdir / "metrics.rolled_back.jsonl")]
-    assert rolled_back and min(rolled_back) == 5
+    assert rolled_back and min(rolled_back) in (5, 9)
 
 
 def test_a_spike_in_a_two_process_run_is_rolled_back_like_in_one(tmp_path, compilation_cache):

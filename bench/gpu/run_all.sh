@@ -44,13 +44,20 @@ if "$PY" -c "import jax, sys; sys.exit(0 if any(d.platform == 'gpu' for d in jax
   log "JAX $("$PY" -c 'import jax; print(jax.__version__)') sees the GPU: kept"
   if ! "$PY" -c "import meshtrain.train" 2>/dev/null; then  # only what is missing, never JAX
     needs=$("$PY" - <<'EOF'
-import ast, importlib.util, pathlib
+import ast, importlib.util, pathlib, sys
 MODULES = {"ml-collections": "ml_collections", "tensorflow-datasets": "tensorflow_datasets", "array-record": "array_record",
            "orbax-checkpoint": "orbax.checkpoint", "absl-py": "absl", "tensorboardX": "tensorboardX"}
 tree = ast.parse(pathlib.Path("setup.py").read_text())
 for node in ast.walk(tree):
     if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "INSTALL_REQUIRES":
         reqs = [ast.literal_eval(e) for e in node.value.elts]
+def applies(req):  # setup.py's only markers: python_version < / >= "3.12"
+    if ";" not in req:
+        return True
+    _, op, version = req.split(";", 1)[1].split()
+    wanted = tuple(int(x) for x in version.strip('"').split("."))
+    return sys.version_info[:2] < wanted if op == "<" else sys.version_info[:2] >= wanted
+reqs = [r.split(";")[0].strip() for r in reqs if applies(r)]
 def missing(req):
     name = req.replace(">", "=").split("=")[0]
     module = MODULES.get(name, name)
