@@ -260,7 +260,7 @@ class Checkpointer:
             # checksums go into the step's temporary directory, before orbax commits it by renaming
             async_options=ocp.AsyncOptions(post_finalization_callback=self._checksum_pending) if async_save else None)
         # called on every process with the step once its own writes of that step are finished, before
-        # the commit (fault injection: `faults`, a process that stops there leaves the step unfinished)
+        # the barrier that precedes the commit (fault injection: `faults`)
         self.on_written: Callable[[int], None] | None = None
         handlers = {"state": _state_handler(self._written), "data": ocp.JsonCheckpointHandler(),
                     "meta": ocp.JsonCheckpointHandler()}

@@ -6,10 +6,12 @@
 The training loop reads the variable once (`from_environment`) and calls the injection's
 `at("step", step)` after dispatching a step; the checkpointer calls `at("save", step)` from the
 save's background thread once this process's files of the step are written (and checksummed),
-before the barrier that precedes the commit: a process stopped there leaves the step unfinished,
-whatever the timing. A stopped process holds its sockets and sends no
-heartbeats: to its peers it is a hung host, the fault `run_loop.Watchdog` and the collectives'
-own timeouts must turn into one clear error. Unset (the default), nothing happens (`NONE`).
+before the barrier that precedes the commit: its peers find it hung in the middle of a save (the
+step's files are complete; whether the step is committed once the launcher kills the stopped
+process is up to orbax's barrier, and the run names whichever checkpoint is newest and intact).
+A stopped process holds its sockets and sends no heartbeats: to its peers it is a hung host, the
+fault `run_loop.Watchdog` and the collectives' own timeouts must turn into one clear error.
+Unset (the default), nothing happens (`NONE`).
 """
 
 from __future__ import annotations
