@@ -8,6 +8,7 @@ the mesh's platform instead of the host's, multi-node device grouping, and the r
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -159,6 +160,24 @@ def test_runbook_stops_at_once_without_a_gpu(tmp_path):
                          text=True, timeout=60, env=env)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "no NVIDIA GPU" in out.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_runbook_install_keeps_a_jax_in_range_and_refuses_one_out_of_it(monkeypatch, capsys):
+    """bench/gpu/needs.py, which bench/gpu/install.sh asks before it installs anything."""
+    spec = importlib.util.spec_from_file_location("needs", ROOT / "bench" / "gpu" / "needs.py")
+    needs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(needs)
+    allowed = dict(needs.requirements())["jax"]
+    for versions, code, words in [({"jax": jax.__version__, "jaxlib": jax.__version__}, 0, [f"kept {jax.__version__}"]),
+                                  ({}, 0, ["missing"]),
+                                  ({"jax": "0.9.0", "jaxlib": "0.9.0"}, 3, ["jax 0.9.0", allowed, "does not replace"]),
+                                  ({"jax": jax.__version__}, 3, ["jaxlib is not installed"])]:
+        monkeypatch.setattr(needs, "installed", versions.get)
+        assert needs.main(["jax"]) == code
+        lines = capsys.readouterr().out.strip().splitlines()
+        assert len(lines) == 1 and all(word in lines[0] for word in words), lines
+    assert needs.satisfies("0.12.0.1", ">=0.10.2,<=0.12.0.1") and not needs.satisfies("0.12.1", "<=0.12.0.1")
+    assert needs.satisfies("0.11.2+cuda13", ">=0.10.2") and not needs.satisfies("0.10.1", ">=0.10.2")
 
 
 @pytest.mark.slow

@@ -10,11 +10,10 @@
 # 4. overlap.json       the step compiled over all local GPUs: asynchronous collectives and the compute
 #                       scheduled beside them (bench/gpu/overlap.py)
 #
-# Install: where JAX already sees the GPU (a machine set up with its own JAX for CUDA) that JAX is
-# kept and meshtrain runs from this checkout without its pins; its other needs come from the package
-# index, or from a folder of wheels on machines without one (WHEELS=/path/to/wheels, made by
-# bench/gpu/offline_wheels.sh: installed with --no-deps into SITE, default /tmp/meshtrain-site).
-# Where JAX does not see the GPU, the `gpu` extra is installed (pip install -e '.[gpu]'). On a
+# Install (bench/gpu/install.sh): a JAX already installed in setup.py's range is kept, never replaced
+# (out of range: the runbook stops); meshtrain goes in with --no-deps, and its other needs come from the
+# package index or, on machines without one, from a folder of wheels (WHEELS=DIR, filled where an index
+# is reachable by bench/gpu/offline_wheels.sh DIR). With no JAX at all it installs the `gpu` extra. On a
 # machine without an NVIDIA GPU it stops at once. Each part has its own time limit (180 + 300 + 90 s),
 # so the parts end within 10 minutes; a part over its limit is recorded as such and the next runs.
 set -uo pipefail
@@ -33,47 +32,12 @@ start=$(date +%s)
 log() { echo "[run_all $(( $(date +%s) - start ))s] $*"; }
 
 # ---- install ------------------------------------------------------------------------------------
-if [ -n "${WHEELS:-}" ]; then
-  SITE=${SITE:-/tmp/meshtrain-site}
-  log "installing the wheels in $WHEELS into $SITE (no index, no dependencies)"
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "$WHEELS"/*.whl || exit 1
-  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-if "$PY" -c "import jax, sys; sys.exit(0 if any(d.platform == 'gpu' for d in jax.devices()) else 1)" 2>/dev/null; then
-  log "JAX $("$PY" -c 'import jax; print(jax.__version__)') sees the GPU: kept"
-  if ! "$PY" -c "import meshtrain.train" 2>/dev/null; then  # only what is missing, never JAX
-    needs=$("$PY" - <<'EOF'
-import ast, importlib.util, pathlib, sys
-MODULES = {"ml-collections": "ml_collections", "tensorflow-datasets": "tensorflow_datasets", "array-record": "array_record",
-           "orbax-checkpoint": "orbax.checkpoint", "absl-py": "absl", "tensorboardX": "tensorboardX"}
-tree = ast.parse(pathlib.Path("setup.py").read_text())
-for node in ast.walk(tree):
-    if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "INSTALL_REQUIRES":
-        reqs = [ast.literal_eval(e) for e in node.value.elts]
-def applies(req):  # setup.py's only markers: python_version < / >= "3.12"
-    if ";" not in req:
-        return True
-    _, op, version = req.split(";", 1)[1].split()
-    wanted = tuple(int(x) for x in version.strip('"').split("."))
-    return sys.version_info[:2] < wanted if op == "<" else sys.version_info[:2] >= wanted
-reqs = [r.split(";")[0].strip() for r in reqs if applies(r)]
-def missing(req):
-    name = req.replace(">", "=").split("=")[0]
-    module = MODULES.get(name, name)
-    try:
-        return importlib.util.find_spec(module) is None
-    except ModuleNotFoundError:
-        return True
-print(" ".join(r for r in reqs if missing(r)))
-EOF
-)
-    log "installing meshtrain's other needs: $needs"
-    "$PY" -m pip install -q $needs || { echo "run_all.sh: could not install $needs (no package index? pass WHEELS=dir)" >&2; exit 1; }
-  fi
-else
-  log "JAX does not see the GPU: installing the gpu extra"
-  "$PY" -m pip install -q -e '.[gpu]' || { echo "run_all.sh: pip install -e '.[gpu]' failed" >&2; exit 1; }
+PYTHON="$PY" bash bench/gpu/install.sh || exit 1
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the parts import tests/ beside meshtrain
+if ! "$PY" -c "import jax, sys; sys.exit(0 if any(d.platform == 'gpu' for d in jax.devices()) else 1)" 2>/dev/null; then
+  echo "run_all.sh: JAX $("$PY" -c 'import jax; print(jax.__version__)') does not see the GPU (no CUDA plugin?" \
+       "it is kept: add the plugin of its version, e.g. pip install 'jax[cuda12]==<that version>')" >&2
+  exit 1
 fi
 
 # ---- parts --------------------------------------------------------------------------------------
