@@ -195,6 +195,11 @@ def default_config() -> ml_collections.ConfigDict:
     # (W reads and writes the float32 gradient sums: about two forwards on micro-batches of a few hundred
     # tokens, one on thousands); `bench/pipeline.py --modeled` prints the count the cost model picks
     c.pipeline.weight_parts = 1
+    # layers of each stage, first to last (sum model.n_layers; multiples of model.moe_every under MoE), for a
+    # pipeline of uneven stages; () splits evenly, or, when mesh.stage does not divide the layers, gives one
+    # layer fewer to the first and the last stage (they also run the embedding and the head), then to the
+    # second and the second to last, ... (Llama 3 405B: 126 layers on 16 stages, 7 + 14 x 8 + 7)
+    c.pipeline.layers_per_stage = ()
 
     c.profile = ml_collections.ConfigDict()
     c.profile.steps = (0, 0)  # (first, last) step traced by jax.profiler into <workdir>/profile; (0, 0): off
@@ -324,7 +329,7 @@ def _validate_shapes(config, sizes: dict[str, int]) -> None:
     if config.train.zero_stage > 0:  # ZeRO shards the `embed` dimension of parameter-sized state over both
         _divides("model.d_model", m.d_model, "d_model (sharded by ZeRO)", sizes["sequence"] * sizes["fsdp"],
                  "mesh.sequence*mesh.fsdp")
-    _divides("model.n_layers", m.n_layers, "layers", sizes["stage"], "mesh.stage")
+    # model.n_layers over mesh.stage: any split (uneven stages: parallel/pipeline.py's rules)
     _divides("train.seq_len", t.seq_len, "the sequence length", sizes["sequence"], "mesh.sequence")
     if m.sequence_parallel:
         _divides("train.seq_len", t.seq_len, "the sequence length (model.sequence_parallel)",

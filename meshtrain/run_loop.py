@@ -314,7 +314,7 @@ class RunCheckpoints:
                  injection: faults.Injection = faults.NONE):
         """Checkpoints hold the layers in execution order (`StateFactory.to_canonical`); the run's
         state holds them in its schedule's order. `injection`: a fault to inject (`faults`)."""
-        self.config, self.factory, self.abstract_state = config, factory, factory.abstract
+        self.config, self.factory, self.abstract_state = config, factory, factory.canonical
         self.every = int(config.checkpoint.every)
         self.ckpt = checkpoint.Checkpointer(checkpoint.checkpoint_root(config.workdir),
                                             keep=int(config.checkpoint.keep),

@@ -94,18 +94,60 @@ class StateFactory:
         self.model, self.tx, self.mesh, self.placement = model, tx, mesh, placement
         self._batch_shape = batch_shape
         with jax.set_mesh(mesh):  # nothing runs eagerly: the mesh may be a compile-only target's devices
-            self.boxed = jax.eval_shape(lambda: self._init_boxed(jax.random.key(0)))
-        self.specs = TrainState(
-            step=P(),
-            params=_boxed_specs(self.boxed.params, placement.params),
-            opt_state=_boxed_specs(self.boxed.opt_state, placement.opt_state),
-            rng=P(),
-            fp8=jax.tree.map(lambda _: P(), self.boxed.fp8))  # small: replicated
+            canonical = jax.eval_shape(lambda: self._init_boxed(jax.random.key(0)))
+        self._stacked = self._stacked_leaves(canonical)
+        self.boxed = self._with_rows(canonical)  # the schedule's storage: uneven stages add empty rows
+        self.specs = self._specs(self.boxed)
         self.shardings = named(mesh, self.specs)
         self.grad_specs = _boxed_specs(self.boxed.params, placement.grads)
         self.abstract = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             nn.unbox(self.boxed), self.shardings)
+        # Checkpoints and exports hold the layers in execution order, `canonical`: the same shapes, except
+        # that uneven stages' empty rows are gone; a layer dimension `stage` no longer divides moves the
+        # stage split to another dimension of the leaf (`_canonical_spec`), so no device holds more.
+        self.canonical_specs = jax.tree.map(
+            lambda spec, a, stacked: _canonical_spec(spec, a.shape, dict(mesh.shape)) if stacked else spec,
+            self.specs, nn.unbox(canonical), self._stacked, is_leaf=lambda x: isinstance(x, P))
+        self.canonical_shardings = named(mesh, self.canonical_specs)
+        self.canonical = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            nn.unbox(canonical), self.canonical_shardings)
+
+    def _specs(self, boxed: TrainState) -> TrainState:
+        return TrainState(
+            step=P(),
+            params=_boxed_specs(boxed.params, self.placement.params),
+            opt_state=_boxed_specs(boxed.opt_state, self.placement.opt_state),
+            rng=P(),
+            fp8=jax.tree.map(lambda _: P(), boxed.fp8))  # small: replicated
+
+    @staticmethod
+    def _stacked_leaves(boxed: TrainState) -> TrainState:
+        """True at every layer-stacked leaf (first logical name "layers": parameters and their optimizer
+        moments; the FP8 amax histories of the layers), False elsewhere; the unboxed state's structure."""
+        stacked = jax.tree.map(lambda x: _is_box(x) and bool(x.names) and x.names[0] == "layers", boxed,
+                               is_leaf=_is_box)
+        layered = {name: jax.tree.map(lambda _, n=name: n == "layers", tree) for name, tree in boxed.fp8.items()}
+        return stacked.replace(fp8=layered)
+
+    def _with_rows(self, boxed: TrainState) -> TrainState:
+        """The abstract state with `Pipeline.rows` layer rows (more than the model's units when uneven)."""
+        pipe = self.model.pipeline
+        units = model_lib.scan_unit(self.model.cfg)[1]
+        rows = units if pipe is None else pipe.rows(units)
+        if rows == units:
+            return boxed
+
+        def grow(x, stacked):
+            if not stacked:
+                return x
+            value = x.value if _is_box(x) else x
+            grown = jax.ShapeDtypeStruct((rows, *value.shape[1:]), value.dtype)
+            return x.replace_boxed(grown) if _is_box(x) else grown
+        flat, treedef = jax.tree.flatten(boxed, is_leaf=_is_box)
+        return jax.tree.unflatten(treedef, [grow(x, s) for x, s in zip(flat, jax.tree.leaves(self._stacked),
+                                                                        strict=True)])
 
     def _init_boxed(self, rng: jax.Array) -> TrainState:
         batch = model_lib.dummy_batch(*self._batch_shape)
@@ -128,46 +170,55 @@ class StateFactory:
 
     @functools.cached_property
     def _order(self) -> np.ndarray | None:
-        """order[q] = stored index of the q-th scanned unit to run; None when they are the same."""
+        """order[q] = stored row of the q-th scanned unit to run; None when they are the same."""
         pipe = self.model.pipeline
         if pipe is None:
             return None
-        order = pipe.execution_order(model_lib.scan_unit(self.model.cfg)[1])
-        return None if np.array_equal(order, np.arange(order.size)) else order
+        units = model_lib.scan_unit(self.model.cfg)[1]
+        order = pipe.execution_order(units)
+        return None if order.size == pipe.rows(units) and np.array_equal(order, np.arange(order.size)) else order
 
     @property
     def _stored(self) -> np.ndarray | None:
-        return None if self._order is None else np.argsort(self._order)
+        """stored[r] = the unit held by row r in execution order, -1 for an empty row (uneven stages)."""
+        if self._order is None:
+            return None
+        pipe = self.model.pipeline
+        stored = np.full(pipe.rows(self._order.size), -1)
+        stored[self._order] = np.arange(self._order.size)
+        return stored
 
     def _reorder(self, state: TrainState, index: np.ndarray | None) -> TrainState:
-        """Every layer-stacked leaf (first logical name "layers": parameters and their optimizer
-        moments; the FP8 amax histories of the layers) taken along its first dimension at `index`."""
+        """Every layer-stacked leaf taken along its first dimension at `index` (-1: a row of zeros)."""
         if index is None:
             return state
-        stacked = jax.tree.map(lambda x: _is_box(x) and bool(x.names) and x.names[0] == "layers", self.boxed,
-                               is_leaf=_is_box)
-        layered = {name: jax.tree.map(lambda _, n=name: n == "layers", tree) for name, tree in self.boxed.fp8.items()}
-        stacked = stacked.replace(fp8=layered)
-        return jax.tree.map(lambda a, s: a[index] if s else a, state, stacked)
+
+        def take(a):
+            if (index >= 0).all():
+                return a[index]
+            real = (index >= 0).reshape(-1, *([1] * (a.ndim - 1)))
+            return jnp.where(real, a[np.maximum(index, 0)], jnp.zeros((), a.dtype))
+        return jax.tree.map(lambda a, s: take(a) if s else a, state, self._stacked)
 
     def to_canonical(self, state: TrainState) -> TrainState:
         """The state with its layers in execution order: how checkpoints and exports hold them, so
-        their meaning never depends on the schedule that wrote them (identity unless circular)."""
-        return self._convert(state, self._order)
+        their meaning never depends on the schedule that wrote them (identity unless circular or
+        uneven); shaped and sharded as `canonical`."""
+        return self._convert(state, self._order, self.canonical_shardings)
 
     def from_canonical(self, state: TrainState) -> TrainState:
         """The inverse of `to_canonical`: execution order -> this schedule's storage order."""
-        return self._convert(state, self._stored)
+        return self._convert(state, self._stored, self.shardings)
 
-    def _convert(self, state: TrainState, index: np.ndarray | None) -> TrainState:
+    def _convert(self, state: TrainState, index: np.ndarray | None, shardings) -> TrainState:
         if index is None:
             return state
         with jax.set_mesh(self.mesh):
-            return jax.jit(lambda s: self._reorder(s, index), out_shardings=self.shardings)(state)
+            return jax.jit(lambda s: self._reorder(s, index), out_shardings=shardings)(state)
 
     def from_params(self, params: dict, seed: int) -> TrainState:
         """The state at step 0 around given parameters in execution order (e.g. imported weights,
-        already in `shardings.params`): the optimizer state is initialised from them inside one jit
+        already in `canonical_shardings.params`): the optimizer state is initialised from them inside one jit
         whose outputs are the factory's shardings, and the run's RNG derives from `seed`."""
         def init(params):  # params in execution order (as imported) -> the schedule's storage order
             state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
@@ -176,6 +227,26 @@ class StateFactory:
             return self._reorder(state, self._stored)
         with jax.set_mesh(self.mesh):
             return jax.jit(init, out_shardings=self.shardings, donate_argnums=0)(params)
+
+
+def _canonical_spec(spec: P, shape: tuple[int, ...], sizes: dict[str, int]) -> P:
+    """A stored layer-stacked leaf's spec for its canonical shape: the same when the axes of the layer
+    dimension divide it; else those axes move to the first other dimension they divide with the axes
+    already there (replicated over them when none does: small leaves such as norm scales)."""
+    entries = [tuple(e) if isinstance(e, tuple) else ((e,) if e else ()) for e in spec]
+    entries += [()] * (len(shape) - len(entries))
+    moving = entries[0]
+    if not moving or shape[0] % math.prod(sizes[a] for a in moving) == 0:
+        return spec
+    entries[0] = ()
+    for dim in range(1, len(shape)):
+        if shape[dim] % math.prod(sizes[a] for a in entries[dim] + moving) == 0:
+            entries[dim] = entries[dim] + moving
+            break
+    out = [e[0] if len(e) == 1 else (e or None) for e in entries]
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
 
 
 def _split_micro(x: jax.Array, accum: int) -> jax.Array:

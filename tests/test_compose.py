@@ -132,7 +132,7 @@ def test_checkpoint_moves_between_schedules(tmp_path):
     for name, (mesh, overrides) in {"stage1": ({"data": 8}, {}), "circular": CIRCULAR}.items():
         run = Run.resolve(_portable_config(tmp_path / "x", mesh, 2, **overrides), jax.devices()[:8])
         factory, _ = train_step_lib.build(run)
-        state = factory.from_canonical(utils.load(source, 2, factory.abstract).state)  # as the run holds it
+        state = factory.from_canonical(utils.load(source, 2, factory.canonical).state)  # as the run holds it
         exports[name] = tmp_path / f"hf_{name}"
         hf.save(run.model, factory.to_canonical(state).params, str(exports[name]))
     for path in sorted(exports["stage1"].iterdir()):

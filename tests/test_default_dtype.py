@@ -59,7 +59,8 @@ FAMILY = {"model.attention_bias": True, "model.qk_norm": True, "model.rope_scali
 # Keys that choose how the step is laid out, never what it computes: the float32 reference drops them.
 LAYOUT_KEYS = {"train.zero_stage", "train.grad_accum_steps", "model.sequence_parallel", "remat.policy",
                "attention.impl", "attention.ulysses_degree", "model.fused_norm", "model.fused_loss",
-               "pipeline.schedule", "pipeline.repeats", "pipeline.microbatches", "pipeline.weight_parts"}
+               "pipeline.schedule", "pipeline.repeats", "pipeline.microbatches", "pipeline.weight_parts",
+               "pipeline.layers_per_stage"}
 
 
 def _case(kind: str, mesh: dict, **overrides):
@@ -119,6 +120,12 @@ CASES = [
                                                   "pipeline.weight_parts": 2}),
     _case("pipeline", {"stage": 2, "data": 2, "tensor": 2}, **{"pipeline.schedule": "interleaved_1f1b",
                                                                "pipeline.repeats": 2, "pipeline.weight_parts": 2}),
+    # test_pipeline_uneven: uneven stages (1 + 2 + 2 + 1 by default; 4 + 2 given) under 1F1B and zero bubble
+    _case("pipeline", {"stage": 4, "data": 2}, **{"pipeline.schedule": "1f1b", "model.n_layers": 6}),
+    _case("pipeline", {"stage": 4, "tensor": 2}, **{"pipeline.schedule": "zero_bubble", "model.n_layers": 6}),
+    _case("pipeline", {"stage": 2, "fsdp": 2, "tensor": 2}, **{"pipeline.schedule": "zero_bubble", "model.n_layers": 6,
+                                                               "pipeline.layers_per_stage": (4, 2),
+                                                               "train.zero_stage": 3}),
     # test_moe_train: expert parallelism alone, with data (the README's command), tensor, accumulation
     _case("moe", {"expert": 8}),
     _case("moe", {"expert": 4, "data": 2}),

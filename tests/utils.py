@@ -156,7 +156,8 @@ def resolve(config, devices=None) -> Run:
 
 # Config keys that choose how a run is laid out on its mesh, never the model or optimizer it starts with.
 LAYOUT = {"attention.impl": "xla", "attention.ulysses_degree": 0, "remat.policy": "none", "model.fused_norm": False,
-          "model.fused_loss": False, "model.sequence_parallel": False, "train.zero_stage": 0}
+          "model.fused_loss": False, "model.sequence_parallel": False, "train.zero_stage": 0,
+          "pipeline.layers_per_stage": ()}
 
 
 _HOST_STATES: dict[str, object] = {}  # initial train states on one device, by config (this test process)
@@ -172,7 +173,7 @@ def initial_state(factory, config):
     if key not in _HOST_STATES:
         one, _ = train_step_lib.build(resolve(single, jax.devices()[:1]))
         _HOST_STATES[key] = jax.device_get(one.create(single.seed))
-    state = jax.tree.map(lambda a, target: jax.device_put(a, target.sharding), _HOST_STATES[key], factory.abstract)
+    state = jax.tree.map(lambda a, target: jax.device_put(a, target.sharding), _HOST_STATES[key], factory.canonical)
     return factory.from_canonical(state)
 
 
@@ -254,7 +255,7 @@ def losses_of(workdir) -> dict[int, float]:
 
 def abstract_state(config, devices=None):
     factory, _ = train_step_lib.build(resolve(config, devices or jax.devices()))
-    return factory.abstract
+    return factory.canonical  # how checkpoints hold the state
 
 
 def load(workdir, step, abstract) -> checkpoint_lib.Restored:

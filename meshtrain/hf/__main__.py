@@ -103,7 +103,7 @@ def import_run(hf_dir: str, workdir: str) -> int:
     run = Run.resolve(config)
     factory, _ = train_step.build(run)
     _, params = load(hf_dir, run.mesh)
-    params = jax.tree.map(lambda a, target: jax.device_put(a, target.sharding), params, factory.abstract.params)
+    params = jax.tree.map(lambda a, target: jax.device_put(a, target.sharding), params, factory.canonical.params)
     ckpt = checkpoint.Checkpointer(root, async_save=False)
     try:
         meta = {"step": 0, "seed": int(config.seed), "parameters_only": True, "imported_from": os.path.abspath(hf_dir),

@@ -97,7 +97,7 @@ def initial_state(factory, hf_dir: str, seed: int = 0):
     """A TrainState at step 0 with the checkpoint's weights, in the factory's shardings
     (`StateFactory.from_params`: the optimizer state is initialised from those weights)."""
     want = factory.model.cfg
-    cfg, params = load(hf_dir, shardings=factory.shardings.params, param_dtype=want.param_dtype)
+    cfg, params = load(hf_dir, shardings=factory.canonical_shardings.params, param_dtype=want.param_dtype)
     for field in ARCHITECTURE_FIELDS:
         if getattr(cfg, field) != getattr(want, field):
             raise HFFormatError(f"{hf_dir}: {field}={getattr(cfg, field)!r} but the run's model has "

@@ -96,6 +96,10 @@ class Pipeline:
     checked: bool = True
     split_backward: str = "gemms"  # slot tables' W (`pipeline_tables.SlotPlan.split_backward`)
     weight_parts: int = 1  # split W as this many operations on slices of the chunk's layers
+    # scanned units (layers, or MoE groups of model.moe_every) each stage runs, first to last; () = even.
+    # Uneven stages (`stage_units`) store max(units) rows each; the rows past a stage's count are
+    # empty slots: zeros in the state, skipped by a `lax.cond` in the stage's scan.
+    units: tuple[int, ...] = ()
 
     @functools.cached_property
     def _table(self):
@@ -152,11 +156,28 @@ class Pipeline:
             line += f", W in {self.weight_parts} parts"
         return line
 
-    def execution_order(self, n_layers: int) -> np.ndarray:
-        """order[q] = stored index of the layer that runs q-th (identity unless circular)."""
+    @property
+    def uneven(self) -> bool:
+        return len(set(self.units)) > 1
+
+    @property
+    def counts(self) -> tuple[int, ...] | None:
+        """Units per stage when the stages are uneven (what `stage_function` skips past), else None."""
+        return self.units if self.uneven else None
+
+    def rows(self, n_units: int) -> int:
+        """Rows of the stored layer stack: n_units, or p x the largest stage when uneven."""
+        return self.stages * max(self.units) if self.uneven else n_units
+
+    def execution_order(self, n_units: int) -> np.ndarray:
+        """order[q] = stored row of the scanned unit that runs q-th: the identity unless circular
+        (a permutation) or uneven (stage s's units at rows s*k ..., k the largest stage's count)."""
         p, v = self.stages, self.repeats
-        k = n_layers // (p * v)
-        stored = np.arange(n_layers).reshape(p, v, k)  # [stage, repeat, layer]
+        if self.uneven:
+            k = max(self.units)
+            return np.array([s * k + j for s, n in enumerate(self.units) for j in range(n)])
+        k = n_units // (p * v)
+        stored = np.arange(n_units).reshape(p, v, k)  # [stage, repeat, layer]
         return stored.transpose(1, 0, 2).reshape(-1)
 
     @property
@@ -177,7 +198,7 @@ class Pipeline:
         Differentiable (gpipe, circular); 1f1b uses this loop for its forward-only pass.
         """
         rules = model.rules.with_manual(self.axes)
-        stack = _chunk_function(stage_function(model.cfg, rules, model.attention_fn))
+        stack = _chunk_function(stage_function(model.cfg, rules, model.attention_fn, self.counts))
         if model.cfg.remat_policy != "none":  # remat per stage per micro-batch: keep only its input
             stack = jax.checkpoint(stack, prevent_cse=False)
         layers, specs = stage_variables(model), {"params": layer_specs(model.cfg, self.axes)}
@@ -219,11 +240,15 @@ def _split(a: jax.Array, m: int) -> jax.Array:
     return a.reshape(a.shape[0] // m, m, *a.shape[1:])
 
 
-def stage_function(cfg, rules, attention_fn):
+def stage_function(cfg, rules, attention_fn, counts: tuple[int, ...] | None = None):
     """(chunk variables, x [b,T,D], positions, segment_ids) -> (x, stats): k scanned units of the
     model's block (with its remat policy), stats summed over the chunk's MoE units ({} if dense).
     The chunk's variables are `stage_variables` cut to k units ({"params": [k, ...]}, and under FP8
-    {"fp8": [k, 3, H]}). `rules` are those of the loop's manual region."""
+    {"fp8": [k, 3, H]}). `rules` are those of the loop's manual region.
+
+    `counts` (uneven stages, `Pipeline.counts`): stage s runs only its first counts[s] units; the rest
+    are empty slots, skipped by a `lax.cond` (no compute; their stored weights are zeros and get zero
+    gradients). Called inside the loop's `shard_map`, where `lax.axis_index('stage')` is the stage."""
     # Under remat `none` the block is wrapped in a remat that saves everything (`_stage_block`): nothing is
     # recomputed and the memory is that of no remat. Without one, jax 0.10's transpose of the layer scan
     # inside 1F1B's and the slot tables' `jax.vjp` types an MoE layer's router-statistic cotangent as
@@ -233,9 +258,36 @@ def stage_function(cfg, rules, attention_fn):
     def stack(chunk, x, positions, segment_ids):
         def layer(x, variables):
             return block.apply(variables, x, positions, segment_ids)
-        x, stats = lax.scan(layer, x, chunk)
+        if counts is None:
+            x, stats = lax.scan(layer, x, chunk)
+        else:
+            x, stats = lax.scan(skipping(layer, counts), x, (chunk, jnp.arange(leading(chunk))))
         return x, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats or {})
     return stack
+
+
+def leading(tree) -> int:
+    """The first dimension of a tree's leaves (the scanned units of a chunk)."""
+    return jax.tree.leaves(tree)[0].shape[0]
+
+
+def skipping(layer, counts: tuple[int, ...]):
+    """A scan body (x, variables) -> (x, out) made (x, (variables, j)) -> (x, out) that runs unit j only
+    when j < counts[this stage] and otherwise passes x through with zero outputs (an empty slot). Both
+    branches' results vary over every manual axis of the region (a `lax.cond` needs equal types)."""
+    def body(x, scanned):
+        variables, j = scanned
+        real = j < jnp.asarray(counts, jnp.int32)[lax.axis_index(STAGE)]
+        manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+        shapes = jax.eval_shape(layer, x, variables)
+
+        def run(x, variables):
+            return vary(layer(x, variables), manual)
+
+        def empty(x, variables):
+            return vary((x, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes[1])), manual)
+        return lax.cond(real, run, empty, x, variables)
+    return body
 
 
 def _stage_block(cfg, rules, attention_fn):
@@ -267,9 +319,15 @@ class SplitStage:
     probes: object
 
     @classmethod
-    def build(cls, cfg, rules, attention_fn) -> SplitStage:
+    def build(cls, cfg, rules, attention_fn, counts: tuple[int, ...] | None = None) -> SplitStage:
+        """`counts`: uneven stages' units per stage (`stage_function`): F and W skip the empty slots."""
         block = _stage_block(cfg, rules, attention_fn)
         inputs, probes_key, outputs = fp8_lib.SPLIT_INPUTS, fp8_lib.SPLIT_PROBES, fp8_lib.SPLIT_OUTPUTS
+
+        def scan(body, init, xs, first=0):
+            if counts is None:
+                return lax.scan(body, init, xs)
+            return lax.scan(skipping(body, counts), init, (xs, first + jnp.arange(leading(xs))))
 
         def forward(chunk, x, positions, segment_ids, probes):
             def layer(x, scanned):
@@ -277,18 +335,19 @@ class SplitStage:
                 (y, stats), recorded = block.apply({**variables, probes_key: probe}, x, positions, segment_ids,
                                                    mutable=[inputs])
                 return y, (stats, recorded[inputs])
-            x, (stats, recorded) = lax.scan(layer, x, (chunk, probes))
+            x, (stats, recorded) = scan(layer, x, (chunk, probes))
             return (x, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats or {})), recorded
 
         plain = model_lib.scan_unit(cfg)[0](cfg, rules, attention_fn, parent=None)  # W recomputes nothing
 
-        def weights(chunk, recorded, x, positions, segment_ids):
+        def weights(chunk, recorded, x, positions, segment_ids, first=0):
+            """`first`: the stage's unit index of the chunk's first row (W in parts: a slice of them)."""
             def layer(_, scanned):
                 variables, inputs_l = scanned
                 _, out = plain.apply({**variables, inputs: inputs_l}, jnp.zeros_like(x), positions, segment_ids,
                                      mutable=[outputs])
                 return None, out[outputs]
-            return lax.scan(layer, None, (chunk, recorded))[1]
+            return scan(layer, None, (chunk, recorded), first)[1]
 
         def probe_shapes(chunk, x, positions, segment_ids):
             def layer(x, variables):
@@ -385,7 +444,7 @@ def run_gradient_loop(loop, params, histories, batch, model, total_tokens, **sta
     pipe = model.pipeline
     inner = model.clone(rules=model.rules.with_manual(pipe.axes), pipeline=None,
                         attention_fn=ring_attention.in_conditional_slots(model.attention_fn))
-    stack = stage_function(inner.cfg, inner.rules, inner.attention_fn)
+    stack = stage_function(inner.cfg, inner.rules, inner.attention_fn, pipe.counts)
     outer = {k: v for k, v in params.items() if k != "layers"}
     micro = jax.tree.map(functools.partial(_split, m=pipe.microbatches), batch)
     units = model_lib.scan_unit(model.cfg)[1]
@@ -703,11 +762,28 @@ def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m,
 # ---------------------------------------------------------------------------------------------
 
 
+def stage_layers(n_layers: int, p: int, given=()) -> tuple[int, ...]:
+    """Layers of each of `p` stages: `given` (`pipeline.layers_per_stage`), else even, or when `p` does
+    not divide `n_layers`, ceil(n_layers/p) each less one for the first stage, the last, the second, the
+    second to last, ... (the first stage also embeds, the last runs the head and the loss: Llama 3's
+    405B runs 126 layers on 16 stages as 7 + 14 x 8 + 7)."""
+    if given:
+        return tuple(int(n) for n in given)
+    k = -(-n_layers // p)
+    counts = [k] * p
+    ends = [s for pair in zip(range(p), range(p - 1, -1, -1)) for s in pair]
+    for s in list(dict.fromkeys(ends))[:p * k - n_layers]:
+        counts[s] -= 1
+    return tuple(counts)
+
+
 def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
     """Pipeline rules (gathered by `meshtrain.validate`); raises ConfigError."""
     p = sizes[STAGE]
     pipe, req = config.pipeline, config_lib.require
     if p == 1:
+        req(tuple(pipe.layers_per_stage) in ((), (config.model.n_layers,)), "pipeline.layers_per_stage",
+            tuple(pipe.layers_per_stage), "splits the layers over mesh.stage, which is 1: must be ()")
         return
     v = pipe.repeats
     req(pipe.split_backward in SPLIT_MODES, "pipeline.split_backward", pipe.split_backward,
@@ -721,13 +797,26 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     req(pipe.schedule != "interleaved_1f1b" or pipe.microbatches % p == 0, "pipeline.microbatches",
         pipe.microbatches, f"interleaved_1f1b runs micro-batches in groups of mesh.stage={p}: must be divisible by it")
     unit = config.model.moe_every if config.model.num_experts else 1  # the scanned unit: moe_every layers
-    req(config.model.n_layers % (p * v * unit) == 0, "model.n_layers", config.model.n_layers,
-        f"the {config.model.n_layers // unit} scanned units of {unit} layer(s) must be divisible by "
-        f"mesh.stage*pipeline.repeats={p}*{v}")
-    chunk_units = config.model.n_layers // (p * v * unit)
+    n_layers, given = config.model.n_layers, tuple(pipe.layers_per_stage)
+    if given:
+        req(len(given) == p, "pipeline.layers_per_stage", given, f"needs one entry per stage: mesh.stage={p}")
+        req(all(isinstance(n, int) and n >= 0 and n % unit == 0 for n in given), "pipeline.layers_per_stage", given,
+            "entries must be integers >= 0" + (f" and multiples of model.moe_every={unit}" if unit > 1 else ""))
+        req(sum(given) == n_layers, "pipeline.layers_per_stage", given,
+            f"must sum to model.n_layers={n_layers} (it sums to {sum(given)})")
+    units = stage_layers(n_layers // unit, p, tuple(n // unit for n in given))
+    if len(set(units)) > 1:
+        req(v == 1, "pipeline.repeats", v, f"uneven stages (layers per stage {[n * unit for n in units]}) need "
+            "one chunk per stage: must be 1 (or give mesh.stage*pipeline.repeats an even split of model.n_layers)")
+        chunk_units = max(units)
+    else:
+        req(n_layers % (p * v * unit) == 0, "model.n_layers", n_layers,
+            f"the {n_layers // unit} scanned units of {unit} layer(s) must be divisible by "
+            f"mesh.stage*pipeline.repeats={p}*{v} (uneven stages need pipeline.repeats=1)")
+        chunk_units = n_layers // (p * v * unit)
     req(chunk_units % parts == 0, "pipeline.weight_parts", parts,
-        f"must divide the {chunk_units} scanned units of a stage's chunk (model.n_layers / (mesh.stage*pipeline.repeats"
-        f"{'*model.moe_every' if unit > 1 else ''}))")
+        f"must divide the {chunk_units} scanned units of a stage's chunk (the largest stage's"
+        f"{' MoE groups of model.moe_every layers' if unit > 1 else ' layers'} / pipeline.repeats)")
     req(pipe.microbatches >= p, "pipeline.microbatches", pipe.microbatches,
         f"must be >= mesh.stage={p} (every stage needs a micro-batch to work on)")
     dp = config_lib.data_parallel_size(sizes)

@@ -231,12 +231,13 @@ class _TableWork(SlotWork):
     needs from the buffers and returns what it fills as `put`, which the tick writes after the
     switch: XLA copies a buffer that a branch updates whole, a slot written outside costs one slot."""
 
-    def __init__(self, stack, model, layers, outer, micro, total_tokens, *, p, m, v, manual, units, plan):
+    def __init__(self, stack, model, layers, outer, micro, total_tokens, *, p, m, v, manual, units, plan,
+                 counts=None):
         chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers)
         super().__init__(stack, model, chunks, outer, micro, total_tokens, p=p, m=m, manual=manual, units=units)
         self.plan, self.v = plan, v
         if plan.gemms:  # B computes input gradients only; W the weight GEMMs from what B and F kept
-            self.split = SplitStage.build(model.cfg, model.rules, model.attention_fn)
+            self.split = SplitStage.build(model.cfg, model.rules, model.attention_fn, counts)
             mb, act = self._pick(0), self.activation()
             shapes = jax.eval_shape(lambda: self.split.probes(self._chunk(0), self._varying(act), mb["positions"],
                                                               mb["segment_ids"]))
@@ -377,7 +378,7 @@ class _TableWork(SlotWork):
         def outputs(w):
             if FP8 in w:
                 w = {**w, FP8: fp8_lib.for_grad(w[FP8])}
-            return self.split.weights(w, held["inputs"], x, mb["positions"], mb["segment_ids"])
+            return self.split.weights(w, held["inputs"], x, mb["positions"], mb["segment_ids"], start)
         _, pullback = jax.vjp(outputs, w)
         (g_w,) = pullback(held["dys"])
         return (self._add_layers(c, chunk, g_w, start), *self._outputs(x, buffers))
@@ -390,14 +391,16 @@ def loss_and_grads(params, histories, batch, model, total_tokens, accum_steps):
     pipe = model.pipeline
     plan = slot_plan(pipe.schedule, pipe.stages, pipe.microbatches, pipe.repeats, pipe.split_backward,
                      pipe.weight_parts)
-    return run_gradient_loop(_table_loop, params, histories, batch, model, total_tokens, plan=plan, v=pipe.repeats)
+    return run_gradient_loop(_table_loop, params, histories, batch, model, total_tokens, plan=plan, v=pipe.repeats,
+                             counts=pipe.counts)
 
 
 def _ring(p: int, step: int, wraps: bool) -> list[tuple[int, int]]:
     return [(s, (s + step) % p) for s in range(p) if wraps or 0 <= s + step < p]
 
 
-def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m, v, axes, units, specs):
+def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m, v, axes, units, specs,
+                counts=None):
     """One stage's ticks of `plan`: its operation (`lax.switch`), then the activation one stage on and
     the input gradient one stage back (`ppermute`), each put in its inbox slot."""
     s = lax.axis_index(STAGE)
@@ -405,7 +408,7 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     outer = lax.pcast(outer, axes, to="varying")
     layers = vary(layers, rest)
     work = _TableWork(stack, model, layers, outer, micro, total_tokens, p=p, m=m, v=v, manual=axes, units=units,
-                      plan=plan)
+                      plan=plan, counts=counts)
     branches = work.branches()
     forward_pairs, backward_pairs = _ring(p, 1, plan.wraps), _ring(p, -1, plan.wraps)
     field = {name: i for i, name in enumerate(FIELDS)}
