@@ -6,10 +6,11 @@ order, so one seed is one model and a checkpoint restores onto any split.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
-from meshtrain import config as config_lib
+from meshtrain import config as config_lib, data, train, train_step as train_step_lib
 from meshtrain.parallel import layout, pipeline
 from meshtrain.validate import validate
 from tests import utils
@@ -39,7 +40,8 @@ CASES = [
                  id="zero_bubble-pullback"),
     pytest.param({"stage": 4, "data": 2}, {"pipeline.schedule": "zero_bubble", "pipeline.weight_parts": 2},
                  id="zero_bubble-w2"),
-    pytest.param({"stage": 2, "data": 4}, {"pipeline.schedule": "interleaved_1f1b", "pipeline.layers_per_stage": (4, 2)},
+    pytest.param({"stage": 2, "data": 4},
+                 {"pipeline.schedule": "interleaved_1f1b", "pipeline.layers_per_stage": (4, 2)},
                  id="interleaved-v1-4-2"),
 ]
 
@@ -65,7 +67,6 @@ def test_uneven_stages_train_like_one_device(reference, mesh, overrides):
 
 
 def _leaves(tree):
-    import jax
     return jax.tree.leaves(tree)
 
 
@@ -73,7 +74,6 @@ def _canonical(config, params):
     """The stored layer rows of `params` taken in execution order (empty rows dropped)."""
     plan = layout.pipeline_plan(config, dict(config.mesh))
     order = plan.execution_order(sum(plan.units))
-    import jax
     return jax.tree.map(lambda a: np.asarray(a)[order], params["layers"])
 
 
@@ -102,10 +102,6 @@ def test_uneven_validation_names_the_key(overrides, key):
 def test_uneven_checkpoint_restores_onto_an_even_split_and_onto_no_pipeline(tmp_path):
     """Saved by 6 layers on 4 stages (1 + 2 + 2 + 1, 1f1b): the checkpoint holds the 6 layers in
     execution order; 3 + 3 stages and no pipeline restore the same values and continue the run."""
-    import jax
-
-    from meshtrain import data, train, train_step as train_step_lib
-
     extra = {"model.n_layers": 6, "pipeline.microbatches": 4, "pipeline.schedule": "1f1b", "steps": 4,
              "checkpoint.every": 2, "train.batch_size": 16}
     config = utils.config_for(tmp_path, {"stage": 4, "data": 2}, **extra)
@@ -118,7 +114,8 @@ def test_uneven_checkpoint_restores_onto_an_even_split_and_onto_no_pipeline(tmp_
         factory, step_fn = train_step_lib.build(run)
         restored = utils.load(tmp_path, 2, factory.canonical)
         utils.assert_bitwise(restored.state.params, own.params)
-        state, it, losses = factory.from_canonical(restored.state), data.make_iterator(run, state=restored.data_state), []
+        state, losses = factory.from_canonical(restored.state), []
+        it = data.make_iterator(run, state=restored.data_state)
         with jax.set_mesh(run.mesh):
             for _ in range(2):
                 state, metrics = step_fn(state, next(it))

@@ -771,7 +771,7 @@ def stage_layers(n_layers: int, p: int, given=()) -> tuple[int, ...]:
         return tuple(int(n) for n in given)
     k = -(-n_layers // p)
     counts = [k] * p
-    ends = [s for pair in zip(range(p), range(p - 1, -1, -1)) for s in pair]
+    ends = [s for pair in zip(range(p), range(p - 1, -1, -1), strict=True) for s in pair]
     for s in list(dict.fromkeys(ends))[:p * k - n_layers]:
         counts[s] -= 1
     return tuple(counts)
