@@ -261,7 +261,7 @@ def stage_function(cfg, rules, attention_fn, counts: tuple[int, ...] | None = No
         if counts is None:
             x, stats = lax.scan(layer, x, chunk)
         else:
-            x, stats = lax.scan(skipping(layer, counts), x, (chunk, jnp.arange(leading(chunk))))
+            x, stats = lax.scan(skipping(layer, counts, cfg), x, (chunk, jnp.arange(leading(chunk))))
         return x, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats or {})
     return stack
 
@@ -271,10 +271,17 @@ def leading(tree) -> int:
     return jax.tree.leaves(tree)[0].shape[0]
 
 
-def skipping(layer, counts: tuple[int, ...]):
+def skipping(layer, counts: tuple[int, ...], cfg):
     """A scan body (x, variables) -> (x, out) made (x, (variables, j)) -> (x, out) that runs unit j only
     when j < counts[this stage] and otherwise passes x through with zero outputs (an empty slot). Both
-    branches' results vary over every manual axis of the region (a `lax.cond` needs equal types)."""
+    branches' results vary over every manual axis of the region (a `lax.cond` needs equal types).
+
+    The `lax.cond` sits in a `jax.checkpoint` with the model's remat policy: differentiated bare, a
+    cond returns every residual of its branch as an output, the unit's weights among them (a copy of
+    the stage's weights per micro-batch in flight); under the checkpoint the weights stay inputs and
+    the residuals are what the policy saves, as without the cond."""
+    policy = model_lib.REMAT_POLICIES.get(cfg.remat_policy, jax.checkpoint_policies.everything_saveable)
+
     def body(x, scanned):
         variables, j = scanned
         real = j < jnp.asarray(counts, jnp.int32)[lax.axis_index(STAGE)]
@@ -286,7 +293,8 @@ def skipping(layer, counts: tuple[int, ...]):
 
         def empty(x, variables):
             return vary((x, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes[1])), manual)
-        return lax.cond(real, run, empty, x, variables)
+        return jax.checkpoint(lambda real, x, variables: lax.cond(real, run, empty, x, variables), policy=policy,
+                              prevent_cse=False)(real, x, variables)
     return body
 
 
@@ -327,7 +335,7 @@ class SplitStage:
         def scan(body, init, xs, first=0):
             if counts is None:
                 return lax.scan(body, init, xs)
-            return lax.scan(skipping(body, counts), init, (xs, first + jnp.arange(leading(xs))))
+            return lax.scan(skipping(body, counts, cfg), init, (xs, first + jnp.arange(leading(xs))))
 
         def forward(chunk, x, positions, segment_ids, probes):
             def layer(x, scanned):

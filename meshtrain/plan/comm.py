@@ -101,7 +101,7 @@ def _gradient_and_zero(run: Step, remat: str, backend: Backend) -> list[Coll]:
     out = []
     pipelined = s["stage"] > 1
     one_f_one_b = pipelined and run.pipeline_schedule in SLOT_SCHEDULES
-    for leaf in param_table(run.model):
+    for leaf in param_table(run.stored_model):
         runs = per_micro
         full = local_size(leaf, place["compute"]) * pb
         used = _spec_axes(leaf, place["compute"])
@@ -141,7 +141,7 @@ def _activations(run: Step, remat: str, backend: Backend) -> list[Coll]:
     s, m = run.sizes, run.model
     a = max(dtype_bytes(m.dtype), backend.min_collective_bytes)
     t = run.micro_tokens
-    layers = m.n_layers // s["stage"]
+    layers = run.stored_model.n_layers // s["stage"]  # the largest stage's
     micro = run.grad_accum
     x = t * m.d_model * a  # the [t, D] residual of one micro-batch on one device
     out = []

@@ -93,7 +93,7 @@ class Ledger:
         # 1F1B keeps the embedding/norm/head on every stage: their gradients are summed over stage too
         outer_over_stage = self.schedule == "1f1b" and s["stage"] > 1
         grouped: dict[tuple, float] = collections.defaultdict(float)
-        for leaf in param_table(st.model):
+        for leaf in param_table(st.stored_model):
             psi = local_size(leaf, place["compute"]) * 4
             used = _axes(place["compute"].spec(leaf.names, leaf.shape))
             reduce = tuple(x for x in BATCH if s[x] > 1 and x not in used)
@@ -165,7 +165,7 @@ class Ledger:
         nt = s["tensor"]
         if nt == 1:
             return
-        a, layers, x = st.grad_accum, st.model.n_layers // s["stage"], self._x()
+        a, layers, x = st.grad_accum, st.stored_model.n_layers // s["stage"], self._x()
         # the head: on every device, except under 1F1B where only the last stage runs it (1/p per device)
         head, per = (1 / s["stage"], "/p") if self.schedule == "1f1b" and s["stage"] > 1 else (1, "")
         count = a * (4 * layers + head)
@@ -207,7 +207,7 @@ class Ledger:
             return
         m = st.model
         a, tp = dtype_bytes(m.dtype), s["tensor"]
-        per = st.grad_accum * (m.n_layers // s["stage"])
+        per = st.grad_accum * (st.stored_model.n_layers // s["stage"])
         if u > 1:
             qkvo = st.micro_tokens * (2 * m.n_heads + 2 * m.n_kv_heads) // tp * m.head_dim * a
             self.add("sequence", "minimum", "Ulysses all-to-alls of q, k, v and the output, and their transposes",
@@ -259,7 +259,7 @@ class Ledger:
         ne, m = s["expert"], st.model
         if ne == 1 or not m.num_experts:
             return
-        layers = math.ceil(m.n_layers // s["stage"] / m.moe_every)
+        layers = math.ceil(st.stored_model.n_layers // s["stage"] / m.moe_every)
         slots = st.micro_tokens * m.experts_per_token * (1.0 if m.moe_dropless else m.capacity_factor)
         buf = slots * m.d_model * dtype_bytes(m.dtype)
         minimum = st.grad_accum * layers * 4 * _ring(ne) * buf

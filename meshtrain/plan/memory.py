@@ -123,13 +123,28 @@ class Step:
     split_backward: str = "gemms"  # slot tables' W (`pipeline.split_backward`)
     weight_parts: int = 1  # split W as this many operations (`pipeline.weight_parts`)
     ulysses_degree: int = 0  # `attention.ulysses_degree` (0: all of mesh.sequence)
+    layers_per_stage: tuple[int, ...] = ()  # `pipeline.layers_per_stage` as given (() = the default split)
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict, sizes: dict[str, int]) -> Step:
         return cls(ModelConfig.from_config(config), dict(sizes), config.train.zero_stage, config.train.batch_size,
                    config.train.seq_len, config.train.grad_accum_steps, config.pipeline.microbatches,
                    config.pipeline.repeats, config.pipeline.schedule, config.pipeline.split_backward,
-                   config.pipeline.weight_parts, config.attention.ulysses_degree)
+                   config.pipeline.weight_parts, config.attention.ulysses_degree,
+                   tuple(config.pipeline.layers_per_stage))
+
+    @property
+    def stored_model(self) -> ModelConfig:
+        """The model as the state stores it: uneven pipeline stages add empty layer rows (each stage
+        stores as many as the largest one runs; `parallel.pipeline.Pipeline.rows`)."""
+        from meshtrain.parallel.pipeline import stage_layers
+
+        p, m = self.sizes["stage"], self.model
+        if p == 1:
+            return m
+        unit = m.moe_every if m.num_experts else 1
+        units = stage_layers(m.n_layers // unit, p, tuple(n // unit for n in self.layers_per_stage))
+        return dataclasses.replace(m, n_layers=p * max(units) * unit)
 
     @property
     def pipeline_ticks(self) -> int:
@@ -191,7 +206,7 @@ def state_memory(run: Step) -> dict[str, int]:
     """
     pb = dtype_bytes(run.model.param_dtype)
     place = run.placement()
-    table = param_table(run.model)
+    table = param_table(run.stored_model)
     params = sum(local_size(leaf, place["params"]) for leaf in table) * pb
     grads = sum(local_size(leaf, place["grads"]) for leaf in table) * pb
     opt = 2 * sum(local_size(leaf, place["optimizer"]) for leaf in table) * pb
@@ -302,7 +317,7 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
     a = dtype_bytes(m.dtype)
     p = s["stage"]
     pipelined = p > 1
-    layers = m.n_layers // p
+    layers = run.stored_model.n_layers // p  # the largest stage's layers
     t = run.micro_tokens // (run.microbatches if pipelined else 1)
     autodiff_pipe = pipelined and run.pipeline_schedule in ("gpipe", "circular")
     in_flight: float = 1
@@ -323,7 +338,7 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
         activations += int(_split_per_layer(run, t) * layers * slots / run.pipeline_repeats)
 
     place = run.placement()
-    compute, table = place["compute"], param_table(m)
+    compute, table = place["compute"], param_table(run.stored_model)
     whole = sum(local_size(leaf, compute) for leaf in table)  # the weights a device computes with
     per_layer = sum(local_size(leaf, compute) for leaf in table if leaf.in_layers) // layers
     zero3 = run.zero_stage >= 3 and s["fsdp"] > 1

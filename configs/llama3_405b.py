@@ -1,0 +1,57 @@
+"""Llama 3 405B (real shapes) in the layout it was trained with: for the planner and ahead-of-time
+compilation (`python -m meshtrain.aot --config configs/llama3_405b.py --target h100 --devices 16384`),
+not for a CPU run (the CPU tests cut its layers and widths).
+
+Where each number comes from ("The Llama 3 Herd of Models", 2024):
+- shapes (Table 3): 126 layers, model dimension 16,384, FFN dimension 53,248, 128 attention heads,
+  8 key/value heads, vocabulary 128,000 (128,256 with the special tokens, as released), RoPE base
+  500,000; pre-training sequences of 8,192 tokens (the long-context stage that adds the Llama 3.1
+  RoPE scaling comes later and is not this config).
+- layout (Section 3.3.2, Table 4): 16,384 H100s as TP 8 x PP 16 x DP 128, tensor parallel inside an
+  8-GPU node, sequence parallel with it, the pipeline across nodes, and the first and the last stage
+  one layer fewer (they also run the embedding, and the output head and the loss over the vocabulary:
+  126 = 7 + 14 x 8 + 7, `pipeline.layers_per_stage`'s default for 126 on 16).
+- batch (Section 3.4.1): 16M tokens a step at the end of the ramp, 2,048 sequences of 8,192; micro-batch
+  1 per data-parallel rank, so 2,048 / 128 = 16 micro-batches per step (1F1B here; the paper's
+  interleaved schedule with v > 1 cannot carry 126 layers unevenly: see README, "405B on 16K GPUs").
+- optimizer (Section 3.4.1): peak learning rate 8e-5, 8,000 warm-up steps, cosine decay to 8e-7 over
+  1,200,000 steps.
+The data-parallel axis is `fsdp` (-1: 128 on 16,384 devices) with ZeRO-1 (optimizer state sharded),
+every layer recomputed in the backward (full remat), attention and the norms and loss in the Pallas
+kernels on GPU: what fits the H100's 80 GB (README, "405B on 16K GPUs").
+"""
+
+from meshtrain.config import default_config
+
+
+def get_config():
+    c = default_config()
+    c.workdir = "runs/llama3_405b"
+    c.cpu_devices = 0
+    c.steps = 1_200_000
+    c.model.vocab_size = 128256
+    c.model.d_model = 16384
+    c.model.n_layers = 126
+    c.model.n_heads = 128
+    c.model.n_kv_heads = 8
+    c.model.head_dim = 128
+    c.model.mlp_dim = 53248
+    c.model.rope_theta = 500000.0
+    c.model.sequence_parallel = True
+    c.model.fused_norm = True
+    c.model.fused_loss = True
+    c.attention.impl = "pallas"
+    c.train.seq_len = 8192
+    c.train.batch_size = 2048
+    c.train.learning_rate = 8e-5
+    c.train.min_lr_ratio = 0.01  # cosine to 8e-7
+    c.train.warmup_steps = 8000
+    c.train.zero_stage = 1
+    c.remat.policy = "full"
+    c.pipeline.schedule = "1f1b"
+    c.pipeline.microbatches = 16
+    c.mesh.data = 1
+    c.mesh.fsdp = -1
+    c.mesh.tensor = 8
+    c.mesh.stage = 16
+    return c
