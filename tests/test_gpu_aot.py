@@ -21,6 +21,7 @@ with the `gpu` extra (`pytest -m gpu_aot`). Without the extra they fail with its
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import subprocess
 
@@ -96,6 +97,10 @@ FEATURES = {
     "interleaved-1f1b": ({"stage": 2, "fsdp": 4}, {"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2}),
     "zero-bubble": ({"stage": 2, "tensor": 2, "data": 2}, {"pipeline.schedule": "zero_bubble",
                                                            "pipeline.weight_parts": 2}),
+    # uneven stages (1 + 2 + 2 + 1; 1 + 2 under zero bubble): the empty slots' lax.cond
+    "uneven-1f1b": ({"stage": 4, "data": 2}, {"model.n_layers": 6}),
+    "uneven-zero-bubble": ({"stage": 2, "tensor": 2, "data": 2}, {"pipeline.schedule": "zero_bubble",
+                                                                  "model.n_layers": 3}),
     "ring-contiguous": ({"sequence": 4, "data": 2}, {"attention.zigzag": False}),
     "ulysses-tensor": ({"data": 2, "sequence": 2, "tensor": 2}, {"attention.impl": "ulysses"}),
     "ulysses-hybrid": ({"sequence": 4, "data": 2}, {"attention.impl": "ulysses", "attention.ulysses_degree": 2}),
@@ -265,3 +270,8 @@ def test_readme_gpu_compiler_commands_run(tmp_path, command):
     result = subprocess.run(args, cwd=tmp_path, env=readme.command_env(str(tmp_path / "tfds"), None),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    if "llama3_405b" in command:  # the paper's layout on 16,384 H100s: fits, and the planner within 10%
+        report = json.loads(result.stdout.strip().splitlines()[-1])
+        assert report["fits"] and report["sizes"] == {"data": 1, "fsdp": 128, "tensor": 8, "sequence": 1, "expert": 1,
+                                                      "stage": 16}
+        assert report["planner_over_compiler"] == pytest.approx(1, abs=0.10), report["planner_over_compiler"]
