@@ -85,14 +85,17 @@ def test_default_split_gives_the_ends_one_layer_fewer():
     assert pipeline.stage_layers(8, 4, (1, 3, 3, 1)) == (1, 3, 3, 1)
 
 
-@pytest.mark.parametrize("overrides, key", [
-    ({"pipeline.layers_per_stage": (2, 2, 2)}, "pipeline.layers_per_stage"),
-    ({"pipeline.layers_per_stage": (1, 2, 2, 2)}, "pipeline.layers_per_stage"),
-    ({"pipeline.layers_per_stage": (-1, 3, 2, 2)}, "pipeline.layers_per_stage"),
-    ({"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2}, "pipeline.repeats"),
+@pytest.mark.parametrize("mesh, overrides, key", [
+    ({"stage": 4, "data": 2}, {"pipeline.layers_per_stage": (2, 2, 2)}, "pipeline.layers_per_stage"),
+    ({"stage": 4, "data": 2}, {"pipeline.layers_per_stage": (1, 2, 2, 2)}, "pipeline.layers_per_stage"),
+    ({"stage": 4, "data": 2}, {"pipeline.layers_per_stage": (-1, 3, 2, 2)}, "pipeline.layers_per_stage"),
+    ({"stage": 4, "data": 2}, {"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2}, "pipeline.repeats"),
+    ({"data": 8}, {"pipeline.layers_per_stage": (3, 3)}, "pipeline.layers_per_stage"),
+    ({"stage": 2, "sequence": 2, "tensor": 2}, {"model.n_layers": 3, "attention.impl": "ring", "remat.policy": "none"},
+     "remat.policy"),
 ])
-def test_uneven_validation_names_the_key(overrides, key):
-    config = _config({"stage": 4, "data": 2}, **overrides)
+def test_uneven_validation_names_the_key(mesh, overrides, key):
+    config = _config(mesh, **overrides)
     with pytest.raises(config_lib.ConfigError) as err:
         validate(config, 8)
     assert key in str(err.value) and len(str(err.value).splitlines()) == 1

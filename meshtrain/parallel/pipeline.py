@@ -817,6 +817,12 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
         req(v == 1, "pipeline.repeats", v, f"uneven stages (layers per stage {[n * unit for n in units]}) need "
             "one chunk per stage: must be 1 (or give mesh.stage*pipeline.repeats an even split of model.n_layers)")
         chunk_units = max(units)
+        slots = pipe.schedule == "1f1b" or pipe.schedule in TABLE_SCHEDULES
+        ring_heads = config.attention.impl == "ring" and sizes[SEQUENCE] > 1 and sizes["tensor"] > 1
+        req(not (slots and ring_heads and config.remat.policy == "none"), "remat.policy", config.remat.policy,
+            "uneven stages skip empty slots with a lax.cond, which JAX cannot differentiate when it saves ring "
+            f"attention's gathered blocks inside {pipe.schedule}'s slots with the heads split over mesh.tensor: "
+            "use 'selective' or 'full' (or an even split of model.n_layers)")
     else:
         req(n_layers % (p * v * unit) == 0, "model.n_layers", n_layers,
             f"the {n_layers // unit} scanned units of {unit} layer(s) must be divisible by "
