@@ -26,9 +26,9 @@ NEEDS_GPU_COMPILER = ("aot",)  # run by .ci/run's gpu_aot part where the gpu ext
 
 
 def benchmarks() -> list[pathlib.Path]:
-    """Every benchmark script: bench/*.py and bench/gpu/*.py, this runner excepted."""
+    """Every benchmark script: bench/*.py and bench/gpu/*.py, this runner and helpers (`_*.py`) excepted."""
     found = sorted(BENCH.glob("*.py")) + sorted((BENCH / "gpu").glob("*.py"))
-    return [p for p in found if p.name != pathlib.Path(__file__).name]
+    return [p for p in found if p.name != pathlib.Path(__file__).name and not p.name.startswith("_")]
 
 
 def name_of(path: pathlib.Path) -> str:

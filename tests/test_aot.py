@@ -163,8 +163,8 @@ def test_runbook_stops_at_once_without_a_gpu(tmp_path):
 
 
 def test_runbook_install_keeps_a_jax_in_range_and_refuses_one_out_of_it(monkeypatch, capsys):
-    """bench/gpu/needs.py, which bench/gpu/install.sh asks before it installs anything."""
-    spec = importlib.util.spec_from_file_location("needs", ROOT / "bench" / "gpu" / "needs.py")
+    """bench/gpu/_needs.py, which bench/gpu/install.sh asks before it installs anything."""
+    spec = importlib.util.spec_from_file_location("needs", ROOT / "bench" / "gpu" / "_needs.py")
     needs = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(needs)
     allowed = dict(needs.requirements())["jax"]

@@ -168,7 +168,8 @@ def test_every_benchmark_has_a_quick_mode_that_ci_runs():
     finally:
         sys.path.pop(0)
     names = {run_quick.name_of(p) for p in run_quick.benchmarks()}
-    on_disk = {str(p.relative_to(ROOT / "bench").with_suffix("")) for p in (ROOT / "bench").rglob("*.py")}
+    on_disk = {str(p.relative_to(ROOT / "bench").with_suffix("")) for p in (ROOT / "bench").rglob("*.py")
+               if not p.name.startswith("_")}  # helpers (bench/gpu/_needs.py)
     assert names == on_disk - {"run_quick"} and {"core", "comm", "gpu/mfu", "aot"} <= names
     for name in names:
         assert '"--quick"' in (ROOT / "bench" / f"{name}.py").read_text(), f"bench/{name}.py has no --quick mode"

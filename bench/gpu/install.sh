@@ -11,7 +11,7 @@
 #   wheels whose project is not installed, or else from the package index.
 # - meshtrain itself: `pip install --no-deps -e .` (no build isolation, so no index is needed: the
 #   environment's setuptools builds it).
-# - Then every requirement is checked installed (bench/gpu/needs.py check) and the data path imported.
+# - Then every requirement is checked installed (bench/gpu/_needs.py check) and the data path imported.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${PYTHON:-python3}
@@ -26,7 +26,7 @@ if [ -n "${WHEELS:-}" ] && ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   exit 1
 fi
 
-jax=$("$PY" bench/gpu/needs.py jax) || { echo "install: $jax" >&2; exit 3; }
+jax=$("$PY" bench/gpu/_needs.py jax) || { echo "install: $jax" >&2; exit 3; }
 if [ "$jax" = missing ]; then
   say "no JAX in $("$PY" -c 'import sys; print(sys.executable)'): installing the gpu extra"
   pip_install "${offline[@]}" -e '.[gpu]' || { echo "install: pip install -e '.[gpu]' failed" >&2; exit 1; }
@@ -35,14 +35,14 @@ else
 fi
 
 if [ -n "${WHEELS:-}" ]; then
-  wheels=$("$PY" bench/gpu/needs.py wheels "$WHEELS")
+  wheels=$("$PY" bench/gpu/_needs.py wheels "$WHEELS")
   if [ -n "$wheels" ]; then
     say "from $WHEELS (no index): $(echo "$wheels" | xargs -n1 basename | sed 's/-[0-9].*//' | tr '\n' ' ')"
     # shellcheck disable=SC2086
     pip_install --no-index --no-deps --no-compile $wheels || { echo "install: installing the wheels in $WHEELS failed" >&2; exit 1; }
   fi
 else
-  missing=$("$PY" bench/gpu/needs.py missing)
+  missing=$("$PY" bench/gpu/_needs.py missing)
   if [ -n "$missing" ]; then
     say "from the package index: $(echo "$missing" | tr '\n' ' ')"
     # shellcheck disable=SC2086
@@ -52,7 +52,7 @@ fi
 
 pip_install "${offline[@]}" --no-deps --no-build-isolation -e . \
   || { echo "install: pip install --no-deps -e . failed (it needs setuptools in this Python)" >&2; exit 1; }
-"$PY" bench/gpu/needs.py check || exit 1
+"$PY" bench/gpu/_needs.py check || exit 1
 "$PY" -c "import meshtrain.train, tensorflow_datasets, grain, array_record, ml_collections, tensorboardX" \
   || { echo "install: meshtrain's modules do not import (above: the module missing)" >&2; exit 1; }
 say "meshtrain $("$PY" -c 'import jax; print(f"on jax {jax.__version__}, devices: {jax.devices()[0].platform} x {jax.device_count()}")')"

@@ -812,6 +812,9 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
             "entries must be integers >= 0" + (f" and multiples of model.moe_every={unit}" if unit > 1 else ""))
         req(sum(given) == n_layers, "pipeline.layers_per_stage", given,
             f"must sum to model.n_layers={n_layers} (it sums to {sum(given)})")
+    req(bool(given) or n_layers // unit >= p, "model.n_layers", n_layers,
+        f"its {n_layers // unit} scanned units of {unit} layer(s) are fewer than mesh.stage={p}: every stage "
+        "needs one (or give pipeline.layers_per_stage with empty stages)")
     units = stage_layers(n_layers // unit, p, tuple(n // unit for n in given))
     if len(set(units)) > 1:
         req(v == 1, "pipeline.repeats", v, f"uneven stages (layers per stage {[n * unit for n in units]}) need "

@@ -1,9 +1,9 @@
 """What this Python lacks of meshtrain's requirements, read from setup.py without running it.
 
-    python bench/gpu/needs.py jax            # "kept <version>", "missing", or one line why not (exit 3)
-    python bench/gpu/needs.py missing        # requirements not installed, one per line
-    python bench/gpu/needs.py wheels DIR     # the wheels in DIR whose project is not installed
-    python bench/gpu/needs.py check          # exit 1 naming each requirement still missing
+    python bench/gpu/_needs.py jax            # "kept <version>", "missing", or one line why not (exit 3)
+    python bench/gpu/_needs.py missing        # requirements not installed, one per line
+    python bench/gpu/_needs.py wheels DIR     # the wheels in DIR whose project is not installed
+    python bench/gpu/_needs.py check          # exit 1 naming each requirement still missing
 
 Used by bench/gpu/install.sh, which never replaces a JAX that is installed in setup.py's range. Needs
 only the standard library (a GPU machine's Python may have no `packaging`): setup.py's markers are
