@@ -154,6 +154,8 @@ class Pipeline:
             line += f", idle/busy {schedules.bubble(self._table):.3f}"
         if self.weight_parts > 1:
             line += f", W in {self.weight_parts} parts"
+        if self.uneven:
+            line += f", scanned units per stage {list(self.units)} ({max(self.units)} rows each)"
         return line
 
     @property

@@ -25,6 +25,8 @@ from meshtrain.sharding_rules import ShardingRuleError
 from meshtrain.validate import validate
 
 EFFICIENCY = 0.5  # achieved / peak FLOP/s of the matmuls
+# axes whose transfers run behind compute: the data-parallel gradients and ZeRO gathers behind the layers'
+# matmuls; the ring's K/V blocks only behind the attention blocks they feed (its share of the FLOPs)
 OVERLAPPED = ("data", "fsdp", "sequence")
 RECOMPUTE = {"none": 0.0, "selective": 0.0, "offload": 0.0, "full": 1.0}  # extra forward passes
 
@@ -93,9 +95,11 @@ def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu,
     compute = hardware_flops / n / (peak * efficiency)
     inside = in_node_axes(sizes, devices_per_node)
     exposed = {}
+    attention = 12.0 * run.model.n_layers * run.seq_len * run.model.n_heads * run.model.head_dim / per_token
     for axis, nbytes in per_axis.items():
         seconds = nbytes / (gpu.nvlink_bandwidth if axis in inside else gpu.network_bandwidth)
-        exposed[axis] = max(0.0, seconds - compute) if axis in OVERLAPPED else seconds
+        behind = compute * (attention if axis == "sequence" else 1.0)
+        exposed[axis] = max(0.0, seconds - behind) if axis in OVERLAPPED else seconds
     bubble = 0.0
     if sizes["stage"] > 1:  # the loop as executed in lock-step (`parallel.cost`), not the table's formula
         p, m, v = sizes["stage"], run.microbatches, run.pipeline_repeats
