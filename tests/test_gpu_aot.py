@@ -98,7 +98,7 @@ FEATURES = {
     "zero-bubble": ({"stage": 2, "tensor": 2, "data": 2}, {"pipeline.schedule": "zero_bubble",
                                                            "pipeline.weight_parts": 2}),
     # uneven stages (1 + 2 + 2 + 1; 1 + 2 under zero bubble): the empty slots' lax.cond
-    "uneven-1f1b": ({"stage": 4, "data": 2}, {"model.n_layers": 6}),
+    "uneven-1f1b": ({"stage": 4, "data": 2}, {"model.n_layers": 6, "pipeline.microbatches": 4}),
     "uneven-zero-bubble": ({"stage": 2, "tensor": 2, "data": 2}, {"pipeline.schedule": "zero_bubble",
                                                                   "model.n_layers": 3}),
     "ring-contiguous": ({"sequence": 4, "data": 2}, {"attention.zigzag": False}),
@@ -148,7 +148,8 @@ def test_llama3_8b_kernels_are_triton_calls():
 # the 8B: both save the matmul outputs), so each forward GEMM runs once.
 FP8_MESHES = {
     "tiny-fsdp8": ("tiny", {"mesh.fsdp": 8, "remat.policy": "none"}),
-    "tiny_moe-data8": ("tiny_moe", {"mesh.data": 8, "mesh.expert": 1, "remat.policy": "none"}),
+    # tiny_moe on data 8 counts the same matmuls as on data 4 x expert 2 (last measured: 18 FP8 GEMMs,
+    # 6 -> 7 all-reduces); the expert-split mesh is the one kept, for the set's time
     "tiny_moe-expert2": ("tiny_moe", {"mesh.data": 4, "mesh.expert": 2, "remat.policy": "none"}),
     "tiny-1f1b": ("tiny", {"mesh.data": 4, "mesh.stage": 2, "pipeline.schedule": "1f1b", "remat.policy": "none",
                            "model.n_layers": 2}),  # a layer a stage: the loop's FP8 as 4 layers, in 3/5 the compile
