@@ -25,7 +25,11 @@ as layers (r*p + s)*k ... : for gpipe and 1f1b (v = 1) this is the stored order;
 circular schedule the stored order is a fixed permutation of the execution order
 (`execution_order`), the price of keeping each stage's weights local. Initialisation,
 checkpoints and exports hold the execution order (`StateFactory.to_canonical`), so a seed is one
-model and a checkpoint one meaning whatever the schedule.
+model and a checkpoint one meaning whatever the schedule. Uneven stages (`Pipeline.units`, from
+`pipeline.layers_per_stage` or `stage_layers`' default, which lightens the first and the last stage
+as Llama 3 405B's run did) store k = the largest stage's count rows per stage; the rows past a
+stage's count are empty slots (zeros) that its scan skips (`skipping`), and the canonical form drops
+them.
 
 Schedules (`config.pipeline.schedule`):
 
