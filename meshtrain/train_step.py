@@ -100,9 +100,7 @@ class StateFactory:
         self.specs = self._specs(self.boxed)
         self.shardings = named(mesh, self.specs)
         self.grad_specs = _boxed_specs(self.boxed.params, placement.grads)
-        self.abstract = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            nn.unbox(self.boxed), self.shardings)
+        self.abstract = _placed(nn.unbox(self.boxed), self.shardings)
         # Checkpoints and exports hold the layers in execution order, `canonical`: the same shapes, except
         # that uneven stages' empty rows are gone; a layer dimension `stage` no longer divides moves the
         # stage split to another dimension of the leaf (`_canonical_spec`), so no device holds more.
@@ -110,9 +108,7 @@ class StateFactory:
             lambda spec, a, stacked: _canonical_spec(spec, a.shape, dict(mesh.shape)) if stacked else spec,
             self.specs, nn.unbox(canonical), self._stacked, is_leaf=lambda x: isinstance(x, P))
         self.canonical_shardings = named(mesh, self.canonical_specs)
-        self.canonical = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            nn.unbox(canonical), self.canonical_shardings)
+        self.canonical = _placed(nn.unbox(canonical), self.canonical_shardings)
 
     def _specs(self, boxed: TrainState) -> TrainState:
         return TrainState(
@@ -227,6 +223,11 @@ class StateFactory:
             return self._reorder(state, self._stored)
         with jax.set_mesh(self.mesh):
             return jax.jit(init, out_shardings=self.shardings, donate_argnums=0)(params)
+
+
+def _placed(shapes, shardings):
+    """ShapeDtypeStructs of `shapes` carrying `shardings`."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
 
 
 def _canonical_spec(spec: P, shape: tuple[int, ...], sizes: dict[str, int]) -> P:
