@@ -108,6 +108,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.dtype = "bfloat16"  # compute dtype
     c.model.param_dtype = "float32"  # storage dtype of parameters and optimizer state
     c.model.sequence_parallel = False  # Megatron SP: norm/residual regions split over `tensor`
+    # with sequence_parallel: SP's gathers / scatters as rings beside the matmuls (collective_matmul.py)
+    c.model.collective_matmul = False
     c.model.fused_norm = False  # Pallas RMSNorm
     c.model.fused_loss = False  # Pallas output projection + cross-entropy
     # "fp8": the attention projections and MLP matmuls on e4m3 operands, e5m2 gradients (fp8.py);
@@ -159,6 +161,10 @@ def default_config() -> ml_collections.ConfigDict:
     # multi-process: a step or save with no progress this long ends the job (exit 5); below jax.distributed's
     # 100-s heartbeat timeout, whose abort of a job with a stopped peer says far less; 0: off
     c.train.hang_timeout_s = 90.0
+    # XLA:GPU's latency-hiding scheduler budgets (80% of HBM - inputs - outputs) x this / 100 for the
+    # step's temporaries; above the budget it schedules to save memory and starts no collective early
+    # (mesh.py). XLA's default 95; the compiled peak is what must fit (`meshtrain.aot` checks it).
+    c.train.xla_gpu_memory_limit_slop_factor = 95
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "text_files"
@@ -316,6 +322,9 @@ def _validate_positive(config) -> None:
         require(isinstance(t[key], int) and t[key] >= 1, f"train.{key}", t[key], "must be a positive integer")
     require(isinstance(t.spike_max_rollbacks, int) and t.spike_max_rollbacks >= 0, "train.spike_max_rollbacks",
              t.spike_max_rollbacks, "must be a non-negative integer")
+    slop = t.xla_gpu_memory_limit_slop_factor
+    require(isinstance(slop, int) and 1 <= slop <= 1000, "train.xla_gpu_memory_limit_slop_factor", slop,
+            "must be an integer percentage in [1, 1000] (XLA's default: 95)")
     require(t.hang_timeout_s >= 0, "train.hang_timeout_s", t.hang_timeout_s, "must be >= 0 (0: off)")
 
 
@@ -334,6 +343,11 @@ def _validate_shapes(config, sizes: dict[str, int]) -> None:
     if m.sequence_parallel:
         _divides("train.seq_len", t.seq_len, "the sequence length (model.sequence_parallel)",
                  sizes["sequence"] * sizes["tensor"], "mesh.sequence*mesh.tensor")
+    if m.collective_matmul:  # collective_matmul.py
+        require(m.sequence_parallel, "model.collective_matmul", True,
+                "rings sequence parallelism's gathers and scatters: needs model.sequence_parallel=True")
+        require(m.matmul_precision == "bf16", "model.collective_matmul", True,
+                f"runs the matmuls in model.dtype: needs model.matmul_precision='bf16' (got {m.matmul_precision!r})")
     dp = data_parallel_size(sizes)
     _divides("train.batch_size", t.batch_size, "the global batch (micro-batch x accumulation x data-parallel)",
              t.grad_accum_steps * dp, f"train.grad_accum_steps*mesh.(data*fsdp*expert)={t.grad_accum_steps}*{dp}")
@@ -389,6 +403,7 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     sequence_parallel: bool = False
+    collective_matmul: bool = False
     remat_policy: str = "none"
     attention_impl: str = "xla"
     fused_norm: bool = False

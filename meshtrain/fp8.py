@@ -307,7 +307,7 @@ SPLIT_PROBES = "split_probes"  # given: B's zeros added to each matmul's output 
 SPLIT_OUTPUTS = "split_outputs"  # mutable: each matmul records its output (W, and the probes' shapes)
 
 
-def matmul(module: nn.Module, name: str) -> Callable:
+def matmul(module: nn.Module, name: str, collective: Callable | None = None) -> Callable:
     """The einsum of `module`'s matmul `name`: `einsum` above (its amax history `name`) under
     `model.matmul_precision='fp8'`, else `jnp.einsum` in the compute dtype.
 
@@ -316,10 +316,15 @@ def matmul(module: nn.Module, name: str) -> Callable:
     gradients only, and the probe added to the output receives the output gradient dy; with
     `SPLIT_INPUTS` mutable the input is recorded for W; with `SPLIT_INPUTS` given (W) the matmul
     runs on the recorded input, so its weight gradient is the one GEMM x^T dy and nothing else of
-    the layer is live."""
+    the layer is live.
+
+    `collective`: the ring form of this matmul (`collective_matmul.py`) used under
+    `model.collective_matmul` with sequence parallelism."""
     cfg = module.cfg
     base = jnp.einsum if cfg.matmul_precision != "fp8" else functools.partial(einsum, module, name,
                                                                                 length=cfg.fp8_history)
+    if collective is not None and cfg.collective_matmul and cfg.sequence_parallel:
+        base = collective  # `collective_matmul.py` (bf16 only: validated)
 
     def run(eqn: str, x: jax.Array, w: jax.Array) -> jax.Array:
         if module.is_mutable_collection(SPLIT_INPUTS):

@@ -135,12 +135,27 @@ GPU_COMPILER_OPTIONS: dict[str, bool] = {
 }
 
 
-def compiler_options(mesh: jax.sharding.Mesh) -> dict[str, str | bool]:
-    """XLA options for programs compiled over `mesh` (`jax.jit(..., compiler_options=...)`)."""
+# The scheduler's memory budget: XLA:GPU gives the latency-hiding scheduler (80% of HBM - the
+# program's inputs and outputs) x slop / 100 for temporaries, and above it the scheduler orders for
+# memory and starts no collective before it must. A step whose temporaries pass that budget (the
+# 405B config: 53.4 GiB against 40.5 on an H100) keeps every gather waiting; a larger slop lets
+# the scheduler overlap and the compiled peak (checked against usable HBM by `meshtrain.aot`)
+# says what it cost. `train.xla_gpu_memory_limit_slop_factor`; XLA's default 95.
+XLA_DEFAULT_SLOP = 95
+
+
+def compiler_options(mesh: jax.sharding.Mesh, slop: int = XLA_DEFAULT_SLOP) -> dict[str, str | bool | int]:
+    """XLA options for programs compiled over `mesh` (`jax.jit(..., compiler_options=...)`); `slop`:
+    the GPU scheduler's memory budget factor (train steps pass `train.xla_gpu_memory_limit_slop_factor`)."""
     platform = mesh.devices.flat[0].platform
     if platform == "cpu":
         return dict(CPU_COMPILER_OPTIONS)
-    return dict(GPU_COMPILER_OPTIONS) if platform in ("gpu", "cuda", "rocm") and mesh.size > 1 else {}
+    if platform not in ("gpu", "cuda", "rocm") or mesh.size == 1:
+        return {}
+    options: dict[str, str | bool | int] = dict(GPU_COMPILER_OPTIONS)
+    if slop != XLA_DEFAULT_SLOP:
+        options["xla_gpu_memory_limit_slop_factor"] = slop
+    return options
 
 
 def single_device_mesh(device: jax.Device | None = None) -> jax.sharding.Mesh:

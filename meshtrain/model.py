@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from meshtrain import fp8 as fp8_lib, moe as moe_lib
+from meshtrain import collective_matmul as cm, fp8 as fp8_lib, moe as moe_lib
 from meshtrain.attention import AttentionFn, cached_attention, xla_attention
 from meshtrain.config import BATCH_AXES, ModelConfig
 from meshtrain.fused import fused_loss_sum, fused_rms_norm
@@ -40,10 +40,11 @@ from meshtrain.mesh import MESH_ORDER, compiler_options, single_device_mesh
 from meshtrain.sharding_rules import Rules, constrain
 
 REMAT_POLICIES = {
-    # the MoE token exchanges are kept too: recomputing them would repeat two all-to-alls per layer
+    # the MoE token exchanges are kept too: recomputing them would repeat two all-to-alls per layer;
+    # so are the collective matmuls' outputs (matmul outputs, computed in a `shard_map`)
     "selective": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(*moe_lib.EXCHANGE_NAMES)),
+        jax.checkpoint_policies.save_only_these_names(*moe_lib.EXCHANGE_NAMES, cm.SAVED_NAME)),
     "full": jax.checkpoint_policies.nothing_saveable,
     "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
@@ -152,7 +153,8 @@ class Attention(nn.Module):
         wk = _param(self, "wk", (d, kv, dh), ("embed", "kv_heads", "head_dim"))
         wv = _param(self, "wv", (d, kv, dh), ("embed", "kv_heads", "head_dim"))
         wo = _param(self, "wo", (h, dh, d), ("heads", "head_dim", "embed"))
-        q, k, v = column_parallel(x, (wq, wk, wv), "heads", self.rules, dtype, fp8_lib.matmul(self, "qkv"))
+        q, k, v = column_parallel(x, (wq, wk, wv), "heads", self.rules, dtype,
+                                  fp8_lib.matmul(self, "qkv", cm.all_gather_matmul))
         if cfg.attention_bias:  # Qwen2: biases on the q, k, v projections
             q = q + _param(self, "bq", (h, dh), ("heads", "head_dim"), nn.initializers.zeros).astype(dtype)
             k = k + _param(self, "bk", (kv, dh), ("kv_heads", "head_dim"), nn.initializers.zeros).astype(dtype)
@@ -170,7 +172,7 @@ class Attention(nn.Module):
         else:
             out = self.attention_fn(q, k, v, segment_ids)  # [B,T,H,Dh]
         out = constrain(out, ("batch", "length", "act_heads", None), self.rules)
-        return fp8_lib.matmul(self, "out")("bthk,hkd->btd", out, wo.astype(dtype))
+        return fp8_lib.matmul(self, "out", cm.matmul_reduce_scatter)("bthk,hkd->btd", out, wo.astype(dtype))
 
     def _cached(self, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
         names = ("batch", None, "act_kv_heads", None)  # the cache: batch and KV heads split as the activations
@@ -204,9 +206,10 @@ class Mlp(nn.Module):
         w_gate = _param(self, "w_gate", (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"))
         w_up = _param(self, "w_up", (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"))
         w_down = _param(self, "w_down", (cfg.mlp_dim, cfg.d_model), ("mlp", "embed"))
-        gate, up = column_parallel(x, (w_gate, w_up), "mlp", self.rules, dtype, fp8_lib.matmul(self, "gate_up"))
+        gate, up = column_parallel(x, (w_gate, w_up), "mlp", self.rules, dtype,
+                                   fp8_lib.matmul(self, "gate_up", cm.all_gather_matmul))
         hidden = constrain(nn.silu(gate) * up, ("batch", "length", "act_mlp"), self.rules)
-        return fp8_lib.matmul(self, "down")("btf,fd->btd", hidden, w_down.astype(dtype))
+        return fp8_lib.matmul(self, "down", cm.matmul_reduce_scatter)("btf,fd->btd", hidden, w_down.astype(dtype))
 
 
 def residual_names(cfg: ModelConfig) -> tuple[str, str, str]:

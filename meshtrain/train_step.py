@@ -449,7 +449,8 @@ def build(run: Run) -> tuple[StateFactory, Callable]:
     jitted = functools.partial(jit_train_step, factory, optimizer_lib.learning_rate_schedule(config),
                                run.batch_sharding, accum_steps=config.train.grad_accum_steps,
                                manual_axes=layout.accumulation_axes, grads_fn=grads_fn,
-                               grad_clip=config.train.grad_clip, compiler_options=mesh_lib.compiler_options(run.mesh),
+                               grad_clip=config.train.grad_clip, compiler_options=mesh_lib.compiler_options(
+                                   run.mesh, config.train.xla_gpu_memory_limit_slop_factor),
                                checked=not layout.kernels)
     if not run.model.fp8:
         return factory, jitted()

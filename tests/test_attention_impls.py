@@ -24,15 +24,16 @@ RING_3D = {"data": 2, "sequence": 2, "tensor": 2}
 
 
 @pytest.mark.parametrize("mesh,accum,sp", [({"sequence": 4}, 1, False), (RING_3D, 2, False), (RING_3D, 1, True),
-                                           ({"data": 8}, 1, False)],
+                                           ({"data": 8}, 1, False), (RING_3D, 1, "collective")],
                          ids=["sequence4", "data2-sequence2-tensor2-accum2", "data2-sequence2-tensor2-sp",
-                              "data8-ring-degenerate"])
+                              "data8-ring-degenerate", "data2-sequence2-tensor2-sp-collective-matmul"])
 def test_ring_attention_trains_like_single_device(tiny_reference, mesh, accum, sp):
     """Ring attention alone, with TP and accumulation, and with sequence parallelism over `tensor`
-    (the norm regions split over `tensor` on top of the ring's `sequence` split)."""
+    (the norm regions split over `tensor` on top of the ring's `sequence` split), its gathers and
+    scatters also as collective matmuls (rings over `tensor` within each `sequence` block)."""
     batches, ref_losses, ref_params = tiny_reference
     config = tiny_config(mesh, **{"attention.impl": "ring", "train.grad_accum_steps": accum,
-                                  "model.sequence_parallel": sp})
+                                  "model.sequence_parallel": bool(sp), "model.collective_matmul": sp == "collective"})
     sizes = validate(config, int(np.prod(list(mesh.values()))))
     losses, params, _ = run_steps(config, _permuted(batches, layout.data_permutation(config, sizes)))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)

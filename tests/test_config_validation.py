@@ -37,6 +37,10 @@ BAD = [
     ({}, {"train.learning_rate": -1.0}, "train.learning_rate"),
     ({}, {"model.n_layers": -4}, "model.n_layers"),
     ({"fsdp": 2, "tensor": 4}, {"model.sequence_parallel": True, "train.seq_len": 6}, "train.seq_len"),
+    ({"tensor": 2}, {"model.collective_matmul": True}, "model.collective_matmul"),  # needs sequence parallelism
+    ({"tensor": 2}, {"model.collective_matmul": True, "model.sequence_parallel": True,
+                     "model.matmul_precision": "fp8"}, "model.collective_matmul"),
+    ({}, {"train.xla_gpu_memory_limit_slop_factor": 0}, "train.xla_gpu_memory_limit_slop_factor"),
     ({"data": 2, "fsdp": 4}, {"mesh.dcn_data": 3}, "mesh.dcn_data"),
     ({}, {"sample_every": -1}, "sample_every"),
     ({"stage": 2, "data": 4}, {"sample_every": 10}, "sample_every"),   # sampling runs whole sequences

@@ -57,7 +57,8 @@ KINDS = {"dense": _dense, "pipeline": _pipeline, "moe": _moe}
 FAMILY = {"model.attention_bias": True, "model.qk_norm": True, "model.rope_scaling": "llama3",
                         "model.rope_factor": 8.0, "model.rope_original_max_positions": 32, "model.sliding_window": 24}
 # Keys that choose how the step is laid out, never what it computes: the float32 reference drops them.
-LAYOUT_KEYS = {"train.zero_stage", "train.grad_accum_steps", "model.sequence_parallel", "remat.policy",
+LAYOUT_KEYS = {"train.zero_stage", "train.grad_accum_steps", "model.sequence_parallel", "model.collective_matmul",
+               "remat.policy",
                "attention.impl", "attention.ulysses_degree", "model.fused_norm", "model.fused_loss",
                "pipeline.schedule", "pipeline.repeats", "pipeline.microbatches", "pipeline.weight_parts",
                "pipeline.layers_per_stage"}
@@ -85,6 +86,8 @@ CASES = [
     _case("dense", {"data": 2, "fsdp": 4}, **{"train.zero_stage": 3}),
     _case("dense", {"tensor": 4, "data": 2}, **{"model.sequence_parallel": True, "train.zero_stage": 0}),
     _case("dense", {"expert": 2, "fsdp": 2, "data": 2}, **{"train.zero_stage": 2, "train.grad_accum_steps": 2}),
+    _case("dense", {"tensor": 4, "data": 2}, **{"model.sequence_parallel": True, "model.collective_matmul": True,
+                                                "train.zero_stage": 0}),
     # test_attention_impls: ring attention, the Pallas kernels
     _case("dense", {"sequence": 4, "data": 2}, **{"attention.impl": "ring"}),
     _case("dense", {"data": 2, "sequence": 2, "tensor": 2}, **{"attention.impl": "ring", "train.grad_accum_steps": 2}),
@@ -126,6 +129,9 @@ CASES = [
     _case("pipeline", {"stage": 2, "fsdp": 2, "tensor": 2}, **{"pipeline.schedule": "zero_bubble", "model.n_layers": 6,
                                                                "pipeline.layers_per_stage": (4, 2),
                                                                "train.zero_stage": 3}),
+    _case("pipeline", {"stage": 4, "tensor": 2}, **{"pipeline.schedule": "1f1b", "model.n_layers": 6,
+                                                    "model.sequence_parallel": True, "model.collective_matmul": True,
+                                                    "remat.policy": "full"}),
     # test_moe_train: expert parallelism alone, with data (the README's command), tensor, accumulation
     _case("moe", {"expert": 8}),
     _case("moe", {"expert": 4, "data": 2}),

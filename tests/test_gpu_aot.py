@@ -90,6 +90,11 @@ FEATURES = {
     "zero2": ({"fsdp": 8}, {"train.zero_stage": 2}),
     "zero0-data": ({"data": 8}, {"train.zero_stage": 0}),
     "sequence-parallel": ({"tensor": 4, "fsdp": 2}, {"model.sequence_parallel": True}),
+    # SP's gathers and scatters in pieces beside the matmuls; in 1F1B's slots and the empty slots' cond
+    "collective-matmul": ({"tensor": 4, "data": 2}, {"model.sequence_parallel": True, "model.collective_matmul": True}),
+    "collective-matmul-uneven-1f1b": ({"stage": 4, "tensor": 2}, {"model.sequence_parallel": True,
+                                                                  "model.collective_matmul": True,
+                                                                  "model.n_layers": 6, "pipeline.microbatches": 4}),
     "fp8": ({"fsdp": 4, "tensor": 2}, {"model.matmul_precision": "fp8"}),
     "fp8-accumulation": ({"data": 2, "fsdp": 4}, {"model.matmul_precision": "fp8", "train.grad_accum_steps": 2}),
     "gpipe": ({"stage": 2, "data": 4}, {"pipeline.schedule": "gpipe"}),

@@ -156,8 +156,8 @@ def resolve(config, devices=None) -> Run:
 
 # Config keys that choose how a run is laid out on its mesh, never the model or optimizer it starts with.
 LAYOUT = {"attention.impl": "xla", "attention.ulysses_degree": 0, "remat.policy": "none", "model.fused_norm": False,
-          "model.fused_loss": False, "model.sequence_parallel": False, "train.zero_stage": 0,
-          "pipeline.layers_per_stage": ()}
+          "model.fused_loss": False, "model.sequence_parallel": False, "model.collective_matmul": False,
+          "train.zero_stage": 0, "pipeline.layers_per_stage": ()}
 
 
 _HOST_STATES: dict[str, object] = {}  # initial train states on one device, by config (this test process)
