@@ -46,6 +46,19 @@ def test_gpu_compile_options_are_typed():
     assert all(isinstance(v, bool) for v in mesh_lib.GPU_COMPILER_OPTIONS.values())
 
 
+def test_scheduler_budget_reaches_gpu_compiles_only():
+    """`train.xla_gpu_memory_limit_slop_factor` becomes XLA's option (an int) for multi-device GPU
+    meshes when it differs from XLA's default; CPU and one-device meshes never get it."""
+    def mesh(platform: str, size: int):
+        return types.SimpleNamespace(devices=types.SimpleNamespace(flat=[types.SimpleNamespace(platform=platform)]),
+                                     size=size)
+    assert mesh_lib.compiler_options(mesh("cuda", 8), 400)["xla_gpu_memory_limit_slop_factor"] == 400
+    assert "xla_gpu_memory_limit_slop_factor" not in mesh_lib.compiler_options(mesh("cuda", 8))
+    assert "xla_gpu_memory_limit_slop_factor" not in mesh_lib.compiler_options(mesh("cpu", 8), 400)
+    assert mesh_lib.compiler_options(mesh("cuda", 1), 400) == {}
+    assert config_lib.default_config().train.xla_gpu_memory_limit_slop_factor == mesh_lib.XLA_DEFAULT_SLOP
+
+
 def test_missing_gpu_extra_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(aot, "gpu_compiler_installed", lambda: False)
     aot.target_devices.cache_clear()
