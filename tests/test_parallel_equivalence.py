@@ -32,6 +32,8 @@ MESHES = [
     # sequence parallelism's gathers and scatters as rings beside the matmuls (collective_matmul.py)
     pytest.param({"tensor": 4, "data": 2}, {"model.sequence_parallel": True, "model.collective_matmul": True,
                                              "train.zero_stage": 0}, id="tensor4-sp-collective"),
+    pytest.param({"fsdp": 2, "tensor": 4}, {"model.sequence_parallel": True, "model.collective_matmul": True,
+                                             "train.zero_stage": 3}, id="fsdp2-tensor4-zero3-sp-collective"),
 ]
 
 
