@@ -69,6 +69,22 @@ def test_state_memory_follows_zero_placement():
         assert state == {"params": 4 * n // p, "grads": 4 * n // g, "optimizer": 8 * n // o + 12}
 
 
+@pytest.mark.parametrize("mesh", [{"sequence": 4, "stage": 2}, {"fsdp": 4, "stage": 2}])
+def test_zero3_over_either_zero_axis_gathers_the_stage_weights(mesh):
+    """ZeRO shards over `sequence` and `fsdp` (`sharding_rules.ZERO_AXES`): a ZeRO-3 pipeline over
+    either gathers its stage's weights once per step in the compute dtype (on H100, llama3_8b 4
+    layers over sequence 4 x stage 2: planner / compiler 0.791 without the term, 0.912 with it)."""
+    def temporaries(zero: int) -> int:
+        config = tiny_config(mesh, **{"train.zero_stage": zero, "attention.impl": "ring", "model.n_layers": 8,
+                                      "pipeline.schedule": "1f1b", "pipeline.microbatches": 4})
+        run = memory.Step.from_config(config, validate(config, 8, inputs=False))
+        return memory.activation_memory(run, config.remat.policy)["temporaries"], run
+    (zero3, run), (zero1, _) = temporaries(3), temporaries(1)
+    compute = run.placement()["compute"]
+    whole = sum(memory.local_size(leaf, compute) for leaf in memory.param_table(run.stored_model))
+    assert zero3 - zero1 == memory.dtype_bytes(run.model.dtype) * whole > 0
+
+
 def test_attribute_adds_up_to_the_flat_ring():
     axes = {"data": 2, "fsdp": 4, "tensor": 2}
     for kind, factor in (("all-reduce", 2.0), ("all-gather", 1.0), ("all-to-all", 1.0)):

@@ -352,7 +352,7 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
     compute, table = place["compute"], param_table(run.stored_model)
     whole = sum(local_size(leaf, compute) for leaf in table)  # the weights a device computes with
     per_layer = sum(local_size(leaf, compute) for leaf in table if leaf.in_layers) // layers
-    zero3 = run.zero_stage >= 3 and s["fsdp"] > 1
+    zero3 = run.zero_stage >= 3 and s["fsdp"] * s["sequence"] > 1  # ZeRO shards over both (ZERO_AXES)
     loss = 0 if m.fused_loss else LOGIT_BYTES * t * m.vocab_size // s["tensor"]
     if autodiff_pipe and not m.fused_loss:
         loss += 4 * t * run.microbatches * m.vocab_size // s["tensor"]
