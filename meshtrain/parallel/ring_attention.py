@@ -565,13 +565,17 @@ def _forward_gathered(step: _RingStep, q, k, v, seg):
     n = step.n
     idx = step.index()
     every = _gather_blocks(step, k, v, seg)  # [N, B, L_seq, ...]
-    out = lse = None
-    for t in range(n):
+
+    def visit(t, acc):
         src = (idx - t) % n
         kv = _take(every, src)
-        o_b, lse_b = step.forward(q, kv[0], kv[1], step.masks(seg, kv[2], idx, src), idx, src, t)
-        out, lse = (o_b, lse_b) if out is None else _merge(out, lse, o_b, lse_b)
-    return out, lse
+        o_b, lse_b = step.forward(q, kv[0], kv[1], step.masks(seg, kv[2], idx, src), idx, src, 1)
+        return _merge(*acc, o_b, lse_b)
+    # the diagonal block first, then the others in one loop: N - 1 blocks share one compiled body
+    # (unrolled, a 16-way ring in every 1F1B slot made the 405B search's layouts compile for minutes)
+    own = _take(every, idx)
+    first = step.forward(q, own[0], own[1], step.masks(seg, own[2], idx, idx), idx, idx, 0)
+    return lax.fori_loop(1, n, visit, first)
 
 
 def _backward_gathered(step: _RingStep, q, k, v, seg, out, lse, dout):
@@ -581,16 +585,19 @@ def _backward_gathered(step: _RingStep, q, k, v, seg, out, lse, dout):
     idx = step.index()
     out_f, dout_f = out.astype(jnp.float32), dout.astype(jnp.float32)
     every = _gather_blocks(step, k, v, seg)
-    dq = None
-    dk_all, dv_all = (jnp.zeros(every[i].shape, jnp.float32) for i in (0, 1))
-    for t in range(n):
+
+    def visit(t, acc, diagonal: bool = False):
+        dq, dk_all, dv_all = acc
         src = (idx + t) % n
         kv = _take(every, src)
         kw = step.masks(seg, kv[2], idx, src)
-        dq_b, dk_b, dv_b = step.backward(q, kv[0], kv[1], out_f, lse, dout_f, kw, idx, src, t)
-        dq = dq_b if dq is None else dq + dq_b
+        dq_b, dk_b, dv_b = step.backward(q, kv[0], kv[1], out_f, lse, dout_f, kw, idx, src, 0 if diagonal else 1)
         dk_all = lax.dynamic_update_index_in_dim(dk_all, _take(dk_all, src) + dk_b, src, 0)
         dv_all = lax.dynamic_update_index_in_dim(dv_all, _take(dv_all, src) + dv_b, src, 0)
+        return (dq_b if dq is None else dq + dq_b), dk_all, dv_all
+    zeros = tuple(step._zeros(every[i].shape, every[i]) for i in (0, 1))
+    acc = visit(0, (None, *zeros), diagonal=True)  # the diagonal block, then the others in one loop
+    dq, dk_all, dv_all = lax.fori_loop(1, n, visit, acc)
     dk, dv = _scatter_sums(step, dk_all, dv_all)
     return dq, dk, dv
 
