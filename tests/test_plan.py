@@ -140,8 +140,13 @@ def test_search_llama3_8b_returns_only_fitting_meshes():
         mem = cand["memory_per_device_bytes"]
         assert cand["fits"] and mem["total"] <= usable
         assert mem["total"] == sum(v for k, v in mem.items() if k != "total")
-    mfus = [c["predicted_mfu"] for c in result["candidates"]]
-    assert mfus == sorted(mfus, reverse=True)
+    # those leaving SEARCH_HEADROOM of HBM spare first, each group by predicted MFU
+    spare = [c["memory_per_device_bytes"]["total"] <= (1 - estimate.SEARCH_HEADROOM) * usable
+             for c in result["candidates"]]
+    assert spare == sorted(spare, reverse=True) and spare[0]
+    for group in (True, False):
+        mfus = [c["predicted_mfu"] for c, ok in zip(result["candidates"], spare, strict=True) if ok == group]
+        assert mfus == sorted(mfus, reverse=True)
     for key in ("mesh", "comm_bytes_per_step", "predicted_step_time_s", "predicted_mfu"):
         assert key in result
 
