@@ -47,7 +47,7 @@ def get_config():
     c.train.min_lr_ratio = 0.01  # cosine to 8e-7
     c.train.warmup_steps = 8000
     c.train.zero_stage = 1
-    # XLA:GPU's scheduler budgets (80% of HBM - inputs) x 95% = 40.5 GiB for the step's 53.4 GiB of
+    # XLA:GPU's scheduler budgets (80% of HBM - inputs and outputs) x 95% = 40.5 GiB for the step's 53.4 GiB of
     # temporaries and then starts no sequence-parallel gather early (16 of 388 overlapped); 400 lifts
     # the budget: 388 of 388 gathers overlapped, the compiled peak 77.67 GiB, under the 78 usable.
     c.train.xla_gpu_memory_limit_slop_factor = 400

@@ -10,7 +10,7 @@ sequence blocks. The next operation waits on each collective, and inside a layer
 other work for the scheduler to put beside it.
 
 With `model.collective_matmul` both run inside a `shard_map` manual over `tensor` (and `sequence`,
-whose blocks each ring stays within), each device's rows cut into k pieces (k <= |tensor|):
+whose blocks the pieces stay within), each device's rows cut into k pieces (k <= |tensor|):
 
 * `all_gather_matmul`: piece j + 1 is all-gathered while the gathered piece j is multiplied; the
   gathered activation is never formed whole.
@@ -38,25 +38,25 @@ from jax.sharding import PartitionSpec as P
 from meshtrain.sharding_rules import auto_axes
 
 AXIS = "tensor"
-SAVED_NAME = "collective_matmul"  # the rings' outputs: what `selective` remat keeps of them (model.py)
+SAVED_NAME = "collective_matmul"  # the outputs: what `selective` remat keeps of them (model.py)
 
 
-def _ring_size() -> int:
-    """Devices on `tensor` that are still automatic here (0: none to ring over)."""
+def _tensor_size() -> int:
+    """Devices on `tensor` that are still automatic here (0: none to split the pieces over)."""
     return jax.sharding.get_abstract_mesh().shape[AXIS] if auto_axes((AXIS,)) else 0
 
 
-def _spec(ndim: int, **dims) -> P:
-    """dims: position -> mesh axes (a tuple) of a rank-`ndim` spec."""
+def _spec(ndim: int, dims: dict[int, tuple[str, ...]]) -> P:
+    """A rank-`ndim` spec splitting each dimension of `dims` over its mesh axes."""
     parts = [None] * ndim
     for position, axes in dims.items():
-        parts[int(position[1:])] = axes if len(axes) > 1 else (axes[0] if axes else None)
+        parts[position] = axes if len(axes) > 1 else (axes[0] if axes else None)
     return P(*parts)
 
 
 def _context() -> tuple[str, ...]:
     """The automatic `sequence` axis (context parallelism): the residual's length is split over
-    (sequence, tensor), sequence-major (`length_sp`); the ring runs within each sequence block."""
+    (sequence, tensor), sequence-major (`length_sp`); the pieces move within each sequence block."""
     return auto_axes(("sequence",))
 
 
@@ -76,17 +76,17 @@ def _manual(local, in_specs: tuple[P, P], out_spec: P, axes: set[str]):
     backward = jax.shard_map(pullback, in_specs=(*in_specs, out_spec), out_specs=in_specs, axis_names=axes)
 
     @jax.custom_vjp
-    def ring(x, w):
+    def matmul(x, w):
         return forward(x, w)
 
-    def ring_fwd(x, w):
+    def matmul_fwd(x, w):
         return forward(x, w), (x, w)
 
-    def ring_bwd(residuals, dy):
+    def matmul_bwd(residuals, dy):
         return backward(*residuals, dy)
 
-    ring.defvjp(ring_fwd, ring_bwd)
-    return lambda x, w: checkpoint_name(ring(x, w), SAVED_NAME)
+    matmul.defvjp(matmul_fwd, matmul_bwd)
+    return lambda x, w: checkpoint_name(matmul(x, w), SAVED_NAME)
 
 
 def _chunks(rows: int, n: int) -> int:
@@ -94,13 +94,13 @@ def _chunks(rows: int, n: int) -> int:
     return max(k for k in range(1, n + 1) if rows % k == 0)
 
 
-def all_gather_matmul(eqn: str, x: jax.Array, w: jax.Array, einsum=jnp.einsum) -> jax.Array:
+def all_gather_matmul(eqn: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """`einsum(eqn, x, w)` for x [B, T, D] split along T over `tensor` and w [D, s, ...] split along s
     over `tensor` (a column-parallel weight), the output [B, T, s, ...] split along s, in k pieces:
     piece j + 1 is gathered while piece j is multiplied; the whole gathered x is never formed."""
-    n = _ring_size()
+    n = _tensor_size()
     if n <= 1:
-        return einsum(eqn, x, w)
+        return jnp.einsum(eqn, x, w)
 
     def local(x, w):
         rows = x.shape[1]
@@ -111,7 +111,7 @@ def all_gather_matmul(eqn: str, x: jax.Array, w: jax.Array, einsum=jnp.einsum) -
             if j + 1 < k:  # the next gather starts once this one is done, beside this piece's matmul
                 gathered, nxt = lax.optimization_barrier((gathered, pieces[j + 1]))
                 following = lax.all_gather(nxt, AXIS, axis=1, tiled=True)
-            outs.append(einsum(eqn, gathered, w))  # rows: device t's piece j, t = 0..n-1
+            outs.append(jnp.einsum(eqn, gathered, w))  # rows: device t's piece j, t = 0..n-1
             if j + 1 < k:
                 gathered = following
         y = jnp.stack(outs, axis=2)  # [B, n * rows/k, k, ...]: (device, row in piece) x piece
@@ -120,18 +120,18 @@ def all_gather_matmul(eqn: str, x: jax.Array, w: jax.Array, einsum=jnp.einsum) -
         return y.reshape(y.shape[0], n * rows, *y.shape[4:])
 
     seq = _context()
-    return _manual(local, (_spec(x.ndim, d1=(*seq, AXIS)), _spec(w.ndim, d1=(AXIS,))),
-                   _spec(w.ndim + 1, d1=seq, d2=(AXIS,)), {AXIS, *seq})(x, w)
+    return _manual(local, (_spec(x.ndim, {1: (*seq, AXIS)}), _spec(w.ndim, {1: (AXIS,)})),
+                   _spec(w.ndim + 1, {1: seq, 2: (AXIS,)}), {AXIS, *seq})(x, w)
 
 
-def matmul_reduce_scatter(eqn: str, x: jax.Array, w: jax.Array, einsum=jnp.einsum) -> jax.Array:
+def matmul_reduce_scatter(eqn: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """`einsum(eqn, x, w)` for x [B, T, F, ...] split along dim 2 over `tensor` and w split along its
     dim 0 (a row-parallel weight): the output [B, T, D] summed over `tensor` and split along T, as
     sequence parallelism keeps the residual, in k pieces: piece j is reduce-scattered while piece
     j + 1 is multiplied; the whole partial sum is never formed."""
-    n = _ring_size()
+    n = _tensor_size()
     if n <= 1:
-        return einsum(eqn, x, w)
+        return jnp.einsum(eqn, x, w)
 
     def local(x, w):
         rows = x.shape[1] // n  # each device's rows of the result
@@ -140,7 +140,7 @@ def matmul_reduce_scatter(eqn: str, x: jax.Array, w: jax.Array, einsum=jnp.einsu
         outs, scattered = [], None
         for j in range(k):
             piece = blocks[:, :, j].reshape(x.shape[0], n * (rows // k), *x.shape[2:])
-            part = einsum(eqn, piece, w)
+            part = jnp.einsum(eqn, piece, w)
             if scattered is not None:  # this scatter starts once the previous one is done
                 scattered, part = lax.optimization_barrier((scattered, part))
                 outs.append(scattered)
@@ -149,5 +149,5 @@ def matmul_reduce_scatter(eqn: str, x: jax.Array, w: jax.Array, einsum=jnp.einsu
         return jnp.concatenate(outs, axis=1)
 
     seq = _context()
-    return _manual(local, (_spec(x.ndim, d1=seq, d2=(AXIS,)), _spec(w.ndim, d0=(AXIS,))),
-                   _spec(3, d1=(*seq, AXIS)), {AXIS, *seq})(x, w)
+    return _manual(local, (_spec(x.ndim, {1: seq, 2: (AXIS,)}), _spec(w.ndim, {0: (AXIS,)})),
+                   _spec(3, {1: (*seq, AXIS)}), {AXIS, *seq})(x, w)

@@ -108,7 +108,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.dtype = "bfloat16"  # compute dtype
     c.model.param_dtype = "float32"  # storage dtype of parameters and optimizer state
     c.model.sequence_parallel = False  # Megatron SP: norm/residual regions split over `tensor`
-    # with sequence_parallel: SP's gathers / scatters as rings beside the matmuls (collective_matmul.py)
+    # with sequence_parallel: SP's gathers / scatters in pieces beside the matmuls (collective_matmul.py)
     c.model.collective_matmul = False
     c.model.fused_norm = False  # Pallas RMSNorm
     c.model.fused_loss = False  # Pallas output projection + cross-entropy
@@ -161,7 +161,7 @@ def default_config() -> ml_collections.ConfigDict:
     # multi-process: a step or save with no progress this long ends the job (exit 5); below jax.distributed's
     # 100-s heartbeat timeout, whose abort of a job with a stopped peer says far less; 0: off
     c.train.hang_timeout_s = 90.0
-    # XLA:GPU's latency-hiding scheduler budgets (80% of HBM - inputs - outputs) x this / 100 for the
+    # XLA:GPU's latency-hiding scheduler budgets (80% of HBM - inputs - non-aliased outputs) x this / 100 for the
     # step's temporaries; above the budget it schedules to save memory and starts no collective early
     # (mesh.py). XLA's default 95; the compiled peak is what must fit (`meshtrain.aot` checks it).
     c.train.xla_gpu_memory_limit_slop_factor = 95
@@ -345,7 +345,10 @@ def _validate_shapes(config, sizes: dict[str, int]) -> None:
                  sizes["sequence"] * sizes["tensor"], "mesh.sequence*mesh.tensor")
     if m.collective_matmul:  # collective_matmul.py
         require(m.sequence_parallel, "model.collective_matmul", True,
-                "rings sequence parallelism's gathers and scatters: needs model.sequence_parallel=True")
+                "splits sequence parallelism's gathers and scatters: needs model.sequence_parallel=True")
+        require(config.remat.policy != "offload", "model.collective_matmul", True,
+                "remat.policy='offload' splits its shard_map into per-device residuals Shardy rejects: "
+                "use none, selective or full")
         require(m.matmul_precision == "bf16", "model.collective_matmul", True,
                 f"runs the matmuls in model.dtype: needs model.matmul_precision='bf16' (got {m.matmul_precision!r})")
     dp = data_parallel_size(sizes)

@@ -318,7 +318,7 @@ def matmul(module: nn.Module, name: str, collective: Callable | None = None) -> 
     runs on the recorded input, so its weight gradient is the one GEMM x^T dy and nothing else of
     the layer is live.
 
-    `collective`: the ring form of this matmul (`collective_matmul.py`) used under
+    `collective`: this matmul in pieces beside its collective (`collective_matmul.py`), used under
     `model.collective_matmul` with sequence parallelism."""
     cfg = module.cfg
     base = jnp.einsum if cfg.matmul_precision != "fp8" else functools.partial(einsum, module, name,

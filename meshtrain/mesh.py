@@ -138,7 +138,7 @@ GPU_COMPILER_OPTIONS: dict[str, bool] = {
 # The scheduler's memory budget: XLA:GPU gives the latency-hiding scheduler (80% of HBM - the
 # program's inputs and outputs) x slop / 100 for temporaries, and above it the scheduler orders for
 # memory and starts no collective before it must. A step whose temporaries pass that budget (the
-# 405B config: 53.4 GiB against 40.5 on an H100) keeps every gather waiting; a larger slop lets
+# 405B config: 53.4 GiB against 40.5 on an H100) keeps its gathers waiting (16 of 388 overlapped); a larger slop lets
 # the scheduler overlap and the compiled peak (checked against usable HBM by `meshtrain.aot`)
 # says what it cost. `train.xla_gpu_memory_limit_slop_factor`; XLA's default 95.
 XLA_DEFAULT_SLOP = 95

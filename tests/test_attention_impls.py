@@ -30,7 +30,7 @@ RING_3D = {"data": 2, "sequence": 2, "tensor": 2}
 def test_ring_attention_trains_like_single_device(tiny_reference, mesh, accum, sp):
     """Ring attention alone, with TP and accumulation, and with sequence parallelism over `tensor`
     (the norm regions split over `tensor` on top of the ring's `sequence` split), its gathers and
-    scatters also as collective matmuls (rings over `tensor` within each `sequence` block)."""
+    scatters also as collective matmuls (pieces over `tensor` within each `sequence` block)."""
     batches, ref_losses, ref_params = tiny_reference
     config = tiny_config(mesh, **{"attention.impl": "ring", "train.grad_accum_steps": accum,
                                   "model.sequence_parallel": bool(sp), "model.collective_matmul": sp == "collective"})

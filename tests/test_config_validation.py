@@ -40,6 +40,8 @@ BAD = [
     ({"tensor": 2}, {"model.collective_matmul": True}, "model.collective_matmul"),  # needs sequence parallelism
     ({"tensor": 2}, {"model.collective_matmul": True, "model.sequence_parallel": True,
                      "model.matmul_precision": "fp8"}, "model.collective_matmul"),
+    ({"tensor": 2}, {"model.collective_matmul": True, "model.sequence_parallel": True,
+                     "remat.policy": "offload"}, "model.collective_matmul"),
     ({}, {"train.xla_gpu_memory_limit_slop_factor": 0}, "train.xla_gpu_memory_limit_slop_factor"),
     ({"data": 2, "fsdp": 4}, {"mesh.dcn_data": 3}, "mesh.dcn_data"),
     ({}, {"sample_every": -1}, "sample_every"),

@@ -29,7 +29,7 @@ MESHES = [
     pytest.param({"tensor": 4, "data": 2}, {"model.sequence_parallel": True, "train.zero_stage": 0}, id="tensor4-sp"),
     pytest.param({"expert": 2, "fsdp": 2, "data": 2}, {"train.zero_stage": 2, "train.grad_accum_steps": 2},
                  id="expert-as-batch-accum2"),
-    # sequence parallelism's gathers and scatters as rings beside the matmuls (collective_matmul.py)
+    # sequence parallelism's gathers and scatters in pieces beside the matmuls (collective_matmul.py)
     pytest.param({"tensor": 4, "data": 2}, {"model.sequence_parallel": True, "model.collective_matmul": True,
                                              "train.zero_stage": 0}, id="tensor4-sp-collective"),
     pytest.param({"fsdp": 2, "tensor": 4}, {"model.sequence_parallel": True, "model.collective_matmul": True,

@@ -16,7 +16,7 @@ from meshtrain.validate import validate
 from tests import utils
 
 STEPS = 3
-SP_RINGS = {"model.sequence_parallel": True, "model.collective_matmul": True}
+SP_PIECES = {"model.sequence_parallel": True, "model.collective_matmul": True}
 
 
 def _config(mesh: dict, **overrides):
@@ -46,8 +46,8 @@ CASES = [
                  id="interleaved-v1-4-2"),
     # the 405B config's layer path: sequence parallelism as collective matmuls, full remat, in 1F1B's
     # slots and the empty slots' `lax.cond`; and in zero bubble's split backward (W reruns the rings)
-    pytest.param({"stage": 4, "tensor": 2}, {**SP_RINGS, "remat.policy": "full"}, id="1f1b-collective-matmul"),
-    pytest.param({"stage": 4, "tensor": 2}, {**SP_RINGS, "pipeline.schedule": "zero_bubble"},
+    pytest.param({"stage": 4, "tensor": 2}, {**SP_PIECES, "remat.policy": "full"}, id="1f1b-collective-matmul"),
+    pytest.param({"stage": 4, "tensor": 2}, {**SP_PIECES, "pipeline.schedule": "zero_bubble"},
                  id="zero_bubble-collective-matmul"),
 ]
 

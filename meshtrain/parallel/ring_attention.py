@@ -442,9 +442,9 @@ class _RingStep:
     def _bwd(self, q, k, v, out, lse, dout, kw):
         return tuple(g.astype(jnp.float32) for g in self.block.backward(q, k, v, out, lse, dout, **kw))
 
-    def forward(self, q, k, v, kw, idx, src, step):
+    def forward(self, q, k, v, kw, idx, src, diagonal: bool):
         """(out [B, L, H, D], lse [B, H, L]) float32 of the local queries against the block at hand."""
-        if step == 0:
+        if diagonal:  # the ring's first step: the device's own block
             return self._fwd(q, k, v, kw)
         if not self.zigzag:
             o0, lse0 = self._zeros(q.shape, q), self._zeros((q.shape[0], q.shape[2], q.shape[1]), q, -jnp.inf)
@@ -460,9 +460,9 @@ class _RingStep:
 
         return lax.cond(src < idx, early, late)
 
-    def backward(self, q, k, v, out, lse, dout, kw, idx, src, step):
+    def backward(self, q, k, v, out, lse, dout, kw, idx, src, diagonal: bool):
         """(dq, dk, dv) float32: the block's share of the gradient, from the global out / lse / dout."""
-        if step == 0:
+        if diagonal:  # the ring's first step: the device's own block
             return self._bwd(q, k, v, out, lse, dout, kw)
         if not self.zigzag:
             zeros = (self._zeros(q.shape, q), self._zeros(k.shape, k), self._zeros(v.shape, v))
@@ -494,7 +494,7 @@ def _forward_ring(step: _RingStep, q, k, v, seg):
     for t in range(n):
         nxt = lax.ppermute(kv, axis, step.pairs()) if t < n - 1 else None
         src = (idx - t) % n  # the device whose K/V block is here
-        o_b, lse_b = step.forward(q, kv[0], kv[1], step.masks(seg, kv[2], idx, src), idx, src, t)
+        o_b, lse_b = step.forward(q, kv[0], kv[1], step.masks(seg, kv[2], idx, src), idx, src, t == 0)
         out, lse = (o_b, lse_b) if out is None else _merge(out, lse, o_b, lse_b)
         kv = nxt
     return out, lse
@@ -518,7 +518,7 @@ def _backward_ring(step: _RingStep, q, k, v, seg, out, lse, dout):
         nxt = lax.ppermute(kv, axis, back) if t < n - 1 else None
         src = (idx + t) % n
         kw = step.masks(seg, kv[2], idx, src)
-        dq_b, dk_b, dv_b = step.backward(q, kv[0], kv[1], out_f, lse, dout_f, kw, idx, src, t)
+        dq_b, dk_b, dv_b = step.backward(q, kv[0], kv[1], out_f, lse, dout_f, kw, idx, src, t == 0)
         dq = dq_b if dq is None else dq + dq_b
         dkv = (dk_b, dv_b) if dkv is None else (dkv[0] + dk_b, dkv[1] + dv_b)
         dkv = lax.ppermute(dkv, axis, back) if n > 1 else dkv
@@ -561,7 +561,8 @@ def _scatter_sums(step: _RingStep, dk_all, dv_all):
 
 def _forward_gathered(step: _RingStep, q, k, v, seg):
     """The ring's blocks, received by one all-gather over the axis instead of N - 1 hops (the same
-    bytes); the blocks are visited in the ring's order, so the result is the ring's to the bit."""
+    bytes); the blocks are visited in the ring's order, so the result is the ring's (to 1e-6 in
+    `tests/test_ring_attention.py`)."""
     n = step.n
     idx = step.index()
     every = _gather_blocks(step, k, v, seg)  # [N, B, L_seq, ...]
@@ -569,12 +570,12 @@ def _forward_gathered(step: _RingStep, q, k, v, seg):
     def visit(t, acc):
         src = (idx - t) % n
         kv = _take(every, src)
-        o_b, lse_b = step.forward(q, kv[0], kv[1], step.masks(seg, kv[2], idx, src), idx, src, 1)
+        o_b, lse_b = step.forward(q, kv[0], kv[1], step.masks(seg, kv[2], idx, src), idx, src, False)
         return _merge(*acc, o_b, lse_b)
     # the diagonal block first, then the others in one loop: N - 1 blocks share one compiled body
     # (unrolled, a 16-way ring in every 1F1B slot made the 405B search's layouts compile for minutes)
     own = _take(every, idx)
-    first = step.forward(q, own[0], own[1], step.masks(seg, own[2], idx, idx), idx, idx, 0)
+    first = step.forward(q, own[0], own[1], step.masks(seg, own[2], idx, idx), idx, idx, True)
     return lax.fori_loop(1, n, visit, first)
 
 
@@ -591,12 +592,12 @@ def _backward_gathered(step: _RingStep, q, k, v, seg, out, lse, dout):
         src = (idx + t) % n
         kv = _take(every, src)
         kw = step.masks(seg, kv[2], idx, src)
-        dq_b, dk_b, dv_b = step.backward(q, kv[0], kv[1], out_f, lse, dout_f, kw, idx, src, 0 if diagonal else 1)
+        dq_b, dk_b, dv_b = step.backward(q, kv[0], kv[1], out_f, lse, dout_f, kw, idx, src, diagonal)
         dk_all = lax.dynamic_update_index_in_dim(dk_all, _take(dk_all, src) + dk_b, src, 0)
         dv_all = lax.dynamic_update_index_in_dim(dv_all, _take(dv_all, src) + dv_b, src, 0)
-        return (dq_b if dq is None else dq + dq_b), dk_all, dv_all
-    zeros = tuple(step._zeros(every[i].shape, every[i]) for i in (0, 1))
-    acc = visit(0, (None, *zeros), diagonal=True)  # the diagonal block, then the others in one loop
+        return dq + dq_b, dk_all, dv_all
+    zeros = (jnp.zeros_like(q, jnp.float32), *(jnp.zeros_like(every[i], jnp.float32) for i in (0, 1)))
+    acc = visit(0, zeros, diagonal=True)  # the diagonal block, then the others in one loop
     dq, dk_all, dv_all = lax.fori_loop(1, n, visit, acc)
     dk, dv = _scatter_sums(step, dk_all, dv_all)
     return dq, dk, dv

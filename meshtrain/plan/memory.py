@@ -124,7 +124,7 @@ class Step:
     weight_parts: int = 1  # split W as this many operations (`pipeline.weight_parts`)
     ulysses_degree: int = 0  # `attention.ulysses_degree` (0: all of mesh.sequence)
     layers_per_stage: tuple[int, ...] = ()  # `pipeline.layers_per_stage` as given (() = the default split)
-    scheduler_slop: int = 95  # `train.xla_gpu_memory_limit_slop_factor` (XLA's default 95)
+    scheduler_slop: int = mesh_lib.XLA_DEFAULT_SLOP  # `train.xla_gpu_memory_limit_slop_factor`
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict, sizes: dict[str, int]) -> Step:
@@ -224,7 +224,7 @@ EXPERT_GRAD_COPIES = 0.7  # the layer scan's zero-initialised stacked expert-wei
 # A raised scheduler budget (`train.xla_gpu_memory_limit_slop_factor` > 95) lets XLA:GPU start the
 # sequence-parallel gathers early: this many gathered activations [t, d_model] live beside the rest.
 # One calibration point: the 405B config (1f1b, TP 8, SP, H100, slop 400) peaks 3.25 GiB higher
-# than at 95, 13 gathered [8192, 16384] bf16 activations.
+# than at 95, 13 gathered [8192, 16384] bf16 activations; the same with collective matmuls (pieces).
 EARLY_GATHERS = 13
 
 
