@@ -156,11 +156,13 @@ def test_a_hung_process_ends_the_job_and_the_relaunch_resumes(tmp_path, compilat
         assert named is None or f"(step {named})" in output, output[-3000:]  # the relaunch resumed there
         error = [line for line in output.splitlines() if line.startswith("error: ")]
         assert len(error) == 1, output[-3000:]
-        # the watchdog (the step after the hang, no progress for timeout_s) or gloo's own 30-s read
-        # timeout (the collective the hung peer never joined), whichever ends first
+        # the watchdog (the step after the hang, no progress for timeout_s; or, when process 0 is
+        # still in the save's commit barrier the stopped peer never reaches, that save) or gloo's own
+        # 30-s read timeout (the collective the hung peer never joined), whichever ends first
         hung_step = step + 1 if point == "save" else step
+        in_save = f"|no progress for {timeout_s} s in the checkpoint save at step {step}" if point == "save" else ""
         assert re.match(rf"error: process 0: (no progress for {timeout_s} s in step {hung_step}"
-                        rf"|step \d+ failed in a collective)", error[0]), error[0]
+                        rf"|step \d+ failed in a collective{in_save})", error[0]), error[0]
         found = re.search(rf"newest intact checkpoint \({re.escape(root)}/(\d+)\)$", error[0])
         assert found, error[0]
         named = int(found.group(1))
