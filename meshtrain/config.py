@@ -201,6 +201,10 @@ def default_config() -> ml_collections.ConfigDict:
     # (W reads and writes the float32 gradient sums: about two forwards on micro-batches of a few hundred
     # tokens, one on thousands); `bench/pipeline.py --modeled` prints the count the cost model picks
     c.pipeline.weight_parts = 1
+    # 1f1b, interleaved_1f1b, zero_bubble: send each tick's activations and gradients while the next tick
+    # computes (they are read a tick later), so no transfer waits on the critical path; the price is a hop of
+    # two ticks per stage: a deeper warm-up, more micro-batches in flight (1f1b: 2(p - s) - 1 on stage s)
+    c.pipeline.overlap_transfers = False
     # layers of each stage, first to last (sum model.n_layers; multiples of model.moe_every under MoE), for a
     # pipeline of uneven stages; () splits evenly, or, when mesh.stage does not divide the layers, gives one
     # layer fewer to the first and the last stage (they also run the embedding and the head), then to the

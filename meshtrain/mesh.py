@@ -132,6 +132,7 @@ GPU_COMPILER_OPTIONS: dict[str, bool] = {
     "xla_gpu_enable_pipelined_reduce_scatter": True,
     "xla_gpu_enable_pipelined_all_reduce": True,
     "xla_gpu_enable_while_loop_double_buffering": True,
+    "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
 }
 
 

@@ -253,6 +253,43 @@ def test_one_f_one_b_slots_respect_dependencies_and_hold_at_most_p(p, m):
                 assert (s, s - 1) in pairs
 
 
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 5), (3, 7), (4, 4), (4, 16)])
+def test_overlapped_one_f_one_b_reads_every_transfer_a_slot_after_it_leaves(p, m):
+    """`pipeline.overlap_transfers`: replays `one_f_one_b_overlapped`. Each tick is a forward slot on
+    every stage, then a backward slot; an activation leaves after the forward slot and is read at
+    the next tick's forward slot at the earliest, a gradient leaves at the start of the next tick and
+    is read by its backward slot: each has one slot of compute beside it. The last stage starts a
+    backward in the tick of its forward; stage s holds 2(p - s) - 1 micro-batches at most."""
+    pipe = pipeline_lib.Pipeline("1f1b", p, m, overlap=True)
+    done = {}  # (op, stage, micro-batch) -> tick
+    for t in range(pipe.ticks):
+        for s in range(p):
+            for op, (branch, j) in zip((1, 2), pipeline_lib.one_f_one_b_overlapped(p, m, s, t), strict=True):
+                if branch:
+                    assert (op, s, j) not in done
+                    done[op, s, j] = t
+    assert len(done) == 2 * p * m
+    for s in range(p):
+        for j in range(m):
+            if s > 0:
+                assert done[1, s, j] >= done[1, s - 1, j] + 1
+            if s < p - 1:
+                assert done[2, s, j] >= done[2, s + 1, j] + 1
+            assert done[2, s, j] >= done[1, s, j]
+        held = [sum(done[1, s, j] <= t <= done[2, s, j] for j in range(m)) for t in range(pipe.ticks)]
+        assert max(held) == pipe.in_flight()[s] == min(m, 2 * (p - s) - 1)
+    assert pipe.ticks == m + 2 * p - 2
+    used = {b for s in range(p) for t in range(pipe.ticks) for b, _ in pipeline_lib.one_f_one_b_overlapped(p, m, s, t)}
+    assert pipeline_lib.one_f_one_b_branches_used(p, m, overlap=True) == used | {0}
+
+
+@pytest.mark.parametrize("mesh, zero", [((("stage", 4), ("data", 2)), 1), ((("stage", 2), ("fsdp", 2), ("tensor", 2)), 3)],
+                         ids=["stage4-data2", "stage2-fsdp2-tensor2-zero3"])
+def test_overlapped_one_f_one_b_equals_single_device(mesh, zero):
+    """float32 1e-5: 1F1B with transfers beside compute gives the loss and gradients of one device."""
+    _assert_equal_single_device(*_pipelined("1f1b", mesh, zero=zero, **{"pipeline.overlap_transfers": True}))
+
+
 @pytest.mark.parametrize("p, m", [(2, 2), (2, 5), (3, 7), (4, 4)])
 def test_one_f_one_b_traces_only_the_branches_some_stage_takes(p, m):
     """The slot switch keeps the branches some (stage, slot) takes; the rest are idle, not traced:

@@ -119,6 +119,42 @@ def test_the_split_schedules_beat_1f1b_as_executed(compiled_costs):
     assert interleaved < 1.0
 
 
+@pytest.mark.parametrize("schedule", pipeline.OVERLAPPING)
+@pytest.mark.parametrize("p,m", GRID)
+def test_overlapped_transfers_are_hidden_while_a_slot_outlasts_them(schedule, p, m):
+    """`pipeline.overlap_transfers`: a transfer costs nothing while it is shorter than the slot beside
+    it, and only the excess when longer; without the overlap every tick pays it whole. Only a slot in
+    which no stage computes (1f1b: the 2(p - 1) backward slots of the warm-up and forward slots of the
+    cool-down) lasts the transfer."""
+    costs = cost.BranchCosts(1.0, 2.5, 1.3, 2.2)
+    free = cost.step_time(schedule, p, m, 1, costs, overlap=True)
+    hidden = cost.step_time(schedule, p, m, 1, dataclasses.replace(costs, transfer=0.3), overlap=True)
+    empty = 2 * (p - 1) if schedule == "1f1b" else 0
+    assert hidden.seconds == pytest.approx(free.seconds + 0.3 * empty)
+    plain = cost.step_time(schedule, p, m, 1, dataclasses.replace(costs, transfer=0.3))
+    assert plain.seconds == pytest.approx(cost.step_time(schedule, p, m, 1, costs).seconds + 0.3 * plain.ticks)
+    # transfers longer than every slot: each slot lasts the transfer
+    slow = cost.step_time(schedule, p, m, 1, dataclasses.replace(costs, transfer=10.0), overlap=True)
+    assert slow.seconds == pytest.approx(10.0 * slow.ticks)
+    loop = pipeline.Pipeline(schedule, p, m, overlap=True)  # the loop's trip count (1f1b: two slots a tick)
+    assert free.ticks == (2 if schedule == "1f1b" else 1) * loop.ticks
+
+
+def test_overlapped_1f1b_balances_its_slots(compiled_costs):
+    """At the acceptance point the overlapped 1F1B runs a forward slot and a backward slot on every stage
+    (no slot waits for a neighbour's heavier branch): under 0.80 of plain 1F1B's step at the compiler's
+    costs, with 2p - 2 ticks more than it; zero bubble with overlap stays under 0.90."""
+    parts = cost.weight_parts(compiled_costs, 2)
+    base = cost.step_time("1f1b", 4, 16, 1, compiled_costs)
+    one_f_one_b = cost.step_time("1f1b", 4, 16, 1, compiled_costs, overlap=True)
+    zero_bubble = cost.step_time("zero_bubble", 4, 16, 1, compiled_costs, parts, overlap=True)
+    print({"1f1b+overlap": round(one_f_one_b.seconds / base.seconds, 3),
+           "zero_bubble+overlap": round(zero_bubble.seconds / base.seconds, 3)})
+    assert one_f_one_b.ticks == base.ticks + 2 * 3
+    assert one_f_one_b.seconds < 0.80 * base.seconds
+    assert zero_bubble.seconds < 0.90 * base.seconds
+
+
 def test_weight_parts_balance_w_against_f_and_b():
     """W cut into the divisor of the chunk's layers nearest W / max(F, B): none when W is no longer."""
     costs = cost.BranchCosts(1.0, 3.0, 1.0, 1.0)

@@ -53,6 +53,18 @@ def test_weight_parts_equal_single_device(case):
                                             **{"pipeline.weight_parts": parts}))
 
 
+OVERLAP = [("zero_bubble", {"stage": 4, "fsdp": 2}, 3), ("zero_bubble", {"stage": 2, "data": 2, "tensor": 2}, 1)]
+
+
+@pytest.mark.parametrize("case", OVERLAP, ids=[_id(c) for c in OVERLAP])
+def test_overlapped_transfers_equal_single_device(case):
+    """`pipeline.overlap_transfers`: each tick's outputs travel during the next tick (a table simulated
+    with a tick of latency); loss and gradients still those of one device."""
+    schedule, mesh, zero = case
+    _assert_equal_single_device(*_pipelined(schedule, tuple(mesh.items()), zero=zero,
+                                            **{"pipeline.overlap_transfers": True}))
+
+
 @pytest.mark.parametrize("case", PULLBACK, ids=[_id(c) for c in PULLBACK])
 def test_pullback_split_equals_single_device(case):
     """`pipeline.split_backward=pullback`: W runs the stage's pullback again from the residuals."""
@@ -72,6 +84,7 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
     inbox_f = [[None] * (plan.inbox_f_slots + 1) for _ in range(p)]
     inbox_b = [[None] * (plan.inbox_b_slots + 1) for _ in range(p)]
     ran = {}
+    in_flight = []  # latency 1: what the last tick sent, travelling during this one
     for t in range(plan.ticks):
         sent_f, sent_b = [None] * p, [None] * p
         for s in range(p):
@@ -116,6 +129,10 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
                     assert stash[s][slot] == (s, j, c), (t, s)
                     stash[s][slot] = None
                 ran["W", s, j, c] = t
+        in_flight.append((sent_f, sent_b))
+        if len(in_flight) <= plan.latency:
+            continue
+        sent_f, sent_b = in_flight.pop(0)
         for s in range(p):  # the two ppermutes, then the inbox writes
             arriving_f, arriving_b = sent_f[(s - 1) % p], sent_b[(s + 1) % p]
             if arriving_f is not None:
@@ -131,20 +148,26 @@ def row_slot(plan: SlotPlan, t: int, s: int, name: str) -> int:
     return int(plan.program[t, s, FIELDS.index(name)])
 
 
-@pytest.mark.parametrize("split_backward, parts", [("gemms", 1), ("gemms", 3), ("pullback", 1)])
-@pytest.mark.parametrize("schedule", SCHEDULES)
+PROGRAMS = [(schedule, *split, 0) for schedule in SCHEDULES for split in (("gemms", 1), ("gemms", 3), ("pullback", 1))]
+PROGRAMS += [(schedule, *split, 1) for schedule in pipeline_lib.OVERLAPPING if schedule in SCHEDULES
+             for split in (("gemms", 1), ("gemms", 3))]
+
+
+@pytest.mark.parametrize("schedule, split_backward, parts, latency", PROGRAMS)
 @pytest.mark.parametrize("p", [2, 4, 8])
-def test_program_hands_every_operation_its_inputs(schedule, p, split_backward, parts):
+def test_program_hands_every_operation_its_inputs(schedule, p, split_backward, parts, latency):
     """Every F and B of every micro-batch and chunk runs once, on the table's tick, reading the
     activation / gradient it needs from the slot the program names, never overwriting a value still
     waiting; every W runs once (its parts in order, the last freeing what they read). Buffer sizes
-    do not grow with m."""
+    do not grow with m. Latency 1 (`pipeline.overlap_transfers`, zero bubble): what a tick sends
+    lands at the end of the next tick, and nothing reads it before."""
     v = 2 if schedule == "interleaved_1f1b" else 1
     sizes = {}
     for m in (p, 2 * p, 4 * p):
-        plan = slot_plan(schedule, p, m, v, split_backward, parts)
+        plan = slot_plan(schedule, p, m, v, split_backward, parts, latency)
         ran = _replay(plan, p, m, v)
-        table = schedules.simulate(schedule, p, m, v, parts)
+        table = schedules.simulate(schedule, p, m, v, parts, latency)
+        schedules.check(table, p, m, v, plan.split, latency)
         kinds = "FBW" if plan.split else "FB"
         want = {(op.kind, s, op.micro, op.chunk): t for t, row in enumerate(table) for s, op in enumerate(row)
                 if op is not None and op.kind in kinds and (op.kind != schedules.W or op.part == parts - 1)}

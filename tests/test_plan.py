@@ -203,3 +203,36 @@ def test_async_overlap_counts_compute_between_start_and_done():
     assert pairs["all-gather"].compute_between == 2 and pairs["all-gather"].overlapped
     assert pairs["reduce-scatter"].compute_between == 0 and not pairs["reduce-scatter"].overlapped
     assert pairs["all-reduce"].compute_between == 1
+
+
+SCHEDULED_SWITCH = """HloModule tick, is_scheduled=true
+
+%idle (c: f32[8]) -> f32[8] {
+  ROOT %c = f32[8]{0} parameter(0)
+}
+
+%forward (c: f32[8]) -> f32[8] {
+  %c = f32[8]{0} parameter(0)
+  ROOT %f = f32[8]{0} fusion(%c), kind=kLoop, calls=%fused
+}
+
+ENTRY %main (i: s32[], x: f32[8], y: f32[8]) -> f32[8] {
+  %i = s32[] parameter(0)
+  %x = f32[8]{0} parameter(1)
+  %y = f32[8]{0} parameter(2)
+  %cp-start = (f32[8]{0}, f32[8]{0}) collective-permute-start(%x), source_target_pairs={{0,1}}
+  %switch = f32[8]{0} conditional(%i, %y, %y), branch_computations={%idle, %forward}
+  %cp-done = f32[8]{0} collective-permute-done(%cp-start)
+  %cp-start.1 = (f32[8]{0}, f32[8]{0}) collective-permute-start(%switch), source_target_pairs={{1,0}}
+  %nothing = f32[8]{0} conditional(%i, %y, %y), branch_computations={%idle, %idle}
+  ROOT %cp-done.1 = f32[8]{0} collective-permute-done(%cp-start.1)
+}
+"""
+
+
+def test_async_overlap_counts_a_switch_that_computes():
+    """A pipeline tick's `lax.switch` between a permute's start and done is compute when one of its
+    branches holds some; a switch over branches that compute nothing is not."""
+    first, second = hlo.async_overlap(SCHEDULED_SWITCH)
+    assert first.kind == second.kind == "collective-permute"
+    assert first.overlapped and not second.overlapped

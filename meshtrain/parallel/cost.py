@@ -230,9 +230,12 @@ class Execution:
         return self.work / self.seconds
 
 
-def step_time(schedule: str, p: int, m: int, v: int, costs: BranchCosts, weight_parts: int = 1) -> Execution:
+def step_time(schedule: str, p: int, m: int, v: int, costs: BranchCosts, weight_parts: int = 1,
+              overlap: bool = False) -> Execution:
     """The pipeline part of a step as the lock-step loop runs it (module docstring); a split W run as
-    `weight_parts` operations costs 1/weight_parts of W each."""
+    `weight_parts` operations costs 1/weight_parts of W each. `overlap` (`pipeline.overlap_transfers`,
+    1f1b and the slot tables): each transfer travels beside a slot of compute, which then lasts the
+    longer of the two; 1f1b's ticks are a forward slot on every stage then a backward slot."""
     c = costs
     v = v if schedule in ("circular", "interleaved_1f1b") else 1  # chunks per stage
     if schedule in ("gpipe", "circular"):
@@ -241,6 +244,15 @@ def step_time(schedule: str, p: int, m: int, v: int, costs: BranchCosts, weight_
         # every tick runs the stack on every stage (the bubble computes too), then one ppermute
         seconds = ticks * (c.forward / v + c.transfer) + ticks * (backward / v + c.transfer)
         return Execution(schedule, seconds, 2 * ticks, m * (c.forward + backward))
+    if schedule == "1f1b" and overlap:
+        from meshtrain.parallel.pipeline import one_f_one_b_overlapped
+
+        seconds = 0.0
+        for t in range(m + 2 * p - 2):
+            slots = zip(*(one_f_one_b_overlapped(p, m, s, t) for s in range(p)), strict=True)
+            for price, ops in zip((c.forward, c.backward), slots, strict=True):
+                seconds += max(max([0.0] + [price for branch, _ in ops if branch]), c.transfer)
+        return Execution(schedule, seconds, 2 * (m + 2 * p - 2), m * (c.forward + c.backward))
     if schedule == "1f1b":
         from meshtrain.parallel.pipeline import one_f_one_b_slot
 
@@ -254,17 +266,24 @@ def step_time(schedule: str, p: int, m: int, v: int, costs: BranchCosts, weight_
             seconds += max(busy) + c.transfer  # one ppermute after every slot
         return Execution(schedule, seconds, slots, m * (c.forward + c.backward))
     split = schedule in schedules.SPLIT_BACKWARD
-    table = schedules.simulate(schedule, p, m, v, weight_parts if split else 1)
+    table = schedules.simulate(schedule, p, m, v, weight_parts if split else 1, int(overlap))
     forward = c.forward_split if split else c.forward
     price = {schedules.F: forward / v, schedules.B: (c.input_grad if split else c.backward) / v,
              schedules.W: c.weight_grad / (v * weight_parts) if split else 0.0}  # fused tables' W ticks idle
-    seconds = sum(max([0.0] + [price[op.kind] for op in row if op is not None]) + c.transfer for row in table)
+    if overlap:  # each tick's operation beside the transfer of the tick before's outputs
+        seconds = sum(max([c.transfer] + [price[op.kind] for op in row if op is not None]) for row in table)
+    else:
+        seconds = sum(max([0.0] + [price[op.kind] for op in row if op is not None]) + c.transfer for row in table)
     per_micro = forward + (c.input_grad + c.weight_grad if split else c.backward)
     return Execution(schedule, seconds, len(table), m * per_micro)
 
 
-def table(p: int, m: int, v: int, costs: BranchCosts, names=SCHEDULES, weight_parts: int = 1) -> list[Execution]:
-    return [step_time(name, p, m, v, costs, weight_parts) for name in names]
+def table(p: int, m: int, v: int, costs: BranchCosts, names=SCHEDULES, weight_parts: int = 1,
+          overlap: bool = False) -> list[Execution]:
+    """Each schedule's modeled step; `overlap` applies to those that can (`pipeline.OVERLAPPING`)."""
+    from meshtrain.parallel.pipeline import OVERLAPPING
+
+    return [step_time(name, p, m, v, costs, weight_parts, overlap and name in OVERLAPPING) for name in names]
 
 
 def weight_parts(costs: BranchCosts, units: int) -> int:

@@ -85,7 +85,7 @@ class Layout:
         if pipe is not None and pipe.schedule in schedules.TABLE_SCHEDULES:
             return pipeline_tables.branch_share(
                 pipeline_tables.slot_plan(pipe.schedule, pipe.stages, pipe.microbatches, pipe.repeats,
-                                          pipe.split_backward, pipe.weight_parts))
+                                          pipe.split_backward, pipe.weight_parts, int(pipe.overlap)))
         return None
 
 
@@ -109,7 +109,7 @@ def pipeline_plan(config: ml_collections.ConfigDict, sizes: Mapping[str, int], *
     units = pipeline_lib.stage_layers(config.model.n_layers // unit, sizes[STAGE], given)
     return pipeline_lib.Pipeline(pipe.schedule, sizes[STAGE], pipe.microbatches, repeats, pipeline_axes(sizes),
                                  checked=not kernels, split_backward=pipe.split_backward,
-                                 weight_parts=pipe.weight_parts, units=units)
+                                 weight_parts=pipe.weight_parts, units=units, overlap=pipe.overlap_transfers)
 
 
 def accumulation_axes(config: ml_collections.ConfigDict, sizes: Mapping[str, int]) -> tuple[str, ...]:

@@ -82,6 +82,9 @@ STAGE, SEQUENCE, EXPERT = Axis.STAGE.value, Axis.SEQUENCE.value, Axis.EXPERT.val
 FP8 = fp8_lib.COLLECTION
 TABLE_SCHEDULES = schedules.TABLE_SCHEDULES  # run from their slot tables (`pipeline_tables`)
 CHUNKED_SCHEDULES = ("circular", "interleaved_1f1b")  # v = pipeline.repeats chunks per stage
+# `pipeline.overlap_transfers`: interleaved 1F1B's wrap from stage p-1 to stage 0 stalls its groups
+# of p micro-batches when a transfer takes a tick (78 ticks instead of 57 at p=4, m=8, v=2)
+OVERLAPPING = ("1f1b", "zero_bubble")
 
 
 SPLIT_MODES = ("gemms", "pullback")  # `pipeline.split_backward`
@@ -104,11 +107,15 @@ class Pipeline:
     # Uneven stages (`stage_units`) store max(units) rows each; the rows past a stage's count are
     # empty slots: zeros in the state, skipped by a `lax.cond` in the stage's scan.
     units: tuple[int, ...] = ()
+    # 1f1b and the slot tables: each tick's outputs travel while the next tick computes (a hop of two
+    # ticks, `pipeline.overlap_transfers`): deeper warm-up, more micro-batches in flight
+    overlap: bool = False
 
     @functools.cached_property
     def _table(self):
         """The slot table of a table schedule (`schedules.simulate`)."""
-        return schedules.simulate(self.schedule, self.stages, self.microbatches, self.repeats, self.weight_parts)
+        return schedules.simulate(self.schedule, self.stages, self.microbatches, self.repeats, self.weight_parts,
+                                  latency=int(self.overlap))
 
     @property
     def ticks(self) -> int:
@@ -116,6 +123,8 @@ class Pipeline:
         p, m, v = self.stages, self.microbatches, self.repeats
         if self.schedule in TABLE_SCHEDULES:
             return len(self._table)
+        if self.schedule == "1f1b" and self.overlap:  # stage s: forwards at ticks s + j, backwards 2p - 2 - s + j
+            return m + 2 * p - 2
         return v * m + p - 1  # 1f1b: one forward slot and one backward slot per tick
 
     @property
@@ -136,7 +145,7 @@ class Pipeline:
         if self.schedule in TABLE_SCHEDULES:
             return tuple(schedules.in_flight(self._table))
         if self.schedule == "1f1b":
-            return tuple(min(m, p - s) for s in range(p))
+            return tuple(min(m, (2 * (p - s) - 1) if self.overlap else p - s) for s in range(p))
         return (v * m,) * p
 
     def slot_branch_share(self) -> tuple[float, ...]:
@@ -146,7 +155,10 @@ class Pipeline:
         counts = np.zeros(7)
         for s in range(p):
             for u in range(slots):
-                counts[int(one_f_one_b_branch(p, m, s, u)[0])] += 1
+                if self.overlap:  # a forward switch and a backward switch per tick
+                    counts[int(one_f_one_b_overlapped(p, m, s, u // 2)[u % 2][0])] += 1
+                else:
+                    counts[int(one_f_one_b_branch(p, m, s, u)[0])] += 1
         return tuple(float(c) for c in counts / (p * slots))
 
     def describe(self) -> str:
@@ -158,6 +170,8 @@ class Pipeline:
             line += f", idle/busy {schedules.bubble(self._table):.3f}"
         if self.weight_parts > 1:
             line += f", W in {self.weight_parts} parts"
+        if self.overlap:
+            line += ", transfers behind the next tick's compute"
         if self.uneven:
             line += f", scanned units per stage {list(self.units)} ({max(self.units)} rows each)"
         return line
@@ -446,7 +460,8 @@ def loss_and_grads(params, histories, batch, model, total_tokens, accum_steps):
     (playbook, "ZeRO-3": a stage keeps its weights gathered across its micro-batches), not in every slot.
     """
     del accum_steps  # the validator requires train.grad_accum_steps == 1 with a pipeline
-    return run_gradient_loop(_one_f_one_b_loop, params, histories, batch, model, total_tokens)
+    loop = _one_f_one_b_overlapped_loop if model.pipeline.overlap else _one_f_one_b_loop
+    return run_gradient_loop(loop, params, histories, batch, model, total_tokens)
 
 
 def run_gradient_loop(loop, params, histories, batch, model, total_tokens, **static):
@@ -510,9 +525,12 @@ def one_f_one_b_slot(p: int, s, u):
     return jnp.where(forward, 1, 2), jnp.where(forward, j_forward, j_backward)
 
 
-def one_f_one_b_branches_used(p: int, m: int) -> set[int]:
+def one_f_one_b_branches_used(p: int, m: int, overlap: bool = False) -> set[int]:
     """The `one_f_one_b_branch` indices some stage takes in some slot (host ints)."""
     used = {0}
+    if overlap:
+        return used | {branch for s in range(p) for t in range(m + 2 * p - 2)
+                       for branch, _ in one_f_one_b_overlapped(p, m, s, t)}
     for s in range(p):
         role = 1 if s == 0 else 2 if s == p - 1 else 0
         for u in range(2 * (m + p - 1)):
@@ -528,6 +546,28 @@ def one_f_one_b_branch(p: int, m: int, s, u):
     op, j = one_f_one_b_slot(p, s, u)
     role = jnp.where(s == 0, 1, jnp.where(s == p - 1, 2, 0))
     return jnp.where((j >= 0) & (j < m), 1 + 3 * (op - 1) + role, 0), jnp.clip(j, 0, m - 1)
+
+
+def one_f_one_b_overlapped(p: int, m: int, s, t):
+    """((forward branch, micro-batch), (backward branch, micro-batch)) of stage s at tick t of 1F1B with
+    transfers behind compute (`pipeline.overlap_transfers`); branch indices as `one_f_one_b_branch`'s.
+
+    Every tick runs a forward slot on all stages, then a backward slot on all stages: stage s runs the
+    forward of j at tick s + j and its backward at tick 2p - 2 - s + j. An activation sent after a
+    forward slot travels during the backward slot and is read at the next tick; a gradient computed in
+    a backward slot is sent at the start of the next tick, travels during its forward slot and is read
+    by its backward slot. Each transfer has a slot of compute beside it; the price is a hop of two
+    slots per stage: 2p - 2 ticks of warm-up and cool-down (m + 2p - 2 ticks in all, each one forward
+    and one backward long) and 2(p - s) - 1 micro-batches in flight on stage s (1F1B: p - s).
+    Works on Python ints and on traced values alike."""
+    j_forward, j_backward = t - s, t - (2 * p - 2 - s)
+    if isinstance(s, int) and isinstance(t, int):
+        role = 1 if s == 0 else 2 if s == p - 1 else 0
+        return ((1 + role if 0 <= j_forward < m else 0, min(max(j_forward, 0), m - 1)),
+                (4 + role if 0 <= j_backward < m else 0, min(max(j_backward, 0), m - 1)))
+    role = jnp.where(s == 0, 1, jnp.where(s == p - 1, 2, 0))
+    return ((jnp.where((j_forward >= 0) & (j_forward < m), 1 + role, 0), jnp.clip(j_forward, 0, m - 1)),
+            (jnp.where((j_backward >= 0) & (j_backward < m), 4 + role, 0), jnp.clip(j_backward, 0, m - 1)))
 
 
 def _slot_pairs(p: int, parity: int) -> list[tuple[int, int]]:
@@ -630,9 +670,10 @@ class SlotWork:
     """
 
     def __init__(self, stack, model, layers, outer, micro, total_tokens, *, p: int, m: int,
-                 manual: tuple[str, ...], units: int):
+                 manual: tuple[str, ...], units: int, stash_slots: int | None = None):
         self.model, self.layers, self.outer, self.micro = model, layers, outer, micro
         self.total_tokens, self.p, self.m, self.manual, self.units = total_tokens, p, m, manual, units
+        self.stash_slots = stash_slots or p  # micro-batch j's residuals in slot j % stash_slots
         self.residuals = Residuals(stack, layers)
 
     def _embed(self, o, tokens):
@@ -683,7 +724,8 @@ class SlotWork:
         zeros32 = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, jnp.float32))
         carry = dict(dy=act, g_layers=self._layer_sums(), g_outer=zeros32(self.outer),
                      loss=jnp.zeros((), jnp.float32), stats=zeros32(stats))
-        stash = self.residuals.stash(self.p, lax.pcast(act, self.manual, to="varying"), self._pick(0), self.manual)
+        stash = self.residuals.stash(self.stash_slots, lax.pcast(act, self.manual, to="varying"), self._pick(0),
+                                     self.manual)
         return {**self._varying(carry), "stash": stash}  # the stash: see Residuals
 
     def branches(self, used: set[int]) -> list:
@@ -701,7 +743,7 @@ class SlotWork:
             mb = self._pick(j)
             x = self._embed(self.outer, mb["inputs"]) if first else inbox
             (y, stats), stack_vjp = self.residuals.vjp(x, mb)
-            c = {**c, "stash": self.residuals.store(c["stash"], stack_vjp, j % self.p),
+            c = {**c, "stash": self.residuals.store(c["stash"], stack_vjp, j % self.stash_slots),
                  "stats": self._acc(c["stats"], self._varying(stats))}
             if not last:
                 return c, y
@@ -716,7 +758,7 @@ class SlotWork:
         def run(c, inbox, j):
             mb = self._pick(j)
             g = c["dy"] if last else inbox
-            pullback = self.residuals.load(c["stash"], j % self.p)
+            pullback = self.residuals.load(c["stash"], j % self.stash_slots)
             g_stats = {k: self._varying(g, self._stats_vma[k]) for k, g in
                        aux_cotangents(c["stats"], self.model.cfg, self.units, self.m).items()}
             g_layers, dx = pullback((g, g_stats))
@@ -765,6 +807,46 @@ def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m,
 
     inbox = lax.pcast(work.activation(), axes, to="varying")
     (c, _), _ = lax.scan(tick, (work.initial_carry(), inbox), jnp.arange(m + p - 1))
+    return _loop_results(c, specs, axes, units, m)
+
+
+def _one_f_one_b_overlapped_loop(stack, model, layers, outer, micro, total_tokens, *, p, m, axes, units, specs):
+    """One stage's 1F1B ticks with every transfer beside a slot of compute (`one_f_one_b_overlapped`):
+
+        start sending the last tick's input gradient upstream  |  forward slot (`lax.switch`)
+        start sending this forward's activation downstream     |  backward slot (reads the gradient)
+
+    The gradient a backward slot computes stays in the carry and leaves at the start of the next
+    tick, so neither `ppermute` is read by the slot right after it. Same results as
+    `_one_f_one_b_loop`; residuals of 2(p - s) - 1 micro-batches on stage s."""
+    s = lax.axis_index(STAGE)
+    rest = tuple(a for a in axes if a != STAGE)
+    outer = lax.pcast(outer, axes, to="varying")
+    layers = vary(layers, rest)
+    work = SlotWork(stack, model, layers, outer, micro, total_tokens, p=p, m=m, manual=axes, units=units,
+                    stash_slots=min(m, 2 * p - 1))
+    branches = work.branches(one_f_one_b_branches_used(p, m, overlap=True))
+    downstream = [(i, i + 1) for i in range(p - 1)]
+    upstream = [(i, i - 1) for i in range(1, p)]
+
+    def tick(carry, t):
+        c, activation, gradient_out = carry
+        gradient = lax.ppermute(gradient_out, STAGE, upstream)  # travels during the forward slot
+        (f_index, f_micro), (b_index, b_micro) = one_f_one_b_overlapped(p, m, s, t)
+        c, y = lax.switch(f_index, branches, c, activation, f_micro)
+        activation = lax.ppermute(y, STAGE, downstream)  # travels during the backward slot
+        c, gradient_out = lax.switch(b_index, branches, c, gradient, b_micro)
+        return (c, activation, gradient_out), None
+
+    act = lax.pcast(work.activation(), axes, to="varying")
+    (c, _, _), _ = lax.scan(tick, (work.initial_carry(), act, act), jnp.arange(m + 2 * p - 2))
+    return _loop_results(c, specs, axes, units, m)
+
+
+def _loop_results(c, specs, axes, units, m):
+    """(loss sum, MoE stats averaged over units and micro-batches, outer grads, layer grads) of a 1F1B
+    loop's final carry, each reduced over the data-parallel axes once."""
+    rest = tuple(a for a in axes if a != STAGE)
     g_layers = reduce_layer_grads(c["g_layers"], specs, rest)
     # every rank of a stage holds the same statistics (summed over the batch inside each layer)
     stats = jax.tree.map(lambda a: pmean(lax.psum(a, STAGE), rest) / (units * m), c["stats"])
@@ -806,6 +888,9 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     req(parts == 1 or (pipe.schedule in TABLE_SCHEDULES and pipe.split_backward == "gemms"), "pipeline.weight_parts",
         parts, f"W runs in parts only under pipeline.schedule in {TABLE_SCHEDULES} with split_backward='gemms' "
         f"(got {pipe.schedule!r}, {pipe.split_backward!r}): must be 1")
+    req(not pipe.overlap_transfers or pipe.schedule in OVERLAPPING, "pipeline.overlap_transfers",
+        pipe.overlap_transfers, f"only {OVERLAPPING} send a tick's outputs during the next tick (got "
+        f"pipeline.schedule={pipe.schedule!r}): must be False")
     req(pipe.schedule in CHUNKED_SCHEDULES or v == 1, "pipeline.repeats", v,
         f"repeats > 1 needs pipeline.schedule in {CHUNKED_SCHEDULES} (got {pipe.schedule!r})")
     req(pipe.schedule != "interleaved_1f1b" or pipe.microbatches % p == 0, "pipeline.microbatches",

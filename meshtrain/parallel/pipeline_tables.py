@@ -84,6 +84,9 @@ class SlotPlan:
     # stage's output gradient, B to W)
     split_backward: str = "gemms"
     weight_parts: int = 1  # each W as this many operations, each on 1/weight_parts of the chunk's layers
+    # ticks an output spends between stages beyond the next (`pipeline.overlap_transfers`: 1, sent while
+    # the next tick computes, put in its inbox slot at that tick's end; `recv_*` name that tick's row)
+    latency: int = 0
 
     @property
     def gemms(self) -> bool:
@@ -108,10 +111,11 @@ def _allocate(intervals: list[tuple[float, float, object]]) -> tuple[dict, int]:
 
 
 def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "gemms",
-              weight_parts: int = 1) -> SlotPlan:
+              weight_parts: int = 1, latency: int = 0) -> SlotPlan:
     """The executable program of `schedule`'s table (see `SlotPlan`). A W in parts keeps what it reads
     until its last part (the table's later ticks overwrite the earlier in `when`)."""
-    table = schedules.simulate(schedule, p, m, v, weight_parts)
+    table = schedules.simulate(schedule, p, m, v, weight_parts, latency)
+    arrive = 0.5 + latency  # after the tick that sends (latency 1: at the end of the next one)
     split = schedule in schedules.SPLIT_BACKWARD
     when = {(op.kind, s, op.micro, op.chunk): t for t, row in enumerate(table) for s, op in enumerate(row) if op}
     stash_iv = [[] for _ in range(p)]
@@ -129,12 +133,12 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
                 inbox_b_iv[s].append((t + 0.25, when[(schedules.B, s, j, c)], (s, j, c)))
             else:  # the activation arrives at the next stage after the tick
                 dst, dc = (s + 1, c) if s < p - 1 else (0, c + 1)
-                inbox_f_iv[dst].append((t + 0.5, when[(schedules.F, dst, j, dc)], (dst, j, dc)))
+                inbox_f_iv[dst].append((t + arrive, when[(schedules.F, dst, j, dc)], (dst, j, dc)))
         elif kind == schedules.B and split and split_backward == "pullback":  # its output gradient, to W
             weight_iv[s].append((t, when[(schedules.W, s, j, c)], (s, j, c)))
         if kind == schedules.B and not (s == 0 and c == 0):
             dst, dc = (s - 1, c) if s > 0 else (p - 1, c - 1)
-            inbox_b_iv[dst].append((t + 0.5, when[(schedules.B, dst, j, dc)], (dst, j, dc)))
+            inbox_b_iv[dst].append((t + arrive, when[(schedules.B, dst, j, dc)], (dst, j, dc)))
     stash, weight, inbox_f, inbox_b = ({}, {}, {}, {})
     sizes = []
     for intervals, slots in ((stash_iv, stash), (weight_iv, weight), (inbox_f_iv, inbox_f), (inbox_b_iv, inbox_b)):
@@ -163,13 +167,13 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
                 row[FIELDS.index("dy")] = inbox_b[key]
             else:
                 dst, dc = (s + 1, c) if s < p - 1 else (0, c + 1)
-                program[t, dst, FIELDS.index("recv_f")] = inbox_f[(dst, j, dc)]
+                program[t + latency, dst, FIELDS.index("recv_f")] = inbox_f[(dst, j, dc)]
         elif kind == schedules.B:
             branch = BACKWARD_FIRST if first else BACKWARD
             row[FIELDS.index("read_b")] = inbox_b[key]
             if not first:
                 dst, dc = (s - 1, c) if s > 0 else (p - 1, c - 1)
-                program[t, dst, FIELDS.index("recv_b")] = inbox_b[(dst, j, dc)]
+                program[t + latency, dst, FIELDS.index("recv_b")] = inbox_b[(dst, j, dc)]
         else:
             branch = WEIGHTS if split else IDLE  # fused schedules ran W inside B
         row[FIELDS.index("branch")] = branch
@@ -177,7 +181,7 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
         row[FIELDS.index("stash")] = stash[key]
         row[FIELDS.index("wstash")] = weight.get(key, 0)
     return SlotPlan(program, n_stash, n_weight, n_f, n_b, split, wraps=v > 1, split_backward=split_backward,
-                    weight_parts=weight_parts)
+                    weight_parts=weight_parts, latency=latency)
 
 
 def branch_share(plan: SlotPlan) -> tuple[float, ...]:
@@ -390,7 +394,7 @@ def loss_and_grads(params, histories, batch, model, total_tokens, accum_steps):
     del accum_steps  # the validator requires train.grad_accum_steps == 1 with a pipeline
     pipe = model.pipeline
     plan = slot_plan(pipe.schedule, pipe.stages, pipe.microbatches, pipe.repeats, pipe.split_backward,
-                     pipe.weight_parts)
+                     pipe.weight_parts, latency=int(pipe.overlap))
     return run_gradient_loop(_table_loop, params, histories, batch, model, total_tokens, plan=plan, v=pipe.repeats,
                              counts=pipe.counts)
 
@@ -402,7 +406,9 @@ def _ring(p: int, step: int, wraps: bool) -> list[tuple[int, int]]:
 def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m, v, axes, units, specs,
                 counts=None):
     """One stage's ticks of `plan`: its operation (`lax.switch`), then the activation one stage on and
-    the input gradient one stage back (`ppermute`), each put in its inbox slot."""
+    the input gradient one stage back (`ppermute`), each put in its inbox slot. With `plan.latency` 1
+    the outputs stay in the carry and leave at the start of the next tick, travelling while its
+    operation runs (which reads nothing of them: the table was simulated with the latency)."""
     s = lax.axis_index(STAGE)
     rest = tuple(a for a in axes if a != STAGE)
     outer = lax.pcast(outer, axes, to="varying")
@@ -420,7 +426,9 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     slot_field = {"stash": "stash", "inputs": "wstash", "dys": "wstash", "gs": "wstash"}
 
     def tick(carry, program):
-        c, buffers, inbox_f, inbox_b = carry
+        c, buffers, inbox_f, inbox_b, sent = carry
+        if plan.latency:  # last tick's outputs, in flight while this tick's operation runs
+            arriving = (lax.ppermute(sent[0], STAGE, forward_pairs), lax.ppermute(sent[1], STAGE, backward_pairs))
         row = lax.dynamic_index_in_dim(program, s, 0, keepdims=False)
         branch = row[field["branch"]]
         x = lax.dynamic_index_in_dim(inbox_f, row[field["read_f"]], 0, keepdims=False)
@@ -432,15 +440,18 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
             slot = jnp.where(jnp.isin(branch, jnp.asarray(fills[name])), row[field[slot_field[name]]], trash)
             buffers = {**buffers, name: _store(buf, put[name], slot)}
         inbox_b = lax.dynamic_update_index_in_dim(inbox_b, dy, row[field["dy"]], 0)
-        inbox_f = lax.dynamic_update_index_in_dim(inbox_f, lax.ppermute(y, STAGE, forward_pairs),
-                                                  row[field["recv_f"]], 0)
-        inbox_b = lax.dynamic_update_index_in_dim(inbox_b, lax.ppermute(dx, STAGE, backward_pairs),
-                                                  row[field["recv_b"]], 0)
-        return (c, buffers, inbox_f, inbox_b), None
+        if not plan.latency:
+            arriving, sent = (lax.ppermute(y, STAGE, forward_pairs), lax.ppermute(dx, STAGE, backward_pairs)), ()
+        else:
+            sent = (y, dx)
+        inbox_f = lax.dynamic_update_index_in_dim(inbox_f, arriving[0], row[field["recv_f"]], 0)
+        inbox_b = lax.dynamic_update_index_in_dim(inbox_b, arriving[1], row[field["recv_b"]], 0)
+        return (c, buffers, inbox_f, inbox_b, sent), None
 
     inbox_f, inbox_b = work.inboxes()
-    init = (work.initial_carry(), work.slot_buffers(), inbox_f, inbox_b)
-    (c, _, _, _), _ = lax.scan(tick, init, jnp.asarray(plan.program))
+    sent = (inbox_f[0], inbox_b[0]) if plan.latency else ()
+    init = (work.initial_carry(), work.slot_buffers(), inbox_f, inbox_b, sent)
+    (c, *_), _ = lax.scan(tick, init, jnp.asarray(plan.program))
     g_layers = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), c["g_layers"])
     g_layers = reduce_layer_grads(g_layers, specs, rest)
     stats = jax.tree.map(lambda a: pmean(lax.psum(a, STAGE), rest) / (units * m), c["stats"])

@@ -62,16 +62,19 @@ def _fused(order: list[Op]) -> list[Op]:
     return out
 
 
-def stage_orders(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1) -> list[list[Op]]:
+def stage_orders(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1,
+                 latency: int = 0) -> list[list[Op]]:
     """Each stage's operations in the order it runs them; under the split backward each W as
-    `weight_parts` consecutive operations."""
+    `weight_parts` consecutive operations. `latency`: ticks a result spends between stages (`simulate`);
+    the warm-up forwards grow with it (a hop of 1 + latency ticks per stage)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}: expected one of {SCHEDULES}")
     if weight_parts > 1:
         if schedule not in SPLIT_BACKWARD:
             raise ValueError(f"weight_parts={weight_parts}: only {SPLIT_BACKWARD} run W on its own")
         return [[dataclasses.replace(op, part=i) for op in order
-                 for i in (range(weight_parts) if op.kind == W else (0,))] for order in stage_orders(schedule, p, m, v)]
+                 for i in (range(weight_parts) if op.kind == W else (0,))]
+                for order in stage_orders(schedule, p, m, v, latency=latency)]
     if schedule != "interleaved_1f1b":
         v = 1
     if schedule == "gpipe":
@@ -80,12 +83,12 @@ def stage_orders(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 
         if m % p:
             raise ValueError(f"interleaved_1f1b needs micro-batches divisible by stages: m={m}, p={p}")
         return [_fused(_one_f_one_b(_interleaved(p, m, v, forward=True), _interleaved(p, m, v, forward=False),
-                                    min((p - s - 1) * 2 + (v - 1) * p, m * v))) for s in range(p)]
+                                    min(((p - s - 1) * 2 + (v - 1) * p) * (1 + latency), m * v))) for s in range(p)]
     forwards = [Op(F, j) for j in range(m)]
     backwards = [Op(B, j) for j in range(m)]
     if schedule == "1f1b":
-        return [_fused(_one_f_one_b(forwards, backwards, min(p - s - 1, m))) for s in range(p)]
-    return [_zero_bubble_order(p, m, s) for s in range(p)]
+        return [_fused(_one_f_one_b(forwards, backwards, min((p - s - 1) * (1 + latency), m))) for s in range(p)]
+    return [_zero_bubble_order(p, m, s, latency) for s in range(p)]
 
 
 def _interleaved(p: int, m: int, v: int, forward: bool) -> list[Op]:
@@ -106,12 +109,13 @@ def _one_f_one_b(forwards: list[Op], backwards: list[Op], warmup: int) -> list[O
     return order + rest_b
 
 
-def _zero_bubble_order(p: int, m: int, s: int) -> list[Op]:
+def _zero_bubble_order(p: int, m: int, s: int, latency: int = 0) -> list[Op]:
     """ZB-H1 (Qi et al. 2023): 1F1B's F / B order with each W split off and deferred: stage s runs
     its first s backwards without their W (B is on the critical path, W is not), then one W after
     each B, and the deferred W last, in the ticks where 1F1B would idle. A stage then holds at most
-    p micro-batches' activations (1F1B's peak, on its stage 0)."""
-    warmup = min(p - s - 1, m)
+    p micro-batches' activations (1F1B's peak, on its stage 0). With `latency`, (1 + latency) times the
+    warm-up forwards."""
+    warmup = min((p - s - 1) * (1 + latency), m)
     order = [Op(F, j) for j in range(warmup)]
     next_f, next_b, next_w = warmup, 0, 0
     while next_b < m:
@@ -126,30 +130,37 @@ def _zero_bubble_order(p: int, m: int, s: int) -> list[Op]:
     return order + [Op(W, j) for j in range(next_w, m)]
 
 
-def _ready(op: Op, s: int, p: int, v: int, done: dict, split: bool) -> bool:
-    """Whether what `op` on stage `s` needs finished on an earlier tick (done: (kind, stage, j, c) -> tick).
+def _ready(op: Op, s: int, p: int, v: int, done: dict, split: bool, now: int, latency: int = 0) -> bool:
+    """Whether what `op` on stage `s` at tick `now` needs finished on an earlier tick, and, when it comes
+    from another stage, `latency` ticks earlier still (done: (kind, stage, j, c) -> tick).
 
     A gradient leaves a stage after its B when the backward is split (zero_bubble), after its W
     when B and W are one backward (the others)."""
     sent = B if split else W
+
+    def arrived(key):  # from a neighbour: sent after its tick, in flight for `latency` more
+        return key in done and done[key] + latency < now
+
     if op.kind == F:
         if s > 0:
-            return (F, s - 1, op.micro, op.chunk) in done
-        return op.chunk == 0 or (F, p - 1, op.micro, op.chunk - 1) in done
+            return arrived((F, s - 1, op.micro, op.chunk))
+        return op.chunk == 0 or arrived((F, p - 1, op.micro, op.chunk - 1))
     if op.kind == B:
-        if (F, s, op.micro, op.chunk) not in done:
+        if done.get((F, s, op.micro, op.chunk), now) >= now:
             return False
         if s < p - 1:
-            return (sent, s + 1, op.micro, op.chunk) in done
-        return op.chunk == v - 1 or (sent, 0, op.micro, op.chunk + 1) in done
-    return (B, s, op.micro, op.chunk) in done
+            return arrived((sent, s + 1, op.micro, op.chunk))
+        return op.chunk == v - 1 or arrived((sent, 0, op.micro, op.chunk + 1))
+    return done.get((B, s, op.micro, op.chunk), now) < now
 
 
-def simulate(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1) -> list[list[Op | None]]:
+def simulate(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1,
+             latency: int = 0) -> list[list[Op | None]]:
     """The executed table: table[t][s] the operation stage s runs in tick t (None: idle). A W split
-    in parts counts as done when its last part is."""
+    in parts counts as done when its last part is. `latency`: ticks a result sent to a neighbour
+    spends in flight beyond the next tick (1: sent while the next tick computes, read the tick after)."""
     v = v if schedule == "interleaved_1f1b" else 1
-    orders = stage_orders(schedule, p, m, v, weight_parts)
+    orders = stage_orders(schedule, p, m, v, weight_parts, latency)
     position = [0] * p
     done: dict[tuple, int] = {}
     table: list[list[Op | None]] = []
@@ -160,7 +171,8 @@ def simulate(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1) -
         row: list[Op | None] = []
         for s in range(p):
             op = orders[s][position[s]] if position[s] < len(orders[s]) else None
-            row.append(op if op is not None and _ready(op, s, p, v, done, schedule == "zero_bubble") else None)
+            ready = op is not None and _ready(op, s, p, v, done, schedule == "zero_bubble", len(table), latency)
+            row.append(op if ready else None)
         for s, op in enumerate(row):
             if op is not None:
                 done[(op.kind, s, op.micro, op.chunk)] = len(table)
@@ -169,9 +181,9 @@ def simulate(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1) -
     return table
 
 
-def check(table: list[list[Op | None]], p: int, m: int, v: int = 1, split: bool = False) -> None:
+def check(table: list[list[Op | None]], p: int, m: int, v: int = 1, split: bool = False, latency: int = 0) -> None:
     """Raises AssertionError unless every F, B and W of every (micro-batch, chunk) runs exactly once
-    on every stage and never before what it needs."""
+    on every stage and never before what it needs (from a neighbour: `latency` ticks earlier still)."""
     seen: dict[tuple, int] = {}
     parts = weight_parts(table)
     for t, row in enumerate(table):
@@ -180,8 +192,8 @@ def check(table: list[list[Op | None]], p: int, m: int, v: int = 1, split: bool 
                 continue
             key = (op.kind, s, op.micro, op.chunk, op.part)
             assert key not in seen, f"{key} runs twice (ticks {seen[key]} and {t})"
-            earlier = {k[:4] for k, when in seen.items() if when < t and (k[0] != W or k[4] == parts - 1)}
-            assert _ready(op, s, p, v, dict.fromkeys(earlier, 0), split), f"{key} at tick {t} runs before its inputs"
+            earlier = {k[:4]: when for k, when in seen.items() if when < t and (k[0] != W or k[4] == parts - 1)}
+            assert _ready(op, s, p, v, earlier, split, t, latency), f"{key} at tick {t} runs before its inputs"
             seen[key] = t
     expected = {(k, s, j, c, i) for k in (F, B, W) for s in range(p) for j in range(m) for c in range(v)
                 for i in range(parts if k == W else 1)}
@@ -224,9 +236,9 @@ def in_flight(table: list[list[Op | None]]) -> list[int]:
     return peak
 
 
-def summary(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1) -> str:
+def summary(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1, latency: int = 0) -> str:
     """One line for the run's start: ticks, bubble, in-flight activations per stage."""
-    table = simulate(schedule, p, m, v, weight_parts)
+    table = simulate(schedule, p, m, v, weight_parts, latency)
     return (f"{schedule}: p={p} m={m}" + (f" v={v}" if schedule == "interleaved_1f1b" else "")
             + (f" W in {weight_parts} parts" if weight_parts > 1 else "")
             + f", {len(table)} ticks, bubble {bubble(table):.3f} of busy time, "

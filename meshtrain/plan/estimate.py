@@ -105,7 +105,8 @@ def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu,
         p, m, v = sizes["stage"], run.microbatches, run.pipeline_repeats
         costs = cost.BranchCosts.analytic(compute / (m * (3 + RECOMPUTE[remat])), recompute_share=RECOMPUTE[remat],
                                           recompute=remat != "none", split_backward=run.split_backward)
-        bubble = cost.step_time(run.pipeline_schedule, p, m, v, costs, run.weight_parts).seconds - compute
+        bubble = cost.step_time(run.pipeline_schedule, p, m, v, costs, run.weight_parts,
+                                overlap=run.overlap_transfers).seconds - compute
     step = compute + bubble + sum(exposed.values())
     fits = mem["total"] <= gpu.usable_bytes
     est = Estimate(config, run, remat, mem, per_axis, exposed, compute, bubble, step, tokens / step,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import re
 
@@ -247,11 +248,32 @@ class AsyncPair:
         return self.compute_between > 0
 
 
+_CALLS = re.compile(r"\s(?:conditional|while|call)\(")
+_CALLED = re.compile(r"\b(?:calls|body|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
+                     r"|branch_computations=\{([^}]*)\}")
+
+
+def _computing(comps: dict[str, list[str]]):
+    """Whether a computation (or one it calls: a conditional's branches, a loop's body) holds compute."""
+    @functools.cache
+    def computing(name: str) -> bool:
+        for line in comps.get(name, []):
+            if _COMPUTE.search(line):
+                return True
+            if _CALLS.search(line) and computing_call(line, computing):
+                return True
+        return False
+    return computing
+
+
 def async_overlap(hlo: str) -> list[AsyncPair]:
     """Every asynchronous start/done pair of a scheduled module (GPU compiles; CPU has none) with
     the compute instructions the scheduler placed between them: the overlap the latency-hiding
-    scheduler achieved (playbook, "Data Parallelism": overlap gradient reduction with backward)."""
+    scheduler achieved (playbook, "Data Parallelism": overlap gradient reduction with backward). A
+    conditional, loop or call counts as compute when a computation it runs holds some (a pipeline
+    tick's `lax.switch` over the stage's forward and backward)."""
     comps, _ = _computations(hlo)
+    computing = _computing(comps)
     pairs = []
     for comp, lines in comps.items():
         open_: dict[str, list] = {}  # start name -> [kind, compute count]
@@ -264,10 +286,19 @@ def async_overlap(hlo: str) -> list[AsyncPair]:
                 kind = start.group(1) or _async_kind(line, comps)
                 open_[name.group(1)] = [kind, 0]
                 continue
-            if _COMPUTE.search(line):
+            if _COMPUTE.search(line) or (_CALLS.search(line) and computing_call(line, computing)):
                 for entry in open_.values():
                     entry[1] += 1
     return pairs
+
+
+def computing_call(line: str, computing) -> bool:
+    """Whether a conditional / loop / call `line` runs a computation that holds compute."""
+    for m in _CALLED.finditer(line):
+        names = [m.group(1)] if m.group(1) else [n.strip().lstrip("%") for n in m.group(2).split(",")]
+        if any(computing(n) for n in names):
+            return True
+    return False
 
 
 def _async_kind(line: str, comps: dict[str, list[str]]) -> str:

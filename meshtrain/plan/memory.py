@@ -125,6 +125,7 @@ class Step:
     ulysses_degree: int = 0  # `attention.ulysses_degree` (0: all of mesh.sequence)
     layers_per_stage: tuple[int, ...] = ()  # `pipeline.layers_per_stage` as given (() = the default split)
     scheduler_slop: int = mesh_lib.XLA_DEFAULT_SLOP  # `train.xla_gpu_memory_limit_slop_factor`
+    overlap_transfers: bool = False  # `pipeline.overlap_transfers`
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict, sizes: dict[str, int]) -> Step:
@@ -132,7 +133,8 @@ class Step:
                    config.train.seq_len, config.train.grad_accum_steps, config.pipeline.microbatches,
                    config.pipeline.repeats, config.pipeline.schedule, config.pipeline.split_backward,
                    config.pipeline.weight_parts, config.attention.ulysses_degree,
-                   tuple(config.pipeline.layers_per_stage), config.train.xla_gpu_memory_limit_slop_factor)
+                   tuple(config.pipeline.layers_per_stage), config.train.xla_gpu_memory_limit_slop_factor,
+                   config.pipeline.overlap_transfers)
 
     @property
     def stored_model(self) -> ModelConfig:
@@ -156,13 +158,15 @@ class Step:
             return 1
         if self.pipeline_schedule in schedules.TABLE_SCHEDULES:
             return len(self.pipeline_table)
+        if self.pipeline_schedule == "1f1b" and self.overlap_transfers:
+            return m + 2 * p - 2
         return v * m + p - 1
 
     @property
     def pipeline_table(self):
         """The executed slot table of a table schedule (`schedules.simulate`)."""
         return schedules.simulate(self.pipeline_schedule, self.sizes["stage"], self.microbatches,
-                                  self.pipeline_repeats, self.weight_parts)
+                                  self.pipeline_repeats, self.weight_parts, int(self.overlap_transfers))
 
     @property
     def rules(self) -> Rules:
@@ -333,7 +337,7 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
     autodiff_pipe = pipelined and run.pipeline_schedule in ("gpipe", "circular")
     in_flight: float = 1
     if pipelined:
-        in_flight = min(p, run.microbatches)
+        in_flight = min(2 * p - 1 if run.overlap_transfers else p, run.microbatches)
         if run.pipeline_schedule in schedules.TABLE_SCHEDULES:
             in_flight = max(schedules.in_flight(run.pipeline_table)) / run.pipeline_repeats
         elif autodiff_pipe:  # the tick loop's autodiff keeps every micro-batch's stage input
@@ -345,7 +349,7 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
         from meshtrain.parallel.pipeline_tables import slot_plan
 
         slots = slot_plan(run.pipeline_schedule, p, run.microbatches, run.pipeline_repeats, run.split_backward,
-                          run.weight_parts).weight_slots + 2
+                          run.weight_parts, int(run.overlap_transfers)).weight_slots + 2
         activations += int(_split_per_layer(run, t) * layers * slots / run.pipeline_repeats)
 
     place = run.placement()
