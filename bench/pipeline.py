@@ -171,7 +171,8 @@ def print_modeled(args, stages: list[int], ms: list[int]) -> None:
             base = cost.step_time("1f1b", p, m, 1, costs).seconds
             names = args.schedules.split(",")
             # then the schedules that can send during the next tick (`pipeline.overlap_transfers`), as "+overlap"
-            for schedule, overlap in [(n, False) for n in names] + [(n, True) for n in names if n in pipeline.OVERLAPPING]:
+            runs = [(n, False) for n in names] + [(n, True) for n in names if n in pipeline.OVERLAPPING]
+            for schedule, overlap in runs:
                 v = 2 if schedule in pipeline.CHUNKED_SCHEDULES else 1
                 parts = cost.weight_parts(costs, args.layers // (p * v)) if schedule in pipeline.TABLE_SCHEDULES else 1
                 e = cost.step_time(schedule, p, m, 2, costs, parts, overlap=overlap)

@@ -283,8 +283,10 @@ def test_overlapped_one_f_one_b_reads_every_transfer_a_slot_after_it_leaves(p, m
     assert pipeline_lib.one_f_one_b_branches_used(p, m, overlap=True) == used | {0}
 
 
-@pytest.mark.parametrize("mesh, zero", [((("stage", 4), ("data", 2)), 1), ((("stage", 2), ("fsdp", 2), ("tensor", 2)), 3)],
-                         ids=["stage4-data2", "stage2-fsdp2-tensor2-zero3"])
+OVERLAP_MESHES = [((("stage", 4), ("data", 2)), 1), ((("stage", 2), ("fsdp", 2), ("tensor", 2)), 3)]
+
+
+@pytest.mark.parametrize("mesh, zero", OVERLAP_MESHES, ids=["stage4-data2", "stage2-fsdp2-tensor2-zero3"])
 def test_overlapped_one_f_one_b_equals_single_device(mesh, zero):
     """float32 1e-5: 1F1B with transfers beside compute gives the loss and gradients of one device."""
     _assert_equal_single_device(*_pipelined("1f1b", mesh, zero=zero, **{"pipeline.overlap_transfers": True}))
