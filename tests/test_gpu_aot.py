@@ -210,6 +210,10 @@ PLANNER = {
                                                                  "pipeline.schedule": "zero_bubble",
                                                                  "pipeline.microbatches": 8,
                                                                  "pipeline.split_backward": "pullback"}),
+    # `pipeline.overlap_transfers`: every permute of the tick loop beside compute (asserted below)
+    **{f"8b-stage4-fsdp2-{schedule}-m8-overlap": ("llama3_8b", 8, {
+        "model.n_layers": 4, "mesh.fsdp": 2, "mesh.stage": 4, "train.batch_size": 16, "pipeline.schedule": schedule,
+        "pipeline.microbatches": 8, "pipeline.overlap_transfers": True}) for schedule in ("1f1b", "zero_bubble")},
     "70b-fsdp16-tensor4": ("llama3_70b", 64, {"mesh.fsdp": 16, "mesh.tensor": 4, "train.batch_size": 16}),
     "mixtral-expert8-tensor8": ("mixtral_8x7b", 64, {"mesh.fsdp": 1, "mesh.expert": 8, "mesh.tensor": 8,
                                                      "train.batch_size": 8}),
@@ -228,24 +232,9 @@ def test_planner_memory_within_10_percent_of_the_h100_compiler(name):
     compiled, planned = report.step.memory["peak"], report.planner["peak"]
     assert planned == pytest.approx(compiled, rel=0.10), (
         f"{name}: planner {planned / 2**30:.2f} GiB, compiler {compiled / 2**30:.2f} GiB")
-
-
-@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
-def test_pipeline_transfers_beside_compute_on_h100(schedule):
-    """`pipeline.overlap_transfers` on the schedules' H100 case (llama3_8b, 4 layers, stage 4 x fsdp 2,
-    m 8): every collective-permute of the tick loop has the tick's compute (its `lax.switch`) between
-    start and done, and the step fits beside the plain schedule's memory (1f1b: its residuals of
-    2(p - s) - 1 micro-batches; zero bubble: its deeper warm-up)."""
-    reports = {}
-    for overlap in (False, True):
-        config = apply_overrides(load_config_file("llama3_8b"), {
-            "model.n_layers": 4, "mesh.fsdp": 2, "mesh.stage": 4, "train.batch_size": 16,
-            "pipeline.schedule": schedule, "pipeline.microbatches": 8, "pipeline.overlap_transfers": overlap})
-        reports[overlap] = _compile(config).step
-    permutes = reports[True].collectives["collective-permute"]
-    print({overlap: r.collectives for overlap, r in reports.items()})
-    assert permutes["overlapped"] == permutes["pairs"] > 0
-    assert reports[True].memory["peak"] <= 1.10 * reports[False].memory["peak"]
+    if config.pipeline.overlap_transfers:  # each tick's transfers beside the next tick's compute
+        permutes = report.step.collectives["collective-permute"]
+        assert permutes["overlapped"] == permutes["pairs"] > 0, report.step.collectives
 
 
 def test_zero_over_sequence_holds_the_state_of_fsdp8():

@@ -49,7 +49,9 @@ Schedules (`config.pipeline.schedule`):
   it finishes a micro-batch and starts its backward in the next slot. A slot runs only its
   own work (`lax.switch`; idle slots cost nothing). Stage s holds the activations of p - s
   micro-batches at most, independent of m; ticks m + p - 1, bubble (p-1)/(m+p-1) as in
-  the playbook.
+  the playbook. With `pipeline.overlap_transfers` (`one_f_one_b_overlapped`) every tick is a
+  forward slot on all stages then a backward slot on all stages, and each transfer travels beside
+  the next slot's compute: m + 2p - 2 ticks, 2(p - s) - 1 micro-batches held on stage s.
   It is a loss-and-gradient function, `loss_and_grads`, used by the train step instead
   of autodiff; its forward-only pass (evaluation) is the gpipe loop. In lock-step SPMD a
   slot lasts as long as the slowest stage's work in it: a backward (about 2 forwards, 3

@@ -25,6 +25,10 @@ outputs carry zero probes, so it computes the input gradients only and the probe
 the matmuls' output gradients; W is each matmul's weight GEMM x^T dy from what F and B kept. The
 price is memory: each chunk waiting for its W keeps its matmuls' inputs and output gradients.
 
+Transfers behind compute (`pipeline.overlap_transfers`, zero bubble): the table is simulated with a
+tick of latency (`schedules.simulate(..., latency=1)`), and the loop keeps a tick's outputs in its
+carry and sends them at the start of the next tick, beside its operation, which reads nothing of them.
+
 Buffers. Every value waiting between ticks sits in a slot of a statically sized buffer: the vjp
 residuals of a forward until its backward, the split backward's matmul inputs (F to W) and output
 gradients (B to W), arriving activations and gradients until the operation that consumes them.

@@ -13,8 +13,9 @@ Playbook, "Pipeline Parallelism": "GPipe", "One-forward-one-backward", "Interlea
   about two forwards when a micro-batch is small),
 
 and `simulate` runs those lists tick by tick (every operation one unit of time, a result usable
-by a neighbour on the next tick), each stage taking its next operation as soon as what it needs
-exists. The result is the executed table [ticks, p]; `check` verifies it against every dependency
+by a neighbour on the next tick, or `latency` ticks later when transfers travel beside the next
+tick's compute: `pipeline.overlap_transfers`), each stage taking its next operation as soon as what
+it needs exists. The result is the executed table [ticks, p]; `check` verifies it against every dependency
 and `bubble` counts its idle share. Schedules that fuse B and W (gpipe, 1f1b, interleaved_1f1b)
 run W right after its B.
 
