@@ -44,7 +44,7 @@ def test_target_descriptions_are_complete(target):
 def test_gpu_compile_options_are_typed():
     """XLA:GPU rejects the string 'true' for a bool option: every multi-device GPU compile failed on it."""
     assert all(isinstance(v, (bool, int)) and not isinstance(v, str) for v in mesh_lib.GPU_COMPILER_OPTIONS.values())
-    assert mesh_lib.GPU_COMPILER_OPTIONS["xla_gpu_experimental_parallel_collective_overlap_limit"] == 2
+    assert mesh_lib.GPU_COMPILER_OPTIONS["xla_gpu_experimental_parallel_collective_overlap_limit"] == 8
 
 
 def test_scheduler_budget_reaches_gpu_compiles_only():
