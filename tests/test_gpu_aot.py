@@ -224,8 +224,6 @@ def test_fp8_matmuls_are_fp8_gemms_on_h100(name):
 PLANNER = {
     "8b-fsdp8": ("llama3_8b", 8, {"mesh.fsdp": 8, "train.batch_size": 8}),
     "8b-fsdp4-tensor2": ("llama3_8b", 8, {"mesh.fsdp": 4, "mesh.tensor": 2, "train.batch_size": 4}),
-    "8b-stage4-fsdp2-1f1b-m8": ("llama3_8b", 8, {"mesh.fsdp": 2, "mesh.stage": 4, "train.batch_size": 16,
-                                                 "pipeline.schedule": "1f1b", "pipeline.microbatches": 8}),
     "8b-stage2-fsdp4-zero_bubble-m8": ("llama3_8b", 8, {"mesh.fsdp": 4, "mesh.stage": 2, "train.batch_size": 32,
                                                         "pipeline.schedule": "zero_bubble",
                                                         "pipeline.microbatches": 8}),
@@ -235,7 +233,7 @@ PLANNER = {
                                                                  "pipeline.microbatches": 8,
                                                                  "pipeline.split_backward": "pullback"}),
     # `pipeline.overlap_transfers`: every permute of the tick loop beside compute, at least 80% of the
-    # FSDP gathers and reduce-scatters (asserted below)
+    # FSDP gathers and reduce-scatters (asserted below). Plain 1F1B is the README's 405B command's.
     **{f"8b-stage4-fsdp2-{schedule}-m8-overlap": ("llama3_8b", 8, {
         "model.n_layers": 4, "mesh.fsdp": 2, "mesh.stage": 4, "train.batch_size": 16, "pipeline.schedule": schedule,
         "pipeline.microbatches": 8, "pipeline.overlap_transfers": True}) for schedule in ("1f1b", "zero_bubble")},
