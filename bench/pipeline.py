@@ -148,6 +148,8 @@ def main() -> None:
                   f"{measured:11.1%} {pipe.bubble:8.1%} {temp / 2**20:9.2f} {model.seconds / costs.forward:8.1f} "
                   f"{vs:8.3f}")
     print(json.dumps(results))
+    if args.quick:  # the modeled table too (with the overlapped loops' rows), so that it does not rot
+        print_modeled(args, [args.stages], ms[-1:])
 
 
 def modeled_costs(args, m: int, p: int, gpu) -> cost.BranchCosts:
