@@ -20,6 +20,7 @@ with the `gpu` extra (`pytest -m gpu_aot`). Without the extra they fail with its
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import math
@@ -36,6 +37,15 @@ from tests import test_readme_commands as readme
 from tests.utils import ROOT, apply_overrides, composed_config, load_config_file
 
 pytestmark = pytest.mark.gpu_aot
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    """Each test compiles programs for thousands of devices that no later test reuses: JAX's caches would
+    keep them (and their host memory) for the worker's life, and two workers then crowd 24 GiB."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 AXES = config_lib.MESH_AXES
 TRIPLES = [dict.fromkeys(t, 2) for t in itertools.combinations(AXES, 3)]
