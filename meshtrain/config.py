@@ -192,18 +192,19 @@ def default_config() -> ml_collections.ConfigDict:
     c.pipeline.schedule = "gpipe"
     c.pipeline.microbatches = 4
     c.pipeline.repeats = 1
-    # zero_bubble / interleaved_1f1b's W: "gemms" (the weight GEMMs from each matmul's kept input and
+    # zero_bubble's W: "gemms" (the weight GEMMs from each matmul's kept input and
     # output gradient: W about one forward, more memory) or "pullback" (the stage's pullback again from
     # its residuals: 1F1B's memory, W about two forwards)
     c.pipeline.split_backward = "gemms"
-    # zero_bubble / interleaved_1f1b with split_backward "gemms": W runs as this many operations, each the
+    # zero_bubble with split_backward "gemms": W runs as this many operations, each the
     # weight GEMMs of a slice of the chunk's layers, so that a W tick lasts about as long as an F or B tick
     # (W reads and writes the float32 gradient sums: about two forwards on micro-batches of a few hundred
     # tokens, one on thousands); `bench/pipeline.py --modeled` prints the count the cost model picks
     c.pipeline.weight_parts = 1
     # 1f1b, interleaved_1f1b, zero_bubble: send each tick's activations and gradients while the next tick
     # computes (they are read a tick later), so no transfer waits on the critical path; the price is a hop of
-    # two ticks per stage: a deeper warm-up, more micro-batches in flight (1f1b: 2(p - s) - 1 on stage s)
+    # two ticks per stage: a deeper warm-up, more micro-batches in flight (1f1b: 2(p - s) - 1 on stage s);
+    # interleaved_1f1b's ticks alternate forwards and backwards, its results are read two ticks on anyway: free
     c.pipeline.overlap_transfers = False
     # layers of each stage, first to last (sum model.n_layers; multiples of model.moe_every under MoE), for a
     # pipeline of uneven stages; () splits evenly, or, when mesh.stage does not divide the layers, gives one

@@ -202,8 +202,8 @@ def test_one_f_one_b_temp_memory_flat_while_gpipe_grows():
      "pipeline.weight_parts"),
     ({"pipeline.weight_parts": 0, "pipeline.schedule": "zero_bubble"}, "pipeline.weight_parts"),
     ({"pipeline.overlap_transfers": True}, "pipeline.overlap_transfers"),  # gpipe: autodiff of a scan
-    ({"pipeline.overlap_transfers": True, "pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2},
-     "pipeline.overlap_transfers"),
+    ({"pipeline.weight_parts": 2, "pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2,
+      "model.n_layers": 8}, "pipeline.weight_parts"),  # its backward is one operation
 ])
 def test_validation_names_the_key(overrides, key):
     config = _config("gpipe", {"stage": 2, "data": 2}, **overrides)

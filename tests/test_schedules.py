@@ -37,6 +37,26 @@ def test_interleaved_activations_are_bounded_independent_of_m(p, v):
         schedules.in_flight(schedules.simulate("interleaved_1f1b", p, 4 * p, v))
 
 
+@pytest.mark.parametrize("p, m", GRID)
+@pytest.mark.parametrize("v", [1, 2, 4])
+def test_alternating_ticks_keep_the_orders_bubble_and_memory(p, m, v):
+    """Interleaved 1F1B as the trainer runs it: forward ticks and backward ticks alternate. Every
+    dependency holds (also with a tick of transfer latency, which changes nothing: a result is read two
+    ticks on at the earliest), each stage runs its Megatron order, the time-weighted bubble (F one unit,
+    the whole backward two) is the formula's and the in-flight peak the unit-time table's."""
+    table = schedules.alternating("interleaved_1f1b", p, m, v)
+    schedules.check(table, p, m, v, split=True)
+    schedules.check(table, p, m, v, split=True, latency=1)
+    assert schedules.alternating("interleaved_1f1b", p, m, v, latency=1) == table
+    assert all(op is None or op.kind == "FB"[t % 2] for t, row in enumerate(table) for op in row)
+    orders = schedules.stage_orders("interleaved_1f1b", p, m, v)
+    for s in range(p):
+        assert [row[s] for row in table if row[s] is not None] == [op for op in orders[s] if op.kind != schedules.W]
+    assert schedules.bubble(table) == pytest.approx(schedules.formula("interleaved_1f1b", p, m, v), rel=1e-12)
+    assert schedules.in_flight(table) == schedules.in_flight(schedules.simulate("interleaved_1f1b", p, m, v))
+    assert len(table) == 2 * (v * m + v * p + p - 2)  # ticks: v m + v p + p - 2 forward-backward pairs
+
+
 @pytest.mark.parametrize("schedule", schedules.SPLIT_BACKWARD)
 @pytest.mark.parametrize("parts", [2, 3])
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 16)])

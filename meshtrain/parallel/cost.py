@@ -13,9 +13,10 @@ the next slot's compute and a slot lasts the longer of the two. This module pric
 Branches, per stage and micro-batch (a chunk of 1/v of the stage's layers under interleaving):
 
 * F: the forward, keeping its vjp residuals (the split's F also records every matmul's input);
-* B: the fused backward (input and weight gradients, added to the float32 gradient sums): 1f1b, and
-  gpipe / circular's transposed loop (which also recomputes the forward under remat);
-* B split (zero_bubble, interleaved_1f1b): the pullback for the input gradient only (every matmul's
+* B: the fused backward (input and weight gradients, added to the float32 gradient sums): 1f1b,
+  interleaved_1f1b (in ticks of forwards alternating with ticks of backwards, `schedules.alternating`),
+  and gpipe / circular's transposed loop (which also recomputes the forward under remat);
+* B split (zero_bubble): the pullback for the input gradient only (every matmul's
   weight a constant); W: each matmul's weight GEMM from its recorded input and output gradient
   (`pipeline.SplitStage`), added to the sums, run as `weight_parts` operations on slices of the
   chunk's layers when W is the longest branch (`weight_parts` picks how many).
@@ -267,7 +268,7 @@ def step_time(schedule: str, p: int, m: int, v: int, costs: BranchCosts, weight_
             seconds += max(busy) + c.transfer  # one ppermute after every slot
         return Execution(schedule, seconds, slots, m * (c.forward + c.backward))
     split = schedule in schedules.SPLIT_BACKWARD
-    table = schedules.simulate(schedule, p, m, v, weight_parts if split else 1, int(overlap))
+    table = schedules.executed(schedule, p, m, v, weight_parts if split else 1, int(overlap))
     forward = c.forward_split if split else c.forward
     price = {schedules.F: forward / v, schedules.B: (c.input_grad if split else c.backward) / v,
              schedules.W: c.weight_grad / (v * weight_parts) if split else 0.0}  # fused tables' W ticks idle

@@ -83,10 +83,10 @@ from meshtrain.sharding_rules import vary, varying
 STAGE, SEQUENCE, EXPERT = Axis.STAGE.value, Axis.SEQUENCE.value, Axis.EXPERT.value
 FP8 = fp8_lib.COLLECTION
 TABLE_SCHEDULES = schedules.TABLE_SCHEDULES  # run from their slot tables (`pipeline_tables`)
+SPLIT_BACKWARD = schedules.SPLIT_BACKWARD  # B and W separate operations (`pipeline.split_backward`)
 CHUNKED_SCHEDULES = ("circular", "interleaved_1f1b")  # v = pipeline.repeats chunks per stage
-# `pipeline.overlap_transfers`: interleaved 1F1B's wrap from stage p-1 to stage 0 stalls its groups
-# of p micro-batches when a transfer takes a tick (78 ticks instead of 57 at p=4, m=8, v=2)
-OVERLAPPING = ("1f1b", "zero_bubble")
+# `pipeline.overlap_transfers`: each tick's outputs travel while the next tick computes
+OVERLAPPING = ("1f1b", "interleaved_1f1b", "zero_bubble")
 
 
 SPLIT_MODES = ("gemms", "pullback")  # `pipeline.split_backward`
@@ -115,13 +115,14 @@ class Pipeline:
 
     @functools.cached_property
     def _table(self):
-        """The slot table of a table schedule (`schedules.simulate`)."""
-        return schedules.simulate(self.schedule, self.stages, self.microbatches, self.repeats, self.weight_parts,
+        """The slot table a table schedule runs (`schedules.executed`)."""
+        return schedules.executed(self.schedule, self.stages, self.microbatches, self.repeats, self.weight_parts,
                                   latency=int(self.overlap))
 
     @property
     def ticks(self) -> int:
-        """Trip count of the tick loop (a slot table: one F, B or W per stage per tick)."""
+        """Trip count of the tick loop (a slot table: one F, B or W per stage per tick; interleaved 1F1B's
+        ticks alternate forwards and backwards)."""
         p, m, v = self.stages, self.microbatches, self.repeats
         if self.schedule in TABLE_SCHEDULES:
             return len(self._table)
@@ -133,11 +134,12 @@ class Pipeline:
     def bubble(self) -> float:
         """Idle fraction of the ticks, 1 - v*m/ticks: gpipe and 1f1b (p-1)/(m+p-1), circular
         (p-1)/(v*m+p-1) (the playbook's (p-1)/(v*m) is relative to the ideal time). Slot tables:
-        the idle share of the table's (tick, stage) cells, F, B and W one unit each.
+        the idle share of the stages' time (`schedules.bubble`: F, B and W one unit each; interleaved
+        1F1B's alternating ticks: F one, the whole backward two).
         """
         if self.schedule in TABLE_SCHEDULES:
-            busy = sum(op is not None for row in self._table for op in row)
-            return 1 - busy / (len(self._table) * self.stages)
+            ratio = schedules.bubble(self._table)
+            return ratio / (1 + ratio)
         return 1 - self.repeats * self.microbatches / self.ticks
 
     def in_flight(self) -> tuple[int, ...]:
@@ -887,8 +889,8 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     req(pipe.split_backward in SPLIT_MODES, "pipeline.split_backward", pipe.split_backward,
         f"must be one of {SPLIT_MODES}")
     parts = pipe.weight_parts
-    req(parts == 1 or (pipe.schedule in TABLE_SCHEDULES and pipe.split_backward == "gemms"), "pipeline.weight_parts",
-        parts, f"W runs in parts only under pipeline.schedule in {TABLE_SCHEDULES} with split_backward='gemms' "
+    req(parts == 1 or (pipe.schedule in SPLIT_BACKWARD and pipe.split_backward == "gemms"), "pipeline.weight_parts",
+        parts, f"W runs in parts only under pipeline.schedule in {SPLIT_BACKWARD} with split_backward='gemms' "
         f"(got {pipe.schedule!r}, {pipe.split_backward!r}): must be 1")
     req(not pipe.overlap_transfers or pipe.schedule in OVERLAPPING, "pipeline.overlap_transfers",
         pipe.overlap_transfers, f"only {OVERLAPPING} send a tick's outputs during the next tick (got "

@@ -14,20 +14,23 @@ and written to are fixed by the table, so the loop is one program on every devic
   c being virtual stage c*p + s (the circular schedule's layout, so checkpoints move freely between
   them); micro-batches run in groups of p chunk by chunk. Bubble (p-1)/(v m) of the ideal time.
   Stage s holds at most (p - s - 1)*2 + (v - 1)*p + 1 chunk activations, each 1/v of a 1F1B stage's:
-  bounded independent of m (`schedules.in_flight` counts them from the table).
+  bounded independent of m (`schedules.in_flight` counts them from the table). Its ticks alternate
+  (`schedules.alternating`): every stage runs a forward, then every stage a backward (input and weight
+  gradients in one operation), so no tick waits for a backward beside forwards.
 * zero_bubble (ZB-H1): B sends the input gradient upstream at once and W, in ticks that would
   otherwise idle, computes the weight gradient. Bubble (p-1)/(3m) of the ideal time, a third of
   1F1B's, with 1F1B's residuals (p micro-batches per stage at most).
 
-Both run the split backward (`pipeline.SplitStage`, `schedules.SPLIT_BACKWARD`): F records every
+Zero bubble runs the split backward (`pipeline.SplitStage`, `schedules.SPLIT_BACKWARD`): F records every
 matmul's input; B is the pullback of a forward whose matmul weights are constants and whose matmul
 outputs carry zero probes, so it computes the input gradients only and the probes' cotangents are
 the matmuls' output gradients; W is each matmul's weight GEMM x^T dy from what F and B kept. The
 price is memory: each chunk waiting for its W keeps its matmuls' inputs and output gradients.
 
-Transfers behind compute (`pipeline.overlap_transfers`, zero bubble): the table is simulated with a
-tick of latency (`schedules.simulate(..., latency=1)`), and the loop keeps a tick's outputs in its
-carry and sends them at the start of the next tick, beside its operation, which reads nothing of them.
+Transfers behind compute (`pipeline.overlap_transfers`): the table is simulated with a tick of latency
+(`schedules.simulate(..., latency=1)`; interleaved 1F1B's alternating table is the same with it), and
+the loop keeps a tick's outputs in its carry and sends them at the start of the next tick, beside its
+operation, which reads nothing of them.
 
 Buffers. Every value waiting between ticks sits in a slot of a statically sized buffer: the vjp
 residuals of a forward until its backward, the split backward's matmul inputs (F to W) and output
@@ -118,7 +121,7 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
               weight_parts: int = 1, latency: int = 0) -> SlotPlan:
     """The executable program of `schedule`'s table (see `SlotPlan`). A W in parts keeps what it reads
     until its last part (the table's later ticks overwrite the earlier in `when`)."""
-    table = schedules.simulate(schedule, p, m, v, weight_parts, latency)
+    table = schedules.executed(schedule, p, m, v, weight_parts, latency)
     arrive = 0.5 + latency  # after the tick that sends (latency 1: at the end of the next one)
     split = schedule in schedules.SPLIT_BACKWARD
     when = {(op.kind, s, op.micro, op.chunk): t for t, row in enumerate(table) for s, op in enumerate(row) if op}

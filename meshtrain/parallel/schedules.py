@@ -39,9 +39,11 @@ import dataclasses
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 TABLE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")  # the trainer runs these from their tables
-# ... and runs their B (input gradients) and W (weight GEMMs) as separate operations (`pipeline_tables`);
-# in interleaved 1F1B's table W follows its B at once, so the gradient leaves after W as the table says
-SPLIT_BACKWARD = TABLE_SCHEDULES
+# ... zero bubble with its B (input gradients) and W (weight GEMMs) as separate operations (`pipeline_tables`)
+SPLIT_BACKWARD = ("zero_bubble",)
+# ... interleaved 1F1B in alternating ticks (`alternating`): a forward tick, then a backward tick (B and
+# W in one operation), on every stage
+ALTERNATING = ("interleaved_1f1b",)
 F, B, W = "F", "B", "W"
 
 
@@ -155,6 +157,50 @@ def _ready(op: Op, s: int, p: int, v: int, done: dict, split: bool, now: int, la
     return done.get((B, s, op.micro, op.chunk), now) < now
 
 
+def executed(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1,
+             latency: int = 0) -> list[list[Op | None]]:
+    """The table the trainer runs (`pipeline_tables.slot_plan`): `alternating` for the ALTERNATING
+    schedules, `simulate`'s otherwise."""
+    if schedule in ALTERNATING:
+        return alternating(schedule, p, m, v, latency)
+    return simulate(schedule, p, m, v, weight_parts, latency)
+
+
+def alternating(schedule: str, p: int, m: int, v: int = 1, latency: int = 0) -> list[list[Op | None]]:
+    """The schedule's stage orders in balanced ticks: even ticks run forwards only, odd ticks backwards
+    only (B and W as one operation, the fused backward), each stage its next operation when it is of
+    the tick's kind and ready.
+
+    In a lock-step loop a tick lasts as long as the slowest stage's operation; with forwards and
+    backwards in the same tick (`simulate`'s table: in steady state half the stages run B while the
+    other half run F) every tick costs a backward. Here a forward tick costs a forward and a backward
+    tick a backward, a pair the F + B of 1F1B's steady state on every stage. The orders are the
+    schedule's (interleaved 1F1B: Megatron's), so the in-flight activations are too. A result reaches
+    its neighbour's next tick of the same kind two ticks later, so a transfer sent while the next
+    tick computes (`latency` 1, `pipeline.overlap_transfers`) arrives in time: the table is the same.
+    Bubble, time-weighted (`bubble`: a forward tick lasts F, a backward tick B = 2F): (p - 1) / (v m)."""
+    v = v if schedule == "interleaved_1f1b" else 1
+    orders = [[op for op in order if op.kind != W] for order in stage_orders(schedule, p, m, v)]
+    position, done = [0] * p, {}
+    table: list[list[Op | None]] = []
+    total = sum(len(o) for o in orders)
+    while sum(position) < total:
+        if len(table) > 4 * total + 4 * p:
+            raise RuntimeError(f"{schedule} p={p} m={m} v={v}: the alternating stage orders deadlock")
+        kind = F if len(table) % 2 == 0 else B
+        row: list[Op | None] = []
+        for s in range(p):
+            op = orders[s][position[s]] if position[s] < len(orders[s]) else None
+            ready = op is not None and op.kind == kind and _ready(op, s, p, v, done, True, len(table), latency)
+            row.append(op if ready else None)
+        for s, op in enumerate(row):
+            if op is not None:
+                done[(op.kind, s, op.micro, op.chunk)] = len(table)
+                position[s] += 1
+        table.append(row)
+    return table
+
+
 def simulate(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1,
              latency: int = 0) -> list[list[Op | None]]:
     """The executed table: table[t][s] the operation stage s runs in tick t (None: idle). A W split
@@ -187,6 +233,8 @@ def check(table: list[list[Op | None]], p: int, m: int, v: int = 1, split: bool 
     on every stage and never before what it needs (from a neighbour: `latency` ticks earlier still)."""
     seen: dict[tuple, int] = {}
     parts = weight_parts(table)
+    kinds = (F, B, W) if _has_w(table) else (F, B)  # an alternating table's B is the whole backward
+    split = split or kinds == (F, B)  # ... and sends its gradient
     for t, row in enumerate(table):
         for s, op in enumerate(row):
             if op is None:
@@ -196,10 +244,15 @@ def check(table: list[list[Op | None]], p: int, m: int, v: int = 1, split: bool 
             earlier = {k[:4]: when for k, when in seen.items() if when < t and (k[0] != W or k[4] == parts - 1)}
             assert _ready(op, s, p, v, earlier, split, t, latency), f"{key} at tick {t} runs before its inputs"
             seen[key] = t
-    expected = {(k, s, j, c, i) for k in (F, B, W) for s in range(p) for j in range(m) for c in range(v)
+    expected = {(k, s, j, c, i) for k in kinds for s in range(p) for j in range(m) for c in range(v)
                 for i in range(parts if k == W else 1)}
     missing, extra = sorted(expected - set(seen))[:4], sorted(set(seen) - expected)[:4]
     assert not missing and not extra, f"missing {missing}, extra {extra}"
+
+
+def _has_w(table: list[list[Op | None]]) -> bool:
+    """Whether the table runs W operations (an alternating table's B includes the weight gradient)."""
+    return any(op is not None and op.kind == W for row in table for op in row)
 
 
 def weight_parts(table: list[list[Op | None]]) -> int:
@@ -208,10 +261,16 @@ def weight_parts(table: list[list[Op | None]]) -> int:
 
 
 def bubble(table: list[list[Op | None]]) -> float:
-    """Idle over busy time of a stage (the playbook's t_bubble / t_ideal), from the executed table."""
+    """Idle over busy time of a stage (the playbook's t_bubble / t_ideal), from the executed table:
+    F, B and W one unit each; in a table without W (`alternating`) B is the whole backward, two units,
+    a tick lasts its longest operation and a tick nobody works in takes no time."""
     p = len(table[0])
-    busy = sum(op is not None for row in table for op in row)
-    return (len(table) * p - busy) / busy
+    if _has_w(table):
+        busy = sum(op is not None for row in table for op in row)
+        return (len(table) * p - busy) / busy
+    cost = {F: 1, B: 2}
+    busy = sum(cost[op.kind] for row in table for op in row if op is not None)
+    return sum(p * max([0] + [cost[op.kind] for op in row if op is not None]) for row in table) / busy - 1
 
 
 def formula(schedule: str, p: int, m: int, v: int = 1) -> float:
@@ -224,22 +283,24 @@ def formula(schedule: str, p: int, m: int, v: int = 1) -> float:
 
 
 def in_flight(table: list[list[Op | None]]) -> list[int]:
-    """Per stage, the most micro-batch chunks whose activations it holds at once (from its F to its W)."""
+    """Per stage, the most micro-batch chunks whose activations it holds at once (from its F to its W;
+    to its B in a table without W)."""
     p, last = len(table[0]), weight_parts(table) - 1
+    release = W if _has_w(table) else B
     peak, live = [0] * p, [0] * p
     for row in table:
         for s, op in enumerate(row):
             if op is not None and op.kind == F:
                 live[s] += 1
                 peak[s] = max(peak[s], live[s])
-            elif op is not None and op.kind == W and op.part == last:
+            elif op is not None and op.kind == release and op.part == last:
                 live[s] -= 1
     return peak
 
 
 def summary(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1, latency: int = 0) -> str:
-    """One line for the run's start: ticks, bubble, in-flight activations per stage."""
-    table = simulate(schedule, p, m, v, weight_parts, latency)
+    """One line for the run's start: ticks, bubble, in-flight activations per stage (the executed table)."""
+    table = executed(schedule, p, m, v, weight_parts, latency)
     return (f"{schedule}: p={p} m={m}" + (f" v={v}" if schedule == "interleaved_1f1b" else "")
             + (f" W in {weight_parts} parts" if weight_parts > 1 else "")
             + f", {len(table)} ticks, bubble {bubble(table):.3f} of busy time, "

@@ -156,8 +156,8 @@ def _activations(run: Step, remat: str, backend: Backend) -> list[Coll]:
             # each stage runs m forward slots (a jax.vjp whose residuals wait for the backward) and m
             # backward slots (from the residuals; under full remat each layer's forward is recomputed
             # first) on one micro-batch each; idle slots are skipped. The last stage's forward slots
-            # add the vocabulary-split head's input-gradient. Under the split backward (zero bubble,
-            # interleaved) B holds the input gradients and their reductions; W's weight GEMMs reduce
+            # add the vocabulary-split head's input-gradient. Under the split backward (zero bubble)
+            # B holds the input gradients and their reductions; W's weight GEMMs reduce
             # nothing, W as the pullback again runs the backward's reductions a second time.
             again = backward if _pullback_w(run) else 0
             per_micro = layers * (2 + backward + recompute + again)

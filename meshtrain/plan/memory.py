@@ -152,7 +152,7 @@ class Step:
     @property
     def pipeline_ticks(self) -> int:
         """Clock ticks of the pipeline loop (parallel/pipeline.py): m + p - 1 (v*m + p - 1 circular; 1f1b: two slots a
-        tick; interleaved_1f1b and zero_bubble: their slot table's ticks, one F, B or W per stage each)."""
+        tick; interleaved_1f1b and zero_bubble: their executed table's ticks, `schedules.executed`)."""
         p, m, v = self.sizes["stage"], self.microbatches, self.pipeline_repeats
         if p == 1:
             return 1
@@ -164,8 +164,8 @@ class Step:
 
     @property
     def pipeline_table(self):
-        """The executed slot table of a table schedule (`schedules.simulate`)."""
-        return schedules.simulate(self.pipeline_schedule, self.sizes["stage"], self.microbatches,
+        """The executed slot table of a table schedule (`schedules.executed`)."""
+        return schedules.executed(self.pipeline_schedule, self.sizes["stage"], self.microbatches,
                                   self.pipeline_repeats, self.weight_parts, int(self.overlap_transfers))
 
     @property
@@ -309,7 +309,7 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
     `none` everything the backward reads; `selective` the outputs of weight matmuls and the
     residual input; `full` / `offload` the residual input. In flight: 1 without a pipeline; 1F1B up
     to `stage` micro-batches, slot tables their table's peak of chunks; GPipe and circular all m.
-    The split backward (zero bubble, interleaved) with `split_backward` gemms also keeps each matmul's
+    The split backward (zero bubble) with `split_backward` gemms also keeps each matmul's
     input and output gradient from F and B to W (`_split_per_layer`), for its table's peak of chunks
     waiting for W (pullback: the residuals until W, as the table's in-flight count has them).
 
