@@ -165,7 +165,7 @@ def print_modeled(args, stages: list[int], ms: list[int]) -> None:
     gpu, rows = hardware.get_gpu(args.gpu), []
     print(f"modeled on {gpu.name}: micro-batch {args.rows} x {args.seq_len} tokens, d_model {args.d_model}, "
           f"{args.layers} layers, bf16, interleaved v=2")
-    print(f"{'p':>2} {'m':>3} {'schedule':20} {'W parts':>7} {'ticks':>5} {'step ms':>8} {'units':>7} "
+    print(f"{'p':>2} {'m':>3} {'schedule':24} {'W parts':>7} {'ticks':>5} {'step ms':>8} {'units':>7} "
           f"{'vs 1f1b':>8} {'busy':>6}")
     for p in stages:
         for m in ms:
@@ -176,13 +176,13 @@ def print_modeled(args, stages: list[int], ms: list[int]) -> None:
             runs = [(n, False) for n in names] + [(n, True) for n in names if n in pipeline.OVERLAPPING]
             for schedule, overlap in runs:
                 v = 2 if schedule in pipeline.CHUNKED_SCHEDULES else 1
-                parts = cost.weight_parts(costs, args.layers // (p * v)) if schedule in pipeline.TABLE_SCHEDULES else 1
+                parts = cost.weight_parts(costs, args.layers // (p * v)) if schedule in pipeline.SPLIT_BACKWARD else 1
                 e = cost.step_time(schedule, p, m, 2, costs, parts, overlap=overlap)
                 name = schedule + ("+overlap" if overlap else "")
                 rows.append({"stages": p, "microbatches": m, "schedule": name, "weight_parts": parts,
                              "ticks": e.ticks, "seconds": e.seconds, "units": e.seconds / costs.forward,
                              "vs_1f1b": e.seconds / base, "busy": e.efficiency})
-                print(f"{p:2d} {m:3d} {name:20} {parts:7d} {e.ticks:5d} {e.seconds * 1e3:8.3f} "
+                print(f"{p:2d} {m:3d} {name:24} {parts:7d} {e.ticks:5d} {e.seconds * 1e3:8.3f} "
                       f"{e.seconds / costs.forward:7.1f} {e.seconds / base:8.3f} {e.efficiency:6.1%}")
     units = costs.units()
     print(f"branch costs (units of F): fused backward {units.backward:.2f}, split forward {units.forward_split:.2f}, "

@@ -244,9 +244,12 @@ PLANNER = {
                                                                  "pipeline.split_backward": "pullback"}),
     # `pipeline.overlap_transfers`: every permute of the tick loop beside compute, at least 80% of the
     # FSDP gathers and reduce-scatters (asserted below). Plain 1F1B is the README's 405B command's.
+    # Interleaved 1F1B (v=2, one layer a chunk) in its alternating ticks.
     **{f"8b-stage4-fsdp2-{schedule}-m8-overlap": ("llama3_8b", 8, {
-        "model.n_layers": 4, "mesh.fsdp": 2, "mesh.stage": 4, "train.batch_size": 16, "pipeline.schedule": schedule,
-        "pipeline.microbatches": 8, "pipeline.overlap_transfers": True}) for schedule in ("1f1b", "zero_bubble")},
+        "model.n_layers": 8 if schedule == "interleaved_1f1b" else 4, "mesh.fsdp": 2, "mesh.stage": 4,
+        "train.batch_size": 16, "pipeline.schedule": schedule, "pipeline.microbatches": 8,
+        "pipeline.repeats": 2 if schedule == "interleaved_1f1b" else 1, "pipeline.overlap_transfers": True})
+       for schedule in ("1f1b", "interleaved_1f1b", "zero_bubble")},
     "70b-fsdp16-tensor4": ("llama3_70b", 64, {"mesh.fsdp": 16, "mesh.tensor": 4, "train.batch_size": 16}),
     "mixtral-expert8-tensor8": ("mixtral_8x7b", 64, {"mesh.fsdp": 1, "mesh.expert": 8, "mesh.tensor": 8,
                                                      "train.batch_size": 8}),
