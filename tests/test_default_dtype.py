@@ -121,8 +121,8 @@ CASES = [
                             ("interleaved_1f1b", {"stage": 4, "fsdp": 2}, 3)]],
     _case("pipeline", {"stage": 4, "fsdp": 2}, **{"pipeline.schedule": "zero_bubble", "train.zero_stage": 3,
                                                   "pipeline.weight_parts": 2}),
-    _case("pipeline", {"stage": 2, "data": 2, "tensor": 2}, **{"pipeline.schedule": "interleaved_1f1b",
-                                                               "pipeline.repeats": 2, "pipeline.weight_parts": 2}),
+    _case("pipeline", {"stage": 4, "data": 2}, **{"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2,
+                                                  "pipeline.overlap_transfers": True}),
     # test_pipeline_uneven: uneven stages (1 + 2 + 2 + 1 by default; 4 + 2 given) under 1F1B and zero bubble
     _case("pipeline", {"stage": 4, "data": 2}, **{"pipeline.schedule": "1f1b", "model.n_layers": 6}),
     _case("pipeline", {"stage": 4, "tensor": 2}, **{"pipeline.schedule": "zero_bubble", "model.n_layers": 6}),
