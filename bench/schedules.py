@@ -4,7 +4,7 @@
 
 Playbook, "Pipeline Parallelism" ("Interleaving stages", "Zero Bubble and DualPipe"). For each
 schedule of `meshtrain/schedules.py` and each m: the executed table's ticks (F, B and W one unit
-each), its bubble (idle over busy time per stage) beside the schedule's formula, and the most
+each; interleaved_1f1b's alternating ticks, its B the whole backward, `schedules.executed`), its bubble (idle over busy time per stage) beside the schedule's formula, and the most
 micro-batch chunks a stage holds. `--draw DIR` writes DIR/<schedule>.png: stages x ticks, forward
 / input-gradient (B) / weight-gradient (W) / idle coloured, micro-batch numbers in the cells.
 Prints a table and one JSON line.
@@ -70,7 +70,7 @@ def main() -> None:
     for name in args.schedules.split(","):
         v = args.repeats if name == "interleaved_1f1b" else 1
         for m in (int(x) for x in args.microbatches.split(",")):
-            table = schedules.simulate(name, p, m, v)
+            table = schedules.executed(name, p, m, v)
             schedules.check(table, p, m, v, split=name == "zero_bubble")
             rows.append({"schedule": name, "p": p, "m": m, "v": v, "ticks": len(table),
                          "bubble": schedules.bubble(table), "formula": schedules.formula(name, p, m, v),
@@ -79,7 +79,7 @@ def main() -> None:
             folder = pathlib.Path(args.draw)
             folder.mkdir(parents=True, exist_ok=True)
             m = int(args.microbatches.split(",")[0])
-            table = schedules.simulate(name, p, m, v)
+            table = schedules.executed(name, p, m, v)
             draw(table, schedules.summary(name, p, m, v), folder / f"{name}.png")
             print(f"wrote {folder / f'{name}.png'}", file=sys.stderr)
     print(f"{'schedule':<17} {'p':>2} {'m':>3} {'v':>2} {'ticks':>6} {'bubble':>7} {'formula':>8}  in flight per stage")

@@ -7,7 +7,7 @@
     pipeline.py         the pipeline over `stage`: gpipe / circular tick scan, 1F1B's slot loop, the stage
                         function, stash and slot work shared with the tables
     pipeline_tables.py  interleaved 1F1B and zero bubble run from their slot tables in one SPMD loop
-    schedules.py        the schedules as slot tables: simulate, check, bubble, in-flight micro-batches
+    schedules.py        the schedules as slot tables: simulate, alternating, check, bubble, in-flight micro-batches
     ring_attention.py   context parallelism over `sequence`: the ring (zig-zag, custom backward) and the
                         attention function the model calls
     ulysses.py          context parallelism by all-to-all (Ulysses), and a ring across its groups
