@@ -4,8 +4,9 @@
 
 Playbook, "Pipeline Parallelism" ("Interleaving stages", "Zero Bubble and DualPipe"). For each
 schedule of `meshtrain/schedules.py` and each m: the executed table's ticks (F, B and W one unit
-each; interleaved_1f1b's alternating ticks, its B the whole backward, `schedules.executed`), its bubble (idle over busy time per stage) beside the schedule's formula, and the most
-micro-batch chunks a stage holds. `--draw DIR` writes DIR/<schedule>.png: stages x ticks, forward
+each; interleaved_1f1b's alternating ticks, its B the whole backward: `schedules.executed`), its
+bubble (idle over busy time per stage) beside the schedule's formula, and the most micro-batch
+chunks a stage holds. `--draw DIR` writes DIR/<schedule>.png: stages x ticks, forward
 / input-gradient (B) / weight-gradient (W) / idle coloured, micro-batch numbers in the cells.
 Prints a table and one JSON line.
 """

@@ -116,7 +116,8 @@ def test_zero_bubble_and_interleaved_beat_1f1b_as_executed(compiled_costs):
     c = compiled_costs
     price = {schedules.F: c.forward_split / 2, schedules.B: c.input_grad / 2, schedules.W: c.weight_grad / 2}
     mixed = sum(max([0.0] + [price[op.kind] for op in row if op is not None]) + c.transfer
-                for row in schedules.simulate("interleaved_1f1b", 4, 16, 2)) / cost.step_time("1f1b", 4, 16, 1, c).seconds
+                for row in schedules.simulate("interleaved_1f1b", 4, 16, 2))
+    mixed /= cost.step_time("1f1b", 4, 16, 1, c).seconds
     print({"weight_parts": parts, "zero_bubble": round(zero_bubble, 3), "zero_bubble_one_part": round(one_part, 3),
            "interleaved_1f1b": round(interleaved, 3), "interleaved_unit_table": round(mixed, 3)})
     assert parts == 2
