@@ -123,12 +123,14 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
                 assert int(row[f["part"]]) == part, (t, s)  # the parts in order, each once
                 parts_run[s, j, c] = part + 1
                 if part + 1 < plan.weight_parts:  # the last part frees what W reads
+                    _check_puts(plan, t, s, branch, stash[s], weight[s], gemms, pullback)
                     continue
                 weight[s][wslot] = None
                 if pullback:
                     assert stash[s][slot] == (s, j, c), (t, s)
                     stash[s][slot] = None
                 ran["W", s, j, c] = t
+            _check_puts(plan, t, s, branch, stash[s], weight[s], gemms, pullback)
         in_flight.append((sent_f, sent_b))
         if len(in_flight) <= plan.latency:
             continue
@@ -142,6 +144,26 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
             inbox_f[s][row_slot(plan, t, s, "recv_f")] = arriving_f
             inbox_b[s][row_slot(plan, t, s, "recv_b")] = arriving_b
     return ran
+
+
+def _check_puts(plan: SlotPlan, t: int, s: int, branch: int, stash: list, weight: list, gemms: bool,
+                pullback: bool) -> None:
+    """After stage s's operation at tick t: the tick writes each buffer's `put` into the program's slot,
+    the operation's own where it fills the buffer, else one whose value nobody reads any more, or the
+    slot's own value back (`keep_*`)."""
+    forward = branch in (pipeline_tables.FORWARD, pipeline_tables.FORWARD_FIRST, pipeline_tables.FORWARD_LAST)
+    backward = branch in (pipeline_tables.BACKWARD, pipeline_tables.BACKWARD_FIRST)
+    fills = {"stash": forward, "inputs": forward, "g": backward}
+    for name in ("stash", "inputs", "g"):
+        if name != "stash" and not (gemms or pullback and name == "g"):
+            continue
+        k, keep = row_slot(plan, t, s, f"put_{name}"), row_slot(plan, t, s, f"keep_{name}")
+        if fills[name]:
+            assert not keep and k == row_slot(plan, t, s, "stash" if name == "stash" else "wstash"), (t, s, name)
+        elif not keep:
+            held = stash[k] if name == "stash" else weight[k]
+            # nothing there (the g buffer: or only the inputs of a micro-batch whose B has not run)
+            assert held is None or name == "g" and gemms and held[0] == "inputs", (t, s, name, k, held)
 
 
 def row_slot(plan: SlotPlan, t: int, s: int, name: str) -> int:

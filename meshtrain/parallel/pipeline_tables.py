@@ -67,7 +67,11 @@ from meshtrain.sharding_rules import vary
 
 # branch indices of the tick's `lax.switch`
 IDLE, FORWARD, FORWARD_FIRST, FORWARD_LAST, BACKWARD, BACKWARD_FIRST, WEIGHTS = range(7)
-FIELDS = ("branch", "micro", "chunk", "stash", "wstash", "read_f", "read_b", "dy", "recv_f", "recv_b", "part")
+FIELDS = ("branch", "micro", "chunk", "stash", "wstash", "read_f", "read_b", "dy", "recv_f", "recv_b", "part",
+          "put_stash", "put_inputs", "put_g", "keep_stash", "keep_inputs", "keep_g")
+# the program fields with the slot a tick writes each slot buffer's `put` into, and whether it writes
+# back what the slot holds instead (`SlotPlan`)
+PUT_FIELD = {"stash": "stash", "inputs": "inputs", "dys": "g", "gs": "g"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,12 +80,16 @@ class SlotPlan:
     the branch, micro-batch and chunk of its operation, the residual slot it writes (F) or reads
     (B, W), the inbox slots its input activation (F) or output gradient (B) comes from, the gradient
     inbox slot where the last stage's forward leaves its loss gradient, the inbox slots where the
-    activation and gradient arriving after the tick go, and which slice of the chunk's layers a W part
-    computes. A slot index equal to the buffer size is the trash slot (nothing to keep)."""
+    activation and gradient arriving after the tick go, which slice of the chunk's layers a W part
+    computes, and the slots the tick writes into the residual, matmul-input and output-gradient
+    buffers after its switch (`put_*`: the operation's own slot where it fills the buffer, else a slot
+    holding nothing still to be read, or, `keep_*` set, where every slot does, the slot's own value
+    written back; `_put_slots`). An inbox slot index equal to the inbox size is its trash slot
+    (nothing arrives)."""
 
     program: np.ndarray  # int32 [ticks, p, len(FIELDS)]
-    stash_slots: int  # vjp residuals, F to B
-    weight_slots: int  # split: what W needs beyond the residuals (`split_backward`)
+    stash_slots: int  # vjp residuals, F to B: the buffer's size
+    weight_slots: int  # split: what W needs beyond the residuals (`split_backward`): the buffers' size
     inbox_f_slots: int
     inbox_b_slots: int
     split: bool  # B and W are separate operations (`schedules.SPLIT_BACKWARD`)
@@ -115,6 +123,29 @@ def _allocate(intervals: list[tuple[float, float, object]]) -> tuple[dict, int]:
         slots[key], used = slot, max(used, slot + 1)
         busy.append((end, slot))
     return slots, used
+
+
+def _put_slots(ticks: int, p: int, live: list[list[tuple[int, int, int]]],
+               fills: dict) -> tuple[np.ndarray, np.ndarray, int]:
+    """([ticks, p] the slot each tick writes a buffer's `put` into, [ticks, p] whether it writes back
+    the slot's own value instead, the buffer's size: its peak of values held at once).
+
+    `live[s]`: (write tick, last read tick, slot) of every value stage s keeps in the buffer; `fills`:
+    {(tick, stage): slot} of the operations that fill it. Every other operation puts zeros into the
+    lowest slot whose value, if any, is not read after the tick (the switch reads before the tick
+    writes); where every slot holds a value still to be read (a stage idle at its peak), it writes
+    slot 0's value back: a slot read, instead of a slot more in the buffer."""
+    size = max([slot + 1 for intervals in live for _, _, slot in intervals], default=1)
+    slots, keep = np.zeros((ticks, p), np.int32), np.zeros((ticks, p), np.int32)
+    for s in range(p):
+        for t in range(ticks):
+            if (t, s) in fills:
+                slots[t, s] = fills[t, s]
+                continue
+            busy = {slot for start, end, slot in live[s] if start < t < end}
+            free = [k for k in range(size) if k not in busy]
+            slots[t, s], keep[t, s] = (free[0], 0) if free else (0, 1)
+    return slots, keep, size
 
 
 def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "gemms",
@@ -187,6 +218,32 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
         row[FIELDS.index("micro")], row[FIELDS.index("chunk")] = j, c
         row[FIELDS.index("stash")] = stash[key]
         row[FIELDS.index("wstash")] = weight.get(key, 0)
+    # the residual, matmul-input (gemms) and output-gradient (split) buffers: who fills which slot, what
+    # lives where from its write to its last read, and where the other operations write their zeros
+    gemms = split and split_backward == "gemms"
+    live = {name: [[] for _ in range(p)] for name in ("stash", "inputs", "g")}
+    fills = {name: {} for name in live}
+    for (kind, s, j, c), t in when.items():
+        key = (s, j, c)
+        if kind == schedules.F:
+            end = when[(schedules.W if split and split_backward == "pullback" else schedules.B, s, j, c)]
+            live["stash"][s].append((t, end, stash[key]))
+            fills["stash"][t, s] = stash[key]
+            if gemms:
+                live["inputs"][s].append((t, when[(schedules.W, s, j, c)], weight[key]))
+                fills["inputs"][t, s] = weight[key]
+        elif kind == schedules.B and split:
+            live["g"][s].append((t, when[(schedules.W, s, j, c)], weight[key]))
+            fills["g"][t, s] = weight[key]
+    n_stash = 0
+    for name in live:
+        slots, keep, size = _put_slots(len(table), p, live[name], fills[name])
+        program[:, :, FIELDS.index(f"put_{name}")] = slots
+        program[:, :, FIELDS.index(f"keep_{name}")] = keep
+        if name == "stash":
+            n_stash = size
+        elif name == "inputs" and gemms or name == "g" and split:
+            n_weight = max(n_weight, size)
     return SlotPlan(program, n_stash, n_weight, n_f, n_b, split, wraps=v > 1, split_backward=split_backward,
                     weight_parts=weight_parts, latency=latency)
 
@@ -274,19 +331,19 @@ class _TableWork(SlotWork):
         return self._varying(carry)
 
     def slot_buffers(self) -> dict:
-        """Zeroed slot buffers, one trash slot each beyond the plan's (where an operation that fills
-        nothing writes): "stash" (residuals); split, "inputs" and "dys" (gemms) or "gs" (pullback)."""
+        """Zeroed slot buffers of the plan's sizes: "stash" (residuals); split, "inputs" and "dys"
+        (gemms) or "gs" (pullback)."""
         act = self.activation()
         chunk = jax.tree.map(lambda a: a[0], self.layers)
         x = lax.pcast(act, self.manual, to="varying")
-        buffers = {"stash": self.residuals.stash(self.plan.stash_slots + 1, x, self._pick(0), self.manual, chunk)}
+        buffers = {"stash": self.residuals.stash(self.plan.stash_slots, x, self._pick(0), self.manual, chunk)}
         if self.plan.split and not self.plan.gemms:  # the stage's output gradient, B to W
-            buffers["gs"] = lax.pcast(jnp.zeros((self.plan.weight_slots + 1, *act.shape), act.dtype), self.manual,
+            buffers["gs"] = lax.pcast(jnp.zeros((self.plan.weight_slots, *act.shape), act.dtype), self.manual,
                                       to="varying")
         elif self.plan.split:
             _, _, recorded = jax.eval_shape(lambda x: self.residuals.vjp_recording(x, self._pick(0), chunk), x)
             slots = functools.partial(jax.tree.map,
-                                      lambda a: jnp.zeros((self.plan.weight_slots + 1, *a.shape), a.dtype))
+                                      lambda a: jnp.zeros((self.plan.weight_slots, *a.shape), a.dtype))
             buffers.update(self._varying({"inputs": slots(recorded), "dys": slots(self.residuals.probes)}))
         return buffers
 
@@ -306,7 +363,8 @@ class _TableWork(SlotWork):
 
     def _outputs(self, like, buffers, y=None, dx=None, dy=None, **put):
         """(activation, gradient, dy, put): zeros where not given; `put` holds a slot's value for
-        every buffer, zeros for those the operation does not fill (they go to the trash slot)."""
+        every buffer, zeros for those the operation does not fill (written where they overwrite nothing
+        still to be read: the plan's `put_*` slots)."""
         zeros = jnp.zeros_like(like)
         put = {name: put.get(name, jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), buf))
                for name, buf in buffers.items()}
@@ -425,12 +483,7 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     branches = work.branches()
     forward_pairs, backward_pairs = _ring(p, 1, plan.wraps), _ring(p, -1, plan.wraps)
     field = {name: i for i, name in enumerate(FIELDS)}
-
-    # which operations fill each slot buffer (the others write to its trash slot), and the program
-    # field with the slot an operation reads or fills
-    fills = {"stash": (FORWARD, FORWARD_FIRST, FORWARD_LAST), "inputs": (FORWARD, FORWARD_FIRST, FORWARD_LAST),
-             "dys": (BACKWARD, BACKWARD_FIRST), "gs": (BACKWARD, BACKWARD_FIRST)}
-    slot_field = {"stash": "stash", "inputs": "wstash", "dys": "wstash", "gs": "wstash"}
+    keeps = {name: bool(plan.program[:, :, field["keep_" + PUT_FIELD[name]]].any()) for name in PUT_FIELD}
 
     def tick(carry, program):
         c, buffers, inbox_f, inbox_b, sent = carry
@@ -443,9 +496,11 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
         c, y, dx, dy, put = lax.switch(branch, branches, c, x, g, row[field["micro"]], row[field["chunk"]],
                                        row[field["stash"]], row[field["wstash"]], row[field["part"]], buffers)
         for name, buf in buffers.items():
-            trash = jax.tree.leaves(buf)[0].shape[0] - 1
-            slot = jnp.where(jnp.isin(branch, jnp.asarray(fills[name])), row[field[slot_field[name]]], trash)
-            buffers = {**buffers, name: _store(buf, put[name], slot)}
+            slot, value = row[field["put_" + PUT_FIELD[name]]], put[name]
+            if keeps[name]:  # the program writes some slot's value back: read it (one slot), not a slot more
+                keep = row[field["keep_" + PUT_FIELD[name]]] == 1
+                value = jax.tree.map(functools.partial(jnp.where, keep), _load(buf, slot), value)
+            buffers = {**buffers, name: _store(buf, value, slot)}
         inbox_b = lax.dynamic_update_index_in_dim(inbox_b, dy, row[field["dy"]], 0)
         if not plan.latency:
             arriving, sent = (lax.ppermute(y, STAGE, forward_pairs), lax.ppermute(dx, STAGE, backward_pairs)), ()

@@ -344,12 +344,12 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
             in_flight = run.microbatches
     activations = int(_saved_per_layer(run, remat, t) * layers * in_flight)
     if pipelined and run.pipeline_schedule in schedules.SPLIT_BACKWARD and run.split_backward == "gemms":
-        # W's inputs: the peak of micro-batch chunks between their F and their W, a trash slot and the
-        # slot the tick writes after its switch (`pipeline_tables._TableWork`)
+        # W's inputs: the peak of micro-batch chunks between their F and their W, and the slot the tick
+        # writes after its switch (`pipeline_tables._TableWork`; no trash slot: `pipeline_tables._put_slots`)
         from meshtrain.parallel.pipeline_tables import slot_plan
 
         slots = slot_plan(run.pipeline_schedule, p, run.microbatches, run.pipeline_repeats, run.split_backward,
-                          run.weight_parts, int(run.overlap_transfers)).weight_slots + 2
+                          run.weight_parts, int(run.overlap_transfers)).weight_slots + 1
         activations += int(_split_per_layer(run, t) * layers * slots / run.pipeline_repeats)
 
     place = run.placement()
