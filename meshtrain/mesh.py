@@ -126,22 +126,25 @@ CPU_COMPILER_OPTIONS: dict[str, str] = {"xla_disable_hlo_passes": "all-reduce-pr
 # `bench/gpu/overlap.py` counts the pairs and the compute between them on the first GPU run.
 # The values are typed (bool): XLA:GPU rejects the string "true" for a bool option
 # ("'true' is not a valid bool value"), which would end every multi-device GPU run at its first compile.
-# Up to eight asynchronous collectives in flight at once, not XLA's one: a pipeline tick sends an
-# activation forward and a gradient back, and a tick's `lax.switch` whose branches hold collectives
-# (tensor parallelism's, sequence parallelism's) takes its share of the limit, so with one (or two, or
-# three) in flight the permutes wait with nothing beside them. 8 H100s, llama3_8b 4 layers: stage 4 x
-# tensor 2 overlapped 1F1B, 2 of 4 permutes beside compute at limits 1-2, 4 of 4 at 3; stage 4 x fsdp 2:
-# the stage weights' gathers 4 -> 9 of 9 and the gradients' reduce-scatters 2 -> 5 of 6 (1f1b; zero
-# bubble); llama3_405b's overlapped 1F1B: 2 -> 4 of 4 permutes at 8 (3 is not enough there), its plain
-# config's reduce-scatters 82 -> 117 of 190 beside compute, every peak within 0.06 GiB.
 GPU_COMPILER_OPTIONS: dict[str, bool | int] = {
     "xla_gpu_enable_latency_hiding_scheduler": True,
     "xla_gpu_enable_pipelined_all_gather": True,
     "xla_gpu_enable_pipelined_reduce_scatter": True,
     "xla_gpu_enable_pipelined_all_reduce": True,
     "xla_gpu_enable_while_loop_double_buffering": True,
-    "xla_gpu_experimental_parallel_collective_overlap_limit": 8,
 }
+# With a pipeline (`stage` > 1), up to eight asynchronous collectives in flight at once, not XLA's one:
+# a pipeline tick sends an activation forward and a gradient back, and a tick's `lax.switch` whose
+# branches hold collectives (tensor parallelism's, sequence parallelism's) takes its share of the limit,
+# so with one (or two, or three) in flight the permutes wait with nothing beside them. 8 H100s,
+# llama3_8b 4 layers: stage 4 x tensor 2 overlapped 1F1B, 2 of 4 permutes beside compute at limits 1-2,
+# 4 of 4 at 3; stage 4 x fsdp 2: the stage weights' gathers 4 -> 9 of 9 and the gradients'
+# reduce-scatters 2 -> 5 of 6 (1f1b; zero bubble); llama3_405b's overlapped 1F1B: 2 -> 4 of 4 permutes
+# at 8 (3 is not enough there), its plain config's reduce-scatters 82 -> 117 of 190 beside compute,
+# every peak within 0.06 GiB. Without a pipeline it buys nothing and costs memory (llama3_8b on fsdp 8:
+# 68 of 70 pairs beside compute at either limit, 43.26 GiB at 1, 45.17 at 8; fsdp 4 x sequence 2 with
+# ring attention: 68.08 GiB at 1, 73.74 at 8), so those meshes keep XLA's default.
+PIPELINE_COLLECTIVE_OVERLAP_LIMIT = 8
 
 
 # The scheduler's memory budget: XLA:GPU gives the latency-hiding scheduler (80% of HBM - the
@@ -162,6 +165,8 @@ def compiler_options(mesh: jax.sharding.Mesh, slop: int = XLA_DEFAULT_SLOP) -> d
     if platform not in ("gpu", "cuda", "rocm") or mesh.size == 1:
         return {}
     options: dict[str, str | bool | int] = dict(GPU_COMPILER_OPTIONS)
+    if dict(getattr(mesh, "shape", {})).get("stage", 1) > 1:
+        options["xla_gpu_experimental_parallel_collective_overlap_limit"] = PIPELINE_COLLECTIVE_OVERLAP_LIMIT
     if slop != XLA_DEFAULT_SLOP:
         options["xla_gpu_memory_limit_slop_factor"] = slop
     return options

@@ -44,7 +44,18 @@ def test_target_descriptions_are_complete(target):
 def test_gpu_compile_options_are_typed():
     """XLA:GPU rejects the string 'true' for a bool option: every multi-device GPU compile failed on it."""
     assert all(isinstance(v, (bool, int)) and not isinstance(v, str) for v in mesh_lib.GPU_COMPILER_OPTIONS.values())
-    assert mesh_lib.GPU_COMPILER_OPTIONS["xla_gpu_experimental_parallel_collective_overlap_limit"] == 8
+
+
+def test_pipelines_get_eight_collectives_in_flight():
+    """XLA's one asynchronous collective in flight leaves a pipeline tick's permutes waiting beside its
+    `lax.switch`; the other meshes keep XLA's default (the limit costs them memory and overlaps nothing more)."""
+    def mesh(**shape):
+        return types.SimpleNamespace(devices=types.SimpleNamespace(flat=[types.SimpleNamespace(platform="cuda")]),
+                                     size=8, shape=shape)
+    key = "xla_gpu_experimental_parallel_collective_overlap_limit"
+    assert mesh_lib.compiler_options(mesh(stage=4, fsdp=2))[key] == 8
+    assert isinstance(mesh_lib.compiler_options(mesh(stage=2, fsdp=4), 400)[key], int)
+    assert key not in mesh_lib.compiler_options(mesh(fsdp=8)) and key not in mesh_lib.compiler_options(mesh(stage=1))
 
 
 def test_scheduler_budget_reaches_gpu_compiles_only():
