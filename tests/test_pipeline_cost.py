@@ -132,17 +132,18 @@ def test_overlapped_transfers_are_hidden_while_a_slot_outlasts_them(schedule, p,
     it, and only the excess when longer; without the overlap every tick pays it whole. Only a slot in
     which no stage computes lasts the transfer."""
     costs = cost.BranchCosts(1.0, 2.5, 1.3, 2.2)
-    free = cost.step_time(schedule, p, m, 1, costs, overlap=True)
-    hidden = cost.step_time(schedule, p, m, 1, dataclasses.replace(costs, transfer=0.3), overlap=True)
-    loop = pipeline.Pipeline(schedule, p, m, overlap=True)  # the loop's trip count (1f1b: two slots a tick)
+    v = 2 if schedule == "interleaved_1f1b" else 1  # chunks wrap from stage p-1 to stage 0
+    free = cost.step_time(schedule, p, m, v, costs, overlap=True)
+    hidden = cost.step_time(schedule, p, m, v, dataclasses.replace(costs, transfer=0.3), overlap=True)
+    loop = pipeline.Pipeline(schedule, p, m, v, overlap=True)  # the loop's trip count (1f1b: two slots a tick)
     # slots in which no stage computes: 1f1b's 2(p - 1) (backward slots of the warm-up, forward slots of the
     # cool-down); interleaved 1F1B's alternating table has backward ticks in the warm-up too
     empty = 2 * (p - 1) if schedule == "1f1b" else sum(all(op is None for op in row) for row in loop._table)
     assert hidden.seconds == pytest.approx(free.seconds + 0.3 * empty)
-    plain = cost.step_time(schedule, p, m, 1, dataclasses.replace(costs, transfer=0.3))
-    assert plain.seconds == pytest.approx(cost.step_time(schedule, p, m, 1, costs).seconds + 0.3 * plain.ticks)
+    plain = cost.step_time(schedule, p, m, v, dataclasses.replace(costs, transfer=0.3))
+    assert plain.seconds == pytest.approx(cost.step_time(schedule, p, m, v, costs).seconds + 0.3 * plain.ticks)
     # transfers longer than every slot: each slot lasts the transfer
-    slow = cost.step_time(schedule, p, m, 1, dataclasses.replace(costs, transfer=10.0), overlap=True)
+    slow = cost.step_time(schedule, p, m, v, dataclasses.replace(costs, transfer=10.0), overlap=True)
     assert slow.seconds == pytest.approx(10.0 * slow.ticks)
     assert free.ticks == (2 if schedule == "1f1b" else 1) * loop.ticks
 

@@ -45,8 +45,8 @@ def test_alternating_ticks_keep_the_orders_bubble_and_memory(p, m, v):
     ticks on at the earliest), each stage runs its Megatron order, the time-weighted bubble (F one unit,
     the whole backward two) is the formula's and the in-flight peak the unit-time table's."""
     table = schedules.alternating("interleaved_1f1b", p, m, v)
-    schedules.check(table, p, m, v, split=True)
-    schedules.check(table, p, m, v, split=True, latency=1)
+    schedules.check(table, p, m, v)
+    schedules.check(table, p, m, v, latency=1)
     assert schedules.alternating("interleaved_1f1b", p, m, v, latency=1) == table
     assert all(op is None or op.kind == "FB"[t % 2] for t, row in enumerate(table) for op in row)
     orders = schedules.stage_orders("interleaved_1f1b", p, m, v)
@@ -80,6 +80,14 @@ def test_weight_parts_split_every_w_keeping_the_in_flight_peak(schedule, p, m, p
 def test_weight_parts_need_a_split_backward():
     with pytest.raises(ValueError, match="weight_parts"):
         schedules.stage_orders("1f1b", 2, 4, weight_parts=2)
+
+
+def test_check_rejects_a_split_table_without_its_w():
+    """A table without W is an alternating one (B the whole backward), unless the backward is split."""
+    table = [[op if op is None or op.kind != schedules.W else None for op in row]
+             for row in schedules.simulate("zero_bubble", 2, 4)]
+    with pytest.raises(AssertionError, match="missing"):
+        schedules.check(table, 2, 4, split=True)
 
 
 def test_check_rejects_a_table_that_uses_a_gradient_before_it_exists():

@@ -2,11 +2,12 @@
 
 `python bench/gpu/overlap.py [--config configs/tiny.py] [--mesh fsdp=8] [--zero 3] [--accum 1]`
 compiles the configured step for the local GPUs (ahead of time, nothing runs) with meshtrain's GPU
-compiler options (`mesh.GPU_COMPILER_OPTIONS`: latency-hiding scheduler, collective pipeliner,
-double-buffered layer loop) and counts, in the scheduled module, every asynchronous collective
-start/done pair and the compute (fusions, GEMMs) the scheduler placed between them. A pair with
-no compute between is exposed communication. Prints a table per collective kind and one JSON line.
-On CPU it runs too and reports no pairs (XLA:CPU runs collectives synchronously).
+compiler options (`mesh.compiler_options`: latency-hiding scheduler, collective pipeliner,
+double-buffered layer loop; eight collectives in flight with a pipeline) and counts, in the
+scheduled module, every asynchronous collective start/done pair and the compute (fusions, GEMMs) the
+scheduler placed between them. A pair with no compute between is exposed communication. Prints a
+table per collective kind and one JSON line. On CPU it runs too and reports no pairs (XLA:CPU runs
+collectives synchronously).
 """
 
 from __future__ import annotations

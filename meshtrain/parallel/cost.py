@@ -1,11 +1,12 @@
 """The pipeline step as the SPMD loop executes it: lock-step ticks, each as long as its slowest stage.
 
-Playbook, "Pipeline Parallelism". The schedules' tables (`schedules.simulate`) count ticks as if
-every operation cost one unit; the loops that run them (`pipeline.py`, `pipeline_tables.py`) are
-one SPMD program in which every tick ends at a `ppermute` all stages take part in. A tick therefore
-lasts as long as the slowest branch any stage runs in it, plus the transfer after it (the next tick
-reads what it sends: nothing hides it). With `pipeline.overlap_transfers` a transfer travels beside
-the next slot's compute and a slot lasts the longer of the two. This module prices that execution:
+Playbook, "Pipeline Parallelism". The schedules' tables (`schedules.simulate`, and
+`schedules.executed` for the tables the trainer runs) count ticks as if every operation cost one
+unit; the loops that run them (`pipeline.py`, `pipeline_tables.py`) are one SPMD program in which
+every tick ends at a `ppermute` all stages take part in. A tick therefore lasts as long as the
+slowest branch any stage runs in it, plus the transfer after it (the next tick reads what it sends:
+nothing hides it). With `pipeline.overlap_transfers` a transfer travels beside the next slot's
+compute and a slot lasts the longer of the two. This module prices that execution:
 
     costs = BranchCosts.from_compiler(config, sizes, gpu)     # XLA's cost analysis of each branch
     modeled = step_time("zero_bubble", p=4, m=16, v=1, costs)  # seconds per step, as executed

@@ -1,8 +1,9 @@
 """Slot-table schedules in one SPMD loop: interleaved 1F1B and zero bubble (ZB-H1).
 
-Playbook, "Interleaving stages" and "Zero Bubble and DualPipe". `schedules.simulate` gives, per
+Playbook, "Interleaving stages" and "Zero Bubble and DualPipe". `schedules.executed` gives, per
 tick, the operation each stage runs: F (forward of a micro-batch through one of the stage's
-model chunks), B (its input gradient) and W (its weight gradient). This module turns that table
+model chunks), B (its input gradient; interleaved 1F1B: its whole backward) and W (zero bubble:
+its weight gradient). This module turns that table
 into static integer programs (`SlotPlan`) and runs them in one `lax.scan` over ticks inside the
 pipeline's `shard_map`: at each tick every stage runs its own operation (`lax.switch`), then two
 `ppermute`s move the outputs one stage on, activations forward and input gradients back (with the
@@ -420,7 +421,7 @@ class _TableWork(SlotWork):
                 g_w, dx = pullback(self._cotangents(c, g))
             if self.plan.split and not self.plan.gemms:  # W runs the pullback again for g_w (dead code here)
                 put["gs"] = g
-            else:  # gemms split: the parameters no matmul reads (norm scales)
+            else:  # fused (interleaved): every weight gradient; gemms split: those no matmul reads (norm scales)
                 c = self._add_layers(c, chunk, g_w)
             if not first:
                 return (c, *self._outputs(x, buffers, dx=dx, **put))

@@ -203,7 +203,7 @@ def alternating(schedule: str, p: int, m: int, v: int = 1, latency: int = 0) -> 
 
 def simulate(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1,
              latency: int = 0) -> list[list[Op | None]]:
-    """The executed table: table[t][s] the operation stage s runs in tick t (None: idle). A W split
+    """The unit-time table: table[t][s] the operation stage s runs in tick t (None: idle). A W split
     in parts counts as done when its last part is. `latency`: ticks a result sent to a neighbour
     spends in flight beyond the next tick (1: sent while the next tick computes, read the tick after)."""
     v = v if schedule == "interleaved_1f1b" else 1
@@ -233,8 +233,9 @@ def check(table: list[list[Op | None]], p: int, m: int, v: int = 1, split: bool 
     on every stage and never before what it needs (from a neighbour: `latency` ticks earlier still)."""
     seen: dict[tuple, int] = {}
     parts = weight_parts(table)
-    kinds = (F, B, W) if _has_w(table) else (F, B)  # an alternating table's B is the whole backward
-    split = split or kinds == (F, B)  # ... and sends its gradient
+    # a table without W (`alternating`, split False): its B is the whole backward and sends the gradient
+    kinds = (F, B, W) if split or _has_w(table) else (F, B)
+    split = split or kinds == (F, B)
     for t, row in enumerate(table):
         for s, op in enumerate(row):
             if op is None:
