@@ -141,9 +141,12 @@ GPU_COMPILER_OPTIONS: dict[str, bool | int] = {
 # 4 of 4 at 3; stage 4 x fsdp 2: the stage weights' gathers 4 -> 9 of 9 and the gradients'
 # reduce-scatters 2 -> 5 of 6 (1f1b; zero bubble); llama3_405b's overlapped 1F1B: 2 -> 4 of 4 permutes
 # at 8 (3 is not enough there), its plain config's reduce-scatters 82 -> 117 of 190 beside compute,
-# every peak within 0.06 GiB. Without a pipeline it buys nothing and costs memory (llama3_8b on fsdp 8:
-# 68 of 70 pairs beside compute at either limit, 43.26 GiB at 1, 45.17 at 8; fsdp 4 x sequence 2 with
-# ring attention: 68.08 GiB at 1, 73.74 at 8), so those meshes keep XLA's default.
+# every peak within 0.06 GiB. Without a pipeline it mostly costs memory and overlaps as much or less
+# (pairs beside compute, peak at limits 1 / 8: llama3_8b fsdp 8 68 / 68 of 70, 43.26 / 45.17 GiB;
+# fsdp 4 x tensor 2 76 / 75 of 80, 31.27 / 32.18; Pallas kernels 67 / 67 of 70, 22.13 / 23.68;
+# llama3_70b fsdp 16 x tensor 4 74 / 71 of 82; Mixtral expert 8 x tensor 8 84 / 80 of 85; ring
+# attention 68.08 / 73.74 GiB), so those meshes keep XLA's default. The exception measured: Llama 3
+# 405B on fsdp 16,384 alone, 40 / 49 of 49 gathers and 9 / 11 of 11 scatters, 61.98 / 59.68 GiB.
 PIPELINE_COLLECTIVE_OVERLAP_LIMIT = 8
 
 
