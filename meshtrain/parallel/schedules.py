@@ -181,17 +181,26 @@ def alternating(schedule: str, p: int, m: int, v: int = 1, latency: int = 0) -> 
     Bubble, time-weighted (`bubble`: a forward tick lasts F, a backward tick B = 2F): (p - 1) / (v m)."""
     v = v if schedule == "interleaved_1f1b" else 1
     orders = [[op for op in order if op.kind != W] for order in stage_orders(schedule, p, m, v)]
-    position, done = [0] * p, {}
+    return _run(orders, p, v, split=True, latency=latency, kinds=(F, B),
+                what=f"{schedule} p={p} m={m} v={v}: the alternating stage orders")
+
+
+def _run(orders: list[list[Op]], p: int, v: int, split: bool, latency: int, kinds: tuple[str, ...] | None,
+         what: str) -> list[list[Op | None]]:
+    """Runs per-stage orders tick by tick: each stage its next operation when it is ready (and, with
+    `kinds`, of the kind tick t takes: kinds[t % len(kinds)])."""
+    position = [0] * p
+    done: dict[tuple, int] = {}
     table: list[list[Op | None]] = []
     total = sum(len(o) for o in orders)
     while sum(position) < total:
         if len(table) > 4 * total + 4 * p:
-            raise RuntimeError(f"{schedule} p={p} m={m} v={v}: the alternating stage orders deadlock")
-        kind = F if len(table) % 2 == 0 else B
+            raise RuntimeError(f"{what} deadlock")
         row: list[Op | None] = []
         for s in range(p):
             op = orders[s][position[s]] if position[s] < len(orders[s]) else None
-            ready = op is not None and op.kind == kind and _ready(op, s, p, v, done, True, len(table), latency)
+            ready = (op is not None and (kinds is None or op.kind == kinds[len(table) % len(kinds)])
+                     and _ready(op, s, p, v, done, split, len(table), latency))
             row.append(op if ready else None)
         for s, op in enumerate(row):
             if op is not None:
@@ -208,24 +217,8 @@ def simulate(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1,
     spends in flight beyond the next tick (1: sent while the next tick computes, read the tick after)."""
     v = v if schedule == "interleaved_1f1b" else 1
     orders = stage_orders(schedule, p, m, v, weight_parts, latency)
-    position = [0] * p
-    done: dict[tuple, int] = {}
-    table: list[list[Op | None]] = []
-    total = sum(len(o) for o in orders)
-    while sum(position) < total:
-        if len(table) > 4 * total + 4 * p:
-            raise RuntimeError(f"{schedule} p={p} m={m} v={v}: the stage orders deadlock")
-        row: list[Op | None] = []
-        for s in range(p):
-            op = orders[s][position[s]] if position[s] < len(orders[s]) else None
-            ready = op is not None and _ready(op, s, p, v, done, schedule == "zero_bubble", len(table), latency)
-            row.append(op if ready else None)
-        for s, op in enumerate(row):
-            if op is not None:
-                done[(op.kind, s, op.micro, op.chunk)] = len(table)
-                position[s] += 1
-        table.append(row)
-    return table
+    return _run(orders, p, v, split=schedule == "zero_bubble", latency=latency, kinds=None,
+                what=f"{schedule} p={p} m={m} v={v}: the stage orders")
 
 
 def check(table: list[list[Op | None]], p: int, m: int, v: int = 1, split: bool = False, latency: int = 0) -> None:
