@@ -126,18 +126,18 @@ def _allocate(intervals: list[tuple[float, float, object]]) -> tuple[dict, int]:
     return slots, used
 
 
-def _put_slots(ticks: int, p: int, live: list[list[tuple[int, int, int]]],
-               fills: dict) -> tuple[np.ndarray, np.ndarray, int]:
+def _put_slots(ticks: int, p: int, live: list[list[tuple[int, int, int]]]) -> tuple[np.ndarray, np.ndarray, int]:
     """([ticks, p] the slot each tick writes a buffer's `put` into, [ticks, p] whether it writes back
     the slot's own value instead, the buffer's size: its peak of values held at once).
 
-    `live[s]`: (write tick, last read tick, slot) of every value stage s keeps in the buffer; `fills`:
-    {(tick, stage): slot} of the operations that fill it. Every other operation puts zeros into the
+    `live[s]`: (write tick, last read tick, slot) of every value stage s keeps in the buffer, written
+    by the operation of its write tick, which fills that slot. Every other operation puts zeros into the
     lowest slot whose value, if any, is not read after the tick (the switch reads before the tick
     writes); where every slot holds a value still to be read (a stage idle at its peak), it writes
     slot 0's value back: a slot read, instead of a slot more in the buffer."""
     size = max([slot + 1 for intervals in live for _, _, slot in intervals], default=1)
     slots, keep = np.zeros((ticks, p), np.int32), np.zeros((ticks, p), np.int32)
+    fills = {(start, s): slot for s in range(p) for start, _, slot in live[s]}
     for s in range(p):
         for t in range(ticks):
             if (t, s) in fills:
@@ -219,26 +219,19 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
         row[FIELDS.index("micro")], row[FIELDS.index("chunk")] = j, c
         row[FIELDS.index("stash")] = stash[key]
         row[FIELDS.index("wstash")] = weight.get(key, 0)
-    # the residual, matmul-input (gemms) and output-gradient (split) buffers: who fills which slot, what
-    # lives where from its write to its last read, and where the other operations write their zeros
+    # the residual, matmul-input (gemms) and output-gradient (split) buffers: what lives in which slot
+    # from its write (by the operation that fills it) to its last read
     gemms = split and split_backward == "gemms"
-    live = {name: [[] for _ in range(p)] for name in ("stash", "inputs", "g")}
-    fills = {name: {} for name in live}
-    for (kind, s, j, c), t in when.items():
-        key = (s, j, c)
-        if kind == schedules.F:
-            end = when[(schedules.W if split and split_backward == "pullback" else schedules.B, s, j, c)]
-            live["stash"][s].append((t, end, stash[key]))
-            fills["stash"][t, s] = stash[key]
-            if gemms:
-                live["inputs"][s].append((t, when[(schedules.W, s, j, c)], weight[key]))
-                fills["inputs"][t, s] = weight[key]
-        elif kind == schedules.B and split:
-            live["g"][s].append((t, when[(schedules.W, s, j, c)], weight[key]))
-            fills["g"][t, s] = weight[key]
+
+    def slotted(intervals, slots):
+        return [[(start, end, slots[key]) for start, end, key in intervals[s]] for s in range(p)]
+    # gemms: the output gradients share the inputs' slots, from B to W; pullback: weight_iv is B to W
+    g_iv = [[(when[(schedules.B, *key)], end, key) for _, end, key in weight_iv[s]] for s in range(p)]
+    live = {"stash": slotted(stash_iv, stash), "inputs": slotted(weight_iv, weight) if gemms else [[]] * p,
+            "g": slotted(g_iv, weight) if split else [[]] * p}
     n_stash = 0
     for name in live:
-        slots, keep, size = _put_slots(len(table), p, live[name], fills[name])
+        slots, keep, size = _put_slots(len(table), p, live[name])
         program[:, :, FIELDS.index(f"put_{name}")] = slots
         program[:, :, FIELDS.index(f"keep_{name}")] = keep
         if name == "stash":
