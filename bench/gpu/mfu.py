@@ -112,6 +112,10 @@ def main() -> None:
             rows[name] = measure(bench_config(quick, matmuls, kernels), 2 if quick else args.steps)
         except Exception as error:  # noqa: BLE001 - one variant's failure is a result, the others still run
             rows[name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
+        if args.out:  # after every variant, so that a run stopped at its time limit keeps what it measured
+            pathlib.Path(args.out).write_text(json.dumps({"bench": "gpu_mfu", "device": device.device_kind,
+                                                          "platform": device.platform, "quick": quick,
+                                                          "variants": rows}) + "\n")
     print(f"{device.device_kind} ({device.platform}), {'quick model' if quick else 'Llama 3.2 1B shape'}")
     print(f"{'variant':<14} {'step s':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'compile s':>9}")
     for name, r in rows.items():

@@ -7,15 +7,19 @@
 # 2. kernel_tests.json  the Pallas kernel tests with the kernels compiled by Triton (not interpreted)
 #                       against their references, float32 and bf16 (bench/gpu/kernel_tests.py)
 # 3. mfu.json           single-GPU MFU of a ~1B Llama, bf16 and FP8, kernels off and on (bench/gpu/mfu.py)
-# 4. overlap.json       the step compiled over all local GPUs: asynchronous collectives and the compute
+# 4. pipeline_branches.json  one pipeline stage's branches timed on the GPU beside the cost model's roofline,
+#                       and each schedule's modeled step from the measured times (bench/gpu/pipeline_branches.py)
+# 5. overlap.json       the step compiled over all local GPUs: asynchronous collectives and the compute
 #                       scheduled beside them (bench/gpu/overlap.py)
 #
 # Install (bench/gpu/install.sh): a JAX already installed in setup.py's range is kept, never replaced
 # (out of range: the runbook stops); meshtrain goes in with --no-deps, and its other needs come from the
 # package index or, on machines without one, from a folder of wheels (WHEELS=DIR, filled where an index
 # is reachable by bench/gpu/offline_wheels.sh DIR). With no JAX at all it installs the `gpu` extra. On a
-# machine without an NVIDIA GPU it stops at once. Each part has its own time limit (180 + 300 + 90 s),
-# so the parts end within 10 minutes; a part over its limit is recorded as such and the next runs.
+# machine without an NVIDIA GPU it stops at once. Each part has its own time limit (180, 150, 300, 90 s),
+# cut to what is left of RUNBOOK_SECONDS (default 600) from the runbook's start, so that the runbook
+# ends within it; a part over its limit is recorded as such and the next runs (none starts with under
+# 20 s left).
 set -uo pipefail
 OUT=${1:?usage: bench/gpu/run_all.sh OUT_DIR}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -42,8 +46,18 @@ fi
 
 # ---- parts --------------------------------------------------------------------------------------
 status=0
+budget=${RUNBOOK_SECONDS:-600}
 part() {  # part NAME SECONDS COMMAND...: runs one part under its time limit, keeps going on failure
   local name=$1 limit=$2; shift 2
+  local left=$(( budget - ($(date +%s) - start) - 5 ))
+  if [ "$left" -lt 20 ]; then
+    log "$name: skipped (${left}s left of RUNBOOK_SECONDS=$budget)"
+    printf '{"bench": "%s", "error": "skipped: %ss left of the runbook'"'"'s %ss"}\n' "$name" "$left" "$budget" \
+      >"$OUT/$name.json"
+    status=1
+    return
+  fi
+  [ "$left" -lt "$limit" ] && limit=$left
   log "$name (limit ${limit}s)"
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
@@ -64,6 +78,7 @@ print(json.dumps({"bench": "gpu_env", "jax": jax.__version__, "devices": [d.devi
 EOF
 cat "$OUT/env.json"
 part kernel_tests 180 "$PY" bench/gpu/kernel_tests.py --out "$OUT/kernel_tests.json"
+part pipeline_branches 150 "$PY" bench/gpu/pipeline_branches.py --out "$OUT/pipeline_branches.json"
 part mfu 300 "$PY" bench/gpu/mfu.py --out "$OUT/mfu.json"
 part overlap 90 "$PY" bench/gpu/overlap.py --out "$OUT/overlap.json"
 log "done: $(ls "$OUT"/*.json | wc -l) JSON files in $OUT"

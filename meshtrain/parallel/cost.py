@@ -84,113 +84,143 @@ class BranchCosts:
 
     @classmethod
     def from_compiler(cls, config: ml_collections.ConfigDict, sizes, gpu, *, in_node: bool = True) -> BranchCosts:
-        """Each branch of one stage compiled on one CPU device as the loops run it, at the per-device
-        micro-batch shape (rows = batch / (microbatches x data-parallel size), the stage's n_layers /
-        stage layers, `tensor` and `sequence` not split), priced on `gpu` (`plan.hardware.Gpu`):
+        """Each branch of one stage (`stage_branches`) compiled on one CPU device and priced on `gpu`
+        (`plan.hardware.Gpu`) by the roofline: the larger of its FLOPs (XLA's cost analysis) at the
+        bf16 peak and its bytes at HBM bandwidth, the bytes being what it must read and write: its
+        arguments and results (XLA's memory analysis). XLA:CPU's own "bytes accessed" adds every unfused
+        instruction's operands (the float32 copies of bf16 dots among them), which a GPU's fusions never
+        move."""
+        return cls._priced(config, sizes, gpu, jax.devices("cpu")[0], lambda fn, args: _roofline(fn, args, gpu),
+                           in_node)
 
-        * F: the stage's vjp, returning its output and the residuals a stash slot keeps (the split's F
-          also the matmul inputs W reads);
-        * B: the pullback rebuilt from those residuals and the weights, its weight gradients added to
-          the float32 sums (the split's B: input gradients and the matmuls' output gradients, only
-          the parameters no matmul reads summed);
-        * W: the weight GEMMs from the recorded inputs and output gradients, added to the sums.
+    @classmethod
+    def measured(cls, config: ml_collections.ConfigDict, sizes, gpu, device: jax.Device | None = None, *,
+                 iterations: int = 20, in_node: bool = True) -> BranchCosts:
+        """Each branch of one stage (`stage_branches`) run on `device` (default: the first) and timed:
+        `iterations` runs inside one device loop, as the pipeline's tick loop runs them, the fastest of
+        three such loops divided by `iterations` (`timed`). The transfer stays `gpu`'s link bandwidth
+        (one device has no neighbour to send to)."""
+        device = device or jax.devices()[0]
+        return cls._priced(config, sizes, gpu, device, lambda fn, args: timed(fn, args, device, iterations),
+                           in_node)
 
-        A branch's seconds are the larger of its FLOPs (XLA's cost analysis) at the bf16 peak and its
-        bytes at HBM bandwidth, the bytes being what it must read and write: its arguments and results
-        (XLA's memory analysis). XLA:CPU's own "bytes accessed" adds every unfused instruction's
-        operands (the float32 copies of bf16 dots among them), which a GPU's fusions never move."""
-        from meshtrain import attention, config as config_lib, model as model_lib
-        from meshtrain.mesh import single_device_mesh
-        from meshtrain.parallel.pipeline import Residuals, SplitStage, stage_function
-        from meshtrain.parallel.pipeline_tables import SplitResiduals
-        from meshtrain.sharding_rules import Rules
-
-        cfg = config_lib.ModelConfig.from_config(config)
-        p, m = sizes["stage"], config.pipeline.microbatches
-        rows = max(1, config.train.batch_size // (m * config_lib.data_parallel_size(sizes)))
-        mesh = single_device_mesh(jax.devices("cpu")[0])
-        rules = Rules.for_mesh(mesh)
-        stack = stage_function(cfg, rules, attention.xla_attention)
-        split = SplitStage.build(cfg, rules, attention.xla_attention)
-        units = model_lib.scan_unit(cfg)[1] // p
-        boxed = model_lib.abstract_params(cfg)["layers"]
-        layers = jax.tree.map(lambda box: jax.ShapeDtypeStruct((units, *box.value.shape[1:]), box.value.dtype),
-                              boxed, is_leaf=lambda a: hasattr(a, "names"))
-        w = {"params": layers}
-        x = jax.ShapeDtypeStruct((rows, config.train.seq_len, cfg.d_model), cfg.dtype)
-        pos = jax.ShapeDtypeStruct((rows, config.train.seq_len), jnp.int32)
-
-        def micro(pos):
-            return {"positions": pos, "segment_ids": jnp.ones_like(pos)}
-
-        def residuals(w, x, pos, split_backward: bool):
-            r = SplitResiduals(split, w, split.probes(w, x, pos, jnp.ones_like(pos))) if split_backward \
-                else Residuals(stack, w)
-            r.structure(x, micro(pos))
-            return r
-
+    @classmethod
+    def _priced(cls, config, sizes, gpu, device, price, in_node: bool) -> BranchCosts:
+        mesh, branches, nbytes = stage_branches(config, sizes, device)
         with jax.set_mesh(mesh):
-            stats = jax.eval_shape(lambda w, x, pos: stack(w, x, pos, jnp.ones_like(pos))[1], w, x, pos)
-
-            def cotangent(g):
-                return g, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats)
-
-            def forward(w, x, pos):  # F: output and the stash slot's residuals
-                r = residuals(w, x, pos, False)
-                (y, _), pullback = r.vjp(x, micro(pos), w)
-                return y, r.keep(pullback, w)
-
-            def backward(w, kept, g, pos, sums):  # B (fused): every gradient, summed
-                g_w, dx = residuals(w, g, pos, False).rebuild(kept, w)(cotangent(g))
-                return dx, _added(sums, g_w)
-
-            def split_forward(w, x, pos):  # F of the split: the matmul inputs recorded too
-                r = residuals(w, x, pos, True)
-                (y, _), pullback, recorded = r.vjp_recording(x, micro(pos), w)
-                return y, r.keep(pullback, w), recorded
-
-            kept = jax.eval_shape(forward, w, x, pos)[1]
-            _, split_kept, recorded = jax.eval_shape(split_forward, w, x, pos)
-            dys = jax.eval_shape(lambda w, x, pos: split.probes(w, x, pos, jnp.ones_like(pos)), w, x, pos)
-
-            def weight_grad(w, recorded, dys, pos):  # W's gradients: the weight GEMMs
-                return jax.vjp(lambda w: split.weights(w, recorded, jnp.zeros(x.shape, x.dtype), pos,
-                                                       jnp.ones_like(pos)), w)[1](dys)[0]
-
-            # the parameters whose gradients W computes (the matmul weights); B sums the others
-            from_w = [not zero for zero in _zero_outputs(weight_grad, w, recorded, dys, pos)]
-            sums32 = [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in jax.tree.leaves(w)]
-            sums_w = [a for a, kept_w in zip(sums32, from_w, strict=True) if kept_w]
-            sums_b = [a for a, kept_w in zip(sums32, from_w, strict=True) if not kept_w]
-
-            def input_grad(w, kept, g, pos, sums):  # B (split): input and output gradients, non-matmul sums
-                g_w, dx, dys = residuals(w, g, pos, True).rebuild(kept, w)(cotangent(g))
-                rest = [a for a, kept_w in zip(jax.tree.leaves(g_w), from_w, strict=True) if not kept_w]
-                return dx, dys, _added(sums, rest)
-
-            def weights(w, recorded, dys, pos, sums):  # W: the weight GEMMs, summed
-                grads = jax.tree.leaves(weight_grad(w, recorded, dys, pos))
-                produced = [a for a, kept_w in zip(grads, from_w, strict=True) if kept_w]
-                return _added(sums, produced)
-
-            sums = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), w)
-            seconds = {"forward": _roofline(forward, (w, x, pos), gpu),
-                       "backward": _roofline(backward, (w, kept, x, pos, sums), gpu),
-                       "split_forward": _roofline(split_forward, (w, x, pos), gpu),
-                       "input_grad": _roofline(input_grad, (w, split_kept, x, pos, sums_b), gpu),
-                       "weight_grad": _roofline(weights, (w, recorded, dys, pos, sums_w), gpu)}
-            if config.pipeline.split_backward == "pullback":  # B and W: the stage's pullback, for dx, then for dw
-                def pullback(w, kept, g, pos):
-                    return residuals(w, g, pos, False).rebuild(kept, w)(cotangent(g))
-                seconds["split_forward"] = seconds["forward"]
-                seconds["input_grad"] = _roofline(lambda *a: pullback(*a)[1], (w, kept, x, pos), gpu)
-                def weights_again(w, kept, g, pos, sums):
-                    return _added(sums, pullback(w, kept, g, pos)[0])
-                seconds["weight_grad"] = _roofline(weights_again, (w, kept, x, pos, sums), gpu)
-        nbytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+            seconds = {name: price(fn, args) for name, (fn, args) in branches.items()}
         link = gpu.nvlink_bandwidth if in_node else gpu.network_bandwidth
         return cls(seconds["forward"], seconds["backward"], seconds["input_grad"], seconds["weight_grad"],
-                   nbytes / link, recompute=cfg.remat_policy != "none", split_forward=seconds["split_forward"])
+                   nbytes / link, recompute=config.remat.policy != "none", split_forward=seconds["split_forward"])
+
+
+def stage_branches(config: ml_collections.ConfigDict, sizes, device: jax.Device):
+    """(mesh, {name: (function, abstract arguments)}, bytes of one activation): each branch of one
+    stage on `device` as the loops run it, at the per-device micro-batch shape (rows = batch /
+    (microbatches x data-parallel size), the stage's n_layers / stage layers, `tensor` and `sequence`
+    not split):
+
+    * forward (F): the stage's vjp, returning its output and the residuals a stash slot keeps;
+      split_forward: the split's F, which also records the matmul inputs W reads;
+    * backward (B, fused): the pullback rebuilt from those residuals and the weights, its weight
+      gradients added to the float32 sums;
+    * input_grad (the split's B): input gradients and the matmuls' output gradients, only the
+      parameters no matmul reads summed;
+    * weight_grad (W): the weight GEMMs from the recorded inputs and output gradients, added to the sums.
+
+    Under `split_backward=pullback` the split's F is the plain forward, its B the pullback for the
+    input gradient and its W the whole pullback again, for the weight gradients."""
+    from meshtrain import attention, config as config_lib, model as model_lib
+    from meshtrain.mesh import single_device_mesh
+    from meshtrain.parallel.pipeline import Residuals, SplitStage, stage_function
+    from meshtrain.parallel.pipeline_tables import SplitResiduals
+    from meshtrain.sharding_rules import Rules
+
+    cfg = config_lib.ModelConfig.from_config(config)
+    p, m = sizes["stage"], config.pipeline.microbatches
+    rows = max(1, config.train.batch_size // (m * config_lib.data_parallel_size(sizes)))
+    mesh = single_device_mesh(device)
+    rules = Rules.for_mesh(mesh)
+    stack = stage_function(cfg, rules, attention.xla_attention)
+    split = SplitStage.build(cfg, rules, attention.xla_attention)
+    units = model_lib.scan_unit(cfg)[1] // p
+    boxed = model_lib.abstract_params(cfg)["layers"]
+    layers = jax.tree.map(lambda box: jax.ShapeDtypeStruct((units, *box.value.shape[1:]), box.value.dtype),
+                          boxed, is_leaf=lambda a: hasattr(a, "names"))
+    w = {"params": layers}
+    x = jax.ShapeDtypeStruct((rows, config.train.seq_len, cfg.d_model), cfg.dtype)
+    pos = jax.ShapeDtypeStruct((rows, config.train.seq_len), jnp.int32)
+
+    def micro(pos):
+        return {"positions": pos, "segment_ids": jnp.ones_like(pos)}
+
+    def residuals(w, x, pos, split_backward: bool):
+        r = SplitResiduals(split, w, split.probes(w, x, pos, jnp.ones_like(pos))) if split_backward \
+            else Residuals(stack, w)
+        r.structure(x, micro(pos))
+        return r
+
+    with jax.set_mesh(mesh):
+        stats = jax.eval_shape(lambda w, x, pos: stack(w, x, pos, jnp.ones_like(pos))[1], w, x, pos)
+
+        def cotangent(g):
+            return g, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats)
+
+        def forward(w, x, pos):  # F: output and the stash slot's residuals
+            r = residuals(w, x, pos, False)
+            (y, _), pullback = r.vjp(x, micro(pos), w)
+            return y, r.keep(pullback, w)
+
+        def backward(w, kept, g, pos, sums):  # B (fused): every gradient, summed
+            g_w, dx = residuals(w, g, pos, False).rebuild(kept, w)(cotangent(g))
+            return dx, _added(sums, g_w)
+
+        def split_forward(w, x, pos):  # F of the split: the matmul inputs recorded too
+            r = residuals(w, x, pos, True)
+            (y, _), pullback, recorded = r.vjp_recording(x, micro(pos), w)
+            return y, r.keep(pullback, w), recorded
+
+        kept = jax.eval_shape(forward, w, x, pos)[1]
+        _, split_kept, recorded = jax.eval_shape(split_forward, w, x, pos)
+        dys = jax.eval_shape(lambda w, x, pos: split.probes(w, x, pos, jnp.ones_like(pos)), w, x, pos)
+
+        def weight_grad(w, recorded, dys, pos):  # W's gradients: the weight GEMMs
+            return jax.vjp(lambda w: split.weights(w, recorded, jnp.zeros(x.shape, x.dtype), pos,
+                                                   jnp.ones_like(pos)), w)[1](dys)[0]
+
+        # the parameters whose gradients W computes (the matmul weights); B sums the others
+        from_w = [not zero for zero in _zero_outputs(weight_grad, w, recorded, dys, pos)]
+        sums32 = [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in jax.tree.leaves(w)]
+        sums_w = [a for a, kept_w in zip(sums32, from_w, strict=True) if kept_w]
+        sums_b = [a for a, kept_w in zip(sums32, from_w, strict=True) if not kept_w]
+
+        def input_grad(w, kept, g, pos, sums):  # B (split): input and output gradients, non-matmul sums
+            g_w, dx, dys = residuals(w, g, pos, True).rebuild(kept, w)(cotangent(g))
+            rest = [a for a, kept_w in zip(jax.tree.leaves(g_w), from_w, strict=True) if not kept_w]
+            return dx, dys, _added(sums, rest)
+
+        def weights(w, recorded, dys, pos, sums):  # W: the weight GEMMs, summed
+            grads = jax.tree.leaves(weight_grad(w, recorded, dys, pos))
+            produced = [a for a, kept_w in zip(grads, from_w, strict=True) if kept_w]
+            return _added(sums, produced)
+
+        sums = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), w)
+        branches = {"forward": (forward, (w, x, pos)),
+                    "backward": (backward, (w, kept, x, pos, sums)),
+                    "split_forward": (split_forward, (w, x, pos)),
+                    "input_grad": (input_grad, (w, split_kept, x, pos, sums_b)),
+                    "weight_grad": (weights, (w, recorded, dys, pos, sums_w))}
+        if config.pipeline.split_backward == "pullback":  # B and W: the stage's pullback, for dx, then for dw
+            def pullback(w, kept, g, pos):
+                return residuals(w, g, pos, False).rebuild(kept, w)(cotangent(g))
+
+            def weights_again(w, kept, g, pos, sums):
+                return _added(sums, pullback(w, kept, g, pos)[0])
+
+            branches["split_forward"] = branches["forward"]
+            branches["input_grad"] = (lambda *a: pullback(*a)[1], (w, kept, x, pos))
+            branches["weight_grad"] = (weights_again, (w, kept, x, pos, sums))
+    return mesh, branches, math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
 
 
 def _added(sums, grads):
@@ -206,6 +236,43 @@ def _zero_outputs(fn, *args) -> list[bool]:
              if eqn.primitive.name == "broadcast_in_dim" and isinstance(eqn.invars[0], jex_core.Literal)
              and eqn.invars[0].val == 0}
     return [isinstance(v, jex_core.Literal) or id(v) in zeros for v in jaxpr.outvars]
+
+
+def timed(fn, args, device: jax.Device, iterations: int = 20, repeats: int = 3) -> float:
+    """Seconds of one run of `fn` on `device`, measured: `iterations` runs in one device loop (a
+    `fori_loop`, as the pipeline's tick loop runs its branches: no host dispatch between them), the
+    fastest of `repeats` loops after a warm-up, divided by `iterations`. The arguments are filled on
+    the device (normal values for floats, zeros for integers); each run reads them through an
+    optimization barrier with the previous run's results, so XLA can neither hoist the branch out of
+    the loop nor drop an unread result."""
+    import time
+
+    keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(args))))
+
+    def fill(a):
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            return (0.02 * jax.random.normal(next(keys), a.shape, jnp.float32)).astype(a.dtype)
+        return jnp.zeros(a.shape, a.dtype)
+
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    concrete = jax.device_put(jax.tree.map(fill, args), sharding)
+    outs = jax.device_put(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(fn, *args)), sharding)
+
+    def loop(args, outs):
+        def body(_, carry):
+            args, _ = jax.lax.optimization_barrier(carry)
+            return args, fn(*args)
+
+        return jax.lax.fori_loop(0, iterations, body, (args, outs))[1]
+
+    compiled = jax.jit(loop).lower(concrete, outs).compile()
+    jax.block_until_ready(compiled(concrete, outs))
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(concrete, outs))
+        best = min(best, time.perf_counter() - start)
+    return best / iterations
 
 
 def _roofline(fn, args, gpu) -> float:
