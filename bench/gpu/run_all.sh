@@ -5,7 +5,9 @@
 #
 # 1. env.json           the GPUs (nvidia-smi), JAX and its devices
 # 2. kernel_tests.json  the Pallas kernel tests with the kernels compiled by Triton (not interpreted)
-#                       against their references, float32 and bf16 (bench/gpu/kernel_tests.py)
+#                       against their references, float32 and bf16 (bench/gpu/kernel_tests.py); pytest's
+#                       verbose log streamed to kernel_tests.pytest.log (a part stopped at its limit
+#                       reports the tests that finished)
 # 3. mfu.json           single-GPU MFU of a ~1B Llama, bf16 and FP8, kernels off and on (bench/gpu/mfu.py)
 # 4. pipeline_branches.json  one pipeline stage's branches timed on the GPU beside the cost model's roofline,
 #                       and each schedule's modeled step from the measured times (bench/gpu/pipeline_branches.py)
@@ -59,7 +61,7 @@ part() {  # part NAME SECONDS COMMAND...: runs one part under its time limit, ke
   fi
   [ "$left" -lt "$limit" ] && limit=$left
   log "$name (limit ${limit}s)"
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  RUNBOOK_PART_SECONDS=$limit timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   tail -n 12 "$OUT/$name.log"
   if [ $rc -ne 0 ]; then
@@ -77,7 +79,7 @@ print(json.dumps({"bench": "gpu_env", "jax": jax.__version__, "devices": [d.devi
                   "nvidia_smi": smi}))
 EOF
 cat "$OUT/env.json"
-part kernel_tests 180 "$PY" bench/gpu/kernel_tests.py --out "$OUT/kernel_tests.json"
+part kernel_tests 180 "$PY" bench/gpu/kernel_tests.py --out "$OUT/kernel_tests.json" --log "$OUT/kernel_tests.pytest.log"
 part pipeline_branches 150 "$PY" bench/gpu/pipeline_branches.py --out "$OUT/pipeline_branches.json"
 part mfu 300 "$PY" bench/gpu/mfu.py --out "$OUT/mfu.json"
 part overlap 90 "$PY" bench/gpu/overlap.py --out "$OUT/overlap.json"
