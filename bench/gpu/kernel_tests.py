@@ -52,7 +52,8 @@ def run(select: str = "", seconds: float = 0.0, log: pathlib.Path | None = None)
     with tempfile.TemporaryDirectory() as tmp:
         report = pathlib.Path(tmp) / "report.xml"
         log = log or pathlib.Path(tmp) / "pytest.log"
-        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-o", "addopts=", "--durations=10",
+        cmd = [sys.executable, "-m", "pytest", "-v", "-s", "-p", "no:cacheprovider", "-p", "bench.gpu._report_now",
+               "-o", "addopts=", "--durations=10",
                f"--junitxml={report}", *FILES] + (["-k", select] if select else [])
         start = time.perf_counter()
         with open(log, "w") as stream:
@@ -65,10 +66,11 @@ def run(select: str = "", seconds: float = 0.0, log: pathlib.Path | None = None)
                 code = None
         text = log.read_text(errors="replace")
         results = _read_junit(report) if report.exists() else _read_verbose(text)
-    failed = {k: v for k, v in results.items() if v not in ("passed", "skipped")}
+    failed = {k: v for k, v in results.items() if v != "passed" and not v.startswith("skipped")}
     return {"bench": "gpu_kernel_tests", "platform": platform,
             "mode": "compiled" if platform == "cuda" else "interpret", "tests": len(results),
             "passed": sum(v == "passed" for v in results.values()), "failed": failed,
+            "skipped": {k: v for k, v in results.items() if v.startswith("skipped")},
             "seconds": round(time.perf_counter() - start, 1),
             "pytest_exit": f"stopped after {seconds:.0f} s" if code is None else code,
             "unfinished": _unfinished(text) if code is None else "",
@@ -98,7 +100,8 @@ def _read_junit(path: pathlib.Path) -> dict[str, str]:
         if problem is not None:
             out[name] = (problem.get("message") or "failed")[:500]
         else:
-            out[name] = "skipped" if case.find("skipped") is not None else "passed"
+            skipped = case.find("skipped")
+            out[name] = "passed" if skipped is None else f"skipped: {skipped.get('message') or ''}"[:300]
     return out
 
 
@@ -120,6 +123,8 @@ def main() -> None:
                                                 if result["unfinished"] else ""))
     for name, message in result["failed"].items():
         print(f"  FAILED {name}: {message.splitlines()[0] if message else ''}")
+    for name, reason in result["skipped"].items():
+        print(f"  SKIPPED {name}: {reason}")
     line = json.dumps(result)
     print(line)
     if args.out:

@@ -298,9 +298,10 @@ def fused_cross_entropy(
 
 
 def fused_cross_entropy_reference(hidden: jax.Array, w_out: jax.Array, labels: jax.Array, mask: jax.Array) -> jax.Array:
-    """Pure-jnp sum(mask * token cross-entropy) with full fp32 logits, for tests."""
+    """Pure-jnp sum(mask * token cross-entropy) with full fp32 logits (the matmul at full float32
+    precision: a GPU's default for float32 is TF32), for tests."""
     _validate(hidden, w_out, labels, mask)
-    logits = jnp.dot(hidden.astype(jnp.float32), w_out.astype(jnp.float32))
+    logits = jnp.dot(hidden.astype(jnp.float32), w_out.astype(jnp.float32), precision=lax.Precision.HIGHEST)
     lse = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.take_along_axis(logits, labels[:, None].astype(jnp.int32), axis=-1)[:, 0]
     mask = mask.astype(jnp.float32)

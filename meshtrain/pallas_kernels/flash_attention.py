@@ -497,7 +497,8 @@ def flash_attention_with_lse_reference(
     kv_positions: jax.Array | None = None,
     sm_scale: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Pure-jnp (out, lse) with the semantics of `flash_attention_with_lse`, in fp32."""
+    """Pure-jnp (out, lse) with the semantics of `flash_attention_with_lse`, in fp32 (matmuls at full
+    float32 precision: a GPU's default for float32 is TF32)."""
     q_seg, kv_seg, q_pos, kv_pos = _validate(
         q, k, v, segment_ids, q_segment_ids, kv_segment_ids, q_positions, kv_positions
     )
@@ -505,7 +506,7 @@ def flash_attention_with_lse_reference(
     len_kv, kh = k.shape[1], k.shape[2]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     qf = q.astype(jnp.float32).reshape(b, len_q, kh, h // kh, d)
-    s = jnp.einsum("bqkgd,bskd->bkgqs", qf, k.astype(jnp.float32)) * scale
+    s = jnp.einsum("bqkgd,bskd->bkgqs", qf, k.astype(jnp.float32), precision=lax.Precision.HIGHEST) * scale
     mask = jnp.ones((b, 1, 1, len_q, len_kv), bool)
     if causal:
         if q_pos is None:
@@ -521,7 +522,7 @@ def flash_attention_with_lse_reference(
     denom = jnp.sum(p, axis=-1, keepdims=True)
     empty = denom == 0.0
     denom_safe = jnp.where(empty, 1.0, denom)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", p / denom_safe, v.astype(jnp.float32))
+    out = jnp.einsum("bkgqs,bskd->bqkgd", p / denom_safe, v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
     lse = jnp.where(empty, -jnp.inf, m + jnp.log(denom_safe))[..., 0]
     return out.reshape(b, len_q, h, d).astype(q.dtype), lse.reshape(b, h, len_q)
 
