@@ -15,6 +15,7 @@ stopped.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import pathlib
@@ -44,20 +45,32 @@ def _env(platform: str) -> dict:
     return env
 
 
+def workers(platform: str) -> int:
+    """pytest-xdist workers for the compiled run: each test spends most of its time compiling (Triton
+    and XLA, on the host's cores), so on a GPU machine four processes share the GPU, each allocating
+    what it needs (no preallocation); serial on CPU, or without pytest-xdist."""
+    if platform != "cuda" or importlib.util.find_spec("xdist") is None:
+        return 0
+    return max(1, min(4, (os.cpu_count() or 2) // 2))
+
+
 def run(select: str = "", seconds: float = 0.0, log: pathlib.Path | None = None) -> dict:
-    """The kernel tests in one pytest process, its verbose output streamed to `log` (each test's name
-    is written when it starts, its outcome when it ends); after `seconds` (0: no limit) the process is
-    stopped and the tests that finished are the result, the one running named as unfinished."""
+    """The kernel tests (`workers` processes), pytest's verbose output streamed to `log` (serially each
+    test's name is written when it starts, its outcome when it ends); after `seconds` (0: no limit)
+    the run is stopped and the tests that finished are the result (serially, the one running named
+    as unfinished)."""
     platform = "cuda" if gpu_visible() else "cpu"
+    n = workers(platform)
     with tempfile.TemporaryDirectory() as tmp:
         report = pathlib.Path(tmp) / "report.xml"
         log = log or pathlib.Path(tmp) / "pytest.log"
         cmd = [sys.executable, "-m", "pytest", "-v", "-s", "-p", "no:cacheprovider", "-p", "bench.gpu._report_now",
-               "-o", "addopts=", "--durations=10",
-               f"--junitxml={report}", *FILES] + (["-k", select] if select else [])
+               "-o", "addopts=", "--durations=10", f"--junitxml={report}", *FILES]
+        cmd += (["-k", select] if select else []) + (["-n", str(n)] if n else [])
+        env = dict(_env(platform), XLA_PYTHON_CLIENT_PREALLOCATE="false") if n else _env(platform)
         start = time.perf_counter()
         with open(log, "w") as stream:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(platform), stdout=stream, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stream, stderr=subprocess.STDOUT)
             try:
                 code = proc.wait(timeout=seconds or None)
             except subprocess.TimeoutExpired:
@@ -67,28 +80,34 @@ def run(select: str = "", seconds: float = 0.0, log: pathlib.Path | None = None)
         text = log.read_text(errors="replace")
         results = _read_junit(report) if report.exists() else _read_verbose(text)
     failed = {k: v for k, v in results.items() if v != "passed" and not v.startswith("skipped")}
-    return {"bench": "gpu_kernel_tests", "platform": platform,
+    return {"bench": "gpu_kernel_tests", "platform": platform, "workers": n,
             "mode": "compiled" if platform == "cuda" else "interpret", "tests": len(results),
             "passed": sum(v == "passed" for v in results.values()), "failed": failed,
             "skipped": {k: v for k, v in results.items() if v.startswith("skipped")},
             "seconds": round(time.perf_counter() - start, 1),
             "pytest_exit": f"stopped after {seconds:.0f} s" if code is None else code,
-            "unfinished": _unfinished(text) if code is None else "",
+            "unfinished": _unfinished(text) if code is None else [],
             "tail": text[-2000:] if code != 0 else ""}
 
 
 def _read_verbose(text: str) -> dict[str, str]:
-    """{test: outcome} from pytest -v's lines `path::test[params] PASSED [ 5%]` (a run stopped early)."""
+    """{test: outcome} from pytest -v's lines (a run stopped early): `path::test[params] PASSED [ 5%]`,
+    or under xdist `[gw0] [  5%] PASSED path::test[params]`."""
     out = {}
-    for match in re.finditer(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", text, re.MULTILINE):
-        out[match.group(1)] = match.group(2).lower() if match.group(2) in ("PASSED", "SKIPPED") else match.group(2)
+    serial = r"^(?P<test>\S+::\S+) (?P<outcome>PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)"
+    parallel = r"^\[gw\d+\] (?:\[ *\d+%\] )?(?P<outcome>PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (?P<test>\S+::\S+)"
+    for pattern in (serial, parallel):
+        for match in re.finditer(pattern, text, re.MULTILINE):
+            outcome = match.group("outcome")
+            out[match.group("test")] = outcome.lower() if outcome in ("PASSED", "SKIPPED") else outcome
     return out
 
 
-def _unfinished(text: str) -> str:
-    """The test pytest -v had started and not finished when the run was stopped."""
-    last = text.rstrip("\n").rsplit("\n", 1)[-1]
-    return last.split(" ")[0] if "::" in last and not re.search(r" (PASSED|FAILED|ERROR|SKIPPED)", last) else ""
+def _unfinished(text: str) -> list[str]:
+    """The tests pytest -v had started and not finished when the run was stopped (a started test's
+    line is its name alone until its outcome is written)."""
+    done = _read_verbose(text)
+    return [m.group(1) for m in re.finditer(r"^(\S+::\S+) *$", text, re.MULTILINE) if m.group(1) not in done]
 
 
 def _read_junit(path: pathlib.Path) -> dict[str, str]:
@@ -119,7 +138,7 @@ def main() -> None:
         args.select = args.select or "default_blocks"
     result = run(args.select, max(args.seconds, 0.0), pathlib.Path(args.log) if args.log else None)
     print(f"Pallas kernel tests, {result['mode']} on {result['platform']}: {result['passed']} of {result['tests']} "
-          f"passed in {result['seconds']} s" + (f"; stopped while running {result['unfinished']}"
+          f"passed in {result['seconds']} s" + (f"; stopped while running {', '.join(result['unfinished'])}"
                                                 if result["unfinished"] else ""))
     for name, message in result["failed"].items():
         print(f"  FAILED {name}: {message.splitlines()[0] if message else ''}")

@@ -18,7 +18,7 @@
 # (out of range: the runbook stops); meshtrain goes in with --no-deps, and its other needs come from the
 # package index or, on machines without one, from a folder of wheels (WHEELS=DIR, filled where an index
 # is reachable by bench/gpu/offline_wheels.sh DIR). With no JAX at all it installs the `gpu` extra. On a
-# machine without an NVIDIA GPU it stops at once. Each part has its own time limit (180, 150, 300, 90 s),
+# machine without an NVIDIA GPU it stops at once. Each part has its own time limit (240, 120, 300, 60 s),
 # cut to what is left of RUNBOOK_SECONDS (default 600) from the runbook's start, so that the runbook
 # ends within it; a part over its limit is recorded as such and the next runs (none starts with under
 # 20 s left).
@@ -79,9 +79,9 @@ print(json.dumps({"bench": "gpu_env", "jax": jax.__version__, "devices": [d.devi
                   "nvidia_smi": smi}))
 EOF
 cat "$OUT/env.json"
-part kernel_tests 180 "$PY" bench/gpu/kernel_tests.py --out "$OUT/kernel_tests.json" --log "$OUT/kernel_tests.pytest.log"
-part pipeline_branches 150 "$PY" bench/gpu/pipeline_branches.py --out "$OUT/pipeline_branches.json"
+part kernel_tests 240 "$PY" bench/gpu/kernel_tests.py --out "$OUT/kernel_tests.json" --log "$OUT/kernel_tests.pytest.log"
+part pipeline_branches 120 "$PY" bench/gpu/pipeline_branches.py --out "$OUT/pipeline_branches.json"
 part mfu 300 "$PY" bench/gpu/mfu.py --out "$OUT/mfu.json"
-part overlap 90 "$PY" bench/gpu/overlap.py --out "$OUT/overlap.json"
+part overlap 60 "$PY" bench/gpu/overlap.py --out "$OUT/overlap.json"
 log "done: $(ls "$OUT"/*.json | wc -l) JSON files in $OUT"
 exit $status
