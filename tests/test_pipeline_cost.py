@@ -102,6 +102,17 @@ def test_the_compiler_prices_the_branches_as_implemented(compiled_costs):
     assert 0 < units.transfer < 0.1  # [1, 128, 512] bf16 over NVLink
 
 
+def test_a_stage_of_twice_the_layers_costs_twice_as_much_when_flop_bound():
+    """At 2,048 tokens a micro-batch the branches are FLOP-bound; XLA's cost analysis counts the layer
+    scan's body once whatever its trip count, so the model prices one unit and multiplies: a stage of
+    4 layers (p=2) costs twice a stage of 2 (p=4), branch by branch."""
+    gpu = hardware.get_gpu("h100")
+    two, four = (cost.BranchCosts.from_compiler(_scaled_tiny(p, 16, seq_len=2048), _sizes(stage=p), gpu)
+                 for p in (4, 2))
+    for branch in ("forward", "backward", "forward_split", "input_grad"):
+        assert getattr(four, branch) == pytest.approx(2 * getattr(two, branch), rel=0.02), branch
+
+
 def test_zero_bubble_and_interleaved_beat_1f1b_as_executed(compiled_costs):
     """The acceptance point, p=4, m=16, at the compiler's branch costs in lock-step with the transfers:
     zero bubble, its W in the parts the model picks for its chunk of 2 layers (W's sums cost about two

@@ -23,10 +23,12 @@ Branches, per stage and micro-batch (a chunk of 1/v of the stage's layers under 
   chunk's layers when W is the longest branch (`weight_parts` picks how many).
 
 `BranchCosts.from_compiler` compiles each branch on one CPU device as the loops run it and prices
-it on a GPU by the roofline: the larger of XLA's FLOP count at the bf16 peak and the bytes the
-branch must read and write (its arguments and results) at HBM bandwidth. On micro-batches of a few
-hundred tokens every branch is bound by those bytes: the float32 weights read by F and B, the
-float32 gradient sums read and written by W (and the fused B), which makes W about two forwards.
+it on a GPU by the roofline: the larger of XLA's FLOP count (one scanned unit's, times the stage's
+units: the analysis counts a loop's body once) at the bf16 peak and the bytes the branch must read
+and write (its arguments and results) at HBM bandwidth. On micro-batches of a few hundred tokens
+every branch is bound by those bytes: the float32 weights read by F and B, the float32 gradient sums
+read and written by W (and the fused B), which makes W about two forwards. `BranchCosts.measured`
+runs each branch on a device and times it instead (`bench/gpu/pipeline_branches.py` on a GPU).
 `BranchCosts.analytic` gives the same structure from the planner's compute estimate (F = a third of
 a micro-batch's forward + backward).
 """
@@ -89,8 +91,20 @@ class BranchCosts:
         bf16 peak and its bytes at HBM bandwidth, the bytes being what it must read and write: its
         arguments and results (XLA's memory analysis). XLA:CPU's own "bytes accessed" adds every unfused
         instruction's operands (the float32 copies of bf16 dots among them), which a GPU's fusions never
-        move."""
-        return cls._priced(config, sizes, gpu, jax.devices("cpu")[0], lambda fn, args: _roofline(fn, args, gpu),
+        move.
+
+        XLA's cost analysis counts a loop's body once, whatever its trip count, so a branch's FLOPs are
+        those of the same branch on one scanned unit times the stage's units (the branches are the
+        units' scan and per-unit sums: linear in the units); its bytes are the whole branch's."""
+        from meshtrain import config as config_lib, model as model_lib
+        from meshtrain.mesh import single_device_mesh
+
+        cpu = jax.devices("cpu")[0]
+        _, single, _ = stage_branches(config, sizes, cpu, units=1)
+        units = model_lib.scan_unit(config_lib.ModelConfig.from_config(config))[1] // sizes["stage"]
+        with jax.set_mesh(single_device_mesh(cpu)):
+            flops = {name: units * _flops(fn, args) for name, (fn, args) in single.items()}
+        return cls._priced(config, sizes, gpu, cpu, lambda name, fn, args: _roofline(fn, args, gpu, flops[name]),
                            in_node)
 
     @classmethod
@@ -101,24 +115,24 @@ class BranchCosts:
         three such loops divided by `iterations` (`timed`). The transfer stays `gpu`'s link bandwidth
         (one device has no neighbour to send to)."""
         device = device or jax.devices()[0]
-        return cls._priced(config, sizes, gpu, device, lambda fn, args: timed(fn, args, device, iterations),
+        return cls._priced(config, sizes, gpu, device, lambda name, fn, args: timed(fn, args, device, iterations),
                            in_node)
 
     @classmethod
     def _priced(cls, config, sizes, gpu, device, price, in_node: bool) -> BranchCosts:
         mesh, branches, nbytes = stage_branches(config, sizes, device)
         with jax.set_mesh(mesh):
-            seconds = {name: price(fn, args) for name, (fn, args) in branches.items()}
+            seconds = {name: price(name, fn, args) for name, (fn, args) in branches.items()}
         link = gpu.nvlink_bandwidth if in_node else gpu.network_bandwidth
         return cls(seconds["forward"], seconds["backward"], seconds["input_grad"], seconds["weight_grad"],
                    nbytes / link, recompute=config.remat.policy != "none", split_forward=seconds["split_forward"])
 
 
-def stage_branches(config: ml_collections.ConfigDict, sizes, device: jax.Device):
+def stage_branches(config: ml_collections.ConfigDict, sizes, device: jax.Device, units: int | None = None):
     """(mesh, {name: (function, abstract arguments)}, bytes of one activation): each branch of one
     stage on `device` as the loops run it, at the per-device micro-batch shape (rows = batch /
-    (microbatches x data-parallel size), the stage's n_layers / stage layers, `tensor` and `sequence`
-    not split):
+    (microbatches x data-parallel size), the stage's n_layers / stage layers, or `units` scanned units,
+    `tensor` and `sequence` not split):
 
     * forward (F): the stage's vjp, returning its output and the residuals a stash slot keeps;
       split_forward: the split's F, which also records the matmul inputs W reads;
@@ -143,7 +157,7 @@ def stage_branches(config: ml_collections.ConfigDict, sizes, device: jax.Device)
     rules = Rules.for_mesh(mesh)
     stack = stage_function(cfg, rules, attention.xla_attention)
     split = SplitStage.build(cfg, rules, attention.xla_attention)
-    units = model_lib.scan_unit(cfg)[1] // p
+    units = units or model_lib.scan_unit(cfg)[1] // p
     boxed = model_lib.abstract_params(cfg)["layers"]
     layers = jax.tree.map(lambda box: jax.ShapeDtypeStruct((units, *box.value.shape[1:]), box.value.dtype),
                           boxed, is_leaf=lambda a: hasattr(a, "names"))
@@ -275,15 +289,19 @@ def timed(fn, args, device: jax.Device, iterations: int = 20, repeats: int = 3) 
     return best / iterations
 
 
-def _roofline(fn, args, gpu) -> float:
-    """Seconds of `fn` on `gpu`: its FLOPs at the bf16 peak or the bytes of its arguments and results
-    at HBM bandwidth, the larger."""
-    compiled = jax.jit(fn).lower(*args).compile()
-    analysis = compiled.cost_analysis()
+def _flops(fn, args) -> float:
+    """XLA's FLOP count of `fn` compiled (a loop's body counted once)."""
+    analysis = jax.jit(fn).lower(*args).compile().cost_analysis()
     analysis = analysis[0] if isinstance(analysis, list) else analysis
-    memory = compiled.memory_analysis()
+    return analysis.get("flops", 0.0)
+
+
+def _roofline(fn, args, gpu, flops: float) -> float:
+    """Seconds of `fn` on `gpu`: `flops` at the bf16 peak or the bytes of its arguments and results
+    at HBM bandwidth, the larger."""
+    memory = jax.jit(fn).lower(*args).compile().memory_analysis()
     nbytes = memory.argument_size_in_bytes + memory.output_size_in_bytes
-    return max(analysis.get("flops", 0.0) / gpu.peak_flops, nbytes / gpu.hbm_bandwidth)
+    return max(flops / gpu.peak_flops, nbytes / gpu.hbm_bandwidth)
 
 
 @dataclasses.dataclass(frozen=True)
