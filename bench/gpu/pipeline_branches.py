@@ -14,8 +14,10 @@ HBM bandwidth) that `bench/pipeline.py --modeled` and the planner use.
 
 Shapes: the README's modeled table (d_model 512, 8 layers, one row of 128 tokens a micro-batch), the
 same at 2,048 tokens, and llama3_8b's layer (8 layers, one row of 4,096 tokens); each at p in
-`--stages` (p stages of n_layers / p layers). On a CPU (or with `--quick`) one small shape runs, to
-prove the bench works: its times are the CPU's. Prints a table per shape and one JSON line (`--out`
+`--stages` (p stages of n_layers / p layers); then llama3_8b at p=4 with the Pallas flash attention
+kernel (the roofline column prices the einsum attention throughout). On a CPU (or with `--quick`) one
+small shape runs, with each attention (the kernel interpreted), to prove the bench works: its times
+are the CPU's. Prints a table per shape and one JSON line (`--out`
 rewritten after every shape, so a run stopped at a time limit keeps what it measured).
 """
 
@@ -30,16 +32,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "gpipe", "circular")
-# (name, model overrides, tokens a micro-batch, timed loop iterations)
-SHAPES = (("d512 x 128", {"d_model": 512, "n_layers": 8}, 128, 50),
-          ("d512 x 2048", {"d_model": 512, "n_layers": 8}, 2048, 20),
-          ("llama3_8b x 4096", "llama3_8b", 4096, 4))
-QUICK = (("d128 x 64 (quick)", {"d_model": 128, "n_layers": 4}, 64, 2),)
+# (name, model overrides or a configs/ name, tokens a micro-batch, timed loop iterations, attention.impl, stages
+# (None: --stages))
+SHAPES = (("d512 x 128", {"d_model": 512, "n_layers": 8}, 128, 50, "xla", None),
+          ("d512 x 2048", {"d_model": 512, "n_layers": 8}, 2048, 20, "xla", None),
+          ("llama3_8b x 4096", "llama3_8b", 4096, 4, "xla", None),
+          ("llama3_8b x 4096 flash", "llama3_8b", 4096, 4, "pallas", (4,)))
+QUICK = (("d128 x 64 (quick)", {"d_model": 128, "n_layers": 4}, 64, 2, "xla", None),
+         ("d128 x 64 flash (quick)", {"d_model": 128, "n_layers": 4}, 64, 1, "pallas", None))
 
 
-def shape_config(model, tokens: int, p: int, m: int):
+def shape_config(model, tokens: int, p: int, m: int, impl: str = "xla"):
     """A bf16 config of `model` (overrides of the small Llama, or a configs/ name) at p stages, one row
-    of `tokens` tokens a micro-batch."""
+    of `tokens` tokens a micro-batch, attention `impl`."""
     from meshtrain import cli, config as config_lib
 
     if isinstance(model, str):
@@ -53,6 +58,7 @@ def shape_config(model, tokens: int, p: int, m: int):
         c.mesh[axis] = 1
     c.mesh.stage = p
     c.model.dtype = "bfloat16"
+    c.attention.impl = impl
     c.train.update(batch_size=m, seq_len=tokens)
     c.pipeline.update(schedule="1f1b", microbatches=m)
     return c
@@ -109,9 +115,9 @@ def main() -> None:
     stages = [2] if quick else [int(p) for p in args.stages.split(",")]
     print(f"{device.device_kind} ({device.platform}); roofline of {gpu.name}")
     results = []
-    for name, model, tokens, iterations in shapes:
-        for p in stages:
-            config = shape_config(model, tokens, p, 16)
+    for name, model, tokens, iterations, impl, only in shapes:
+        for p in only or stages:
+            config = shape_config(model, tokens, p, 16, impl)
             sizes = {**{a: 1 for a in config_lib.MESH_AXES}, "stage": p}
             try:
                 roof = cost.BranchCosts.from_compiler(config, sizes, gpu)
@@ -139,7 +145,8 @@ def main() -> None:
             for schedule in rows[8]["roofline"]:
                 print(f"{schedule:24} " + " ".join(f"{rows[m]['roofline'][schedule]:10.3f} "
                                                    f"{rows[m]['measured'][schedule]:10.3f}" for m in rows))
-            results.append({"shape": name, "stages": p, "layers_per_stage": layers // p, "branches": branches,
+            results.append({"shape": name, "attention": impl, "stages": p, "layers_per_stage": layers // p,
+                            "branches": branches,
                             "transfer_s": real.transfer, "vs_1f1b": rows})
             write(args.out, device, gpu, quick, results)
     print(write(args.out, device, gpu, quick, results))

@@ -112,15 +112,19 @@ class BranchCosts:
                  iterations: int = 20, in_node: bool = True) -> BranchCosts:
         """Each branch of one stage (`stage_branches`) run on `device` (default: the first) and timed:
         `iterations` runs inside one device loop, as the pipeline's tick loop runs them, the fastest of
-        three such loops divided by `iterations` (`timed`). The transfer stays `gpu`'s link bandwidth
-        (one device has no neighbour to send to)."""
+        three such loops divided by `iterations` (`timed`). Attention is the configured one where it is
+        a single-device kernel (`attention.impl` xla or pallas: the Pallas flash kernel on a GPU). The
+        transfer stays `gpu`'s link bandwidth (one device has no neighbour to send to)."""
+        from meshtrain.parallel import layout
+
         device = device or jax.devices()[0]
+        attention_fn = layout.attention_fn(config) if config.attention.impl in ("xla", "pallas") else None
         return cls._priced(config, sizes, gpu, device, lambda name, fn, args: timed(fn, args, device, iterations),
-                           in_node)
+                           in_node, attention_fn)
 
     @classmethod
-    def _priced(cls, config, sizes, gpu, device, price, in_node: bool) -> BranchCosts:
-        mesh, branches, nbytes = stage_branches(config, sizes, device)
+    def _priced(cls, config, sizes, gpu, device, price, in_node: bool, attention_fn=None) -> BranchCosts:
+        mesh, branches, nbytes = stage_branches(config, sizes, device, attention_fn=attention_fn)
         with jax.set_mesh(mesh):
             seconds = {name: price(name, fn, args) for name, (fn, args) in branches.items()}
         link = gpu.nvlink_bandwidth if in_node else gpu.network_bandwidth
@@ -128,7 +132,8 @@ class BranchCosts:
                    nbytes / link, recompute=config.remat.policy != "none", split_forward=seconds["split_forward"])
 
 
-def stage_branches(config: ml_collections.ConfigDict, sizes, device: jax.Device, units: int | None = None):
+def stage_branches(config: ml_collections.ConfigDict, sizes, device: jax.Device, units: int | None = None,
+                   attention_fn=None):
     """(mesh, {name: (function, abstract arguments)}, bytes of one activation): each branch of one
     stage on `device` as the loops run it, at the per-device micro-batch shape (rows = batch /
     (microbatches x data-parallel size), the stage's n_layers / stage layers, or `units` scanned units,
@@ -143,7 +148,8 @@ def stage_branches(config: ml_collections.ConfigDict, sizes, device: jax.Device,
     * weight_grad (W): the weight GEMMs from the recorded inputs and output gradients, added to the sums.
 
     Under `split_backward=pullback` the split's F is the plain forward, its B the pullback for the
-    input gradient and its W the whole pullback again, for the weight gradients."""
+    input gradient and its W the whole pullback again, for the weight gradients. Attention:
+    `attention_fn`, or the einsum attention (`attention.xla_attention`)."""
     from meshtrain import attention, config as config_lib, model as model_lib
     from meshtrain.mesh import single_device_mesh
     from meshtrain.parallel.pipeline import Residuals, SplitStage, stage_function
@@ -155,8 +161,9 @@ def stage_branches(config: ml_collections.ConfigDict, sizes, device: jax.Device,
     rows = max(1, config.train.batch_size // (m * config_lib.data_parallel_size(sizes)))
     mesh = single_device_mesh(device)
     rules = Rules.for_mesh(mesh)
-    stack = stage_function(cfg, rules, attention.xla_attention)
-    split = SplitStage.build(cfg, rules, attention.xla_attention)
+    attention_fn = attention_fn or attention.xla_attention
+    stack = stage_function(cfg, rules, attention_fn)
+    split = SplitStage.build(cfg, rules, attention_fn)
     units = units or model_lib.scan_unit(cfg)[1] // p
     boxed = model_lib.abstract_params(cfg)["layers"]
     layers = jax.tree.map(lambda box: jax.ShapeDtypeStruct((units, *box.value.shape[1:]), box.value.dtype),
