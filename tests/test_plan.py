@@ -151,6 +151,24 @@ def test_search_llama3_8b_returns_only_fitting_meshes():
         assert key in result
 
 
+def test_search_tries_each_pipeline_schedule_on_a_pipelined_mesh():
+    """On stage 4 x fsdp 2 (llama3_8b, 8 devices) the search's candidates include every schedule of
+    PIPELINE_CHOICES at each ZeRO stage and remat; priced by the lock-step model, the overlapped 1F1B
+    idles less than the plain loop and interleaved 1F1B (v=2) less than both, for more activation memory."""
+    config = load_config_file("llama3_8b")
+    gpu = hardware.get_gpu("h100")
+    found = {}
+    for c, sizes in estimate.candidate_configs(config, 8):
+        if sizes["stage"] == 4 and sizes["fsdp"] == 2 and c.train.zero_stage == 1 and c.remat.policy == "full":
+            found[(c.pipeline.schedule, c.pipeline.repeats, c.pipeline.overlap_transfers)] = estimate.estimate(
+                c, sizes, gpu)
+    assert set(found) == set(estimate.PIPELINE_CHOICES)
+    plain, overlapped, interleaved = (found[k] for k in estimate.PIPELINE_CHOICES)
+    assert interleaved.bubble_seconds < overlapped.bubble_seconds < plain.bubble_seconds
+    assert interleaved.memory["activations"] > plain.memory["activations"]
+    assert "interleaved_1f1b v=2, transfers overlapped" in interleaved.pipeline
+
+
 @pytest.mark.parametrize("args, message", [
     (("--gpu", "h900", "--devices", "8"), "unknown GPU"),
     (("--devices", "8", "--config.mesh.fsdp=4", "--config.mesh.data=1"), "multiply to 4 but there are 8 devices"),

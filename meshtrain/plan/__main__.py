@@ -44,7 +44,8 @@ def _gib(n: float) -> str:
 def report(est: estimate_lib.Estimate) -> str:
     m = est.memory
     mesh = ", ".join(f"{a}={n}" for a, n in est.run.sizes.items() if n > 1) or "single device"
-    lines = [f"mesh {mesh}; ZeRO-{est.run.zero_stage}; remat={est.remat}; grad accumulation {est.run.grad_accum}",
+    lines = [f"mesh {mesh}; ZeRO-{est.run.zero_stage}; remat={est.remat}; grad accumulation {est.run.grad_accum}"
+             + (f"; pipeline {est.pipeline}" if est.pipeline else ""),
              f"parameters {memory.num_params(est.run.model):,}",
              "memory per device (GiB): " + ", ".join(f"{k} {_gib(v)}" for k, v in m.items())
              + f"  [usable {_gib(est.usable_bytes)}: {'fits' if est.fits else 'DOES NOT FIT'}]",
@@ -59,11 +60,16 @@ def report(est: estimate_lib.Estimate) -> str:
 
 
 def candidates_table(ests: list[estimate_lib.Estimate]) -> str:
-    rows = [("#", "mesh", "ZeRO", "remat", "accum", "GiB/dev", "step s", "MFU", "fits", "limit")]
+    rows = [("#", "mesh", "ZeRO", "remat", "accum", "pipeline", "GiB/dev", "step s", "MFU", "fits", "limit")]
     for i, e in enumerate(ests, 1):
         mesh = ",".join(f"{a[:3]}{n}" for a, n in e.run.sizes.items() if n > 1) or "1"
-        rows.append((str(i), mesh, str(e.run.zero_stage), e.remat, str(e.run.grad_accum), _gib(e.memory["total"]),
-                     f"{e.step_seconds:.3f}", f"{e.mfu:.1%}", "yes" if e.fits else "no", e.limit))
+        schedule = "-"
+        if e.pipeline:
+            schedule = ("interleaved" if e.run.pipeline_schedule == "interleaved_1f1b" else e.run.pipeline_schedule) \
+                + ("+overlap" if e.run.overlap_transfers else "")
+        rows.append((str(i), mesh, str(e.run.zero_stage), e.remat, str(e.run.grad_accum), schedule,
+                     _gib(e.memory["total"]), f"{e.step_seconds:.3f}", f"{e.mfu:.1%}", "yes" if e.fits else "no",
+                     e.limit))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
