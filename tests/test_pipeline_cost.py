@@ -113,6 +113,28 @@ def test_a_stage_of_twice_the_layers_costs_twice_as_much_when_flop_bound():
         assert getattr(four, branch) == pytest.approx(2 * getattr(two, branch), rel=0.02), branch
 
 
+def test_measured_branches_run_each_branch_in_a_loop_of_the_same_result():
+    """`cost.timed`'s loop (`repeated`) computes the branch itself: after 3 runs its results equal one
+    call's (the barrier passes the arguments through unchanged), on a stage's real fused backward."""
+    import jax
+    import jax.numpy as jnp
+
+    config = _scaled_tiny(2, 4, seq_len=16)
+    config.model.update(d_model=64, head_dim=8, mlp_dim=192)
+    mesh, branches, _ = cost.stage_branches(config, _sizes(stage=2), jax.devices()[0])
+    fn, shapes = branches["backward"]
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(shapes))))
+    args = jax.tree.map(lambda a: jax.random.normal(next(keys), a.shape, jnp.float32).astype(a.dtype)
+                        if jnp.issubdtype(a.dtype, jnp.floating) else jnp.zeros(a.shape, a.dtype), shapes)
+    with jax.set_mesh(mesh):
+        want = jax.jit(fn)(*args)
+        outs = jax.tree.map(jnp.zeros_like, want)
+        got = jax.jit(cost.repeated(fn, 3))(args, outs)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert jnp.array_equal(a, b)
+    assert cost.timed(fn, shapes, jax.devices()[0], iterations=2, repeats=1) > 0
+
+
 def test_zero_bubble_and_interleaved_beat_1f1b_as_executed(compiled_costs):
     """The acceptance point, p=4, m=16, at the compiler's branch costs in lock-step with the transfers:
     zero bubble, its W in the parts the model picks for its chunk of 2 layers (W's sums cost about two

@@ -279,14 +279,7 @@ def timed(fn, args, device: jax.Device, iterations: int = 20, repeats: int = 3) 
     concrete = jax.device_put(jax.tree.map(fill, args), sharding)
     outs = jax.device_put(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(fn, *args)), sharding)
 
-    def loop(args, outs):
-        def body(_, carry):
-            args, _ = jax.lax.optimization_barrier(carry)
-            return args, fn(*args)
-
-        return jax.lax.fori_loop(0, iterations, body, (args, outs))[1]
-
-    compiled = jax.jit(loop).lower(concrete, outs).compile()
+    compiled = jax.jit(repeated(fn, iterations)).lower(concrete, outs).compile()
     jax.block_until_ready(compiled(concrete, outs))
     best = math.inf
     for _ in range(repeats):
@@ -301,6 +294,18 @@ def _flops(fn, args) -> float:
     analysis = jax.jit(fn).lower(*args).compile().cost_analysis()
     analysis = analysis[0] if isinstance(analysis, list) else analysis
     return analysis.get("flops", 0.0)
+
+
+def repeated(fn, iterations: int):
+    """(args, outs) -> `fn(*args)` computed `iterations` times in one `fori_loop`, each run reading its
+    arguments through an optimization barrier with the previous run's results (`outs` the first's)."""
+    def loop(args, outs):
+        def body(_, carry):
+            args, _ = jax.lax.optimization_barrier(carry)
+            return args, fn(*args)
+
+        return jax.lax.fori_loop(0, iterations, body, (args, outs))[1]
+    return loop
 
 
 def _roofline(fn, args, gpu, flops: float) -> float:
