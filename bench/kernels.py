@@ -10,13 +10,14 @@ references is reported, plus the compiled temp memory of a loss + gradient step
 with and without the fused cross-entropy (32k vocabulary). Prints a table and
 one JSON line, exits 0.
 
-    python bench/kernels.py [--lengths 1024,2048] [--iters 10]
+    python bench/kernels.py [--lengths 1024,2048] [--iters 10] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import statistics
 import sys
 import time
@@ -165,6 +166,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--out", default="", help="also write the JSON line here")
     parser.add_argument("--quick", action="store_true",
                         help="the CI smoke run: on a GPU the 1024 and 2048 lengths, 2 iterations")
     args = parser.parse_args(argv)
@@ -181,7 +183,10 @@ def main(argv: list[str]) -> int:
         result["attention"] = bench_attention_gpu(lengths, args.iters)
     else:
         print("not a GPU: attention timings skipped (interpret mode measures nothing useful)")
-    print(json.dumps(result))
+    line = json.dumps(result)
+    print(line)
+    if args.out:
+        pathlib.Path(args.out).write_text(line + "\n")
     return 0
 
 

@@ -124,3 +124,38 @@ class StepProfiler:
             jax.profiler.stop_trace()
             self.active = False
 
+
+
+def trace_op_times(logdir: str, top: int = 20) -> dict[str, list[dict]]:
+    """Where a profiled stretch spent its time: for each device (and the host) of the newest
+    `*.trace.json.gz` under `logdir` (`StepProfiler`, or `jax.profiler.trace(..., create_perfetto_trace=True)`),
+    the `top` operations by total duration summed over their calls, as {"name", "ms", "calls", "share"}
+    (share of that device's summed durations). On a GPU the device rows are its kernels (GEMMs, Triton
+    kernels, XLA's fusions, NCCL collectives); nested host events count once per level."""
+    import collections
+    import glob
+    import gzip
+    import json
+
+    traces = sorted(glob.glob(os.path.join(logdir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
+    if not traces:
+        raise FileNotFoundError(f"no *.trace.json.gz under {logdir}")
+    with gzip.open(traces[-1], "rt") as fh:
+        events = json.load(fh)
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    names = {e["pid"]: e.get("args", {}).get("name", str(e["pid"])) for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    totals: dict[str, dict[str, list[float]]] = collections.defaultdict(
+        lambda: collections.defaultdict(lambda: [0.0, 0]))
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e:
+            row = totals[names.get(e.get("pid"), str(e.get("pid")))][e.get("name", "?")]
+            row[0] += float(e["dur"])
+            row[1] += 1
+    out = {}
+    for where, ops in totals.items():
+        whole = sum(t for t, _ in ops.values()) or 1.0
+        ranked = sorted(ops.items(), key=lambda kv: -kv[1][0])[:top]
+        out[where] = [{"name": name[:160], "ms": round(t / 1e3, 3), "calls": n, "share": round(t / whole, 4)}
+                      for name, (t, n) in ranked]
+    return out

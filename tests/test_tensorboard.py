@@ -48,6 +48,27 @@ def test_profiler_traces_only_its_steps(tmp_path):
     assert list((tmp_path / "profile").rglob("perfetto_trace.json.gz"))
 
 
+def test_trace_op_times_ranks_a_traces_operations(tmp_path):
+    """`trace_op_times` reads the trace a profiled stretch wrote: per process, operations by summed
+    duration, with their calls and shares; three calls of one jitted function appear as three calls."""
+    f = jax.jit(lambda x: jnp.tanh(x @ x).sum())
+    x = jnp.ones((256, 256))
+    f(x).block_until_ready()
+    with jax.profiler.trace(str(tmp_path), create_perfetto_trace=True):
+        for _ in range(3):
+            f(x).block_until_ready()
+    found = tensorboard.trace_op_times(str(tmp_path), top=50)
+    assert found
+    for ops in found.values():
+        times = [o["ms"] for o in ops]
+        assert times == sorted(times, reverse=True) and all(o["calls"] >= 1 for o in ops)
+        assert 0 < sum(o["share"] for o in ops) <= 1 + 0.5e-4 * len(ops)  # shares rounded to 4 places
+    calls = {o["name"]: o["calls"] for ops in found.values() for o in ops}
+    assert calls["CommonPjRtLoadedExecutable::ExecuteHelperOnSingleDevice"] == 3  # one execution a call
+    with pytest.raises(FileNotFoundError, match="no .*trace.json.gz"):
+        tensorboard.trace_op_times(str(tmp_path / "empty"))
+
+
 def test_profiler_off_by_default(tmp_path):
     profiler = tensorboard.StepProfiler(str(tmp_path), tuple(config_lib.default_config().profile.steps))
     profiler.before(1)

@@ -1,6 +1,6 @@
 """Single-device MFU of a ~1B Llama: bf16 and FP8 matmuls, with the Pallas kernels on and off.
 
-`python bench/gpu/mfu.py [--quick] [--steps 10] [--out FILE]`
+`python bench/gpu/mfu.py [--quick] [--steps 10] [--out FILE] [--profile DIR]`
 
 Each variant builds meshtrain's own step (`train_step.build` on a one-device mesh: no parallelism,
 so the figure is the kernels and XLA's code, not communication), creates the state, and times
@@ -9,6 +9,10 @@ so the figure is the kernels and XLA's code, not communication), creates the sta
 x tokens/s / the device's peak (`metrics.device_peak_flops`; under FP8 the quantised matmuls'
 share counts at the FP8 peak). The model is Llama 3.2 1B's shape (16 layers, d_model 2048, 32 heads,
 8 K/V heads of 64, MLP 8192, vocabulary 128256; 1.24B parameters), batch 4 x 4096, remat `full`.
+
+With `--profile DIR` two more steps of each variant are traced (`jax.profiler`, Perfetto and TensorBoard
+files under DIR/<variant>) and the JSON gains each device's top operations by summed duration
+(`tensorboard.trace_op_times`): where the step's time goes, GEMMs against attention against the rest.
 
 On a CPU (or with `--quick`) the model shrinks to a few layers of width 256 and the kernels run in
 interpret mode: the numbers are not MFU, the run proves the bench works. Prints a table and one
@@ -52,7 +56,7 @@ def bench_config(quick: bool, matmuls: str, kernels: bool):
     return c
 
 
-def measure(config, steps: int) -> dict:
+def measure(config, steps: int, profile: str = "") -> dict:
     import jax
     import numpy as np
 
@@ -80,14 +84,25 @@ def measure(config, steps: int) -> dict:
         for _ in range(steps):
             state, out = step(state, batch)
         jax.block_until_ready(out)
-    seconds = (time.perf_counter() - start) / steps
+        seconds = (time.perf_counter() - start) / steps
+        top_ops = None
+        if profile:  # two more steps traced, and where their time went
+            from meshtrain import tensorboard
+
+            with jax.profiler.trace(profile, create_perfetto_trace=True):
+                for _ in range(2):
+                    state, out = step(state, batch)
+                jax.block_until_ready(out)
+            found = tensorboard.trace_op_times(profile, top=15)
+            top_ops = {k: v for k, v in found.items() if k.startswith("/device:")} or found
     tokens_per_s = b * t / seconds
     cfg = run.model
     per_token = metrics.flops_per_token(cfg, t)
     peak = metrics.device_peak_flops(jax.devices()[0], metrics.fp8_flops_per_token(cfg) / per_token)
     return {"step_s": seconds, "tokens_per_s": tokens_per_s, "compile_s": compile_s,
             "tflops_per_s": per_token * tokens_per_s / 1e12, "mfu": per_token * tokens_per_s / peak if peak else None,
-            "loss": float(out["loss"]), "params": int(sum(x.size for x in jax.tree.leaves(state.params)))}
+            "loss": float(out["loss"]), "params": int(sum(x.size for x in jax.tree.leaves(state.params))),
+            **({"top_ops": top_ops} if top_ops is not None else {})}
 
 
 def main() -> None:
@@ -95,6 +110,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small model (the CI run; forced on CPU)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default="", help="also write the JSON line here")
+    parser.add_argument("--profile", default="", help="trace two more steps of each variant into DIR/<variant> "
+                        "(Perfetto and TensorBoard) and add its top operations per device to the JSON")
     parser.add_argument("--variants", default="", help="comma-separated subset of " + ", ".join(
         f"{m}{'+kernels' if k else ''}" for m, k in VARIANTS))
     args = parser.parse_args()
@@ -109,7 +126,8 @@ def main() -> None:
         if chosen is not None and name not in chosen:
             continue
         try:
-            rows[name] = measure(bench_config(quick, matmuls, kernels), 2 if quick else args.steps)
+            profile = str(pathlib.Path(args.profile) / name) if args.profile else ""
+            rows[name] = measure(bench_config(quick, matmuls, kernels), 2 if quick else args.steps, profile)
         except Exception as error:  # noqa: BLE001 - one variant's failure is a result, the others still run
             rows[name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
         if args.out:  # after every variant, so that a run stopped at its time limit keeps what it measured
@@ -125,6 +143,9 @@ def main() -> None:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         print(f"{name:<14} {r['step_s']:>8.4f} {r['tokens_per_s']:>10,.0f} {r['tflops_per_s']:>8.1f} {mfu:>6} "
               f"{r['compile_s']:>9.1f}")
+    for name, r in rows.items():
+        for where, ops in r.get("top_ops", {}).items():
+            print(f"{name}, {where}: " + "; ".join(f"{o['name'][:60]} {o['share']:.1%}" for o in ops[:8]))
     line = json.dumps({"bench": "gpu_mfu", "device": device.device_kind, "platform": device.platform,
                        "quick": quick, "variants": rows})
     print(line)
