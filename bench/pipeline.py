@@ -152,11 +152,19 @@ def main() -> None:
         print_modeled(args, [args.stages], ms[-1:])
 
 
+_COSTS: dict[tuple, cost.BranchCosts] = {}
+
+
 def modeled_costs(args, m: int, p: int, gpu) -> cost.BranchCosts:
-    """One stage's branch costs of the benchmark's model in bf16 (what a GPU runs), priced on `gpu`."""
-    config = make_config(args, "1f1b", m, stages=p)
-    config.model.dtype = "bfloat16"
-    return cost.BranchCosts.from_compiler(config, {**{a: 1 for a in config_lib.MESH_AXES}, "stage": p}, gpu)
+    """One stage's branch costs of the benchmark's model in bf16 (what a GPU runs), priced on `gpu`
+    (compiled once per shape: every schedule's row reuses them)."""
+    key = (m, p, args.rows, args.seq_len, args.d_model, args.layers, gpu.name)
+    if key not in _COSTS:
+        config = make_config(args, "1f1b", m, stages=p)
+        config.model.dtype = "bfloat16"
+        _COSTS[key] = cost.BranchCosts.from_compiler(config, {**{a: 1 for a in config_lib.MESH_AXES}, "stage": p},
+                                                     gpu)
+    return _COSTS[key]
 
 
 def print_modeled(args, stages: list[int], ms: list[int]) -> None:
