@@ -20,6 +20,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -70,11 +71,13 @@ def run(select: str = "", seconds: float = 0.0, log: pathlib.Path | None = None)
         env = dict(_env(platform), XLA_PYTHON_CLIENT_PREALLOCATE="false") if n else _env(platform)
         start = time.perf_counter()
         with open(log, "w") as stream:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stream, stderr=subprocess.STDOUT)
+            # a session of its own: stopping it stops xdist's workers too, which would hold the GPU
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stream, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
             try:
                 code = proc.wait(timeout=seconds or None)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 code = None
         text = log.read_text(errors="replace")
