@@ -127,11 +127,12 @@ class StepProfiler:
 
 
 def trace_op_times(logdir: str, top: int = 20) -> dict[str, list[dict]]:
-    """Where a profiled stretch spent its time: for each device (and the host) of the newest
-    `*.trace.json.gz` under `logdir` (`StepProfiler`, or `jax.profiler.trace(..., create_perfetto_trace=True)`),
-    the `top` operations by total duration summed over their calls, as {"name", "ms", "calls", "share"}
-    (share of that device's summed durations). On a GPU the device rows are its kernels (GEMMs, Triton
-    kernels, XLA's fusions, NCCL collectives); nested host events count once per level."""
+    """Where a profiled stretch spent its time: for each process of the newest `*.trace.json.gz` under
+    `logdir` (`StepProfiler`, or `jax.profiler.trace(..., create_perfetto_trace=True)`), each line of a
+    device process apart ("/device:GPU:0 / Stream #13", "... / XLA Ops"), the `top` operations by total
+    duration summed over their calls, as {"name", "ms", "calls", "share"} (share of that row's summed
+    durations). A GPU stream's rows are its kernels (GEMMs, Triton kernels, XLA's fusions, NCCL
+    collectives); nested host events count once per level."""
     import collections
     import glob
     import gzip
@@ -143,13 +144,19 @@ def trace_op_times(logdir: str, top: int = 20) -> dict[str, list[dict]]:
     with gzip.open(traces[-1], "rt") as fh:
         events = json.load(fh)
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
-    names = {e["pid"]: e.get("args", {}).get("name", str(e["pid"])) for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    processes = {e["pid"]: e.get("args", {}).get("name", str(e["pid"])) for e in events
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", str(e.get("tid"))) for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
     totals: dict[str, dict[str, list[float]]] = collections.defaultdict(
         lambda: collections.defaultdict(lambda: [0.0, 0]))
     for e in events:
         if e.get("ph") == "X" and "dur" in e:
-            row = totals[names.get(e.get("pid"), str(e.get("pid")))][e.get("name", "?")]
+            pid, tid = e.get("pid"), e.get("tid")
+            where = processes.get(pid, str(pid))
+            if where.startswith("/device:"):  # a GPU's lines (its streams, "XLA Ops", "XLA Modules") apart
+                where += f" / {threads.get((pid, tid), tid)}"
+            row = totals[where][e.get("name", "?")]
             row[0] += float(e["dur"])
             row[1] += 1
     out = {}

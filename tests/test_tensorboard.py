@@ -63,8 +63,8 @@ def test_trace_op_times_ranks_a_traces_operations(tmp_path):
         times = [o["ms"] for o in ops]
         assert times == sorted(times, reverse=True) and all(o["calls"] >= 1 for o in ops)
         assert 0 < sum(o["share"] for o in ops) <= 1 + 0.5e-4 * len(ops)  # shares rounded to 4 places
-    calls = {o["name"]: o["calls"] for ops in found.values() for o in ops}
-    assert calls["CommonPjRtLoadedExecutable::ExecuteHelperOnSingleDevice"] == 3  # one execution a call
+    executions = [o for ops in found.values() for o in ops if "Execute" in o["name"]]
+    assert executions and all(o["calls"] % 3 == 0 for o in executions)  # once (or k times) a call
     with pytest.raises(FileNotFoundError, match="no .*trace.json.gz"):
         tensorboard.trace_op_times(str(tmp_path / "empty"))
 

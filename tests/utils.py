@@ -12,7 +12,6 @@ import pathlib
 
 import jax
 import numpy as np
-import pytest
 from jax.sharding import NamedSharding
 
 from meshtrain import checkpoint as checkpoint_lib, config as config_lib, mesh as mesh_lib, train_step as train_step_lib
@@ -146,6 +145,8 @@ def mesh_of(**sizes) -> jax.sharding.Mesh:
     devices = devices_for(config)
     needed = int(np.prod([max(config.mesh[a], 1) for a in AXES]))
     if len(devices) < needed and not pallas_interpret():
+        import pytest  # here: bench scripts import this module where pytest is not installed
+
         pytest.skip(f"needs {needed} devices, this machine has {len(devices)} (the CPU suite runs it on fake devices)")
     return mesh_lib.make_mesh(config, devices)
 

@@ -27,20 +27,26 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 
+STARTED = time.monotonic()  # --seconds counts from here: the part's limit began with this process
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # the quick kernels first: a run stopped at its time limit has tested them
 FILES = ("tests/test_pallas_rms_norm.py", "tests/test_pallas_cross_entropy.py", "tests/test_pallas_flash_attention.py")
 
 
-def gpu_visible() -> bool:
+def gpu_visible(timeout: float = 120.0) -> bool:
     """Whether JAX (in a child process: this one must not start a backend) sees a GPU."""
     probe = "import jax; print(any(d.platform == 'gpu' for d in jax.devices()))"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=_env("cuda"), timeout=300)
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=_env("cuda"),
+                             timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False
     return out.returncode == 0 and out.stdout.strip().endswith("True")
 
 
 def _env(platform: str) -> dict:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep carried wheels
+    # the checkout, bench/gpu (the `_report_now` plugin), and what was there (carried wheels)
+    path = os.pathsep.join(p for p in (str(ROOT), str(ROOT / "bench" / "gpu"), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, JAX_PLATFORMS=platform, PYTHONPATH=path)
     env["MESHTRAIN_PALLAS"] = "compiled" if platform == "cuda" else "interpret"
     return env
@@ -55,17 +61,21 @@ def workers(platform: str) -> int:
     return max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
-def run(select: str = "", seconds: float = 0.0, log: pathlib.Path | None = None) -> dict:
+def run(select: str = "", seconds: float = 0.0, log: pathlib.Path | None = None,
+        deadline: float | None = None) -> dict:
     """The kernel tests (`workers` processes), pytest's verbose output streamed to `log` (serially each
     test's name is written when it starts, its outcome when it ends); after `seconds` (0: no limit)
     the run is stopped and the tests that finished are the result (serially, the one running named
-    as unfinished)."""
-    platform = "cuda" if gpu_visible() else "cpu"
+    as unfinished); `deadline` (`time.monotonic()`), where given, counts `seconds` from the caller's
+    start instead. A SIGTERM (the runbook's `timeout`) stops pytest's whole process group first."""
+    deadline = deadline if deadline is not None else (time.monotonic() + seconds if seconds else None)
+    platform = "cuda" if gpu_visible(min(120.0, max(5.0, deadline - time.monotonic())) if deadline else 120.0) \
+        else "cpu"
     n = workers(platform)
     with tempfile.TemporaryDirectory() as tmp:
         report = pathlib.Path(tmp) / "report.xml"
         log = log or pathlib.Path(tmp) / "pytest.log"
-        cmd = [sys.executable, "-m", "pytest", "-v", "-s", "-p", "no:cacheprovider", "-p", "bench.gpu._report_now",
+        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "_report_now",
                "-o", "addopts=", "--durations=10", f"--junitxml={report}", *FILES]
         cmd += (["-k", select] if select else []) + (["-n", str(n)] if n else [])
         env = dict(_env(platform), XLA_PYTHON_CLIENT_PREALLOCATE="false") if n else _env(platform)
@@ -74,12 +84,19 @@ def run(select: str = "", seconds: float = 0.0, log: pathlib.Path | None = None)
             # a session of its own: stopping it stops xdist's workers too, which would hold the GPU
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stream, stderr=subprocess.STDOUT,
                                     start_new_session=True)
+
+            def stop(*_):
+                os.killpg(proc.pid, signal.SIGKILL)
+                sys.exit(143)
+            previous = signal.signal(signal.SIGTERM, stop)
             try:
-                code = proc.wait(timeout=seconds or None)
+                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()) if deadline else None)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 code = None
+            finally:
+                signal.signal(signal.SIGTERM, previous)
         text = log.read_text(errors="replace")
         results = _read_junit(report) if report.exists() else _read_verbose(text)
     failed = {k: v for k, v in results.items() if v != "passed" and not v.startswith("skipped")}
@@ -101,7 +118,7 @@ def _read_verbose(text: str) -> dict[str, str]:
     parallel = r"^\[gw\d+\] (?:\[ *\d+%\] )?(?P<outcome>PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (?P<test>\S+::\S+)"
     for pattern in (serial, parallel):
         for match in re.finditer(pattern, text, re.MULTILINE):
-            outcome = match.group("outcome")
+            outcome = {"XFAIL": "SKIPPED", "XPASS": "PASSED"}.get(match.group("outcome"), match.group("outcome"))
             out[match.group("test")] = outcome.lower() if outcome in ("PASSED", "SKIPPED") else outcome
     return out
 
@@ -139,7 +156,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.select = args.select or "default_blocks"
-    result = run(args.select, max(args.seconds, 0.0), pathlib.Path(args.log) if args.log else None)
+    seconds = max(args.seconds, 0.0)
+    result = run(args.select, seconds, pathlib.Path(args.log) if args.log else None,
+                 STARTED + seconds if seconds else None)
     print(f"Pallas kernel tests, {result['mode']} on {result['platform']}: {result['passed']} of {result['tests']} "
           f"passed in {result['seconds']} s" + (f"; stopped while running {', '.join(result['unfinished'])}"
                                                 if result["unfinished"] else ""))

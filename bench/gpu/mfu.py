@@ -89,12 +89,16 @@ def measure(config, steps: int, profile: str = "") -> dict:
         if profile:  # two more steps traced, and where their time went
             from meshtrain import tensorboard
 
-            with jax.profiler.trace(profile, create_perfetto_trace=True):
-                for _ in range(2):
-                    state, out = step(state, batch)
-                jax.block_until_ready(out)
-            found = tensorboard.trace_op_times(profile, top=15)
-            top_ops = {k: v for k, v in found.items() if k.startswith("/device:")} or found
+            try:  # a failed profile (no CUPTI, say) is reported beside the timing it must not lose
+                with jax.profiler.trace(profile, create_perfetto_trace=True):
+                    for _ in range(2):
+                        state, out = step(state, batch)
+                    jax.block_until_ready(out)
+                found = tensorboard.trace_op_times(profile, top=15)
+                top_ops = {k: v for k, v in found.items() if k.startswith("/device:")} or found
+            except Exception as error:  # noqa: BLE001
+                top_ops = {"error": [{"name": f"{type(error).__name__}: {str(error)[:200]}", "ms": 0.0, "calls": 0,
+                                      "share": 0.0}]}
     tokens_per_s = b * t / seconds
     cfg = run.model
     per_token = metrics.flops_per_token(cfg, t)

@@ -62,6 +62,7 @@ part() {  # part NAME SECONDS COMMAND...: runs one part under its time limit, ke
     return
   fi
   [ "$left" -lt "$limit" ] && limit=$left
+  rm -f "$OUT/$name.json"  # parts write their JSON as they go: none from an earlier run may stand for this one's
   log "$name (limit ${limit}s)"
   RUNBOOK_PART_SECONDS=$limit timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
