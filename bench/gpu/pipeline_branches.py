@@ -1,7 +1,7 @@
 """One pipeline stage's branches timed on this machine's GPU, beside the roofline the cost model prices,
 and every schedule's modeled step from the measured times.
 
-`python bench/gpu/pipeline_branches.py [--quick] [--stages 4,2] [--out FILE]`
+`python bench/gpu/pipeline_branches.py [--quick] [--stages 4,2] [--shapes NAMES] [--out FILE]`
 
 Playbook, "Pipeline Parallelism". A pipeline of p stages needs p GPUs; on one, what can be measured is
 what each stage runs per tick: the branches of `parallel/cost.py` (`stage_branches`: forward, fused
