@@ -27,7 +27,10 @@ one stage (forward, fused backward, input-gradient-only and weight-gradient-only
 compiled in bf16 and priced by XLA's FLOP and byte counts, then every tick lasts as long as its
 slowest stage plus the transfer after it. `modeled` is that step in units of one stage's forward
 on one micro-batch, `vs 1f1b` its ratio to 1f1b's at the same p and m. `--modeled` prints only
-the model, for a grid of p (`--stages 2,4`) and m, in seconds.
+the model, for a grid of p (`--stages 2,4`) and m, in seconds. `--compiled` (with the `gpu` extra)
+prices each branch instead from XLA's GPU compile of it for `--gpu`, kernel by kernel
+(`cost.BranchCosts.from_gpu_compile`): the launches and the HBM traffic of every fusion, which is
+what the measured branch times follow.
 
 Prints a table and one JSON line.
 """
@@ -115,6 +118,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the CI smoke run: 2 stages, m 2 and 4, 4 layers, 2 steps")
     parser.add_argument("--modeled", action="store_true", help="only the modeled GPU step, no CPU timing")
     parser.add_argument("--gpu", default="h100", help="the GPU of the model (plan.hardware)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="price the branches kernel by kernel from XLA's GPU compile for --gpu (the gpu extra; "
+                             "cost.BranchCosts.from_gpu_compile) instead of the whole-branch roofline")
     args = parser.parse_args()
     if args.quick:
         args.stages, args.microbatches, args.layers, args.steps = "2", "2,4", 4, 2
@@ -158,12 +164,13 @@ _COSTS: dict[tuple, cost.BranchCosts] = {}
 def modeled_costs(args, m: int, p: int, gpu) -> cost.BranchCosts:
     """One stage's branch costs of the benchmark's model in bf16 (what a GPU runs), priced on `gpu`
     (compiled once per shape: every schedule's row reuses them)."""
-    key = (m, p, args.rows, args.seq_len, args.d_model, args.layers, gpu.name)
+    key = (m, p, args.rows, args.seq_len, args.d_model, args.layers, gpu.name, args.compiled)
     if key not in _COSTS:
         config = make_config(args, "1f1b", m, stages=p)
         config.model.dtype = "bfloat16"
-        _COSTS[key] = cost.BranchCosts.from_compiler(config, {**{a: 1 for a in config_lib.MESH_AXES}, "stage": p},
-                                                     gpu)
+        sizes = {**{a: 1 for a in config_lib.MESH_AXES}, "stage": p}
+        _COSTS[key] = cost.BranchCosts.from_gpu_compile(config, sizes, gpu, args.gpu) if args.compiled \
+            else cost.BranchCosts.from_compiler(config, sizes, gpu)
     return _COSTS[key]
 
 
@@ -171,7 +178,8 @@ def print_modeled(args, stages: list[int], ms: list[int]) -> None:
     """The modeled GPU step of every schedule for each (p, m): seconds, units of F, ratio to 1f1b. The
     split schedules run W in the parts the model picks for their chunk's layers (`cost.weight_parts`)."""
     gpu, rows = hardware.get_gpu(args.gpu), []
-    print(f"modeled on {gpu.name}: micro-batch {args.rows} x {args.seq_len} tokens, d_model {args.d_model}, "
+    how = "kernel by kernel from its GPU compile" if args.compiled else "by the whole-branch roofline"
+    print(f"modeled on {gpu.name} ({how}): micro-batch {args.rows} x {args.seq_len} tokens, d_model {args.d_model}, "
           f"{args.layers} layers, bf16, interleaved v=2")
     print(f"{'p':>2} {'m':>3} {'schedule':24} {'W parts':>7} {'ticks':>5} {'step ms':>8} {'units':>7} "
           f"{'vs 1f1b':>8} {'busy':>6}")
@@ -196,7 +204,8 @@ def print_modeled(args, stages: list[int], ms: list[int]) -> None:
     print(f"branch costs (units of F): fused backward {units.backward:.2f}, split forward {units.forward_split:.2f}, "
           f"input gradient {units.input_grad:.2f}, weight gradient {units.weight_grad:.2f}, "
           f"transfer {units.transfer:.3f}")
-    print(json.dumps({"bench": "pipeline_modeled", "gpu": gpu.name, "rows": rows,
+    print(json.dumps({"bench": "pipeline_modeled", "gpu": gpu.name, "priced": "kernels" if args.compiled else "roofline",
+                      "rows": rows,
                       "branch_units": dataclasses.asdict(units)}))
 
 

@@ -415,3 +415,143 @@ def f8_conversions(hlo: str) -> int:
                 operand = _top_level_args(m.group(4))[0].strip().split()[-1].lstrip("%")
                 found += _F8.match(types.get(operand, "")) is not None
     return found
+
+
+# --------------------------------------------------------------------------------------------
+# What a GPU-compiled module costs, kernel by kernel.
+# --------------------------------------------------------------------------------------------
+
+# instructions that launch nothing (views, tuples, control flow whose bodies are read instead)
+_NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+              "replica-id", "opt-barrier", "add-dependency", "domain", "while", "conditional", "call"}
+# collectives move bytes over links, not through a kernel's HBM roofline: the cost model prices transfers
+_COLLECTIVE = re.compile(r"^(?:(?:" + "|".join(KINDS) + r"|async|send|recv)(?:-start|-done)?|copy-start|copy-done)$")
+_RUNS_BODIES = re.compile(r"\b(?:body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+                          r"|branch_computations=\{([^}]*)\}")
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_CUBLAS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One kernel of a compiled GPU module: what one launch moves through HBM and computes, and how
+    many times it runs per call of the module."""
+
+    name: str
+    opcode: str  # "fusion", or the custom call's target, or the unfused instruction's opcode
+    bytes: float  # read and written by one launch
+    flops: float  # of its dots (GEMMs) in one launch; elementwise work is not counted
+    runs: float
+
+
+def kernels(hlo: str, branch_weights: tuple[float, ...] | None = None) -> list[Kernel]:
+    """The kernels a GPU-compiled module launches (its optimized HLO, `compiled.as_text()`): each
+    fusion, custom call and unfused instruction of the computations that run (the entry, loop bodies
+    times their trip counts, conditional branches by `branch_weights` as in `_multiplicities`), with
+    the bytes it reads and writes and its GEMM FLOPs. A fusion reads of a parameter only what its
+    (dynamic-)slices take (a layer of a scanned stack), and updates an operand in place when its root
+    is a dynamic-update-slice (writing only the update)."""
+    comps, entry = _computations(hlo)
+    mult = _multiplicities(comps, entry, branch_weights)
+    parsed = {name: [m for line in lines if (m := _INSTRUCTION.match(line))] for name, lines in comps.items()}
+    runs_here = {entry}
+    stack = [entry]
+    while stack:  # computations that run as a sequence of kernels: the entry, loop bodies, branches
+        for m in parsed.get(stack.pop(), []):
+            called = []
+            for c in _RUNS_BODIES.finditer(m.group(4)):
+                called += [c.group(1)] if c.group(1) else [n.strip().lstrip("%") for n in c.group(2).split(",")]
+            if m.group(3) == "call" and (t := re.search(r"\bto_apply=%?([\w.\-]+)", m.group(4))):
+                called.append(t.group(1))
+            for name in called:
+                if name in comps and name not in runs_here:
+                    runs_here.add(name)
+                    stack.append(name)
+    found = []
+    for name in runs_here:
+        shapes = {m.group(1): m.group(2) for m in parsed[name]}
+        for m in parsed[name]:
+            opcode, rest = m.group(3), m.group(4)
+            if opcode in _NO_KERNEL or _COLLECTIVE.match(opcode) or not mult.get(name):
+                continue
+            args = [_operand_name(a) for a in _top_level_args(rest)]
+            operand_bytes = [_nbytes(shapes.get(a, "")) for a in args]
+            out_bytes, flops = _nbytes(m.group(2)), 0.0
+            callee = re.search(r"\bcalls=%?([\w.\-]+)", rest) if opcode == "fusion" else None
+            if callee and callee.group(1) in parsed:
+                moved = _fusion_bytes(parsed[callee.group(1)], operand_bytes, out_bytes)
+                flops = _dot_flops(parsed, callee.group(1))
+            else:
+                moved = out_bytes + sum(operand_bytes)
+                if opcode == "dot":
+                    flops = _one_dot_flops(m, shapes)
+                elif opcode == "custom-call" and (t := _CUSTOM_TARGET.search(rest)) and "gemm" in t.group(1) \
+                        and (c := _CUBLAS_CONTRACTING.search(rest)):
+                    lhs = _dims(shapes.get(args[0], ""))
+                    k = math.prod(lhs[int(d.strip().strip('"'))] for d in c.group(1).split(",") if d.strip())
+                    flops = 2.0 * math.prod(_dims(m.group(2))) * k
+                    opcode = t.group(1)
+            if opcode == "custom-call" and (t := _CUSTOM_TARGET.search(rest)):
+                opcode = t.group(1)
+            found.append(Kernel(m.group(1), opcode, float(moved), float(flops), mult[name]))
+    return found
+
+
+def _operand_name(arg: str) -> str:
+    return arg.strip().split()[-1].lstrip("%")
+
+
+def _dims(shape: str) -> list[int]:
+    m = _ARRAY.search(shape)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def _one_dot_flops(m, shapes: dict[str, str]) -> float:
+    """2 x (result elements) x (contracted size) of a `dot` instruction."""
+    lhs = _dims(shapes.get(_operand_name(_top_level_args(m.group(4))[0]), ""))
+    c = _CONTRACTING.search(m.group(4))
+    k = math.prod(lhs[int(d)] for d in c.group(1).split(",") if d) if c and lhs else 1
+    return 2.0 * math.prod(_dims(m.group(2))) * k
+
+
+def _dot_flops(parsed, name: str) -> float:
+    """The dot FLOPs of a fused computation (nested fusions included)."""
+    shapes = {m.group(1): m.group(2) for m in parsed[name]}
+    total = 0.0
+    for m in parsed[name]:
+        if m.group(3) == "dot":
+            total += _one_dot_flops(m, shapes)
+        elif m.group(3) == "fusion" and (callee := re.search(r"\bcalls=%?([\w.\-]+)", m.group(4))) \
+                and callee.group(1) in parsed:
+            total += _dot_flops(parsed, callee.group(1))
+    return total
+
+
+def _fusion_bytes(body, operand_bytes: list[int], out_bytes: int) -> int:
+    """HBM bytes of one fusion launch: each parameter whole, or only what the (dynamic-)slices that are
+    its only users take, or nothing for the operand a root dynamic-update-slice updates in place; then
+    the result, or only the update written in place."""
+    users: dict[str, list[tuple[str, int, str]]] = collections.defaultdict(list)
+    shapes, params, root = {}, {}, None
+    for m in body:
+        shapes[m.group(1)] = m.group(2)
+        if m.group(3) == "parameter":
+            params[int(re.match(r"\s*(\d+)", m.group(4)).group(1))] = m.group(1)
+        for i, arg in enumerate(_top_level_args(m.group(4))):
+            users[_operand_name(arg)].append((m.group(3), i, m.group(2)))
+        if m.string.lstrip().startswith("ROOT"):
+            root = m
+    total = 0
+    for index, name in params.items():
+        uses = users.get(name, [])
+        if uses and all(op in ("dynamic-slice", "slice") and i == 0 for op, i, _ in uses):
+            total += sum(_nbytes(shape) for _, _, shape in uses)
+        elif uses and all(op == "dynamic-update-slice" and i == 0 for op, i, _ in uses):
+            continue
+        else:
+            total += operand_bytes[index] if index < len(operand_bytes) else 0
+    if root is not None and root.group(3) == "dynamic-update-slice":
+        total += _nbytes(shapes.get(_operand_name(_top_level_args(root.group(4))[1]), ""))
+    else:
+        total += out_bytes
+    return total
