@@ -204,8 +204,8 @@ def print_modeled(args, stages: list[int], ms: list[int]) -> None:
     print(f"branch costs (units of F): fused backward {units.backward:.2f}, split forward {units.forward_split:.2f}, "
           f"input gradient {units.input_grad:.2f}, weight gradient {units.weight_grad:.2f}, "
           f"transfer {units.transfer:.3f}")
-    print(json.dumps({"bench": "pipeline_modeled", "gpu": gpu.name, "priced": "kernels" if args.compiled else "roofline",
-                      "rows": rows,
+    print(json.dumps({"bench": "pipeline_modeled", "gpu": gpu.name,
+                      "priced": "kernels" if args.compiled else "roofline", "rows": rows,
                       "branch_units": dataclasses.asdict(units)}))
 
 

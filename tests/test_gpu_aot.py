@@ -310,3 +310,39 @@ def test_verify_compares_with_the_gpu_compiler():
     result = verify.verify(config, list(aot.target_devices("h100", 8)), backend=verify.comm.GPU)
     assert "H100" in result.devices and result.compiler["temp"] > 0 and result.model["state"] > 0
     assert result.model["state"] == pytest.approx(result.compiler["state"], rel=0.05)
+
+
+def test_stage_kernels_compiled_for_h100_compute_the_layers_matmuls():
+    """`plan.hlo.kernels` on a pipeline stage's branches compiled for the H100 (`cost.stage_branches`):
+    the forward's GEMM FLOPs, each scanned layer counted by the loop's trip count, are every layer's
+    projections (q, k, v, o, gate, up, down) and attention's two products over the whole sequence; the
+    split W's are the projections' weight GEMMs alone (x^T dy: as many FLOPs as each projection);
+    `BranchCosts.from_gpu_compile` prices those kernels."""
+    from meshtrain.parallel import cost
+    from meshtrain.plan import hardware
+
+    config = config_lib.default_config()
+    d, heads, kv, head, f, tokens, layers, p = 128, 8, 4, 16, 384, 64, 4, 2
+    config.model.update(d_model=d, n_heads=heads, n_kv_heads=kv, head_dim=head, mlp_dim=f, n_layers=layers,
+                        vocab_size=264, dtype="bfloat16")
+    for axis in AXES:
+        config.mesh[axis] = 1
+    config.mesh.stage = p
+    config.train.update(batch_size=8, seq_len=tokens)
+    config.pipeline.update(schedule="1f1b", microbatches=8)
+    sizes = {**dict.fromkeys(AXES, 1), "stage": p}
+    device = aot.target_devices("h100", 1)[0]
+    _, branches, _ = cost.stage_branches(config, sizes, device)
+    placed = jax.sharding.SingleDeviceSharding(device)
+
+    def gemm_flops(name):
+        fn, args = branches[name]
+        text = jax.jit(fn, in_shardings=jax.tree.map(lambda _: placed, args)).lower(*args).compile().as_text()
+        return sum(k.runs * k.flops for k in hlo.kernels(text))
+
+    projections = 2 * tokens * d * (heads * head + 2 * kv * head + heads * head + 3 * f)
+    attention = 2 * 2 * heads * tokens * tokens * head
+    assert gemm_flops("forward") == (layers // p) * (projections + attention)
+    assert gemm_flops("weight_grad") == (layers // p) * projections
+    costs = cost.BranchCosts.from_gpu_compile(config, sizes, hardware.get_gpu("h100"), "h100")
+    assert 0 < costs.forward < costs.backward and costs.weight_grad < costs.backward

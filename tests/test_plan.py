@@ -12,6 +12,7 @@ from flax import linen as nn
 
 from meshtrain import mesh as mesh_lib, model as model_lib, train_step
 from meshtrain.config import ModelConfig
+from meshtrain.parallel import cost
 from meshtrain.plan import comm, estimate, hardware, hlo, memory
 from meshtrain.validate import validate
 from tests.utils import ROOT, load_config_file, tiny_config
@@ -123,6 +124,77 @@ def test_hlo_reader_groups_trip_counts_and_axes():
     assert hlo.group_axes((0, 4), mesh) == {"data": 2}
     sent = hlo.bytes_by_axis(found, mesh)
     assert sent == {"data": pytest.approx(3 * 2 * 0.5 * 32 + 0.5 * 64), "tensor": pytest.approx(64.0)}
+
+
+KERNELS_HLO = """HloModule k
+
+%fused_dot (p0: f32[3,64,64], p1: bf16[16,64], p2: s32[]) -> f32[16,64] {
+  %p0 = f32[3,64,64]{2,1,0} parameter(0)
+  %p1 = bf16[16,64]{1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %ds = f32[1,64,64]{2,1,0} dynamic-slice(%p0, %p2, %z, %z), dynamic_slice_sizes={1,64,64}
+  %w = f32[64,64]{1,0} bitcast(%ds)
+  %wb = bf16[64,64]{1,0} convert(%w)
+  ROOT %d = f32[16,64]{1,0} dot(%p1, %wb), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_update (q0: f32[3,16,64], q1: f32[16,64], q2: s32[]) -> f32[3,16,64] {
+  %q0 = f32[3,16,64]{2,1,0} parameter(0)
+  %q1 = f32[16,64]{1,0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %u = f32[1,16,64]{2,1,0} bitcast(%q1)
+  ROOT %dus = f32[3,16,64]{2,1,0} dynamic-update-slice(%q0, %u, %q2, %z, %z)
+}
+
+%body (b: (s32[], f32[3,64,64], bf16[16,64], f32[3,16,64])) -> (s32[], f32[3,64,64], bf16[16,64], f32[3,16,64]) {
+  %b = (s32[], f32[3,64,64]{2,1,0}, bf16[16,64]{1,0}, f32[3,16,64]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %ws = f32[3,64,64]{2,1,0} get-tuple-element(%b), index=1
+  %x = bf16[16,64]{1,0} get-tuple-element(%b), index=2
+  %acc = f32[3,16,64]{2,1,0} get-tuple-element(%b), index=3
+  %y = f32[16,64]{1,0} fusion(%ws, %x, %i), kind=kCustom, calls=%fused_dot
+  %acc2 = f32[3,16,64]{2,1,0} fusion(%acc, %y, %i), kind=kLoop, calls=%fused_update
+  ROOT %t = (s32[], f32[3,64,64]{2,1,0}, bf16[16,64]{1,0}, f32[3,16,64]{2,1,0}) tuple(%i, %ws, %x, %acc2)
+}
+
+%cond (c: (s32[], f32[3,64,64], bf16[16,64], f32[3,16,64])) -> pred[] {
+  %c = (s32[], f32[3,64,64]{2,1,0}, bf16[16,64]{1,0}, f32[3,16,64]{2,1,0}) parameter(0)
+  ROOT %k = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[3,64,64], x: bf16[16,64], acc: f32[3,16,64]) -> f32[3,16,64] {
+  %a = f32[3,64,64]{2,1,0} parameter(0)
+  %x = bf16[16,64]{1,0} parameter(1)
+  %acc = f32[3,16,64]{2,1,0} parameter(2)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[3,64,64]{2,1,0}, bf16[16,64]{1,0}, f32[3,16,64]{2,1,0}) tuple(%zero, %a, %x, %acc)
+  %loop = (s32[], f32[3,64,64]{2,1,0}, bf16[16,64]{1,0}, f32[3,16,64]{2,1,0}) while(%init), condition=%cond, \
+body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %out = f32[3,16,64]{2,1,0} get-tuple-element(%loop), index=3
+  ROOT %copy = f32[3,16,64]{2,1,0} copy(%out)
+}
+"""
+
+
+def test_kernel_reader_prices_each_launch_by_what_it_moves():
+    """A scanned layer's GEMM reads one layer of the stacked weights (its dynamic slice), the activation
+    and writes its result; the scan's update of the stacked output writes one row in place; loop
+    bodies run their trip count; views and tuples launch nothing."""
+    found = {k.name: k for k in hlo.kernels(KERNELS_HLO)}
+    assert set(found) == {"y", "acc2", "copy"}
+    gemm, update, copy = found["y"], found["acc2"], found["copy"]
+    assert (gemm.runs, update.runs, copy.runs) == (3, 3, 1)
+    assert gemm.bytes == 64 * 64 * 4 + 16 * 64 * 2 + 4 + 16 * 64 * 4  # one layer's weights, x, the index, y
+    assert gemm.flops == 2 * 16 * 64 * 64
+    assert update.bytes == 16 * 64 * 4 + 4 + 16 * 64 * 4  # the row read, the index, the row written
+    assert update.flops == 0 and copy.bytes == 2 * 3 * 16 * 64 * 4
+    times = cost.KernelTimes(flop_efficiency=0.5, hbm_efficiency=0.5, launch=1e-6)
+    gpu = hardware.get_gpu("h100")
+    expected = sum(k.runs * (max(k.flops / (0.5 * gpu.peak_flops), k.bytes / (0.5 * gpu.hbm_bandwidth)) + 1e-6)
+                   for k in found.values())
+    assert times.seconds(found.values(), gpu) == pytest.approx(expected)
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
