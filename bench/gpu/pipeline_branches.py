@@ -10,7 +10,9 @@ device loop as the tick loop runs it (`cost.timed`). The lock-step model (`cost.
 lasts its slowest stage's branch, plus the transfer unless overlapped) then gives each schedule's step
 from those times; the transfer is the link's bandwidth, which one GPU cannot measure. Beside it, the
 roofline prices (`BranchCosts.from_compiler`: XLA's FLOPs at the bf16 peak or the branch's bytes at
-HBM bandwidth) that `bench/pipeline.py --modeled` and the planner use.
+HBM bandwidth) that `bench/pipeline.py --modeled` and the planner use, and the kernel-by-kernel prices
+of the branches' GPU compile (`BranchCosts.from_gpu_compile`, `cost.KernelTimes`: fitted to this
+bench's first H200 run, so each later run checks the fit).
 
 Shapes: the README's modeled table (d_model 512, 8 layers, one row of 128 tokens a micro-batch), the
 same at 2,048 tokens, and llama3_8b's layer (8 layers, one row of 4,096 tokens); each at p in
@@ -87,6 +89,19 @@ def modeled_rows(costs, p: int, m: int, layers: int) -> dict[str, float]:
     return out
 
 
+def kernel_model(config, sizes, gpu, device):
+    """The branches priced kernel by kernel from their GPU compile (`cost.BranchCosts.from_gpu_compile`):
+    for this GPU on one, for the H100 without one where the `gpu` extra is installed, else None."""
+    from meshtrain import aot
+    from meshtrain.parallel import cost
+
+    if device.platform == "gpu":
+        return cost.BranchCosts.from_gpu_compile(config, sizes, gpu, device=device)
+    if aot.gpu_compiler_installed():
+        return cost.BranchCosts.from_gpu_compile(config, sizes, gpu, "h100")
+    return None
+
+
 def write(out: str, device, gpu, quick: bool, results: list) -> str:
     """The JSON line of the results so far, also written to `out` when given."""
     line = json.dumps({"bench": "gpu_pipeline_branches", "device": device.device_kind, "platform": device.platform,
@@ -121,6 +136,7 @@ def main() -> None:
             sizes = {**{a: 1 for a in config_lib.MESH_AXES}, "stage": p}
             try:
                 roof = cost.BranchCosts.from_compiler(config, sizes, gpu)
+                kern = kernel_model(config, sizes, gpu, device)
                 real = cost.BranchCosts.measured(config, sizes, gpu, device, iterations=iterations)
             except Exception as error:  # noqa: BLE001 - one shape's failure is a result, the others still run
                 results.append({"shape": name, "stages": p, "error": f"{type(error).__name__}: {str(error)[:300]}"})
@@ -129,22 +145,24 @@ def main() -> None:
                 continue
             layers = config.model.n_layers
             print(f"\n{name} tokens, {layers // p} layers a stage (p={p}): branch seconds of one micro-batch")
-            print(f"{'branch':14} {'roofline us':>12} {'measured us':>12} {'measured/roof':>13} {'units roof':>10} "
-                  f"{'units meas':>10}")
+            print(f"{'branch':14} {'roofline us':>12} {'kernels us':>11} {'measured us':>12} {'meas/kernels':>12} "
+                  f"{'units roof':>10} {'units kern':>10} {'units meas':>10}")
             branches = {}
             for branch in ("forward", "backward", "split_forward", "input_grad", "weight_grad"):
-                r, t = getattr(roof, branch if branch != "split_forward" else "forward_split"), \
-                    getattr(real, branch if branch != "split_forward" else "forward_split")
-                branches[branch] = {"roofline_s": r, "measured_s": t}
-                print(f"{branch:14} {r * 1e6:12.1f} {t * 1e6:12.1f} {t / r:13.2f} {r / roof.forward:10.2f} "
-                      f"{t / real.forward:10.2f}")
+                field = branch if branch != "split_forward" else "forward_split"
+                r, t = getattr(roof, field), getattr(real, field)
+                k = getattr(kern, field) if kern else float("nan")
+                branches[branch] = {"roofline_s": r, "kernels_s": k if kern else None, "measured_s": t}
+                print(f"{branch:14} {r * 1e6:12.1f} {k * 1e6:11.1f} {t * 1e6:12.1f} {t / k:12.2f} "
+                      f"{r / roof.forward:10.2f} {k / (kern.forward if kern else 1):10.2f} {t / real.forward:10.2f}")
             rows = {}
+            models = {"roofline": roof, "kernels": kern, "measured": real}
             for m in (8, 16):
-                rows[m] = {"roofline": modeled_rows(roof, p, m, layers), "measured": modeled_rows(real, p, m, layers)}
-            print(f"{'schedule':24} " + " ".join(f"{f'm={m} roof':>10} {f'm={m} meas':>10}" for m in rows))
+                rows[m] = {name: modeled_rows(c, p, m, layers) for name, c in models.items() if c}
+            print(f"{'schedule':24} " + " ".join(f"{f'm={m} {name[:4]}':>10}" for m in rows for name in rows[m]))
             for schedule in rows[8]["roofline"]:
-                print(f"{schedule:24} " + " ".join(f"{rows[m]['roofline'][schedule]:10.3f} "
-                                                   f"{rows[m]['measured'][schedule]:10.3f}" for m in rows))
+                print(f"{schedule:24} " + " ".join(f"{rows[m][name][schedule]:10.3f}"
+                                                   for m in rows for name in rows[m]))
             results.append({"shape": name, "attention": impl, "stages": p, "layers_per_stage": layers // p,
                             "branches": branches,
                             "transfer_s": real.transfer, "vs_1f1b": rows})

@@ -141,7 +141,9 @@ class BranchCosts:
         """Each branch of one stage (`stage_branches`) compiled by XLA's GPU compiler and priced kernel
         by kernel (`plan.hlo.kernels`, `KernelTimes`): what the GPU launches, fusion by fusion, loops by
         their trip counts, rather than the whole branch's FLOPs and arguments. Compiled for one `target`
-        device without a GPU (`meshtrain.aot`: the `gpu` extra), or for `device`, a GPU of this machine."""
+        device without a GPU (`meshtrain.aot`: the `gpu` extra), or for `device`, a GPU of this machine.
+        Attention is the einsum one, as in `from_compiler` (a Pallas kernel is a custom call whose FLOPs
+        the module's text does not give)."""
         from meshtrain import aot
         from meshtrain.plan import hlo
 
