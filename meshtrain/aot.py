@@ -119,17 +119,30 @@ class ProgramReport:
     gemms: int
     fp8_gemms: int
     collectives: dict[str, dict[str, int]]  # kind -> {"pairs", "overlapped"}
+    # the program's kernels one after another on one device, priced kernel by kernel (`cost.KernelTimes`):
+    # no communication; a Pallas kernel by its bytes alone (its FLOPs are not in the module's text)
+    modeled_seconds: float = 0.0
+    top_kernels: list[dict] = dataclasses.field(default_factory=list)  # the most modeled time first
 
     @classmethod
-    def of(cls, compiled, seconds: float) -> ProgramReport:
+    def of(cls, compiled, seconds: float, gpu: hardware.Gpu | None = None, top: int = 8) -> ProgramReport:
+        from meshtrain.parallel import cost
+
         text = compiled.as_text()
         gemm = hlo.gemms(text)
         by_kind: dict[str, dict[str, int]] = collections.defaultdict(lambda: {"pairs": 0, "overlapped": 0})
         for pair in hlo.async_overlap(text):
             by_kind[pair.kind]["pairs"] += 1
             by_kind[pair.kind]["overlapped"] += pair.overlapped
-        return cls(seconds, verify.compiled_memory(compiled), dict(sorted(hlo.triton_kernels(text).items())),
-                   gemm.total, gemm.fp8, dict(sorted(by_kind.items())))
+        report = cls(seconds, verify.compiled_memory(compiled), dict(sorted(hlo.triton_kernels(text).items())),
+                     gemm.total, gemm.fp8, dict(sorted(by_kind.items())))
+        if gpu is not None:
+            kernels = hlo.kernels(text)
+            priced = sorted(((cost.KERNEL_TIMES.seconds([k], gpu), k) for k in kernels), key=lambda sk: -sk[0])
+            report.modeled_seconds = sum(s for s, _ in priced)
+            report.top_kernels = [{"name": k.name, "kind": k.opcode, "runs": k.runs, "seconds": s,
+                                   "bytes": k.bytes * k.runs, "flops": k.flops * k.runs} for s, k in priced[:top]]
+        return report
 
 
 @dataclasses.dataclass
@@ -180,6 +193,7 @@ class Report:
         lines.append(_kernel_line(self.step))
         lines.append(f"GEMMs: {self.step.gemms} ({self.step.fp8_gemms} in FP8)")
         lines.append(_collective_lines(self.step))
+        lines.append(_modeled_lines(self.step))
         if self.sampling is not None:
             s = self.sampling
             lines.append(f"sampling program compiled in {s.compile_seconds:.1f} s: arguments "
@@ -193,6 +207,19 @@ def _kernel_line(program: ProgramReport) -> str:
     if not program.kernels:
         return "Pallas kernels as Triton calls: none"
     return "Pallas kernels as Triton calls: " + ", ".join(f"{k} x{n}" for k, n in program.kernels.items())
+
+
+def _modeled_lines(program: ProgramReport) -> str:
+    """The step's modeled compute time and the kernels that take the most of it."""
+    if not program.top_kernels:
+        return "modeled compute: not priced"
+    lines = [f"modeled compute per step, kernel by kernel: {program.modeled_seconds:.4f} s (no communication; "
+             "Pallas kernels by their bytes)",
+             "  kernel                                   kind                  runs   share  GB moved   TFLOP"]
+    for k in program.top_kernels:
+        lines.append(f"  {k['name'][:40]:<40} {k['kind'][:20]:<20} {k['runs']:>6.0f} "
+                     f"{k['seconds'] / program.modeled_seconds:7.1%} {k['bytes'] / 1e9:9.2f} {k['flops'] / 1e12:7.2f}")
+    return "\n".join(lines)
 
 
 def _collective_lines(program: ProgramReport) -> str:
@@ -234,10 +261,10 @@ def compile_report(config: ml_collections.ConfigDict, target: str, devices: int,
     from meshtrain import train_step
 
     compiled, run, seconds = compile_step(config, target, devices, devices_per_node)
-    step = ProgramReport.of(compiled, seconds)
+    gpu = hardware.get_gpu(target)
+    step = ProgramReport.of(compiled, seconds, gpu)
     del compiled
     planner = verify.model_memory(config, dict(run.sizes), verify.batch_bytes(run))
-    gpu = hardware.get_gpu(target)
     report = Report(target, run.mesh.devices.flat[0].device_kind, devices, devices_per_node, dict(run.sizes),
                     step, planner, gpu.usable_bytes)
     if sample is None:
@@ -248,7 +275,7 @@ def compile_report(config: ml_collections.ConfigDict, target: str, devices: int,
     else:
         factory, _ = train_step.build(run)
         compiled, seconds = compile_sampling(run, factory, *sample)
-        report.sampling = ProgramReport.of(compiled, seconds)
+        report.sampling = ProgramReport.of(compiled, seconds, gpu)
     return report
 
 

@@ -197,6 +197,28 @@ def test_kernel_reader_prices_each_launch_by_what_it_moves():
     assert times.seconds(found.values(), gpu) == pytest.approx(expected)
 
 
+def test_kernel_reader_infers_a_loops_trips_from_its_condition():
+    """XLA:GPU leaves some loops (gradient accumulation) without `known_trip_count`: an induction
+    variable started from a constant and compared below a constant (here in a fused compare) gives
+    the trips; a condition of any other form counts the body once."""
+    inferred = KERNELS_HLO.replace(', backend_config={"known_trip_count":{"n":"3"}}', "").replace(
+        "  ROOT %k = pred[] constant(true)\n",
+        "  %n = s32[] get-tuple-element(%c), index=0\n"
+        "  ROOT %k = pred[] fusion(%n), kind=kLoop, calls=%fused_compare\n").replace(
+        "  %zero = s32[] constant(0)\n", "  %zero0 = s32[] constant(1)\n  %zero = s32[] copy(%zero0)\n").replace(
+        "%body (b:", """%fused_compare (r0: s32[]) -> pred[] {
+  %r0 = s32[] parameter(0)
+  %limit = s32[] constant(4)
+  ROOT %lt = pred[] compare(%r0, %limit), direction=LT
+}
+
+%body (b:""")
+    found = {k.name: k.runs for k in hlo.kernels(inferred)}
+    assert found["y"] == found["acc2"] == 3  # from 1 while below 4
+    opaque = inferred.replace("direction=LT", "direction=NE")
+    assert {k.name: k.runs for k in hlo.kernels(opaque)}["y"] == 1
+
+
 def _plan(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "meshtrain.plan", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)

@@ -113,12 +113,15 @@ def _computations(hlo: str):
 
 
 def _multiplicities(comps: dict[str, list[str]], entry: str,
-                    branch_weights: tuple[float, ...] | None = None) -> dict[str, float]:
+                    branch_weights: tuple[float, ...] | None = None, infer_trips: bool = False) -> dict[str, float]:
     """How many times each computation runs per call of the entry (while bodies x trip count).
 
     A conditional runs one branch per call, which the text cannot tell: each branch counts as
     running every call, unless `branch_weights` gives, for conditionals with that many branches,
     the share of calls that take each branch (the 1F1B slot switch: `Pipeline.slot_branch_share`).
+    A loop without `known_trip_count` runs once, or, with `infer_trips`, as often as its condition
+    allows when that is an induction variable below a constant, started from a constant
+    (`_inferred_trips`: XLA:GPU leaves the gradient-accumulation loop so).
     """
     mult: dict[str, float] = collections.defaultdict(float)
     mult[entry] = 1
@@ -130,6 +133,8 @@ def _multiplicities(comps: dict[str, list[str]], entry: str,
             trip = 1
             if " while(" in line and (t := _TRIP.search(line)):
                 trip = int(t.group(1))
+            elif " while(" in line and infer_trips:
+                trip = _inferred_trips(comps, lines, line) or 1
             out += [(c, trip) for c in _CALLEE.findall(line) if c in comps]
             if b := _BRANCHES.search(line):
                 branches = [c.strip().lstrip("%") for c in b.group(1).split(",")]
@@ -157,6 +162,67 @@ def _multiplicities(comps: dict[str, list[str]], entry: str,
             if indegree[callee] == 0:
                 ready.append(callee)
     return mult
+
+
+def _inferred_trips(comps: dict[str, list[str]], caller: list[str], line: str) -> int | None:
+    """The trips of the `while` on `line` (in the computation of lines `caller`) whose condition is
+    `compare(get-tuple-element(param, i), constant(n)), direction=LT` (directly or as a fusion's root)
+    and whose init tuple's element i is a constant c (through copies): n - c. None when it is not so."""
+    def defined(lines: list[str], name: str):
+        for text in lines:
+            if (m := _INSTRUCTION.match(text)) and m.group(1) == name:
+                return m
+        return None
+
+    def constant(lines: list[str], name: str) -> int | None:
+        m = defined(lines, name)
+        while m is not None and m.group(3) in ("copy", "bitcast", "convert"):
+            m = defined(lines, _top_level_args(m.group(4))[0].strip().split()[-1].lstrip("%"))
+        if m is None or m.group(3) != "constant":
+            return None
+        value = re.match(r"\s*(-?\d+)\)", m.group(4))
+        return int(value.group(1)) if value else None
+
+    cond = re.search(r"\bcondition=%?([\w.\-]+)", line)
+    head = _INSTRUCTION.match(line)
+    if not cond or not head or cond.group(1) not in comps:
+        return None
+    body = comps[cond.group(1)]
+    root = next((m for text in body if text.lstrip().startswith("ROOT") and (m := _INSTRUCTION.match(text))), None)
+    if root is None:
+        return None
+    compare, arguments = root, _top_level_args(root.group(4))
+    if root.group(3) == "fusion" and (callee := re.search(r"\bcalls=%?([\w.\-]+)", root.group(4))) \
+            and callee.group(1) in comps:
+        fused = comps[callee.group(1)]
+        compare = next((m for text in fused if text.lstrip().startswith("ROOT") and (m := _INSTRUCTION.match(text))),
+                       None)
+        if compare is None:
+            return None
+        # a fused parameter stands for the fusion's operand of that number
+        params = {m.group(1): int(re.match(r"\s*(\d+)", m.group(4)).group(1)) for text in fused
+                  if (m := _INSTRUCTION.match(text)) and m.group(3) == "parameter"}
+        operands = [a.strip().split()[-1].lstrip("%") for a in _top_level_args(compare.group(4))]
+        if len(operands) != 2 or operands[0] not in params:
+            return None
+        limit = constant(fused, operands[1])
+        arguments = [_top_level_args(root.group(4))[params[operands[0]]]]
+    else:
+        operands = [a.strip().split()[-1].lstrip("%") for a in arguments]
+        if len(operands) != 2:
+            return None
+        limit = constant(body, operands[1])
+        arguments = arguments[:1]
+    if compare.group(3) != "compare" or "direction=LT" not in compare.group(4) or limit is None:
+        return None
+    element = defined(body, arguments[0].strip().split()[-1].lstrip("%"))
+    index = re.search(r"\bindex=(\d+)", element.group(4)) if element and element.group(3) == "get-tuple-element" \
+        else None
+    init = defined(caller, _top_level_args(head.group(4))[0].strip().split()[-1].lstrip("%"))
+    if index is None or init is None or init.group(3) != "tuple":
+        return None
+    start = constant(caller, _top_level_args(init.group(4))[int(index.group(1))].strip().split()[-1].lstrip("%"))
+    return limit - start if start is not None and limit > start else None
 
 
 def collectives(hlo: str, num_partitions: int,
@@ -452,7 +518,7 @@ def kernels(hlo: str, branch_weights: tuple[float, ...] | None = None) -> list[K
     (dynamic-)slices take (a layer of a scanned stack), and updates an operand in place when its root
     is a dynamic-update-slice (writing only the update)."""
     comps, entry = _computations(hlo)
-    mult = _multiplicities(comps, entry, branch_weights)
+    mult = _multiplicities(comps, entry, branch_weights, infer_trips=True)
     parsed = {name: [m for line in lines if (m := _INSTRUCTION.match(line))] for name, lines in comps.items()}
     runs_here = {entry}
     stack = [entry]
