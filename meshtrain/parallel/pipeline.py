@@ -373,13 +373,19 @@ class SplitStage:
         plain = model_lib.scan_unit(cfg)[0](cfg, rules, attention_fn, parent=None)  # W recomputes nothing
 
         def weights(chunk, recorded, x, positions, segment_ids, first=0):
-            """`first`: the stage's unit index of the chunk's first row (W in parts: a slice of them)."""
-            def layer(_, scanned):
-                variables, inputs_l = scanned
+            """`first`: the stage's unit index of the chunk's first row (W in parts: a slice of them).
+
+            No unit's W depends on another's (each reads its own recorded inputs), so the units run as
+            one batch (`jax.vmap`): each weight GEMM is one batched GEMM over the chunk's units, where a
+            scan would launch every GEMM, slice and update once per unit. Uneven stages scan, skipping
+            their empty slots."""
+            def layer(variables, inputs_l):
                 _, out = plain.apply({**variables, inputs: inputs_l}, jnp.zeros_like(x), positions, segment_ids,
                                      mutable=[outputs])
-                return None, out[outputs]
-            return scan(layer, None, (chunk, recorded), first)[1]
+                return out[outputs]
+            if counts is None:
+                return jax.vmap(layer)(chunk, recorded)
+            return scan(lambda _, scanned: (None, layer(*scanned)), None, (chunk, recorded), first)[1]
 
         def probe_shapes(chunk, x, positions, segment_ids):
             def layer(x, variables):
