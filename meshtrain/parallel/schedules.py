@@ -160,10 +160,30 @@ def _ready(op: Op, s: int, p: int, v: int, done: dict, split: bool, now: int, la
 def executed(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1,
              latency: int = 0) -> list[list[Op | None]]:
     """The table the trainer runs (`pipeline_tables.slot_plan`): `alternating` for the ALTERNATING
-    schedules, `simulate`'s otherwise."""
+    schedules, `aligned` for zero_bubble with transfers behind compute (`latency` 1), `simulate`'s
+    otherwise."""
     if schedule in ALTERNATING:
         return alternating(schedule, p, m, v, latency)
+    if schedule in SPLIT_BACKWARD and latency:
+        return aligned(schedule, p, m, weight_parts, latency)
     return simulate(schedule, p, m, v, weight_parts, latency)
+
+
+def aligned(schedule: str, p: int, m: int, weight_parts: int = 1, latency: int = 1) -> list[list[Op | None]]:
+    """Zero bubble's orders with the warm-up forwards doubled (`stage_orders(..., latency=1)`) in aligned
+    ticks: the ticks take F, B and W in turn (W as `weight_parts` ticks of one part each), and each stage
+    runs its next operation when it is of the tick's kind and ready.
+
+    In a lock-step loop a tick lasts as long as the slowest stage's operation. `simulate`'s table has,
+    in steady state, a B on some stage in every tick, so every tick lasts a B; here an F tick lasts an
+    F, a B tick a B and a W tick a W, and every stage works in each (F + B + W a micro-batch, 1F1B's
+    F + B). The doubled warm-up is what keeps every stage busy in them (the first backward reaches stage
+    s three ticks a hop later than in `simulate`'s table); it holds what the overlapped loop holds anyway,
+    2p - 1 - s micro-batches on stage s. A result reaches its neighbour's next tick of the same kind three
+    ticks later, so a transfer sent while the next tick computes (`latency` 1) arrives in time."""
+    orders = stage_orders(schedule, p, m, 1, weight_parts, latency=1)
+    return _run(orders, p, 1, split=True, latency=latency, kinds=(F, B) + (W,) * weight_parts,
+                what=f"{schedule} p={p} m={m}: the aligned stage orders")
 
 
 def alternating(schedule: str, p: int, m: int, v: int = 1, latency: int = 0) -> list[list[Op | None]]:
