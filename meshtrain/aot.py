@@ -120,7 +120,8 @@ class ProgramReport:
     fp8_gemms: int
     collectives: dict[str, dict[str, int]]  # kind -> {"pairs", "overlapped"}
     # the program's kernels one after another on one device, priced kernel by kernel (`cost.KernelTimes`):
-    # no communication; a Pallas kernel by its bytes alone (its FLOPs are not in the module's text)
+    # no communication; a Pallas kernel by its bytes alone (its FLOPs are not in the module's text); of a
+    # conditional (a pipeline tick's `lax.switch`) the longest branch, as a lock-step tick lasts
     modeled_seconds: float = 0.0
     top_kernels: list[dict] = dataclasses.field(default_factory=list)  # the most modeled time first
 
@@ -137,7 +138,7 @@ class ProgramReport:
         report = cls(seconds, verify.compiled_memory(compiled), dict(sorted(hlo.triton_kernels(text).items())),
                      gemm.total, gemm.fp8, dict(sorted(by_kind.items())))
         if gpu is not None:
-            kernels = hlo.kernels(text)
+            kernels = hlo.kernels(text, price=lambda ks: cost.KERNEL_TIMES.seconds(ks, gpu))
             priced = sorted(((cost.KERNEL_TIMES.seconds([k], gpu), k) for k in kernels), key=lambda sk: -sk[0])
             report.modeled_seconds = sum(s for s, _ in priced)
             report.top_kernels = [{"name": k.name, "kind": k.opcode, "runs": k.runs, "seconds": s,

@@ -219,6 +219,30 @@ def test_kernel_reader_infers_a_loops_trips_from_its_condition():
     assert {k.name: k.runs for k in hlo.kernels(opaque)}["y"] == 1
 
 
+def test_kernel_reader_takes_one_branch_of_a_conditional():
+    """A conditional runs one branch a call (a pipeline tick's `lax.switch`): by default the branch of
+    the most launches (or of the longest time by `price`) counts, with branch weights each its share."""
+    text = KERNELS_HLO.replace("  ROOT %copy = f32[3,16,64]{2,1,0} copy(%out)\n", """\
+  %k = s32[] parameter(3)
+  ROOT %pick = f32[3,16,64]{2,1,0} conditional(%k, %out, %out), branch_computations={%one, %two}
+}
+
+%one (o: f32[3,16,64]) -> f32[3,16,64] {
+  %o = f32[3,16,64]{2,1,0} parameter(0)
+  ROOT %c1 = f32[3,16,64]{2,1,0} copy(%o)
+}
+
+%two (t: f32[3,16,64]) -> f32[3,16,64] {
+  %t = f32[3,16,64]{2,1,0} parameter(0)
+  %c2 = f32[3,16,64]{2,1,0} copy(%t)
+  ROOT %c3 = f32[3,16,64]{2,1,0} copy(%c2)""")
+    names = lambda ks: sorted(k.name for k in ks if k.name.startswith("c"))  # noqa: E731
+    assert names(hlo.kernels(text)) == ["c2", "c3"]
+    assert names(hlo.kernels(text, price=lambda ks: sum(k.runs for k in ks if k.name == "c1"))) == ["c1"]
+    weighted = {k.name: k.runs for k in hlo.kernels(text, branch_weights=(0.25, 0.75)) if k.name.startswith("c")}
+    assert weighted == {"c1": 0.25, "c2": 0.75, "c3": 0.75}
+
+
 def _plan(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "meshtrain.plan", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)

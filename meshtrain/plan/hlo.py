@@ -113,15 +113,12 @@ def _computations(hlo: str):
 
 
 def _multiplicities(comps: dict[str, list[str]], entry: str,
-                    branch_weights: tuple[float, ...] | None = None, infer_trips: bool = False) -> dict[str, float]:
+                    branch_weights: tuple[float, ...] | None = None) -> dict[str, float]:
     """How many times each computation runs per call of the entry (while bodies x trip count).
 
     A conditional runs one branch per call, which the text cannot tell: each branch counts as
     running every call, unless `branch_weights` gives, for conditionals with that many branches,
     the share of calls that take each branch (the 1F1B slot switch: `Pipeline.slot_branch_share`).
-    A loop without `known_trip_count` runs once, or, with `infer_trips`, as often as its condition
-    allows when that is an induction variable below a constant, started from a constant
-    (`_inferred_trips`: XLA:GPU leaves the gradient-accumulation loop so).
     """
     mult: dict[str, float] = collections.defaultdict(float)
     mult[entry] = 1
@@ -133,8 +130,6 @@ def _multiplicities(comps: dict[str, list[str]], entry: str,
             trip = 1
             if " while(" in line and (t := _TRIP.search(line)):
                 trip = int(t.group(1))
-            elif " while(" in line and infer_trips:
-                trip = _inferred_trips(comps, lines, line) or 1
             out += [(c, trip) for c in _CALLEE.findall(line) if c in comps]
             if b := _BRANCHES.search(line):
                 branches = [c.strip().lstrip("%") for c in b.group(1).split(",")]
@@ -165,7 +160,8 @@ def _multiplicities(comps: dict[str, list[str]], entry: str,
 
 
 def _inferred_trips(comps: dict[str, list[str]], caller: list[str], line: str) -> int | None:
-    """The trips of the `while` on `line` (in the computation of lines `caller`) whose condition is
+    """The trips of the `while` on `line` (XLA:GPU leaves the gradient-accumulation loop without
+    `known_trip_count`) (in the computation of lines `caller`) whose condition is
     `compare(get-tuple-element(param, i), constant(n)), direction=LT` (directly or as a fusion's root)
     and whose init tuple's element i is a constant c (through copies): n - c. None when it is not so."""
     def defined(lines: list[str], name: str):
@@ -492,8 +488,6 @@ _NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", 
               "replica-id", "opt-barrier", "add-dependency", "domain", "while", "conditional", "call"}
 # collectives move bytes over links, not through a kernel's HBM roofline: the cost model prices transfers
 _COLLECTIVE = re.compile(r"^(?:(?:" + "|".join(KINDS) + r"|async|send|recv)(?:-start|-done)?|copy-start|copy-done)$")
-_RUNS_BODIES = re.compile(r"\b(?:body|condition|true_computation|false_computation)=%?([\w.\-]+)"
-                          r"|branch_computations=\{([^}]*)\}")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _CUBLAS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
 
@@ -510,57 +504,77 @@ class Kernel:
     runs: float
 
 
-def kernels(hlo: str, branch_weights: tuple[float, ...] | None = None) -> list[Kernel]:
+def kernels(hlo: str, branch_weights: tuple[float, ...] | None = None, price=None) -> list[Kernel]:
     """The kernels a GPU-compiled module launches (its optimized HLO, `compiled.as_text()`): each
-    fusion, custom call and unfused instruction of the computations that run (the entry, loop bodies
-    times their trip counts, conditional branches by `branch_weights` as in `_multiplicities`), with
-    the bytes it reads and writes and its GEMM FLOPs. A fusion reads of a parameter only what its
-    (dynamic-)slices take (a layer of a scanned stack), and updates an operand in place when its root
-    is a dynamic-update-slice (writing only the update)."""
+    fusion, custom call and unfused instruction of the computations that run, with the bytes it reads
+    and writes and its GEMM FLOPs, and how many times it runs per call: loop bodies times their trip
+    counts (inferred from the condition where XLA left none, `_inferred_trips`). A conditional runs one
+    branch per call: with `branch_weights` (for conditionals of that many branches) each branch counts
+    that share of the calls; otherwise only the branch that `price` (kernels -> seconds) makes longest,
+    or without `price` the one of the most launches (a lock-step tick lasts as long as its slowest
+    stage's branch). A fusion reads of a parameter only what its (dynamic-)slices take (a layer of a
+    scanned stack), and updates an operand in place when its root is a dynamic-update-slice (writing
+    only the update)."""
     comps, entry = _computations(hlo)
-    mult = _multiplicities(comps, entry, branch_weights, infer_trips=True)
     parsed = {name: [m for line in lines if (m := _INSTRUCTION.match(line))] for name, lines in comps.items()}
-    runs_here = {entry}
-    stack = [entry]
-    while stack:  # computations that run as a sequence of kernels: the entry, loop bodies, branches
-        for m in parsed.get(stack.pop(), []):
-            called = []
-            for c in _RUNS_BODIES.finditer(m.group(4)):
-                called += [c.group(1)] if c.group(1) else [n.strip().lstrip("%") for n in c.group(2).split(",")]
-            if m.group(3) == "call" and (t := re.search(r"\bto_apply=%?([\w.\-]+)", m.group(4))):
-                called.append(t.group(1))
-            for name in called:
-                if name in comps and name not in runs_here:
-                    runs_here.add(name)
-                    stack.append(name)
-    found = []
-    for name in runs_here:
+
+    @functools.cache
+    def own(name: str) -> tuple[Kernel, ...]:  # the computation's own launches, once each
         shapes = {m.group(1): m.group(2) for m in parsed[name]}
+        return tuple(kernel for m in parsed[name] if (kernel := _kernel(m, shapes, parsed)) is not None)
+
+    def walk(name: str, factor: float) -> list[Kernel]:
+        out = [dataclasses.replace(k, runs=factor) for k in own(name)]
         for m in parsed[name]:
             opcode, rest = m.group(3), m.group(4)
-            if opcode in _NO_KERNEL or _COLLECTIVE.match(opcode) or not mult.get(name):
-                continue
-            args = [_operand_name(a) for a in _top_level_args(rest)]
-            operand_bytes = [_nbytes(shapes.get(a, "")) for a in args]
-            out_bytes, flops = _nbytes(m.group(2)), 0.0
-            callee = re.search(r"\bcalls=%?([\w.\-]+)", rest) if opcode == "fusion" else None
-            if callee and callee.group(1) in parsed:
-                moved = _fusion_bytes(parsed[callee.group(1)], operand_bytes, out_bytes)
-                flops = _dot_flops(parsed, callee.group(1))
-            else:
-                moved = out_bytes + sum(operand_bytes)
-                if opcode == "dot":
-                    flops = _one_dot_flops(m, shapes)
-                elif opcode == "custom-call" and (t := _CUSTOM_TARGET.search(rest)) and "gemm" in t.group(1) \
-                        and (c := _CUBLAS_CONTRACTING.search(rest)):
-                    lhs = _dims(shapes.get(args[0], ""))
-                    k = math.prod(lhs[int(d.strip().strip('"'))] for d in c.group(1).split(",") if d.strip())
-                    flops = 2.0 * math.prod(_dims(m.group(2))) * k
-                    opcode = t.group(1)
-            if opcode == "custom-call" and (t := _CUSTOM_TARGET.search(rest)):
-                opcode = t.group(1)
-            found.append(Kernel(m.group(1), opcode, float(moved), float(flops), mult[name]))
-    return found
+            if opcode == "while":
+                trips = int(t.group(1)) if (t := _TRIP.search(rest)) else \
+                    _inferred_trips(comps, comps[name], m.string) or 1
+                for key in ("body", "condition"):
+                    if (c := re.search(rf"\b{key}=%?([\w.\-]+)", rest)) and c.group(1) in parsed:
+                        out += walk(c.group(1), factor * trips)
+            elif opcode == "conditional":
+                found = _BRANCHES.search(rest)
+                names = [n.strip().lstrip("%") for n in found.group(1).split(",")] if found else \
+                    re.findall(r"\b(?:true|false)_computation=%?([\w.\-]+)", rest)
+                names = [n for n in names if n in parsed]
+                if branch_weights and len(branch_weights) == len(names):
+                    for branch, weight in zip(names, branch_weights, strict=True):
+                        out += walk(branch, factor * weight)
+                elif names:
+                    walked = [walk(branch, factor) for branch in names]
+                    out += max(walked, key=lambda ks: price(ks) if price else sum(k.runs for k in ks))
+            elif opcode == "call" and (t := re.search(r"\bto_apply=%?([\w.\-]+)", rest)) and t.group(1) in parsed:
+                out += walk(t.group(1), factor)
+        return out
+
+    return walk(entry, 1.0)
+
+
+def _kernel(m, shapes: dict[str, str], parsed) -> Kernel | None:
+    """The launch of instruction `m` (one run), or None for an instruction that launches nothing here."""
+    opcode, rest = m.group(3), m.group(4)
+    if opcode in _NO_KERNEL or _COLLECTIVE.match(opcode):
+        return None
+    args = [_operand_name(a) for a in _top_level_args(rest)]
+    operand_bytes = [_nbytes(shapes.get(a, "")) for a in args]
+    out_bytes, flops = _nbytes(m.group(2)), 0.0
+    callee = re.search(r"\bcalls=%?([\w.\-]+)", rest) if opcode == "fusion" else None
+    if callee and callee.group(1) in parsed:
+        moved = _fusion_bytes(parsed[callee.group(1)], operand_bytes, out_bytes)
+        flops = _dot_flops(parsed, callee.group(1))
+    else:
+        moved = out_bytes + sum(operand_bytes)
+        if opcode == "dot":
+            flops = _one_dot_flops(m, shapes)
+        elif opcode == "custom-call" and (t := _CUSTOM_TARGET.search(rest)) and "gemm" in t.group(1) \
+                and (c := _CUBLAS_CONTRACTING.search(rest)):
+            lhs = _dims(shapes.get(args[0], ""))
+            k = math.prod(lhs[int(d.strip().strip('"'))] for d in c.group(1).split(",") if d.strip())
+            flops = 2.0 * math.prod(_dims(m.group(2))) * k
+    if opcode == "custom-call" and (t := _CUSTOM_TARGET.search(rest)):
+        opcode = t.group(1)
+    return Kernel(m.group(1), opcode, float(moved), float(flops), 1.0)
 
 
 def _operand_name(arg: str) -> str:
