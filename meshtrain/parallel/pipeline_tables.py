@@ -28,10 +28,11 @@ outputs carry zero probes, so it computes the input gradients only and the probe
 the matmuls' output gradients; W is each matmul's weight GEMM x^T dy from what F and B kept. The
 price is memory: each chunk waiting for its W keeps its matmuls' inputs and output gradients.
 
-Transfers behind compute (`pipeline.overlap_transfers`): the table is simulated with a tick of latency
-(`schedules.simulate(..., latency=1)`; interleaved 1F1B's alternating table is the same with it), and
-the loop keeps a tick's outputs in its carry and sends them at the start of the next tick, beside its
-operation, which reads nothing of them.
+Transfers behind compute (`pipeline.overlap_transfers`): the table reads a result no earlier than two
+ticks after it was computed (zero bubble's aligned table, `schedules.aligned`: F, B and W ticks in turn
+with the warm-up doubled; interleaved 1F1B's alternating table is the same with it), and the loop keeps
+a tick's outputs in its carry and sends them at the start of the next tick, beside its operation,
+which reads nothing of them.
 
 Buffers. Every value waiting between ticks sits in a slot of a statically sized buffer: the vjp
 residuals of a forward until its backward, the split backward's matmul inputs (F to W) and output
