@@ -169,8 +169,13 @@ def modeled_costs(args, m: int, p: int, gpu) -> cost.BranchCosts:
         config = make_config(args, "1f1b", m, stages=p)
         config.model.dtype = "bfloat16"
         sizes = {**{a: 1 for a in config_lib.MESH_AXES}, "stage": p}
-        _COSTS[key] = cost.BranchCosts.from_gpu_compile(config, sizes, gpu, args.gpu) if args.compiled \
-            else cost.BranchCosts.from_compiler(config, sizes, gpu)
+        if args.compiled:
+            from meshtrain import aot
+
+            device = aot.target_devices(args.gpu, 1)[0]
+            _COSTS[key] = cost.BranchCosts.from_gpu_compile(config, sizes, gpu, device)
+        else:
+            _COSTS[key] = cost.BranchCosts.from_compiler(config, sizes, gpu)
     return _COSTS[key]
 
 

@@ -119,7 +119,7 @@ class ProgramReport:
     gemms: int
     fp8_gemms: int
     collectives: dict[str, dict[str, int]]  # kind -> {"pairs", "overlapped"}
-    # the program's kernels one after another on one device, priced kernel by kernel (`cost.KernelTimes`):
+    # the program's kernels one after another on one device, priced kernel by kernel (`hlo.KernelTimes`):
     # no communication; a Pallas kernel by its bytes alone (its FLOPs are not in the module's text); of a
     # conditional (a pipeline tick's `lax.switch`) the longest branch, as a lock-step tick lasts
     modeled_seconds: float = 0.0
@@ -127,8 +127,6 @@ class ProgramReport:
 
     @classmethod
     def of(cls, compiled, seconds: float, gpu: hardware.Gpu | None = None, top: int = 8) -> ProgramReport:
-        from meshtrain.parallel import cost
-
         text = compiled.as_text()
         gemm = hlo.gemms(text)
         by_kind: dict[str, dict[str, int]] = collections.defaultdict(lambda: {"pairs": 0, "overlapped": 0})
@@ -138,8 +136,8 @@ class ProgramReport:
         report = cls(seconds, verify.compiled_memory(compiled), dict(sorted(hlo.triton_kernels(text).items())),
                      gemm.total, gemm.fp8, dict(sorted(by_kind.items())))
         if gpu is not None:
-            kernels = hlo.kernels(text, price=lambda ks: cost.KERNEL_TIMES.seconds(ks, gpu))
-            priced = sorted(((cost.KERNEL_TIMES.seconds([k], gpu), k) for k in kernels), key=lambda sk: -sk[0])
+            kernels = hlo.kernels(text, price=lambda ks: hlo.KERNEL_TIMES.seconds(ks, gpu))
+            priced = sorted(((hlo.KERNEL_TIMES.seconds([k], gpu), k) for k in kernels), key=lambda sk: -sk[0])
             report.modeled_seconds = sum(s for s, _ in priced)
             report.top_kernels = [{"name": k.name, "kind": k.opcode, "runs": k.runs, "seconds": s,
                                    "bytes": k.bytes * k.runs, "flops": k.flops * k.runs} for s, k in priced[:top]]

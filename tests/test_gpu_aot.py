@@ -344,7 +344,7 @@ def test_stage_kernels_compiled_for_h100_compute_the_layers_matmuls():
     attention = 2 * 2 * heads * tokens * tokens * head
     assert gemm_flops("forward") == (layers // p) * (projections + attention)
     assert gemm_flops("weight_grad") == (layers // p) * projections
-    costs = cost.BranchCosts.from_gpu_compile(config, sizes, hardware.get_gpu("h100"), "h100")
+    costs = cost.BranchCosts.from_gpu_compile(config, sizes, hardware.get_gpu("h100"), device)
     assert 0 < costs.forward < costs.backward and costs.weight_grad < costs.backward
 
 
@@ -358,7 +358,8 @@ def test_schedules_priced_from_the_h100_compile_beat_1f1b():
     from meshtrain.plan import hardware
     from tests.test_pipeline_cost import _scaled_tiny, _sizes
 
-    costs = cost.BranchCosts.from_gpu_compile(_scaled_tiny(4, 16), _sizes(stage=4), hardware.get_gpu("h100"), "h100")
+    costs = cost.BranchCosts.from_gpu_compile(_scaled_tiny(4, 16), _sizes(stage=4), hardware.get_gpu("h100"),
+                                              aot.target_devices("h100", 1)[0])
     parts = cost.weight_parts(costs, 2)
     base = cost.step_time("1f1b", 4, 16, 1, costs).seconds
     interleaved = cost.step_time("interleaved_1f1b", 4, 16, 2, costs).seconds / base

@@ -12,7 +12,6 @@ from flax import linen as nn
 
 from meshtrain import mesh as mesh_lib, model as model_lib, train_step
 from meshtrain.config import ModelConfig
-from meshtrain.parallel import cost
 from meshtrain.plan import comm, estimate, hardware, hlo, memory
 from meshtrain.validate import validate
 from tests.utils import ROOT, load_config_file, tiny_config
@@ -190,7 +189,7 @@ def test_kernel_reader_prices_each_launch_by_what_it_moves():
     assert gemm.flops == 2 * 16 * 64 * 64
     assert update.bytes == 16 * 64 * 4 + 4 + 16 * 64 * 4  # the row read, the index, the row written
     assert update.flops == 0 and copy.bytes == 2 * 3 * 16 * 64 * 4
-    times = cost.KernelTimes(flop_efficiency=0.5, hbm_efficiency=0.5, launch=1e-6)
+    times = hlo.KernelTimes(flop_efficiency=0.5, hbm_efficiency=0.5, launch=1e-6)
     gpu = hardware.get_gpu("h100")
     expected = sum(k.runs * (max(k.flops / (0.5 * gpu.peak_flops), k.bytes / (0.5 * gpu.hbm_bandwidth)) + 1e-6)
                    for k in found.values())

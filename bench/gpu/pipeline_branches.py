@@ -11,7 +11,7 @@ lasts its slowest stage's branch, plus the transfer unless overlapped) then give
 from those times; the transfer is the link's bandwidth, which one GPU cannot measure. Beside it, the
 roofline prices (`BranchCosts.from_compiler`: XLA's FLOPs at the bf16 peak or the branch's bytes at
 HBM bandwidth) that `bench/pipeline.py --modeled` and the planner use, and the kernel-by-kernel prices
-of the branches' GPU compile (`BranchCosts.from_gpu_compile`, `cost.KernelTimes`: fitted to this
+of the branches' GPU compile (`BranchCosts.from_gpu_compile`, `hlo.KernelTimes`: fitted to this
 bench's first H200 run, so each later run checks the fit).
 
 Shapes: the README's modeled table (d_model 512, 8 layers, one row of 128 tokens a micro-batch), the
@@ -96,9 +96,9 @@ def kernel_model(config, sizes, gpu, device):
     from meshtrain.parallel import cost
 
     if device.platform == "gpu":
-        return cost.BranchCosts.from_gpu_compile(config, sizes, gpu, device=device)
+        return cost.BranchCosts.from_gpu_compile(config, sizes, gpu, device)
     if aot.gpu_compiler_installed():
-        return cost.BranchCosts.from_gpu_compile(config, sizes, gpu, "h100")
+        return cost.BranchCosts.from_gpu_compile(config, sizes, gpu, aot.target_devices("h100", 1)[0])
     return None
 
 

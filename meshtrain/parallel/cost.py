@@ -44,35 +44,9 @@ import ml_collections
 from jax.extend import core as jex_core
 
 from meshtrain.parallel import schedules
+from meshtrain.plan import hlo
 
 SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble")
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelTimes:
-    """A GPU kernel's seconds from what it moves and computes (`plan.hlo.Kernel`): the larger of its
-    GEMM FLOPs at `flop_efficiency` of the bf16 peak and its HBM bytes at `hbm_efficiency` of the
-    bandwidth, plus `launch` seconds per launch (what a kernel costs beyond its work: launch, the
-    ramp of its first wave, its tail).
-
-    The defaults were fitted (least squares in log time) to the 15 branch times of
-    `bench/gpu/pipeline_branches.py` measured on one H200 (JAX 0.11.2: d_model 512 at 128 and 2,048
-    tokens, llama3_8b's layer at 4,096, two layers a stage, each branch compiled for the H200 without
-    it); on the held-out four-layer stages of the same shapes they give 0.78 to 1.15 of the measured
-    times, where the whole-branch roofline of `from_compiler` gives 0.03 to 0.26."""
-
-    flop_efficiency: float = 0.85
-    hbm_efficiency: float = 0.65
-    launch: float = 1.3e-6
-
-    def seconds(self, kernels, gpu) -> float:
-        """The kernels run one after another (one stream), each `runs` times."""
-        return sum(k.runs * (max(k.flops / (gpu.peak_flops * self.flop_efficiency),
-                                 k.bytes / (gpu.hbm_bandwidth * self.hbm_efficiency)) + self.launch)
-                   for k in kernels)
-
-
-KERNEL_TIMES = KernelTimes()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,20 +109,15 @@ class BranchCosts:
                            in_node)
 
     @classmethod
-    def from_gpu_compile(cls, config: ml_collections.ConfigDict, sizes, gpu, target: str = "h100", *,
-                         device: jax.Device | None = None, times: KernelTimes | None = None,
-                         in_node: bool = True) -> BranchCosts:
-        """Each branch of one stage (`stage_branches`) compiled by XLA's GPU compiler and priced kernel
-        by kernel (`plan.hlo.kernels`, `KernelTimes`): what the GPU launches, fusion by fusion, loops by
-        their trip counts, rather than the whole branch's FLOPs and arguments. Compiled for one `target`
-        device without a GPU (`meshtrain.aot`: the `gpu` extra), or for `device`, a GPU of this machine.
-        Attention is the einsum one, as in `from_compiler` (a Pallas kernel is a custom call whose FLOPs
-        the module's text does not give)."""
-        from meshtrain import aot
-        from meshtrain.plan import hlo
-
-        times = times or KERNEL_TIMES
-        device = device or aot.target_devices(target, 1)[0]
+    def from_gpu_compile(cls, config: ml_collections.ConfigDict, sizes, gpu, device: jax.Device, *,
+                         times: hlo.KernelTimes | None = None, in_node: bool = True) -> BranchCosts:
+        """Each branch of one stage (`stage_branches`) compiled by XLA's GPU compiler for `device` and
+        priced kernel by kernel (`plan.hlo.kernels`, `plan.hlo.KernelTimes`): what the GPU launches,
+        fusion by fusion, loops by their trip counts, rather than the whole branch's FLOPs and
+        arguments. `device`: a GPU of this machine, or a target's without one
+        (`aot.target_devices(target, 1)[0]`, the `gpu` extra). Attention is the einsum one, as in
+        `from_compiler` (a Pallas kernel is a custom call whose FLOPs the module's text does not give)."""
+        times = times or hlo.KERNEL_TIMES
         placed = jax.sharding.SingleDeviceSharding(device)
 
         def price(name, fn, args):

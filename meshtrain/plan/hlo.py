@@ -504,6 +504,33 @@ class Kernel:
     runs: float
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelTimes:
+    """A GPU kernel's seconds from what it moves and computes (`plan.hlo.Kernel`): the larger of its
+    GEMM FLOPs at `flop_efficiency` of the bf16 peak and its HBM bytes at `hbm_efficiency` of the
+    bandwidth, plus `launch` seconds per launch (what a kernel costs beyond its work: launch, the
+    ramp of its first wave, its tail).
+
+    The defaults were fitted (least squares in log time) to the 15 branch times of
+    `bench/gpu/pipeline_branches.py` measured on one H200 (JAX 0.11.2: d_model 512 at 128 and 2,048
+    tokens, llama3_8b's layer at 4,096, two layers a stage, each branch compiled for the H200 without
+    it); on the held-out four-layer stages of the same shapes they give 0.78 to 1.15 of the measured
+    times, where the whole-branch roofline of `from_compiler` gives 0.03 to 0.26."""
+
+    flop_efficiency: float = 0.85
+    hbm_efficiency: float = 0.65
+    launch: float = 1.3e-6
+
+    def seconds(self, kernels, gpu) -> float:
+        """The kernels run one after another (one stream), each `runs` times."""
+        return sum(k.runs * (max(k.flops / (gpu.peak_flops * self.flop_efficiency),
+                                 k.bytes / (gpu.hbm_bandwidth * self.hbm_efficiency)) + self.launch)
+                   for k in kernels)
+
+
+KERNEL_TIMES = KernelTimes()
+
+
 def kernels(hlo: str, branch_weights: tuple[float, ...] | None = None, price=None) -> list[Kernel]:
     """The kernels a GPU-compiled module launches (its optimized HLO, `compiled.as_text()`): each
     fusion, custom call and unfused instruction of the computations that run, with the bytes it reads
