@@ -89,14 +89,16 @@ def modeled_rows(costs, p: int, m: int, layers: int) -> dict[str, float]:
     return out
 
 
-def kernel_model(config, sizes, gpu, device):
+def kernel_model(config, sizes, gpu, device, on_gpu: bool = False):
     """The branches priced kernel by kernel from their GPU compile (`cost.BranchCosts.from_gpu_compile`):
-    for this GPU on one, for the H100 without one where the `gpu` extra is installed, else None."""
+    on a GPU only with `on_gpu` (`--kernel_model`: five more compiles a shape, device time the same
+    model spends nothing of when run deviceless for that GPU), for the H100 without one where the `gpu`
+    extra is installed, else None."""
     from meshtrain import aot
     from meshtrain.parallel import cost
 
     if device.platform == "gpu":
-        return cost.BranchCosts.from_gpu_compile(config, sizes, gpu, device)
+        return cost.BranchCosts.from_gpu_compile(config, sizes, gpu, device) if on_gpu else None
     if aot.gpu_compiler_installed():
         return cost.BranchCosts.from_gpu_compile(config, sizes, gpu, aot.target_devices("h100", 1)[0])
     return None
@@ -117,6 +119,8 @@ def main() -> None:
     parser.add_argument("--stages", default="4,2")
     parser.add_argument("--shapes", default="", help="comma-separated subset of: " + ", ".join(s[0] for s in SHAPES))
     parser.add_argument("--out", default="", help="also write the JSON line here")
+    parser.add_argument("--kernel_model", action="store_true",
+                        help="on a GPU, also price each branch kernel by kernel from its compile for it")
     args = parser.parse_args()
     import jax
 
@@ -136,7 +140,7 @@ def main() -> None:
             sizes = {**{a: 1 for a in config_lib.MESH_AXES}, "stage": p}
             try:
                 roof = cost.BranchCosts.from_compiler(config, sizes, gpu)
-                kern = kernel_model(config, sizes, gpu, device)
+                kern = kernel_model(config, sizes, gpu, device, args.kernel_model)
                 real = cost.BranchCosts.measured(config, sizes, gpu, device, iterations=iterations)
             except Exception as error:  # noqa: BLE001 - one shape's failure is a result, the others still run
                 results.append({"shape": name, "stages": p, "error": f"{type(error).__name__}: {str(error)[:300]}"})
