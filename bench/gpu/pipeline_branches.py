@@ -11,8 +11,10 @@ lasts its slowest stage's branch, plus the transfer unless overlapped) then give
 from those times; the transfer is the link's bandwidth, which one GPU cannot measure. Beside it, the
 roofline prices (`BranchCosts.from_compiler`: XLA's FLOPs at the bf16 peak or the branch's bytes at
 HBM bandwidth) that `bench/pipeline.py --modeled` and the planner use, and the kernel-by-kernel prices
-of the branches' GPU compile (`BranchCosts.from_gpu_compile`, `hlo.KernelTimes`: fitted to this
-bench's first H200 run, so each later run checks the fit).
+of the branches' GPU compile (`BranchCosts.from_gpu_compile`, `hlo.KernelTimes`, fitted to this
+bench's first H200 run): on a GPU with `--kernel_model`, without one where the `gpu` extra is
+installed (for the H100). The measured times of a later run check the fit against the same model run
+deviceless for that GPU (`bench/pipeline.py --modeled --compiled --gpu h200`).
 
 Shapes: the README's modeled table (d_model 512, 8 layers, one row of 128 tokens a micro-batch), the
 same at 2,048 tokens, and llama3_8b's layer (8 layers, one row of 4,096 tokens); each at p in
