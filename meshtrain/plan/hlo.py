@@ -480,7 +480,10 @@ def f8_conversions(hlo: str) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# What a GPU-compiled module costs, kernel by kernel.
+# What a GPU-compiled module costs, kernel by kernel. Playbook, "Profiling GPU compute and
+# communication" (kernel launch overhead) and "Diving in the GPUs - fusing, threading, mixing" (a
+# kernel bound by HBM traffic; attention's scores written to and read from HBM, which Flash Attention
+# keeps on chip): what a profile shows, read from the compiled module without a GPU.
 # --------------------------------------------------------------------------------------------
 
 # instructions that launch nothing (views, tuples, control flow whose bodies are read instead)
