@@ -198,9 +198,12 @@ def test_kernel_reader_prices_each_launch_by_what_it_moves():
 
 def test_kernel_reader_infers_a_loops_trips_from_its_condition():
     """XLA:GPU leaves some loops (gradient accumulation) without `known_trip_count`: an induction
-    variable started from a constant and compared below a constant (here in a fused compare) gives
-    the trips; a condition of any other form counts the body once."""
+    variable started from a constant, stepped by one and compared below a constant (here in a fused
+    compare) gives the trips; a condition or a step of any other form counts the body once."""
     inferred = KERNELS_HLO.replace(', backend_config={"known_trip_count":{"n":"3"}}', "").replace(
+        "  ROOT %t = (s32[], f32[3,64,64]{2,1,0}, bf16[16,64]{1,0}, f32[3,16,64]{2,1,0}) tuple(%i, ",
+        "  %step = s32[] constant(1)\n  %next = s32[] add(%i, %step)\n"
+        "  ROOT %t = (s32[], f32[3,64,64]{2,1,0}, bf16[16,64]{1,0}, f32[3,16,64]{2,1,0}) tuple(%next, ").replace(
         "  ROOT %k = pred[] constant(true)\n",
         "  %n = s32[] get-tuple-element(%c), index=0\n"
         "  ROOT %k = pred[] fusion(%n), kind=kLoop, calls=%fused_compare\n").replace(
@@ -214,8 +217,9 @@ def test_kernel_reader_infers_a_loops_trips_from_its_condition():
 %body (b:""")
     found = {k.name: k.runs for k in hlo.kernels(inferred)}
     assert found["y"] == found["acc2"] == 3  # from 1 while below 4
-    opaque = inferred.replace("direction=LT", "direction=NE")
-    assert {k.name: k.runs for k in hlo.kernels(opaque)}["y"] == 1
+    for opaque in (inferred.replace("direction=LT", "direction=NE"),
+                   inferred.replace("%step = s32[] constant(1)", "%step = s32[] constant(2)")):
+        assert {k.name: k.runs for k in hlo.kernels(opaque)}["y"] == 1  # not a count from c below n by ones
 
 
 def test_kernel_reader_takes_one_branch_of_a_conditional():

@@ -122,7 +122,7 @@ class BranchCosts:
 
         def price(name, fn, args):
             compiled = jax.jit(fn, in_shardings=jax.tree.map(lambda _: placed, args)).lower(*args).compile()
-            return times.seconds(hlo.kernels(compiled.as_text()), gpu)
+            return times.seconds(hlo.kernels(compiled.as_text(), price=lambda ks: times.seconds(ks, gpu)), gpu)
 
         return cls._priced(config, sizes, gpu, device, price, in_node)
 

@@ -180,7 +180,9 @@ def aligned(schedule: str, p: int, m: int, weight_parts: int = 1, latency: int =
     F + B). The doubled warm-up is what keeps every stage busy in them (the first backward reaches stage
     s three ticks a hop later than in `simulate`'s table); it holds what the overlapped loop holds anyway,
     2p - 1 - s micro-batches on stage s. A result reaches its neighbour's next tick of the same kind three
-    ticks later, so a transfer sent while the next tick computes (`latency` 1) arrives in time."""
+    ticks later, so a transfer sent while the next tick computes (`latency` 1) arrives in time: the orders
+    are those of latency 1 whatever `latency` is, and `latency` only sets what `check`-style readiness the
+    run demands (0 and 1 give the same table)."""
     orders = stage_orders(schedule, p, m, 1, weight_parts, latency=1)
     return _run(orders, p, 1, split=True, latency=latency, kinds=(F, B) + (W,) * weight_parts,
                 what=f"{schedule} p={p} m={m}: the aligned stage orders")

@@ -160,65 +160,92 @@ def _multiplicities(comps: dict[str, list[str]], entry: str,
 
 
 def _inferred_trips(comps: dict[str, list[str]], caller: list[str], line: str) -> int | None:
-    """The trips of the `while` on `line` (XLA:GPU leaves the gradient-accumulation loop without
-    `known_trip_count`) (in the computation of lines `caller`) whose condition is
-    `compare(get-tuple-element(param, i), constant(n)), direction=LT` (directly or as a fusion's root)
-    and whose init tuple's element i is a constant c (through copies): n - c. None when it is not so."""
-    def defined(lines: list[str], name: str):
-        for text in lines:
-            if (m := _INSTRUCTION.match(text)) and m.group(1) == name:
-                return m
+    """The trips of the `while` on `line` (in the computation of lines `caller`) that XLA left without
+    `known_trip_count` (XLA:GPU so leaves the gradient-accumulation loop): its condition compares
+    element i of the loop's tuple below a constant n (`compare(get-tuple-element(param, i), constant(n)),
+    direction=LT`, directly or as a fusion's root), its body adds 1 to element i (directly or in a
+    fusion) and its init tuple's element i is a constant c (through copies): n - c. None otherwise."""
+    cond, body_name, head = (re.search(r"\bcondition=%?([\w.\-]+)", line), re.search(r"\bbody=%?([\w.\-]+)", line),
+                             _INSTRUCTION.match(line))
+    if not cond or not body_name or not head or cond.group(1) not in comps or body_name.group(1) not in comps:
         return None
-
-    def constant(lines: list[str], name: str) -> int | None:
-        m = defined(lines, name)
-        while m is not None and m.group(3) in ("copy", "bitcast", "convert"):
-            m = defined(lines, _top_level_args(m.group(4))[0].strip().split()[-1].lstrip("%"))
-        if m is None or m.group(3) != "constant":
-            return None
-        value = re.match(r"\s*(-?\d+)\)", m.group(4))
-        return int(value.group(1)) if value else None
-
-    cond = re.search(r"\bcondition=%?([\w.\-]+)", line)
-    head = _INSTRUCTION.match(line)
-    if not cond or not head or cond.group(1) not in comps:
+    condition = comps[cond.group(1)]
+    compared = _through_fusion(comps, _root(condition))  # (the compare, its operands as the condition's names)
+    if compared is None or compared[0].group(3) != "compare" or "direction=LT" not in compared[0].group(4) \
+            or len(compared[1]) != 2:
         return None
-    body = comps[cond.group(1)]
-    root = next((m for text in body if text.lstrip().startswith("ROOT") and (m := _INSTRUCTION.match(text))), None)
-    if root is None:
-        return None
-    compare, arguments = root, _top_level_args(root.group(4))
-    if root.group(3) == "fusion" and (callee := re.search(r"\bcalls=%?([\w.\-]+)", root.group(4))) \
-            and callee.group(1) in comps:
-        fused = comps[callee.group(1)]
-        compare = next((m for text in fused if text.lstrip().startswith("ROOT") and (m := _INSTRUCTION.match(text))),
-                       None)
-        if compare is None:
-            return None
-        # a fused parameter stands for the fusion's operand of that number
-        params = {m.group(1): int(re.match(r"\s*(\d+)", m.group(4)).group(1)) for text in fused
-                  if (m := _INSTRUCTION.match(text)) and m.group(3) == "parameter"}
-        operands = [a.strip().split()[-1].lstrip("%") for a in _top_level_args(compare.group(4))]
-        if len(operands) != 2 or operands[0] not in params:
-            return None
-        limit = constant(fused, operands[1])
-        arguments = [_top_level_args(root.group(4))[params[operands[0]]]]
-    else:
-        operands = [a.strip().split()[-1].lstrip("%") for a in arguments]
-        if len(operands) != 2:
-            return None
-        limit = constant(body, operands[1])
-        arguments = arguments[:1]
-    if compare.group(3) != "compare" or "direction=LT" not in compare.group(4) or limit is None:
-        return None
-    element = defined(body, arguments[0].strip().split()[-1].lstrip("%"))
+    counter, limit_name = compared[1]
+    limit = _constant(comps, condition, limit_name, compared[2])
+    element = _defined(condition, counter)
     index = re.search(r"\bindex=(\d+)", element.group(4)) if element and element.group(3) == "get-tuple-element" \
         else None
-    init = defined(caller, _top_level_args(head.group(4))[0].strip().split()[-1].lstrip("%"))
-    if index is None or init is None or init.group(3) != "tuple":
+    init = _defined(caller, _operand_name(_top_level_args(head.group(4))[0]))
+    if limit is None or index is None or init is None or init.group(3) != "tuple":
         return None
-    start = constant(caller, _top_level_args(init.group(4))[int(index.group(1))].strip().split()[-1].lstrip("%"))
-    return limit - start if start is not None and limit > start else None
+    i = int(index.group(1))
+    inits = _top_level_args(init.group(4))
+    start = _constant(comps, caller, _operand_name(inits[i])) if i < len(inits) else None
+    if start is None or limit <= start or not _adds_one(comps, comps[body_name.group(1)], i):
+        return None
+    return limit - start
+
+
+def _root(lines: list[str]):
+    return next((m for text in lines if text.lstrip().startswith("ROOT") and (m := _INSTRUCTION.match(text))), None)
+
+
+def _defined(lines: list[str], name: str):
+    return next((m for text in lines if (m := _INSTRUCTION.match(text)) and m.group(1) == name), None)
+
+
+def _through_fusion(comps: dict[str, list[str]], m):
+    """(instruction, its operands named in m's computation, the fused computation or None): `m` itself,
+    or, when `m` is a fusion, its fused root with each parameter replaced by the fusion's operand."""
+    if m is None:
+        return None
+    operands = [_operand_name(a) for a in _top_level_args(m.group(4))]
+    callee = re.search(r"\bcalls=%?([\w.\-]+)", m.group(4)) if m.group(3) == "fusion" else None
+    if not callee or callee.group(1) not in comps:
+        return m, operands, None
+    fused = comps[callee.group(1)]
+    root = _root(fused)
+    if root is None:
+        return None
+    params = {p.group(1): int(re.match(r"\s*(\d+)", p.group(4)).group(1)) for text in fused
+              if (p := _INSTRUCTION.match(text)) and p.group(3) == "parameter"}
+    named = []
+    for name in (_operand_name(a) for a in _top_level_args(root.group(4))):
+        named.append(operands[params[name]] if name in params and params[name] < len(operands) else name)
+    return root, named, fused
+
+
+def _constant(comps, lines: list[str], name: str, fused: list[str] | None = None) -> int | None:
+    """The integer constant `name` holds (through copies, bitcasts, converts), looked up in `fused` first."""
+    m = (_defined(fused, name) if fused else None) or _defined(lines, name)
+    while m is not None and m.group(3) in ("copy", "bitcast", "convert"):
+        m = _defined(lines, _operand_name(_top_level_args(m.group(4))[0]))
+    value = re.match(r"\s*(-?\d+)\)", m.group(4)) if m is not None and m.group(3) == "constant" else None
+    return int(value.group(1)) if value else None
+
+
+def _adds_one(comps, body: list[str], i: int) -> bool:
+    """Whether the loop body's result element `i` is its parameter's element `i` plus the constant 1."""
+    root = _root(body)
+    elements = [_operand_name(a) for a in _top_level_args(root.group(4))] if root and root.group(3) == "tuple" else []
+    if i >= len(elements):
+        return False
+    added = _through_fusion(comps, _defined(body, elements[i]))
+    if added is None or added[0].group(3) != "add" or len(added[1]) != 2:
+        return False
+    for counter, one in (added[1], added[1][::-1]):
+        element = _defined(body, counter)
+        while element is not None and element.group(3) in ("copy", "bitcast"):
+            element = _defined(body, _operand_name(_top_level_args(element.group(4))[0]))
+        same = element is not None and element.group(3) == "get-tuple-element" and \
+            re.search(rf"\bindex={i}\b", element.group(4)) is not None
+        if same and _constant(comps, body, one, added[2]) == 1:
+            return True
+    return False
 
 
 def collectives(hlo: str, num_partitions: int,
@@ -490,8 +517,10 @@ def f8_conversions(hlo: str) -> int:
 _NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
               "replica-id", "opt-barrier", "add-dependency", "domain", "while", "conditional", "call"}
 # collectives move bytes over links, not through a kernel's HBM roofline: the cost model prices transfers
-_COLLECTIVE = re.compile(r"^(?:(?:" + "|".join(KINDS) + r"|async|send|recv)(?:-start|-done)?|copy-start|copy-done)$")
+_COLLECTIVE = re.compile(r"^(?:(?:" + "|".join(KINDS) + r"|async|send|recv)(?:-start|-update|-done)?"
+                         r"|copy-start|copy-done)$")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_COMMENT = re.compile(r"/\*.*?\*/")
 _CUBLAS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
 
 
@@ -594,21 +623,26 @@ def _kernel(m, shapes: dict[str, str], parsed) -> Kernel | None:
         moved = _fusion_bytes(parsed[callee.group(1)], operand_bytes, out_bytes)
         flops = _dot_flops(parsed, callee.group(1))
     else:
+        target = _CUSTOM_TARGET.search(rest) if opcode == "custom-call" else None
+        if target and target.group(1).startswith("__cublas"):  # (result, workspace): the scratch is no traffic
+            first = _ARRAY.search(m.group(2))
+            out_bytes = _nbytes(first.group(0)) if first else 0
         moved = out_bytes + sum(operand_bytes)
         if opcode == "dot":
             flops = _one_dot_flops(m, shapes)
-        elif opcode == "custom-call" and (t := _CUSTOM_TARGET.search(rest)) and "gemm" in t.group(1) \
-                and (c := _CUBLAS_CONTRACTING.search(rest)):
-            lhs = _dims(shapes.get(args[0], ""))
-            k = math.prod(lhs[int(d.strip().strip('"'))] for d in c.group(1).split(",") if d.strip())
-            flops = 2.0 * math.prod(_dims(m.group(2))) * k
+        elif target and target.group(1).startswith("__cublas") and (c := _CUBLAS_CONTRACTING.search(rest)):
+            lhs = _dims(shapes.get(args[0], "")) if args else []
+            dims = [int(d.strip().strip('"')) for d in c.group(1).split(",") if d.strip()]
+            if lhs and all(d < len(lhs) for d in dims):
+                flops = 2.0 * math.prod(_dims(m.group(2))) * math.prod(lhs[d] for d in dims)
     if opcode == "custom-call" and (t := _CUSTOM_TARGET.search(rest)):
         opcode = t.group(1)
     return Kernel(m.group(1), opcode, float(moved), float(flops), 1.0)
 
 
 def _operand_name(arg: str) -> str:
-    return arg.strip().split()[-1].lstrip("%")
+    """The instruction an operand names (`f32[8] %x`, `%x`, `/*index=5*/%x` -> `x`)."""
+    return _COMMENT.sub("", arg).strip().split()[-1].lstrip("%")
 
 
 def _dims(shape: str) -> list[int]:
