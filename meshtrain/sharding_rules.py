@@ -18,6 +18,7 @@ its axes do not divide: no silent replication.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -114,23 +115,32 @@ class Rules:
 
         With `shape`, a dimension its axes do not divide raises ShardingRuleError.
         """
-        sizes = dict(self.mesh_shape)
-        used: set[str] = set()
-        out = []
-        for dim, name in enumerate(names):
-            axes = tuple(a for a in self.mesh_axes(name)
-                         if a not in used and sizes.get(a, 1) > 1 and a not in self.manual)
-            used.update(axes)
-            if shape is not None and axes:
-                split = math.prod(sizes[a] for a in axes)
-                if shape[dim] % split:
-                    raise ShardingRuleError(
-                        f"{what}: dimension {dim} ({name!r}, size {shape[dim]}) is not divisible by mesh axes "
+        got = _spec(self, tuple(names), None if shape is None else tuple(int(d) for d in shape))
+        if isinstance(got, str):
+            raise ShardingRuleError(f"{what}: {got}")
+        return got
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _spec(rules: Rules, names: tuple[str | None, ...], shape: tuple[int, ...] | None) -> P | str:
+    """`Rules.spec`, or why a dimension is not divisible: memoised (the planner's search asks for the
+    same few specs hundreds of thousands of times)."""
+    sizes = dict(rules.mesh_shape)
+    used: set[str] = set()
+    out = []
+    for dim, name in enumerate(names):
+        axes = tuple(a for a in rules.mesh_axes(name)
+                     if a not in used and sizes.get(a, 1) > 1 and a not in rules.manual)
+        used.update(axes)
+        if shape is not None and axes:
+            split = math.prod(sizes[a] for a in axes)
+            if shape[dim] % split:
+                return (f"dimension {dim} ({name!r}, size {shape[dim]}) is not divisible by mesh axes "
                         f"{axes} of total size {split}; change the mesh or the model shape")
-            out.append(axes[0] if len(axes) == 1 else (axes or None))
-        while out and out[-1] is None:
-            out.pop()
-        return P(*out)
+        out.append(axes[0] if len(axes) == 1 else (axes or None))
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...], rules: Rules) -> jax.Array:

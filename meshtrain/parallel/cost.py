@@ -35,7 +35,9 @@ a micro-batch's forward + backward).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import math
 
 import jax
@@ -363,38 +365,60 @@ def step_time(schedule: str, p: int, m: int, v: int, costs: BranchCosts, weight_
         # every tick runs the stack on every stage (the bubble computes too), then one ppermute
         seconds = ticks * (c.forward / v + c.transfer) + ticks * (backward / v + c.transfer)
         return Execution(schedule, seconds, 2 * ticks, m * (c.forward + backward))
-    if schedule == "1f1b" and overlap:
-        from meshtrain.parallel.pipeline import one_f_one_b_overlapped
-
-        seconds = 0.0
-        for t in range(m + 2 * p - 2):
-            slots = zip(*(one_f_one_b_overlapped(p, m, s, t) for s in range(p)), strict=True)
-            for price, ops in zip((c.forward, c.backward), slots, strict=True):
-                seconds += max(max([0.0] + [price for branch, _ in ops if branch]), c.transfer)
-        return Execution(schedule, seconds, 2 * (m + 2 * p - 2), m * (c.forward + c.backward))
     if schedule == "1f1b":
-        from meshtrain.parallel.pipeline import one_f_one_b_slot
-
-        slots, seconds = 2 * (m + p - 1), 0.0
-        for u in range(slots):
-            busy = [0.0]
-            for s in range(p):
-                op, j = one_f_one_b_slot(p, s, u)
-                if 0 <= j < m:
-                    busy.append(c.forward if op == 1 else c.backward)
-            seconds += max(busy) + c.transfer  # one ppermute after every slot
+        # overlapped: a forward slot on every stage, then a backward slot, each beside a transfer;
+        # plain: one slot of forwards and backwards, then one ppermute
+        seconds = 0.0
+        for (forwards, backwards), n in _one_f_one_b_slots(p, m, overlap):
+            if overlap:
+                seconds += n * (max(c.forward if forwards else 0.0, c.transfer)
+                                + max(c.backward if backwards else 0.0, c.transfer))
+            else:
+                seconds += n * (max(c.forward if forwards else 0.0, c.backward if backwards else 0.0) + c.transfer)
+        slots = 2 * (m + 2 * p - 2) if overlap else 2 * (m + p - 1)
         return Execution(schedule, seconds, slots, m * (c.forward + c.backward))
     split = schedule in schedules.SPLIT_BACKWARD
-    table = schedules.executed(schedule, p, m, v, weight_parts if split else 1, int(overlap))
     forward = c.forward_split if split else c.forward
     price = {schedules.F: forward / v, schedules.B: (c.input_grad if split else c.backward) / v,
              schedules.W: c.weight_grad / (v * weight_parts) if split else 0.0}  # fused tables' W ticks idle
+    rows = _table_rows(schedule, p, m, v, weight_parts if split else 1, int(overlap))
     if overlap:  # each tick's operation beside the transfer of the tick before's outputs
-        seconds = sum(max([c.transfer] + [price[op.kind] for op in row if op is not None]) for row in table)
+        seconds = sum(n * max([c.transfer] + [price[k] for k in kinds]) for kinds, n in rows)
     else:
-        seconds = sum(max([0.0] + [price[op.kind] for op in row if op is not None]) + c.transfer for row in table)
+        seconds = sum(n * (max([0.0] + [price[k] for k in kinds]) + c.transfer) for kinds, n in rows)
+    ticks = sum(n for _, n in rows)
     per_micro = forward + (c.input_grad + c.weight_grad if split else c.backward)
-    return Execution(schedule, seconds, len(table), m * per_micro)
+    return Execution(schedule, seconds, ticks, m * per_micro)
+
+
+# A tick's length depends only on which kinds of operation run in it: the loops' ticks grouped by
+# that, once per (schedule, p, m, ...), so pricing a schedule is a few sums (the planner's search
+# prices tens of thousands of candidates on the same few tables).
+@functools.lru_cache(maxsize=256)
+def _one_f_one_b_slots(p: int, m: int, overlap: bool) -> tuple[tuple[tuple[bool, bool], int], ...]:
+    """((any stage runs a forward, any a backward), how many ticks) over 1F1B's loop: plain, per slot
+    (`pipeline.one_f_one_b_slot`); overlapped, per tick of a forward and a backward slot."""
+    from meshtrain.parallel.pipeline import one_f_one_b_overlapped, one_f_one_b_slot
+
+    counts = collections.Counter()
+    if overlap:
+        for t in range(m + 2 * p - 2):
+            forward, backward = zip(*(one_f_one_b_overlapped(p, m, s, t) for s in range(p)), strict=True)
+            counts[(any(b for b, _ in forward), any(b for b, _ in backward))] += 1
+    else:
+        for u in range(2 * (m + p - 1)):
+            busy = [one_f_one_b_slot(p, s, u) for s in range(p)]
+            busy = [op for op, j in busy if 0 <= j < m]
+            counts[(1 in busy, any(op != 1 for op in busy))] += 1
+    return tuple(counts.items())
+
+
+@functools.lru_cache(maxsize=256)
+def _table_rows(schedule: str, p: int, m: int, v: int, weight_parts: int,
+                latency: int) -> tuple[tuple[frozenset, int], ...]:
+    """(the kinds of operation in a tick, how many ticks) over `schedules.executed`'s table."""
+    table = schedules.executed(schedule, p, m, v, weight_parts, latency)
+    return tuple(collections.Counter(frozenset(op.kind for op in row if op is not None) for row in table).items())
 
 
 def table(p: int, m: int, v: int, costs: BranchCosts, names=SCHEDULES, weight_parts: int = 1,

@@ -24,6 +24,7 @@ rematerialised by policy), not from GPT-2's 34 + 5 a s / h.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import ml_collections
@@ -84,10 +85,12 @@ class Leaf:
         return math.prod(self.shape)
 
 
-def param_table(cfg: ModelConfig) -> list[Leaf]:
-    """The parameters of `model.Transformer` (its own abstract parameter tree), in tree order."""
-    return [Leaf(path, tuple(box.value.shape), tuple(box.names), box.names[0] == "layers")
-            for path, box in model.param_leaves(cfg)]
+@functools.lru_cache(maxsize=64)
+def param_table(cfg: ModelConfig) -> tuple[Leaf, ...]:
+    """The parameters of `model.Transformer` (its own abstract parameter tree), in tree order
+    (memoised: tracing the tree takes milliseconds, and a search asks for it per candidate)."""
+    return tuple(Leaf(path, tuple(box.value.shape), tuple(box.names), box.names[0] == "layers")
+            for path, box in model.param_leaves(cfg))
 
 
 def num_params(cfg: ModelConfig) -> int:
