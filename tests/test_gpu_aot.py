@@ -126,6 +126,8 @@ FEATURES = {
     "sequence-parallel": ({"tensor": 4, "fsdp": 2}, {"model.sequence_parallel": True}),
     # SP's gathers and scatters in pieces beside the matmuls; in 1F1B's slots and the empty slots' cond
     "collective-matmul": ({"tensor": 4, "data": 2}, {"model.sequence_parallel": True, "model.collective_matmul": True}),
+    # uneven stages (1 + 2 + 2 + 1) under 1F1B: the empty slots' lax.cond (plain uneven 1F1B is the README's
+    # 405B command's, 7 + 14 x 8 + 7)
     "collective-matmul-uneven-1f1b": ({"stage": 4, "tensor": 2}, {"model.sequence_parallel": True,
                                                                   "model.collective_matmul": True,
                                                                   "model.n_layers": 6, "pipeline.microbatches": 4}),
@@ -136,8 +138,7 @@ FEATURES = {
     "interleaved-1f1b": ({"stage": 2, "fsdp": 4}, {"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2}),
     "zero-bubble": ({"stage": 2, "tensor": 2, "data": 2}, {"pipeline.schedule": "zero_bubble",
                                                            "pipeline.weight_parts": 2}),
-    # uneven stages (1 + 2 + 2 + 1; 1 + 2 under zero bubble): the empty slots' lax.cond
-    "uneven-1f1b": ({"stage": 4, "data": 2}, {"model.n_layers": 6, "pipeline.microbatches": 4}),
+    # uneven stages under zero bubble (1 + 2): the empty slots' lax.cond
     "uneven-zero-bubble": ({"stage": 2, "tensor": 2, "data": 2}, {"pipeline.schedule": "zero_bubble",
                                                                   "model.n_layers": 3}),
     "ring-contiguous": ({"sequence": 4, "data": 2}, {"attention.zigzag": False}),
