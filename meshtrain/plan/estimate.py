@@ -173,17 +173,19 @@ def candidate_configs(config: ml_collections.ConfigDict, num_devices: int, devic
         # ring attention splits the sequence; a pipeline takes one row per micro-batch (the smallest
         # bubble) instead of gradient accumulation, under one of PIPELINE_CHOICES (flat activation memory)
         pipelined = mesh.get("stage", 1) > 1
+        # one scratch copy a mesh, set and validated per combination; copied again only when valid
+        c = config.copy_and_resolve_references()
+        with c.unlocked():
+            for axis in config_lib.MESH_AXES:
+                c.mesh[axis] = mesh.get(axis, 1)
+                c.mesh[f"dcn_{axis}"] = 1
+            if mesh.get("sequence", 1) > 1:
+                c.attention.impl = "ring"
         for zero, remat, accum, (schedule, repeats, overlap) in itertools.product(
                 zeros, ("none", "selective", "full"), [1] if pipelined else _divisors(per_rank),
                 PIPELINE_CHOICES if pipelined else [PIPELINE_CHOICES[0]]):
-            c = config.copy_and_resolve_references()
             with c.unlocked():
-                for axis in config_lib.MESH_AXES:
-                    c.mesh[axis] = mesh.get(axis, 1)
-                    c.mesh[f"dcn_{axis}"] = 1
                 c.train.zero_stage, c.remat.policy, c.train.grad_accum_steps = zero, remat, accum
-                if mesh.get("sequence", 1) > 1:
-                    c.attention.impl = "ring"
                 if pipelined:
                     c.pipeline.schedule, c.pipeline.microbatches = schedule, per_rank
                     c.pipeline.repeats, c.pipeline.overlap_transfers = repeats, overlap
@@ -192,7 +194,7 @@ def candidate_configs(config: ml_collections.ConfigDict, num_devices: int, devic
                 memory.state_memory(memory.Step.from_config(c, sizes))
             except (ValueError, ShardingRuleError):
                 continue
-            yield c, sizes
+            yield c.copy_and_resolve_references(), sizes
 
 
 # The search ranks first the candidates whose modelled memory leaves this share of usable HBM free:
