@@ -115,7 +115,7 @@ class Rules:
 
         With `shape`, a dimension its axes do not divide raises ShardingRuleError.
         """
-        got = _spec(self, tuple(names), None if shape is None else tuple(int(d) for d in shape))
+        got = _spec(self, tuple(names), None if shape is None else tuple(shape))
         if isinstance(got, str):
             raise ShardingRuleError(f"{what}: {got}")
         return got
