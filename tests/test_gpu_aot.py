@@ -349,6 +349,29 @@ def test_stage_kernels_compiled_for_h100_compute_the_layers_matmuls():
     assert 0 < costs.forward < costs.backward and costs.weight_grad < costs.backward
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_zero_bubble_holds_at_most_one_stash_more_than_1f1b(overlap):
+    """The acceptance point of the split backward's memory (p=4, m=16, the tiny config at d_model 512,
+    8 layers, one 128-token row a micro-batch), compiled for H100: zero bubble's temporary bytes at most
+    1F1B's (with the same `pipeline.overlap_transfers`) plus one micro-batch's stash, the residuals a
+    stage keeps from F to B (`pipeline_tables.SlotUnion`: the output gradients take the residuals'
+    bytes once B has read them)."""
+    from meshtrain.parallel import cost
+    from tests.test_pipeline_cost import _scaled_tiny, _sizes
+
+    temps = {}
+    for schedule in ("1f1b", "zero_bubble"):
+        config = _scaled_tiny(4, 16)
+        config.pipeline.update(schedule=schedule, overlap_transfers=overlap)
+        compiled = aot.compile_step(config, "h100", 4)[0]
+        temps[schedule] = compiled.memory_analysis().temp_size_in_bytes
+    _, branches, _ = cost.stage_branches(config, _sizes(stage=4), jax.devices("cpu")[0])
+    forward, args = branches["forward"]
+    stash = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(jax.eval_shape(forward, *args)[1]))
+    print({name: round(t / 2**20, 2) for name, t in temps.items()}, "stash MiB", round(stash / 2**20, 2))
+    assert temps["zero_bubble"] <= temps["1f1b"] + stash, (temps, stash)
+
+
 def test_schedules_priced_from_the_h100_compile_beat_1f1b():
     """The acceptance point of the pipeline cost model (p=4, m=16, one 128-token row of the tiny config
     at d_model 512), each branch priced kernel by kernel from its H100 compile: interleaved 1F1B (v=2)

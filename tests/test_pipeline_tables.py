@@ -77,8 +77,8 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
     """Runs the program on tags instead of arrays: every buffer slot holds the name of the value in
     it, and each operation checks it reads the value it needs. Returns {(kind, s, j, c): tick}."""
     f = {name: i for i, name in enumerate(FIELDS)}
-    stash = [[None] * (plan.stash_slots) for _ in range(p)]  # vjp residuals, F to B
-    weight = [[None] * (plan.weight_slots) for _ in range(p)]  # gemms: matmul inputs (F to W), dy (B to W)
+    stash = [[None] * (plan.stash_slots) for _ in range(p)]  # vjp residuals, F to B (gemms: then dy, B to W)
+    weight = [[None] * (plan.weight_slots) for _ in range(p)]  # gemms: matmul inputs (F to W); pullback: dy
     gemms, pullback = plan.gemms, plan.split and not plan.gemms  # pullback: the stage's dy (B to W)
     parts_run = {}  # (s, j, c) -> W parts run so far
     inbox_f = [[None] * (plan.inbox_f_slots + 1) for _ in range(p)]
@@ -108,9 +108,9 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
                 assert stash[s][slot] == (s, j, c), (t, s)
                 if not pullback:  # the pullback split's W reads the residuals again
                     stash[s][slot] = None
-                if gemms:
-                    assert weight[s][wslot] == ("inputs", s, j, c), (t, s)
-                    weight[s][wslot] = ("inputs and dy", s, j, c)
+                if gemms:  # the output gradients go over the residuals, in the micro-batch's record
+                    assert slot == wslot and weight[s][wslot] == ("inputs", s, j, c), (t, s)
+                    stash[s][slot] = ("dy", s, j, c)
                 if pullback:
                     assert weight[s][wslot] is None, f"tick {t} stage {s}: weight slot {wslot} still in use"
                     weight[s][wslot] = ("inputs and dy", s, j, c)
@@ -118,7 +118,10 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
                     sent_b[s] = ("grad", (s - 1) % p, j, c - (s == 0))
                 ran["B", s, j, c] = t
             elif branch == pipeline_tables.WEIGHTS:
-                assert weight[s][wslot] == ("inputs and dy", s, j, c), (t, s)
+                if gemms:
+                    assert weight[s][wslot] == ("inputs", s, j, c) and stash[s][wslot] == ("dy", s, j, c), (t, s)
+                else:
+                    assert weight[s][wslot] == ("inputs and dy", s, j, c), (t, s)
                 part = parts_run.get((s, j, c), 0)
                 assert int(row[f["part"]]) == part, (t, s)  # the parts in order, each once
                 parts_run[s, j, c] = part + 1
@@ -126,6 +129,8 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
                     _check_puts(plan, t, s, branch, stash[s], weight[s], gemms, pullback)
                     continue
                 weight[s][wslot] = None
+                if gemms:
+                    stash[s][wslot] = None
                 if pullback:
                     assert stash[s][slot] == (s, j, c), (t, s)
                     stash[s][slot] = None
@@ -153,17 +158,17 @@ def _check_puts(plan: SlotPlan, t: int, s: int, branch: int, stash: list, weight
     slot's own value back (`keep_*`)."""
     forward = branch in (pipeline_tables.FORWARD, pipeline_tables.FORWARD_FIRST, pipeline_tables.FORWARD_LAST)
     backward = branch in (pipeline_tables.BACKWARD, pipeline_tables.BACKWARD_FIRST)
-    fills = {"stash": forward, "inputs": forward, "g": backward}
+    # gemms: the record (residuals, then dy) in "stash", the inputs in "inputs"; pullback: dy in "g"
+    fills = {"stash": forward or gemms and backward, "inputs": forward, "g": backward}
     for name in ("stash", "inputs", "g"):
-        if name != "stash" and not (gemms or pullback and name == "g"):
+        if name == "inputs" and not gemms or name == "g" and not pullback:
             continue
         k, keep = row_slot(plan, t, s, f"put_{name}"), row_slot(plan, t, s, f"keep_{name}")
         if fills[name]:
             assert not keep and k == row_slot(plan, t, s, "stash" if name == "stash" else "wstash"), (t, s, name)
         elif not keep:
             held = stash[k] if name == "stash" else weight[k]
-            # nothing there (the g buffer: or only the inputs of a micro-batch whose B has not run)
-            assert held is None or name == "g" and gemms and held[0] == "inputs", (t, s, name, k, held)
+            assert held is None, (t, s, name, k, held)  # nothing there still to be read
 
 
 def row_slot(plan: SlotPlan, t: int, s: int, name: str) -> int:

@@ -26,7 +26,10 @@ Zero bubble runs the split backward (`pipeline.SplitStage`, `schedules.SPLIT_BAC
 matmul's input; B is the pullback of a forward whose matmul weights are constants and whose matmul
 outputs carry zero probes, so it computes the input gradients only and the probes' cotangents are
 the matmuls' output gradients; W is each matmul's weight GEMM x^T dy from what F and B kept. The
-price is memory: each chunk waiting for its W keeps its matmuls' inputs and output gradients.
+price is memory: each chunk waiting for its W keeps its matmuls' inputs and output gradients. The
+output gradients take the bytes of the residuals B has consumed (`SlotUnion`: one record a chunk from
+F to W, its residuals until B, its output gradients after), so per chunk the split holds the larger of
+the two beside the inputs, where two buffers would hold both.
 
 Transfers behind compute (`pipeline.overlap_transfers`): the table reads a result no earlier than two
 ticks after it was computed (zero bubble's aligned table, `schedules.aligned`: F, B and W ticks in turn
@@ -38,8 +41,9 @@ Buffers. Every value waiting between ticks sits in a slot of a statically sized 
 residuals of a forward until its backward, the split backward's matmul inputs (F to W) and output
 gradients (B to W), arriving activations and gradients until the operation that consumes them.
 Slots are assigned from the table's lifetimes, so buffer sizes are the table's peak occupancy, not
-m. The tick reads and writes them outside its `lax.switch`: XLA copies a buffer that a branch
-updates whole, a slot read or written outside costs one slot.
+m (gemms split: the residuals and output gradients in one record buffer, slotted F to W). The tick
+reads and writes them outside its `lax.switch`: XLA copies a buffer that a branch updates whole, a
+slot read or written outside costs one slot.
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ FIELDS = ("branch", "micro", "chunk", "stash", "wstash", "read_f", "read_b", "dy
           "put_stash", "put_inputs", "put_g", "keep_stash", "keep_inputs", "keep_g")
 # the program fields with the slot a tick writes each slot buffer's `put` into, and whether it writes
 # back what the slot holds instead (`SlotPlan`)
-PUT_FIELD = {"stash": "stash", "inputs": "inputs", "dys": "g", "gs": "g"}
+PUT_FIELD = {"stash": "stash", "inputs": "inputs", "gs": "g"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +94,7 @@ class SlotPlan:
     (nothing arrives)."""
 
     program: np.ndarray  # int32 [ticks, p, len(FIELDS)]
-    stash_slots: int  # vjp residuals, F to B: the buffer's size
+    stash_slots: int  # vjp residuals, F to B (gemms: the records, residuals then output gradients, F to W)
     weight_slots: int  # split: what W needs beyond the residuals (`split_backward`): the buffers' size
     inbox_f_slots: int
     inbox_b_slots: int
@@ -189,6 +193,9 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
             most = max(most, used)
         sizes.append(max(most, 1))
     n_stash, n_weight, n_f, n_b = sizes
+    gemms = split and split_backward == "gemms"
+    if gemms:  # one record a micro-batch, F to W: its residuals until B, its output gradients after
+        stash = weight
     program = np.zeros((len(table), p, len(FIELDS)), np.int32)
     program[:, :, FIELDS.index("recv_f")] = n_f
     program[:, :, FIELDS.index("recv_b")] = n_b
@@ -222,14 +229,18 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
         row[FIELDS.index("wstash")] = weight.get(key, 0)
     # the residual, matmul-input (gemms) and output-gradient (split) buffers: what lives in which slot
     # from its write (by the operation that fills it) to its last read
-    gemms = split and split_backward == "gemms"
 
     def slotted(intervals, slots):
         return [[(start, end, slots[key]) for start, end, key in intervals[s]] for s in range(p)]
-    # gemms: the output gradients share the inputs' slots, from B to W; pullback: weight_iv is B to W
+    # gemms: the output gradients take the residuals' slot (the micro-batch's record), from B to W;
+    # pullback: weight_iv is B to W
     g_iv = [[(when[(schedules.B, *key)], end, key) for _, end, key in weight_iv[s]] for s in range(p)]
-    live = {"stash": slotted(stash_iv, stash), "inputs": slotted(weight_iv, weight) if gemms else [[]] * p,
-            "g": slotted(g_iv, weight) if split else [[]] * p}
+    if gemms:
+        records = [a + b for a, b in zip(slotted(stash_iv, stash), slotted(g_iv, weight), strict=True)]
+        live = {"stash": records, "inputs": slotted(weight_iv, weight), "g": [[]] * p}
+    else:
+        live = {"stash": slotted(stash_iv, stash), "inputs": [[]] * p,
+                "g": slotted(g_iv, weight) if split else [[]] * p}
     n_stash = 0
     for name in live:
         slots, keep, size = _put_slots(len(table), p, live[name])
@@ -272,6 +283,43 @@ class SplitResiduals(Residuals):
     def _constants(self, w) -> list:
         # the probes are zeros, the same arrays in every slot: the remat keeps them as inputs, the stash does not
         return super()._constants(w) + jax.tree.leaves(self.probes)
+
+
+class SlotUnion:
+    """Pytrees that never occupy a slot at the same time, in one list of slot buffers: a leaf of one
+    tree takes a buffer of its shape and dtype that no other leaf of the same tree has taken, so each
+    (shape, dtype) has as many buffers as the tree with the most such leaves. Zero bubble's record
+    of a micro-batch (gemms): its vjp residuals from F to B, then its matmuls' output gradients from B
+    to W (mostly of the same shapes: the matmuls' outputs), in the same bytes, where two buffers would
+    hold both kinds of every slot at once. Leaves keep their shapes (and so their shardings)."""
+
+    def __init__(self, *trees):
+        self.kinds: list[tuple[tuple[int, ...], object]] = []  # each buffer's (shape, dtype)
+        self._layouts = []
+        for tree in trees:
+            leaves, treedef = jax.tree.flatten(tree)
+            taken = []
+            for a in leaves:
+                kind = (tuple(a.shape), a.dtype)
+                free = [i for i, k in enumerate(self.kinds) if k == kind and i not in taken]
+                if not free:
+                    self.kinds.append(kind)
+                taken.append(free[0] if free else len(self.kinds) - 1)
+            self._layouts.append((treedef, taken))
+
+    def zeros(self, slots: int) -> list[jax.Array]:
+        return [jnp.zeros((slots, *shape), dtype) for shape, dtype in self.kinds]
+
+    def pack(self, which: int, tree) -> list[jax.Array]:
+        """Tree `which` (its position in the constructor) as one slot of every buffer (zeros where it
+        has no leaf)."""
+        values = dict(zip(self._layouts[which][1], jax.tree.leaves(tree), strict=True))
+        return [values[i] if i in values else jnp.zeros(shape, dtype) for i, (shape, dtype) in enumerate(self.kinds)]
+
+    def unpack(self, which: int, slot: list[jax.Array]):
+        """The tree `which` from one slot of every buffer (`pack`'s inverse)."""
+        treedef, taken = self._layouts[which]
+        return jax.tree.unflatten(treedef, [slot[i] for i in taken])
 
 
 def _store(buffers, values, slot):
@@ -326,12 +374,17 @@ class _TableWork(SlotWork):
         return self._varying(carry)
 
     def slot_buffers(self) -> dict:
-        """Zeroed slot buffers of the plan's sizes: "stash" (residuals); split, "inputs" and "dys"
-        (gemms) or "gs" (pullback)."""
+        """Zeroed slot buffers of the plan's sizes: "stash" (residuals; gemms: the records, `SlotUnion`
+        of the residuals and the output gradients); split, "inputs" (gemms) or "gs" (pullback)."""
         act = self.activation()
         chunk = jax.tree.map(lambda a: a[0], self.layers)
         x = lax.pcast(act, self.manual, to="varying")
-        buffers = {"stash": self.residuals.stash(self.plan.stash_slots, x, self._pick(0), self.manual, chunk)}
+        if self.plan.gemms:  # a micro-batch's residuals (F to B), then its output gradients (B to W)
+            residuals = self.residuals.structure(x, self._pick(0), self.manual, chunk)
+            self.records = SlotUnion(residuals, self.residuals.probes)
+            buffers = {"stash": self._varying(self.records.zeros(self.plan.stash_slots))}
+        else:
+            buffers = {"stash": self.residuals.stash(self.plan.stash_slots, x, self._pick(0), self.manual, chunk)}
         if self.plan.split and not self.plan.gemms:  # the stage's output gradient, B to W
             buffers["gs"] = lax.pcast(jnp.zeros((self.plan.weight_slots, *act.shape), act.dtype), self.manual,
                                       to="varying")
@@ -339,7 +392,7 @@ class _TableWork(SlotWork):
             _, _, recorded = jax.eval_shape(lambda x: self.residuals.vjp_recording(x, self._pick(0), chunk), x)
             slots = functools.partial(jax.tree.map,
                                       lambda a: jnp.zeros((self.plan.weight_slots, *a.shape), a.dtype))
-            buffers.update(self._varying({"inputs": slots(recorded), "dys": slots(self.residuals.probes)}))
+            buffers["inputs"] = self._varying(slots(recorded))
         return buffers
 
     def inboxes(self) -> tuple[jax.Array, jax.Array]:
@@ -389,6 +442,8 @@ class _TableWork(SlotWork):
             else:
                 (y, stats), pullback = self.residuals.vjp(x_in, mb, w)
             put["stash"] = self.residuals.keep(pullback, w)
+            if self.plan.gemms:
+                put["stash"] = self._varying(self.records.pack(0, put["stash"]))
             c = {**c, "stats": self._acc(c["stats"], self._varying(stats))}
             if not last:
                 return (c, *self._outputs(x, buffers, y=y, **put))
@@ -407,10 +462,12 @@ class _TableWork(SlotWork):
         def run(c, x, g, j, chunk, slot, wslot, part, buffers):
             mb = self._pick(j)
             w = self._chunk(chunk)
-            pullback = self.residuals.rebuild(_load(buffers["stash"], slot), w)
+            kept = _load(buffers["stash"], slot)
+            pullback = self.residuals.rebuild(self.records.unpack(0, kept) if self.plan.gemms else kept, w)
             put = {}
             if self.plan.gemms:  # the matmuls' weight gradients come later (W), from their dy kept here
-                g_w, dx, put["dys"] = pullback(self._cotangents(c, g))
+                g_w, dx, dys = pullback(self._cotangents(c, g))
+                put["stash"] = self._varying(self.records.pack(1, dys))  # in the record's slot, over the residuals
             else:
                 g_w, dx = pullback(self._cotangents(c, g))
             if self.plan.split and not self.plan.gemms:  # W runs the pullback again for g_w (dead code here)
@@ -433,7 +490,8 @@ class _TableWork(SlotWork):
             pullback = self.residuals.rebuild(_load(buffers["stash"], slot), w)
             g_w, _ = pullback(self._cotangents(c, _load(buffers["gs"], wslot)))
             return (self._add_layers(c, chunk, g_w), *self._outputs(x, buffers))
-        held = {name: _load(buffers[name], wslot) for name in ("inputs", "dys")}
+        held = {"inputs": _load(buffers["inputs"], wslot),
+                "dys": self.records.unpack(1, _load(buffers["stash"], wslot))}
         size = jax.tree.leaves(w)[0].shape[0] // self.plan.weight_parts  # layers of one part
         start = part * size
         if self.plan.weight_parts > 1:  # every value here is [k layers, ...]: the part's window of them

@@ -247,22 +247,23 @@ def _saved_per_layer(run: Step, remat: str, t: int) -> int:
             "full": a * t * d_res, "offload": a * t * d_res}[remat]
 
 
-def _split_per_layer(run: Step, t: int) -> int:
+def _split_per_layer(run: Step, t: int) -> tuple[int, int]:
     """Bytes the split backward keeps per layer and micro-batch of `t` tokens for W
-    (`parallel.pipeline.SplitStage`): each matmul's input (F to W) and output gradient (B to W)."""
+    (`parallel.pipeline.SplitStage`): (the matmuls' inputs, F to W; their output gradients, B to W)."""
     m, tp = run.model, run.sizes["tensor"]
     # the d_model-wide ones (the inputs of q,k,v and gate,up; the output gradients of the output and down
     # projections) are kept as the residual stream is split: over `tensor` along the sequence under
     # sequence parallelism (405B, TP 8, zero bubble on 16,384 H100s: 67 GiB of W buffers, not 197)
     d, heads = _residual_width(run), m.n_heads * m.head_dim // tp
     qkv = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim // tp
-    attention = (d + heads) + (qkv + d)  # inputs of q,k,v and the output projection; their output gradients
-    dense = (d + m.mlp_dim // tp) + (2 * m.mlp_dim // tp + d)
     fm = (m.moe_mlp_dim or m.mlp_dim) // tp
-    shared = (d + fm) + (2 * fm + d) if m.shared_expert else 0
     moe_share = 1 / m.moe_every if m.num_experts else 0.0
-    mlp = (1 - moe_share) * dense + moe_share * shared
-    return int(dtype_bytes(m.dtype) * t * (attention + mlp))
+    dense, shared = 1 - moe_share, moe_share if m.shared_expert else 0.0
+    # the inputs of q,k,v and the output projection, of gate,up and down; then their output gradients
+    inputs = (d + heads) + dense * (d + m.mlp_dim // tp) + shared * (d + fm)
+    grads = (qkv + d) + dense * (2 * m.mlp_dim // tp + d) + shared * (2 * fm + d)
+    a = dtype_bytes(m.dtype) * t
+    return int(a * inputs), int(a * grads)
 
 
 def _residual_width(run: Step) -> int:
@@ -312,9 +313,10 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
     `none` everything the backward reads; `selective` the outputs of weight matmuls and the
     residual input; `full` / `offload` the residual input. In flight: 1 without a pipeline; 1F1B up
     to `stage` micro-batches, slot tables their table's peak of chunks; GPipe and circular all m.
-    The split backward (zero bubble) with `split_backward` gemms also keeps each matmul's
-    input and output gradient from F and B to W (`_split_per_layer`), for its table's peak of chunks
-    waiting for W (pullback: the residuals until W, as the table's in-flight count has them).
+    The split backward (zero bubble) with `split_backward` gemms keeps a record per chunk from F to W,
+    for its table's peak of them: the residuals until B, then in their place the matmuls' output
+    gradients, beside the matmuls' inputs (`_split_per_layer`) (pullback: the residuals until W, as
+    the table's in-flight count has them).
 
     Temporaries, the terms the H100 compiler shows at the peak (constants above):
     * the larger of one layer's backward workspace (`_layer_workspace`) and the unfused loss's
@@ -345,15 +347,19 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
             in_flight = max(schedules.in_flight(run.pipeline_table)) / run.pipeline_repeats
         elif autodiff_pipe:  # the tick loop's autodiff keeps every micro-batch's stage input
             in_flight = run.microbatches
-    activations = int(_saved_per_layer(run, remat, t) * layers * in_flight)
+    saved = _saved_per_layer(run, remat, t)
+    activations = int(saved * layers * in_flight)
     if pipelined and run.pipeline_schedule in schedules.SPLIT_BACKWARD and run.split_backward == "gemms":
-        # W's inputs: the peak of micro-batch chunks between their F and their W, and the slot the tick
-        # writes after its switch (`pipeline_tables._TableWork`; no trash slot: `pipeline_tables._put_slots`)
+        # a record a micro-batch chunk from its F to its W: its residuals until B, then its output
+        # gradients in the same bytes, beside its matmuls' inputs; the table's peak of them and the slot
+        # the tick writes after its switch (`pipeline_tables._TableWork`, `SlotUnion`; no trash slot:
+        # `pipeline_tables._put_slots`)
         from meshtrain.parallel.pipeline_tables import slot_plan
 
         slots = slot_plan(run.pipeline_schedule, p, run.microbatches, run.pipeline_repeats, run.split_backward,
                           run.weight_parts, int(run.overlap_transfers)).weight_slots + 1
-        activations += int(_split_per_layer(run, t) * layers * slots / run.pipeline_repeats)
+        inputs, grads = _split_per_layer(run, t)
+        activations = int((max(saved, grads) + inputs) * layers * slots / run.pipeline_repeats)
 
     place = run.placement()
     compute, table = place["compute"], param_table(run.stored_model)
