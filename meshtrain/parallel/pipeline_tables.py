@@ -27,9 +27,10 @@ matmul's input; B is the pullback of a forward whose matmul weights are constant
 outputs carry zero probes, so it computes the input gradients only and the probes' cotangents are
 the matmuls' output gradients; W is each matmul's weight GEMM x^T dy from what F and B kept. The
 price is memory: each chunk waiting for its W keeps its matmuls' inputs and output gradients. The
-output gradients take the bytes of the residuals B has consumed (`SlotUnion`: one record a chunk from
-F to W, its residuals until B, its output gradients after), so per chunk the split holds the larger of
-the two beside the inputs, where two buffers would hold both.
+output gradients take the buffers of the residuals B has consumed where their shapes match
+(`SlotUnion`: one record a chunk from F to W, its residuals until B, its output gradients after): under
+selective and full remat the residuals are matmul outputs and the layer input, so per chunk the split
+holds the larger of the two beside the inputs, where two buffers would hold both (under none, both).
 
 Transfers behind compute (`pipeline.overlap_transfers`): the table reads a result no earlier than two
 ticks after it was computed (zero bubble's aligned table, `schedules.aligned`: F, B and W ticks in turn
@@ -183,9 +184,13 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
         if kind == schedules.B and not (s == 0 and c == 0):
             dst, dc = (s - 1, c) if s > 0 else (p - 1, c - 1)
             inbox_b_iv[dst].append((t + arrive, when[(schedules.B, dst, j, dc)], (dst, j, dc)))
+    gemms = split and split_backward == "gemms"
     stash, weight, inbox_f, inbox_b = ({}, {}, {}, {})
     sizes = []
-    for intervals, slots in ((stash_iv, stash), (weight_iv, weight), (inbox_f_iv, inbox_f), (inbox_b_iv, inbox_b)):
+    # gemms: one record a micro-batch, F to W (its residuals until B, its output gradients after): the
+    # records take the weight slots
+    records_iv = weight_iv if gemms else stash_iv
+    for intervals, slots in ((records_iv, stash), (weight_iv, weight), (inbox_f_iv, inbox_f), (inbox_b_iv, inbox_b)):
         most = 0
         for s in range(p):
             got, used = _allocate(intervals[s])
@@ -193,9 +198,6 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
             most = max(most, used)
         sizes.append(max(most, 1))
     n_stash, n_weight, n_f, n_b = sizes
-    gemms = split and split_backward == "gemms"
-    if gemms:  # one record a micro-batch, F to W: its residuals until B, its output gradients after
-        stash = weight
     program = np.zeros((len(table), p, len(FIELDS)), np.int32)
     program[:, :, FIELDS.index("recv_f")] = n_f
     program[:, :, FIELDS.index("recv_b")] = n_b
@@ -227,8 +229,8 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
         row[FIELDS.index("micro")], row[FIELDS.index("chunk")] = j, c
         row[FIELDS.index("stash")] = stash[key]
         row[FIELDS.index("wstash")] = weight.get(key, 0)
-    # the residual, matmul-input (gemms) and output-gradient (split) buffers: what lives in which slot
-    # from its write (by the operation that fills it) to its last read
+    # the residual (gemms: record), matmul-input (gemms) and output-gradient (pullback) buffers: what
+    # lives in which slot from its write (by the operation that fills it) to its last read
 
     def slotted(intervals, slots):
         return [[(start, end, slots[key]) for start, end, key in intervals[s]] for s in range(p)]
@@ -290,8 +292,10 @@ class SlotUnion:
     tree takes a buffer of its shape and dtype that no other leaf of the same tree has taken, so each
     (shape, dtype) has as many buffers as the tree with the most such leaves. Zero bubble's record
     of a micro-batch (gemms): its vjp residuals from F to B, then its matmuls' output gradients from B
-    to W (mostly of the same shapes: the matmuls' outputs), in the same bytes, where two buffers would
-    hold both kinds of every slot at once. Leaves keep their shapes (and so their shardings)."""
+    to W, in the same bytes where shapes match (selective and full remat keep matmul outputs and the
+    layer input: the output gradients' shapes; none keeps other intermediates, and shares little), where
+    two buffers would hold both kinds of every slot at once. Leaves keep their shapes: nothing is
+    reshaped across a sharded dimension (a flat vector would be, and the partitioner would gather it)."""
 
     def __init__(self, *trees):
         self.kinds: list[tuple[tuple[int, ...], object]] = []  # each buffer's (shape, dtype)

@@ -315,8 +315,8 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
     to `stage` micro-batches, slot tables their table's peak of chunks; GPipe and circular all m.
     The split backward (zero bubble) with `split_backward` gemms keeps a record per chunk from F to W,
     for its table's peak of them: the residuals until B, then in their place the matmuls' output
-    gradients, beside the matmuls' inputs (`_split_per_layer`) (pullback: the residuals until W, as
-    the table's in-flight count has them).
+    gradients (selective and full remat: the larger of the two; none: both), beside the matmuls' inputs
+    (`_split_per_layer`) (pullback: the residuals until W, as the table's in-flight count has them).
 
     Temporaries, the terms the H100 compiler shows at the peak (constants above):
     * the larger of one layer's backward workspace (`_layer_workspace`) and the unfused loss's
@@ -359,7 +359,11 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
         slots = slot_plan(run.pipeline_schedule, p, run.microbatches, run.pipeline_repeats, run.split_backward,
                           run.weight_parts, int(run.overlap_transfers)).weight_slots + 1
         inputs, grads = _split_per_layer(run, t)
-        activations = int((max(saved, grads) + inputs) * layers * slots / run.pipeline_repeats)
+        # `pipeline_tables.SlotUnion` shares buffers of one shape and dtype: under selective and full
+        # remat the residuals kept are matmul outputs and the layer input, the output gradients' shapes;
+        # under none they are not (every intermediate, q / k / v per head group), so both are held
+        record = max(saved, grads) if remat in ("selective", "full") else saved + grads
+        activations = int((record + inputs) * layers * slots / run.pipeline_repeats)
 
     place = run.placement()
     compute, table = place["compute"], param_table(run.stored_model)
