@@ -288,7 +288,8 @@ class SplitResiduals(Residuals):
 
 
 class SlotUnion:
-    """Pytrees that never occupy a slot at the same time, in one list of slot buffers: a leaf of one
+    """(Playbook, "Zero Bubble and DualPipe": the memory of the split backward.) Pytrees that never
+    occupy a slot at the same time, in one list of slot buffers: a leaf of one
     tree takes a buffer of its shape and dtype that no other leaf of the same tree has taken, so each
     (shape, dtype) has as many buffers as the tree with the most such leaves. Zero bubble's record
     of a micro-batch (gemms): its vjp residuals from F to B, then its matmuls' output gradients from B
