@@ -425,9 +425,10 @@ def num_params(cfg: ModelConfig) -> int:
     return sum(math.prod(box.value.shape) for _, box in param_leaves(cfg))
 
 
+@functools.lru_cache(maxsize=64)
 def num_active_params(cfg: ModelConfig) -> int:
     """Parameters a token passes through: of an expert-stacked weight only `experts_per_token` of the
-    `num_experts` experts count."""
+    `num_experts` experts count (memoised: the planner's search asks per candidate)."""
     total = 0
     for _, box in param_leaves(cfg):
         size = math.prod(box.value.shape)

@@ -26,7 +26,17 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, *, inputs: boo
     `inputs=False` skips the rules that read files (the planner validates hypothetical runs).
     """
     config_lib.validate_fields(config)
+    sizes = validate_layout(config, num_devices)
+    for rule in INPUT_RULES if inputs else ():
+        rule(config, sizes)
+    return sizes
+
+
+def validate_layout(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
+    """The mesh shape and LAYOUT_RULES alone, for a config whose fields passed
+    `config.validate_fields` and that changed since only in layout keys to valid choices (the
+    planner's search, which tries thousands of layouts of one config)."""
     sizes = config_lib.mesh_shape(config, num_devices)
-    for rule in LAYOUT_RULES + (INPUT_RULES if inputs else ()):
+    for rule in LAYOUT_RULES:
         rule(config, sizes)
     return sizes

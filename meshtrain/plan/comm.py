@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 
 from meshtrain.mesh import MESH_ORDER
@@ -88,9 +89,10 @@ def attribute(kind: str, full_bytes: float, axes: dict[str, int]) -> dict[str, f
     return out
 
 
-def _spec_axes(leaf, rules) -> set[str]:
+@functools.lru_cache(maxsize=1 << 16)
+def _spec_axes(leaf, rules) -> frozenset[str]:
     spec = rules.spec(leaf.names, leaf.shape, what=leaf.path)
-    return {a for e in spec if e for a in ((e,) if isinstance(e, str) else e)}
+    return frozenset(a for e in spec if e for a in ((e,) if isinstance(e, str) else e))
 
 
 def _gradient_and_zero(run: Step, remat: str, backend: Backend) -> list[Coll]:

@@ -22,7 +22,7 @@ from meshtrain.parallel import cost
 from meshtrain.plan import comm, memory
 from meshtrain.plan.hardware import Gpu
 from meshtrain.sharding_rules import ShardingRuleError
-from meshtrain.validate import validate
+from meshtrain.validate import validate_layout
 
 EFFICIENCY = 0.5  # achieved / peak FLOP/s of the matmuls
 # axes whose transfers run behind compute: the data-parallel gradients and ZeRO gathers behind the layers'
@@ -173,7 +173,9 @@ def candidate_configs(config: ml_collections.ConfigDict, num_devices: int, devic
         # ring attention splits the sequence; a pipeline takes one row per micro-batch (the smallest
         # bubble) instead of gradient accumulation, under one of PIPELINE_CHOICES (flat activation memory)
         pipelined = mesh.get("stage", 1) > 1
-        # one scratch copy a mesh, set and validated per combination; copied again only when valid
+        # one scratch copy a mesh, set and validated per combination; copied again only when valid.
+        # The combinations set only layout keys, each to a valid choice: the config's other fields are
+        # checked once a mesh (`validate_fields`), the layout rules per combination.
         c = config.copy_and_resolve_references()
         with c.unlocked():
             for axis in config_lib.MESH_AXES:
@@ -181,20 +183,28 @@ def candidate_configs(config: ml_collections.ConfigDict, num_devices: int, devic
                 c.mesh[f"dcn_{axis}"] = 1
             if mesh.get("sequence", 1) > 1:
                 c.attention.impl = "ring"
-        for zero, remat, accum, (schedule, repeats, overlap) in itertools.product(
-                zeros, ("none", "selective", "full"), [1] if pipelined else _divisors(per_rank),
-                PIPELINE_CHOICES if pipelined else [PIPELINE_CHOICES[0]]):
-            with c.unlocked():
+            fields_checked = False
+            for zero, remat, accum, (schedule, repeats, overlap) in itertools.product(
+                    zeros, ("none", "selective", "full"), [1] if pipelined else _divisors(per_rank),
+                    PIPELINE_CHOICES if pipelined else [PIPELINE_CHOICES[0]]):
                 c.train.zero_stage, c.remat.policy, c.train.grad_accum_steps = zero, remat, accum
                 if pipelined:
                     c.pipeline.schedule, c.pipeline.microbatches = schedule, per_rank
                     c.pipeline.repeats, c.pipeline.overlap_transfers = repeats, overlap
-            try:
-                sizes = validate(c, num_devices, inputs=False)
-                memory.state_memory(memory.Step.from_config(c, sizes))
-            except (ValueError, ShardingRuleError):
-                continue
-            yield c.copy_and_resolve_references(), sizes
+                try:
+                    if not fields_checked:
+                        config_lib.validate_fields(c)
+                        fields_checked = True
+                    sizes = validate_layout(c, num_devices)
+                    memory.state_memory(memory.Step.from_config(c, sizes))
+                except (ValueError, ShardingRuleError):
+                    if not fields_checked:
+                        break  # a field no combination sets is invalid: every combination would fail
+                    continue
+                valid = c.copy_and_resolve_references()
+                if config.is_locked:  # a copy of the unlocked scratch is unlocked
+                    valid.lock()
+                yield valid, sizes
 
 
 # The search ranks first the candidates whose modelled memory leaves this share of usable HBM free:

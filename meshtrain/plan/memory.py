@@ -97,12 +97,21 @@ def num_params(cfg: ModelConfig) -> int:
     return model.num_params(cfg)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def local_size(leaf: Leaf, rules: Rules) -> int:
-    """Elements of `leaf` on one device under `rules` (raises ShardingRuleError if not divisible)."""
+    """Elements of `leaf` on one device under `rules` (raises ShardingRuleError if not divisible;
+    memoised: a search prices the same few leaves under the same few meshes for every candidate)."""
     spec = rules.spec(leaf.names, leaf.shape, what=leaf.path)
     sizes = dict(rules.mesh_shape)
     split = math.prod(sizes[a] for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry))
     return leaf.size // split
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def placed_elements(cfg: ModelConfig, rules: Rules) -> int:
+    """Elements of all of the model's parameters on one device under `rules` (memoised like
+    `local_size`)."""
+    return sum(local_size(leaf, rules) for leaf in param_table(cfg))
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,7 +148,7 @@ class Step:
                    tuple(config.pipeline.layers_per_stage), config.train.xla_gpu_memory_limit_slop_factor,
                    config.pipeline.overlap_transfers)
 
-    @property
+    @functools.cached_property
     def stored_model(self) -> ModelConfig:
         """The model as the state stores it: uneven pipeline stages add empty layer rows (each stage
         stores as many as the largest one runs; `parallel.pipeline.Pipeline.rows`)."""
@@ -171,7 +180,7 @@ class Step:
         return schedules.executed(self.pipeline_schedule, self.sizes["stage"], self.microbatches,
                                   self.pipeline_repeats, self.weight_parts, int(self.overlap_transfers))
 
-    @property
+    @functools.cached_property
     def rules(self) -> Rules:
         return Rules(tuple((a, self.sizes[a]) for a in MESH_ORDER))
 
@@ -214,10 +223,10 @@ def state_memory(run: Step) -> dict[str, int]:
     """
     pb = dtype_bytes(run.model.param_dtype)
     place = run.placement()
-    table = param_table(run.stored_model)
-    params = sum(local_size(leaf, place["params"]) for leaf in table) * pb
-    grads = sum(local_size(leaf, place["grads"]) for leaf in table) * pb
-    opt = 2 * sum(local_size(leaf, place["optimizer"]) for leaf in table) * pb
+    model = run.stored_model
+    params = placed_elements(model, place["params"]) * pb
+    grads = placed_elements(model, place["grads"]) * pb
+    opt = 2 * placed_elements(model, place["optimizer"]) * pb
     return {"params": params, "grads": grads, "optimizer": opt + 12}  # + step and two int32 counts
 
 
