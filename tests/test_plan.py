@@ -290,6 +290,22 @@ def test_search_tries_each_pipeline_schedule_on_a_pipelined_mesh():
     assert "interleaved_1f1b v=2, transfers overlapped" in interleaved.pipeline
 
 
+def test_search_candidates_pass_every_layout_rule_and_a_bad_field_leaves_none():
+    """The search checks a config's fields once a mesh and the layout rules per combination: every
+    candidate it yields passes the whole of `validate` (with the same mesh shape), it tries every mesh
+    of 8 devices the batch divides, and a field no combination sets, when invalid, leaves no candidate."""
+    config = load_config_file("tiny")  # 4 layers: the layout rules turn down 8 stages and v=2 on 4
+    candidates = list(estimate.candidate_configs(config, 8))
+    for c, sizes in candidates:
+        assert validate(c, 8, inputs=False) == sizes
+    meshes = {tuple(sizes.items()) for _, sizes in candidates}
+    assert len(meshes) > 20 and {"stage", "tensor", "fsdp", "data", "sequence"} <= {
+        a for m in meshes for a, n in m if n > 1}
+    with config.unlocked():
+        config.train.learning_rate = -1.0
+    assert not list(estimate.candidate_configs(config, 8))
+
+
 @pytest.mark.parametrize("args, message", [
     (("--gpu", "h900", "--devices", "8"), "unknown GPU"),
     (("--devices", "8", "--config.mesh.fsdp=4", "--config.mesh.data=1"), "multiply to 4 but there are 8 devices"),
