@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -255,6 +256,9 @@ def test_search_llama3_8b_returns_only_fitting_meshes():
     out = _plan("--config", "configs/llama3_8b.py", "--devices", "8", "--gpu", "h100", "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
+    # the search's progress goes to stderr, its last line the number of candidates priced
+    priced = re.findall(r"plan: ([\d,]+) candidate layouts priced \(\d+ s\)$", out.stderr, re.M)
+    assert priced and int(priced[-1].replace(",", "")) >= len(result["candidates"])
     assert result["num_params"] == 8_030_261_248 and result["candidates"]
     usable = hardware.GPUS["h100"].usable_bytes
     for cand in result["candidates"]:

@@ -102,6 +102,12 @@ def _mesh_overridden(argv: list[str]) -> bool:
     return any(arg.startswith("--config.mesh.") for arg in argv)
 
 
+def _progress(candidates: int, seconds: float, done: bool) -> None:
+    """The search's progress on stderr (stdout keeps the table or the JSON)."""
+    state = "priced" if done else "priced so far"
+    print(f"plan: {candidates:,} candidate layouts {state} ({seconds:.0f} s)", file=sys.stderr, flush=True)
+
+
 def _fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
@@ -120,7 +126,7 @@ def main(argv: list[str]) -> None:
     out: dict = {}
     try:
         if searching:
-            ranked = estimate_lib.search(config, FLAGS.devices, gpu, per_node)
+            ranked = estimate_lib.search(config, FLAGS.devices, gpu, per_node, progress=_progress)
             if not ranked:
                 _fail(f"no valid mesh of {FLAGS.devices} devices for this model and batch "
                       "(check train.batch_size and the head / width divisibility)")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import time
+from collections.abc import Callable
 
 import ml_collections
 
@@ -211,14 +213,26 @@ def candidate_configs(config: ml_collections.ConfigDict, num_devices: int, devic
 # the model's error against the compiler (README, "Planning a run": mean 4.4%). Without it the 405B
 # search chose a layout modelled at 76.90 GiB that the H100 compiler put at 78.07 (over 78 usable).
 SEARCH_HEADROOM = 0.05
+PROGRESS_SECONDS = 10.0
 
 
 def search(config: ml_collections.ConfigDict, num_devices: int, gpu: Gpu, devices_per_node: int = 8,
-           efficiency: float = EFFICIENCY) -> list[Estimate]:
+           efficiency: float = EFFICIENCY, progress: Callable[[int, float, bool], None] | None = None
+           ) -> list[Estimate]:
     """Every valid candidate: those that fit with SEARCH_HEADROOM to spare first, ranked by predicted
-    MFU; then those that fit only without it, by MFU; then the rest, smallest first."""
-    out = [estimate(c, sizes, gpu, devices_per_node, efficiency)
-           for c, sizes in candidate_configs(config, num_devices, devices_per_node)]
+    MFU; then those that fit only without it, by MFU; then the rest, smallest first.
+
+    `progress(candidates so far, seconds, done)` is called every PROGRESS_SECONDS and once at the end
+    (a search over thousands of devices prices tens of thousands of candidates)."""
+    out, start = [], time.monotonic()
+    last = start
+    for c, sizes in candidate_configs(config, num_devices, devices_per_node):
+        out.append(estimate(c, sizes, gpu, devices_per_node, efficiency))
+        if progress and time.monotonic() - last >= PROGRESS_SECONDS:
+            last = time.monotonic()
+            progress(len(out), last - start, False)
+    if progress:
+        progress(len(out), time.monotonic() - start, True)
 
     def rank(e: Estimate):
         spare = e.memory["total"] <= (1 - SEARCH_HEADROOM) * e.usable_bytes
