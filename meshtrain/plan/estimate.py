@@ -89,9 +89,10 @@ def memory_breakdown(run: memory.Step, remat: str) -> dict[str, int]:
 
 
 def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu, devices_per_node: int = 8,
-             efficiency: float = EFFICIENCY) -> Estimate:
-    """Memory, communication and time of the configured step on `gpu`s."""
-    run = memory.Step.from_config(config, sizes)
+             efficiency: float = EFFICIENCY, run: memory.Step | None = None) -> Estimate:
+    """Memory, communication and time of the configured step on `gpu`s (`run`: the config's
+    `memory.Step`, when the caller has it)."""
+    run = run or memory.Step.from_config(config, sizes)
     remat = config.remat.policy
     mem = memory_breakdown(run, remat)
     colls = comm.step_collectives(run, remat, comm.GPU)
@@ -163,6 +164,12 @@ PIPELINE_CHOICES = (("1f1b", 1, False), ("1f1b", 1, True), ("interleaved_1f1b", 
 def candidate_configs(config: ml_collections.ConfigDict, num_devices: int, devices_per_node: int = 8):
     """Valid (config, sizes) over meshes x ZeRO stage x remat policy x gradient accumulation, and on a
     pipelined mesh x PIPELINE_CHOICES."""
+    for valid, sizes, _ in _candidates(config, num_devices, devices_per_node):
+        yield valid, sizes
+
+
+def _candidates(config: ml_collections.ConfigDict, num_devices: int, devices_per_node: int):
+    """`candidate_configs` with each candidate's `memory.Step` (built to check its state fits the mesh)."""
     axes = ["data", "fsdp", "tensor", "sequence"] + (["expert"] if config.model.num_experts else ["stage"])
     for mesh in _factorizations(num_devices, axes):
         if mesh["tensor"] > devices_per_node:
@@ -198,7 +205,8 @@ def candidate_configs(config: ml_collections.ConfigDict, num_devices: int, devic
                         config_lib.validate_fields(c)
                         fields_checked = True
                     sizes = validate_layout(c, num_devices)
-                    memory.state_memory(memory.Step.from_config(c, sizes))
+                    run = memory.Step.from_config(c, sizes)
+                    memory.state_memory(run)
                 except (ValueError, ShardingRuleError):
                     if not fields_checked:
                         break  # a field no combination sets is invalid: every combination would fail
@@ -206,7 +214,7 @@ def candidate_configs(config: ml_collections.ConfigDict, num_devices: int, devic
                 valid = c.copy_and_resolve_references()
                 if config.is_locked:  # a copy of the unlocked scratch is unlocked
                     valid.lock()
-                yield valid, sizes
+                yield valid, sizes, run
 
 
 # The search ranks first the candidates whose modelled memory leaves this share of usable HBM free:
@@ -226,8 +234,8 @@ def search(config: ml_collections.ConfigDict, num_devices: int, gpu: Gpu, device
     (a search over thousands of devices prices tens of thousands of candidates)."""
     out, start = [], time.monotonic()
     last = start
-    for c, sizes in candidate_configs(config, num_devices, devices_per_node):
-        out.append(estimate(c, sizes, gpu, devices_per_node, efficiency))
+    for c, sizes, run in _candidates(config, num_devices, devices_per_node):
+        out.append(estimate(c, sizes, gpu, devices_per_node, efficiency, run))
         if progress and time.monotonic() - last >= PROGRESS_SECONDS:
             last = time.monotonic()
             progress(len(out), last - start, False)
