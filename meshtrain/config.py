@@ -373,7 +373,10 @@ def _validate_profile_init(config) -> None:
 
 
 def validate_fields(config: ml_collections.ConfigDict) -> None:
-    """The rules that need no device count: choices and positive numbers."""
+    """The rules that need no device count: choices and positive numbers. None of them relates a
+    layout key (ZeRO stage, remat, accumulation, the pipeline's schedule) to another field: the
+    planner's search checks them once a mesh, not once a layout (`plan.estimate._candidates`); a rule
+    that does belongs in `validate_config`."""
     _validate_choices(config)
     _validate_positive(config)
 

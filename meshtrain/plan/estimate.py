@@ -91,7 +91,7 @@ def memory_breakdown(run: memory.Step, remat: str) -> dict[str, int]:
 def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu, devices_per_node: int = 8,
              efficiency: float = EFFICIENCY, run: memory.Step | None = None) -> Estimate:
     """Memory, communication and time of the configured step on `gpu`s (`run`: the config's
-    `memory.Step`, when the caller has it)."""
+    `memory.Step`, when the caller has it; it must be `memory.Step.from_config(config, sizes)`)."""
     run = run or memory.Step.from_config(config, sizes)
     remat = config.remat.policy
     mem = memory_breakdown(run, remat)
