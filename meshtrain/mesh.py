@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 import jax
 import ml_collections
@@ -126,11 +127,34 @@ CPU_COMPILER_OPTIONS: dict[str, str] = {"xla_disable_hlo_passes": "all-reduce-pr
 # `bench/gpu/overlap.py` counts the pairs and the compute between them on the first GPU run.
 # The values are typed (bool): XLA:GPU rejects the string "true" for a bool option
 # ("'true' is not a valid bool value"), which would end every multi-device GPU run at its first compile.
-GPU_COMPILER_OPTIONS: dict[str, bool | int] = {
+#
+# XLA renamed the collective pipeliner's switches in jaxlib 0.11.1: the booleans
+# `xla_gpu_enable_pipelined_<kind>` up to 0.11.0, the enums `xla_gpu_pipeline_<kind>`
+# (`COLLECTIVE_PIPELINING_MODE_ON`, given by name) from 0.11.1 on. An option the compiler does not know
+# ends every multi-device GPU compile ("No such compile option"), so the names follow the jaxlib this
+# process runs: deviceless H100 compiles checked on jaxlib 0.10.2, 0.11.0, 0.11.1, 0.11.2 and 0.12.0.1.
+PIPELINER_RENAMED = (0, 11, 1)
+
+
+def jaxlib_version() -> tuple[int, ...]:
+    """The running jaxlib's version, e.g. (0, 12, 0, 1)."""
+    import jaxlib
+
+    return tuple(int(part) for part in re.findall(r"\d+", jaxlib.__version__)[:4])
+
+
+def collective_pipeliner_options(version: tuple[int, ...]) -> dict[str, bool | str]:
+    """The options that turn XLA:GPU's collective pipeliner on for gathers, scatters and all-reduces,
+    named as the compiler of jaxlib `version` knows them."""
+    kinds = ("all_gather", "reduce_scatter", "all_reduce")
+    if version < PIPELINER_RENAMED:
+        return {f"xla_gpu_enable_pipelined_{kind}": True for kind in kinds}
+    return {f"xla_gpu_pipeline_{kind}": "COLLECTIVE_PIPELINING_MODE_ON" for kind in kinds}
+
+
+GPU_COMPILER_OPTIONS: dict[str, bool | int | str] = {
     "xla_gpu_enable_latency_hiding_scheduler": True,
-    "xla_gpu_enable_pipelined_all_gather": True,
-    "xla_gpu_enable_pipelined_reduce_scatter": True,
-    "xla_gpu_enable_pipelined_all_reduce": True,
+    **collective_pipeliner_options(jaxlib_version()),
     "xla_gpu_enable_while_loop_double_buffering": True,
 }
 # With a pipeline (`stage` > 1), up to eight asynchronous collectives in flight at once, not XLA's one:

@@ -42,8 +42,25 @@ def test_target_descriptions_are_complete(target):
 
 
 def test_gpu_compile_options_are_typed():
-    """XLA:GPU rejects the string 'true' for a bool option: every multi-device GPU compile failed on it."""
-    assert all(isinstance(v, (bool, int)) and not isinstance(v, str) for v in mesh_lib.GPU_COMPILER_OPTIONS.values())
+    """XLA:GPU rejects the string 'true' for a bool option: every multi-device GPU compile failed on it.
+    A string is an enum option's value, by name."""
+    for name, value in mesh_lib.GPU_COMPILER_OPTIONS.items():
+        assert isinstance(value, (bool, int)) or value.startswith("COLLECTIVE_PIPELINING_MODE_"), (name, value)
+
+
+def test_collective_pipeliner_options_follow_the_jaxlib_that_compiles():
+    """jaxlib 0.11.1 renamed the pipeliner's switches ("No such compile option" for the old names, which
+    ended every multi-device GPU compile on the newest JAX): the names follow the running jaxlib."""
+    old = mesh_lib.collective_pipeliner_options((0, 11, 0))
+    new = mesh_lib.collective_pipeliner_options((0, 12, 0, 1))
+    assert old == mesh_lib.collective_pipeliner_options((0, 10, 2)) == {
+        "xla_gpu_enable_pipelined_all_gather": True, "xla_gpu_enable_pipelined_reduce_scatter": True,
+        "xla_gpu_enable_pipelined_all_reduce": True}
+    assert new == mesh_lib.collective_pipeliner_options((0, 11, 1)) == {
+        f"xla_gpu_pipeline_{kind}": "COLLECTIVE_PIPELINING_MODE_ON" for kind in ("all_gather", "reduce_scatter",
+                                                                                 "all_reduce")}
+    running = mesh_lib.collective_pipeliner_options(mesh_lib.jaxlib_version())
+    assert running.items() <= mesh_lib.GPU_COMPILER_OPTIONS.items()
 
 
 def test_pipelines_get_eight_collectives_in_flight():
