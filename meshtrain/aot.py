@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from meshtrain import config as config_lib
+from meshtrain import compile_cache, config as config_lib
 from meshtrain.plan import hardware, hlo, verify
 
 # --target name -> the target description in meshtrain/targets/ (each file says where its numbers come from).
@@ -43,6 +43,39 @@ TARGETS: dict[str, str] = {
     "h200": "h200_sxm.txtpb",
     "a100": "a100_sxm_80gb.txtpb",
     "b200": "b200.txtpb",
+}
+
+# The Pallas kernels, every one on (`attention.impl=pallas`, the fused RMSNorm, the fused head + loss).
+KERNELS = {"attention.impl": "pallas", "model.fused_norm": True, "model.fused_loss": True}
+# The meshes on which the planner's memory is checked against the H100 compiler's (`bench/aot.py`,
+# `tests/test_gpu_aot.py`): name -> (config file in configs/, devices, overrides). The planner's
+# per-device total (state + batch + gradients + activations + temporaries) against the compiler's
+# (arguments + outputs not aliased + temporaries).
+REFERENCE_MESHES: dict[str, tuple[str, int, dict]] = {
+    "8b-fsdp8": ("llama3_8b", 8, {"mesh.fsdp": 8, "train.batch_size": 8}),
+    "8b-fsdp4-tensor2": ("llama3_8b", 8, {"mesh.fsdp": 4, "mesh.tensor": 2, "train.batch_size": 4}),
+    "8b-stage2-fsdp4-zero_bubble-m8": ("llama3_8b", 8, {"mesh.fsdp": 4, "mesh.stage": 2, "train.batch_size": 32,
+                                                        "pipeline.schedule": "zero_bubble",
+                                                        "pipeline.microbatches": 8}),
+    "8b-stage2-fsdp4-zero_bubble-m8-pullback": ("llama3_8b", 8, {"mesh.fsdp": 4, "mesh.stage": 2,
+                                                                 "train.batch_size": 32,
+                                                                 "pipeline.schedule": "zero_bubble",
+                                                                 "pipeline.microbatches": 8,
+                                                                 "pipeline.split_backward": "pullback"}),
+    # `pipeline.overlap_transfers`: every permute of the tick loop beside compute, at least 80% of the
+    # FSDP gathers and reduce-scatters (tests/test_gpu_aot.py asserts it). Plain 1F1B is the README's
+    # 405B command's. Interleaved 1F1B (v=2, one layer a chunk) in its alternating ticks.
+    **{f"8b-stage4-fsdp2-{schedule}-m8-overlap": ("llama3_8b", 8, {
+        "model.n_layers": 8 if schedule == "interleaved_1f1b" else 4, "mesh.fsdp": 2, "mesh.stage": 4,
+        "train.batch_size": 16, "pipeline.schedule": schedule, "pipeline.microbatches": 8,
+        "pipeline.repeats": 2 if schedule == "interleaved_1f1b" else 1, "pipeline.overlap_transfers": True})
+       for schedule in ("1f1b", "interleaved_1f1b", "zero_bubble")},
+    "70b-fsdp16-tensor4": ("llama3_70b", 64, {"mesh.fsdp": 16, "mesh.tensor": 4, "train.batch_size": 16}),
+    "mixtral-expert8-tensor8": ("mixtral_8x7b", 64, {"mesh.fsdp": 1, "mesh.expert": 8, "mesh.tensor": 8,
+                                                     "train.batch_size": 8}),
+    "8b-fsdp8-kernels": ("llama3_8b", 8, {"mesh.fsdp": 8, "train.batch_size": 8, **KERNELS}),
+    "8b-fsdp4-sequence2-ring": ("llama3_8b", 8, {"mesh.fsdp": 4, "mesh.sequence": 2, "train.batch_size": 4,
+                                                 "attention.impl": "ring"}),
 }
 GPU_EXTRA = ("compiling for a GPU needs XLA's GPU compiler: pip install -e '.[gpu]' "
              "(jax[cuda12], about 5 GB of wheels with ptxas; no GPU needed)")
@@ -124,6 +157,7 @@ class ProgramReport:
     # conditional (a pipeline tick's `lax.switch`) the longest branch, as a lock-step tick lasts
     modeled_seconds: float = 0.0
     top_kernels: list[dict] = dataclasses.field(default_factory=list)  # the most modeled time first
+    from_cache: bool = False  # read back from the compile cache (`compile_seconds`: the compile that made it)
 
     @classmethod
     def of(cls, compiled, seconds: float, gpu: hardware.Gpu | None = None, top: int = 8) -> ProgramReport:
@@ -134,7 +168,8 @@ class ProgramReport:
             by_kind[pair.kind]["pairs"] += 1
             by_kind[pair.kind]["overlapped"] += pair.overlapped
         report = cls(seconds, verify.compiled_memory(compiled), dict(sorted(hlo.triton_kernels(text).items())),
-                     gemm.total, gemm.fp8, dict(sorted(by_kind.items())))
+                     gemm.total, gemm.fp8, dict(sorted(by_kind.items())),
+                     from_cache=getattr(compiled, "from_cache", False))
         if gpu is not None:
             kernels = hlo.kernels(text, price=lambda ks: hlo.KERNEL_TIMES.seconds(ks, gpu))
             priced = sorted(((hlo.KERNEL_TIMES.seconds([k], gpu), k) for k in kernels), key=lambda sk: -sk[0])
@@ -176,7 +211,7 @@ class Report:
         nodes = self.devices // min(self.devices, self.devices_per_node)
         lines = [f"{self.devices} x {self.device_kind} ({self.target}; {nodes} node(s) of "
                  f"{min(self.devices, self.devices_per_node)}), mesh {mesh}",
-                 f"train step compiled in {self.step.compile_seconds:.1f} s",
+                 f"train step compiled in {self.step.compile_seconds:.1f} s{_cached(self.step)}",
                  "per device            compiler     planner      planner/compiler"]
         rows = [("arguments", mem["argument"], None), ("temporaries", mem["temp"], plan["temp"]),
                 ("outputs not aliased", mem["output"] - mem["alias"], None),
@@ -195,11 +230,15 @@ class Report:
         lines.append(_modeled_lines(self.step))
         if self.sampling is not None:
             s = self.sampling
-            lines.append(f"sampling program compiled in {s.compile_seconds:.1f} s: arguments "
+            lines.append(f"sampling program compiled in {s.compile_seconds:.1f} s{_cached(s)}: arguments "
                          f"{gib(s.memory['argument'])}, temporaries {gib(s.memory['temp'])} per device")
         elif self.sampling_note:
             lines.append(f"sampling program: {self.sampling_note}")
         return "\n".join(lines)
+
+
+def _cached(program: ProgramReport) -> str:
+    return " (read back from the compile cache; --nocompile_cache compiles again)" if program.from_cache else ""
 
 
 def _kernel_line(program: ProgramReport) -> str:
@@ -249,8 +288,9 @@ def compile_sampling(run, factory, prompt_len: int, new_tokens: int):
     start = time.perf_counter()
     with jax.set_mesh(run.mesh):
         program = generate.sampling_program(run.model, run.rules, run.mesh, new_tokens, generate.Sampling())
-        compiled = program.lower(factory.abstract.params, structs, structs, structs).compile()
-    return compiled, time.perf_counter() - start
+        lowered = program.lower(factory.abstract.params, structs, structs, structs)
+        compiled = compile_cache.compile(lowered, list(run.mesh.devices.flat))
+    return compiled, verify.compile_seconds(compiled, time.perf_counter() - start)
 
 
 def compile_report(config: ml_collections.ConfigDict, target: str, devices: int, devices_per_node: int = 8,
@@ -295,6 +335,7 @@ def main(argv: list[str]) -> None:
     config = f.config
     if config is None:
         _fail("--config is required, e.g. --config configs/llama3_8b.py")
+    compile_cache.use_records(compile_cache.records_default() if f.compile_cache else None)
     try:
         target_config(f.target)
         with config.unlocked():
@@ -322,6 +363,9 @@ def define_flags() -> None:
     flags.DEFINE_string("target", "h100", f"GPU to compile for: one of {sorted(TARGETS)}.")
     flags.DEFINE_integer("devices", 8, "How many GPUs (a multiple of --devices_per_node, or one node at most).")
     flags.DEFINE_integer("devices_per_node", 8, "GPUs per node (a node's devices share a process).")
+    flags.DEFINE_bool("compile_cache", True, "Read back an earlier compile of the same program (same module, "
+                      "options, XLA flags, target and versions) from the per-user compile cache "
+                      "(meshtrain.compile_cache) and keep new ones there.")
     flags.DEFINE_bool("sample", True, "Also compile the sampling program (prefill + decode) on the same mesh.")
     flags.DEFINE_integer("sample_prompt_len", 128, "Prompt length of the compiled sampling program.")
     flags.DEFINE_integer("sample_new_tokens", 64, "Decode steps of the compiled sampling program.")

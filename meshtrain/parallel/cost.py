@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import ml_collections
 from jax.extend import core as jex_core
 
+from meshtrain import compile_cache
 from meshtrain.parallel import schedules
 from meshtrain.plan import hlo
 
@@ -123,7 +124,8 @@ class BranchCosts:
         placed = jax.sharding.SingleDeviceSharding(device)
 
         def price(name, fn, args):
-            compiled = jax.jit(fn, in_shardings=jax.tree.map(lambda _: placed, args)).lower(*args).compile()
+            lowered = jax.jit(fn, in_shardings=jax.tree.map(lambda _: placed, args)).lower(*args)
+            compiled = compile_cache.compile(lowered, [device])
             return times.seconds(hlo.kernels(compiled.as_text(), price=lambda ks: times.seconds(ks, gpu)), gpu)
 
         return cls._priced(config, sizes, gpu, device, price, in_node)

@@ -21,7 +21,7 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from meshtrain import aot, cli, config as config_lib
+from meshtrain import aot, cli, compile_cache, config as config_lib
 from meshtrain.plan import comm, estimate as estimate_lib, hardware, memory, verify
 from meshtrain.validate import validate
 
@@ -32,6 +32,8 @@ flags.DEFINE_integer("devices-per-node", 8, "Accelerators per node (in-node link
 flags.DEFINE_bool("json", False, "Print one JSON object instead of tables.")
 flags.DEFINE_bool("verify", False, "AOT-compile the (chosen) step on fake CPU devices and compare.")
 flags.DEFINE_string("target", "", "With --verify: compile for this GPU (meshtrain.aot targets) instead of CPU devices.")
+flags.DEFINE_bool("compile_cache", True, "With --target: read back an earlier compile of the same program from the "
+                  "per-user compile cache (meshtrain.compile_cache) and keep new ones there.")
 flags.DEFINE_string("plot", "", "Write a PNG of the memory breakdown and the ranked candidates.")
 flags.DEFINE_integer("top", 10, "Candidates to print when searching.")
 FLAGS = flags.FLAGS
@@ -184,6 +186,7 @@ def _verify(chosen: estimate_lib.Estimate, print_table: bool, target: str = "", 
     if target:
         aot.target_config(target)  # a clear error for an unknown target before anything starts
         devices = list(aot.target_devices(target, n, devices_per_node))
+        compile_cache.use_records(compile_cache.records_default() if FLAGS.compile_cache else None)
         result = verify.verify(config, devices, backend=comm.GPU)
         label = f"model vs the {target} compiler, GPU collective conventions"
     else:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from meshtrain import train_step
+from meshtrain import compile_cache, train_step
 from meshtrain.plan import comm, hlo, memory
 from meshtrain.plan.estimate import memory_breakdown
 from meshtrain.run import Run
@@ -75,16 +75,23 @@ def batch_bytes(run: Run) -> int:
 def compile_step(config: ml_collections.ConfigDict, devices: list | None = None, *, inputs: bool = True):
     """(compiled, run, seconds): the jitted step lowered from abstract inputs and compiled.
 
-    `devices` may be another platform's (`aot.target_devices`): nothing is created on them.
-    `inputs=False` skips the rules that read files (the data need not exist to compile)."""
+    `devices` may be another platform's (`aot.target_devices`): nothing is created on them, and the
+    result is a `compile_cache.CompiledRecord` (read back from the compile cache when the same
+    program was compiled before; `seconds` is then that compile's). `inputs=False` skips the rules
+    that read files (the data need not exist to compile)."""
     devices = list(jax.devices() if devices is None else devices)
     validate(config, len(devices), inputs=inputs)
     run = Run.resolve(config, devices)
     factory, step_fn = train_step.build(run)
     start = time.perf_counter()
     with jax.set_mesh(run.mesh):
-        compiled = step_fn.lower(factory.abstract, batch_structs(run)).compile()
-    return compiled, run, time.perf_counter() - start
+        compiled = compile_cache.compile(step_fn.lower(factory.abstract, batch_structs(run)), devices)
+    return compiled, run, compile_seconds(compiled, time.perf_counter() - start)
+
+
+def compile_seconds(compiled, elapsed: float) -> float:
+    """A compile's seconds: those of the compile that made a record read back, else `elapsed`."""
+    return compiled.compile_seconds if getattr(compiled, "from_cache", False) else elapsed
 
 
 def compiled_memory(compiled) -> dict[str, int]:
