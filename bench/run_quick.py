@@ -4,9 +4,11 @@
     python bench/run_quick.py comm pipeline   # only these
 
 A benchmark nothing runs rots (an import moved, a function renamed). CI runs every one in its quick
-mode; `bench/aot.py` needs XLA's GPU compiler (the `gpu` extra) and runs with it, in `.ci/run`'s
-gpu_aot part, when the extra is not installed here. Prints a table and one JSON line; exits 1 if
-any benchmark failed.
+mode, with JAX's persistent compilation cache in the per-user cache folder (`meshtrain.compile_cache`:
+a program an earlier quick run compiled is read back; a smoke run's times are not figures).
+`bench/aot.py` needs XLA's GPU compiler (the `gpu` extra) and runs with it, in `.ci/run`'s gpu_aot
+part, when the extra is not installed here. Prints a table and one JSON line; exits 1 if any
+benchmark failed.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 
 BENCH = pathlib.Path(__file__).resolve().parent
 ROOT = BENCH.parent
+sys.path.insert(0, str(ROOT))
 NEEDS_GPU_COMPILER = ("aot",)  # run by .ci/run's gpu_aot part where the gpu extra is not installed
 
 
@@ -40,8 +43,11 @@ def has_gpu_compiler() -> bool:
 
 
 def run_one(path: pathlib.Path, timeout: float) -> dict:
+    from meshtrain import compile_cache
+
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+           "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
+           **compile_cache.jax_cache_env(compile_cache.cache_dir() / "jax")}
     start = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, str(path), "--quick"], cwd=ROOT, env=env, capture_output=True,

@@ -4,6 +4,7 @@ import atexit
 import importlib.metadata
 import importlib.util
 import os
+import pathlib
 import shutil
 import tempfile
 
@@ -37,27 +38,67 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import pytest  # noqa: E402
 
-from tests.utils import persistent_compilation_cache  # noqa: E402
+from meshtrain import compile_cache  # noqa: E402
+from tests import compile_stats  # noqa: E402
+from tests.utils import jax_cache_dir  # noqa: E402
+
+# Compiled once, reused across runs: JAX's persistent compilation cache and the records of deviceless
+# GPU compiles live in the per-user cache folder (`meshtrain.compile_cache`: $MESHTRAIN_CACHE_DIR, else
+# ~/.cache/meshtrain), shared by the xdist workers, the commands the tests start, later runs and the
+# benchmarks' --quick runs. A program whose module, compile options, XLA flags or jax/jaxlib versions
+# changed has another key and is compiled afresh.
+JAX_CACHE = compile_cache.use_jax_cache(jax_cache_dir())
+compile_cache.use_records(compile_cache.records_default())
+CACHE_MAX_BYTES = 6 * 2**30  # each store's size after a run's start; least recently used entries go first
 
 
-@pytest.fixture(scope="session", autouse=True)
-def shared_compilation_cache(tmp_path_factory):
-    """One persistent compilation cache for the whole run, shared by the xdist workers (under
-    pytest's base temp folder, which pytest cleans): a program compiled by one test (the float32
-    references, the same step on two meshes of equal shape...) is loaded by the next."""
-    root = tmp_path_factory.getbasetemp()
-    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
-    jax.config.update("jax_compilation_cache_dir", str(root / "jax_cache_shared"))
-    yield
+def pytest_addoption(parser):
+    parser.addoption("--compile-stats", default=None, metavar="FILE",
+                     help="also write the run's compile figures (tests/compile_stats.py) as JSON to FILE")
+    parser.addoption("--quick", action="store_true",
+                     help="only the quick set listed in tests/quick.txt (every axis once, the schedules, the main "
+                          "job, config errors): the development loop; CI runs everything")
 
 
-@pytest.fixture(scope="module")
-def compilation_cache(tmp_path_factory):
-    """JAX's persistent compilation cache in a folder of this test session (one per worker), for
-    the module's process and its children (`utils.subprocess_env`): a resumed or relaunched run
-    loads the program the run before it compiled."""
-    with persistent_compilation_cache(tmp_path_factory.getbasetemp() / "jax_cache") as directory:
-        yield directory
+QUICK_LIST = pathlib.Path(__file__).with_name("quick.txt")
+
+
+def quick_set() -> list[str]:
+    """The test ids (files, tests or parametrised cases) tests/quick.txt lists."""
+    lines = (line.split("#")[0].strip() for line in QUICK_LIST.read_text().splitlines())
+    return [line for line in lines if line]
+
+
+@pytest.hookimpl(tryfirst=True)  # before marker deselection: a stale entry is found whatever `-m` says
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("quick"):
+        return
+    wanted = quick_set()
+
+    def listed(nodeid: str, entry: str) -> bool:
+        return nodeid == entry or nodeid.startswith((entry + "::", entry + "["))
+
+    collected_files = {item.nodeid.split("::")[0] for item in items}
+    stale = [e for e in wanted if e.split("::")[0] in collected_files and not any(listed(i.nodeid, e) for i in items)]
+    if stale:
+        raise pytest.UsageError(f"tests/quick.txt lists tests that do not exist: {', '.join(stale)}")
+    keep = [any(listed(item.nodeid, e) for e in wanted) for item in items]
+    config.hook.pytest_deselected(items=[item for item, k in zip(items, keep, strict=True) if not k])
+    items[:] = [item for item, k in zip(items, keep, strict=True) if k]
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(compile_stats.CompileStats(config), "meshtrain_compile_stats")
+    if not hasattr(config, "workerinput"):  # once a run, before any worker starts
+        for store in (JAX_CACHE, compile_cache.records_dir()):
+            compile_cache.prune(store, CACHE_MAX_BYTES)
+
+
+@pytest.fixture(scope="session")
+def compilation_cache():
+    """The persistent compilation cache folder of the whole run (`JAX_CACHE`), for a test's child
+    processes (`utils.subprocess_env`): a resumed or relaunched run loads the program compiled before."""
+    return JAX_CACHE
 
 
 @pytest.fixture(scope="session")

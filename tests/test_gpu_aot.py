@@ -30,7 +30,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import aot, config as config_lib, mesh as mesh_lib, train_step
+from meshtrain import aot, compile_cache, config as config_lib, mesh as mesh_lib, train_step
 from meshtrain.parallel import layout
 from meshtrain.plan import hlo, verify
 from tests import test_readme_commands as readme
@@ -49,7 +49,7 @@ def _release_compiled_programs():
 
 AXES = config_lib.MESH_AXES
 TRIPLES = [dict.fromkeys(t, 2) for t in itertools.combinations(AXES, 3)]
-KERNELS = {"attention.impl": "pallas", "model.fused_norm": True, "model.fused_loss": True}
+KERNELS = aot.KERNELS
 KERNEL_NAMES = {"flash_attention_forward", "flash_attention_dq", "flash_attention_dkdv", "rms_norm_forward",
                 "rms_norm_backward", "cross_entropy_forward", "cross_entropy_backward"}
 
@@ -229,35 +229,7 @@ def test_fp8_matmuls_are_fp8_gemms_on_h100(name):
     assert len(all_reduces) <= len([c for c in hlo.collectives(bf16_text, n) if c.kind == "all-reduce"]) + 2
 
 
-# The acceptance meshes (issue: ahead-of-time compilation) and a few beside them: the planner's
-# per-device total (state + batch + gradients + activations + temporaries) against the compiler's
-# (arguments + outputs not aliased + temporaries).
-PLANNER = {
-    "8b-fsdp8": ("llama3_8b", 8, {"mesh.fsdp": 8, "train.batch_size": 8}),
-    "8b-fsdp4-tensor2": ("llama3_8b", 8, {"mesh.fsdp": 4, "mesh.tensor": 2, "train.batch_size": 4}),
-    "8b-stage2-fsdp4-zero_bubble-m8": ("llama3_8b", 8, {"mesh.fsdp": 4, "mesh.stage": 2, "train.batch_size": 32,
-                                                        "pipeline.schedule": "zero_bubble",
-                                                        "pipeline.microbatches": 8}),
-    "8b-stage2-fsdp4-zero_bubble-m8-pullback": ("llama3_8b", 8, {"mesh.fsdp": 4, "mesh.stage": 2,
-                                                                 "train.batch_size": 32,
-                                                                 "pipeline.schedule": "zero_bubble",
-                                                                 "pipeline.microbatches": 8,
-                                                                 "pipeline.split_backward": "pullback"}),
-    # `pipeline.overlap_transfers`: every permute of the tick loop beside compute, at least 80% of the
-    # FSDP gathers and reduce-scatters (asserted below). Plain 1F1B is the README's 405B command's.
-    # Interleaved 1F1B (v=2, one layer a chunk) in its alternating ticks.
-    **{f"8b-stage4-fsdp2-{schedule}-m8-overlap": ("llama3_8b", 8, {
-        "model.n_layers": 8 if schedule == "interleaved_1f1b" else 4, "mesh.fsdp": 2, "mesh.stage": 4,
-        "train.batch_size": 16, "pipeline.schedule": schedule, "pipeline.microbatches": 8,
-        "pipeline.repeats": 2 if schedule == "interleaved_1f1b" else 1, "pipeline.overlap_transfers": True})
-       for schedule in ("1f1b", "interleaved_1f1b", "zero_bubble")},
-    "70b-fsdp16-tensor4": ("llama3_70b", 64, {"mesh.fsdp": 16, "mesh.tensor": 4, "train.batch_size": 16}),
-    "mixtral-expert8-tensor8": ("mixtral_8x7b", 64, {"mesh.fsdp": 1, "mesh.expert": 8, "mesh.tensor": 8,
-                                                     "train.batch_size": 8}),
-    "8b-fsdp8-kernels": ("llama3_8b", 8, {"mesh.fsdp": 8, "train.batch_size": 8, **KERNELS}),
-    "8b-fsdp4-sequence2-ring": ("llama3_8b", 8, {"mesh.fsdp": 4, "mesh.sequence": 2, "train.batch_size": 4,
-                                                 "attention.impl": "ring"}),
-}
+PLANNER = aot.REFERENCE_MESHES
 CHECKED = [name for name in PLANNER if name != "8b-fsdp4-sequence2-ring"]  # bench/aot.py compiles all of them
 
 
@@ -338,7 +310,8 @@ def test_stage_kernels_compiled_for_h100_compute_the_layers_matmuls():
 
     def gemm_flops(name):
         fn, args = branches[name]
-        text = jax.jit(fn, in_shardings=jax.tree.map(lambda _: placed, args)).lower(*args).compile().as_text()
+        lowered = jax.jit(fn, in_shardings=jax.tree.map(lambda _: placed, args)).lower(*args)
+        text = compile_cache.compile(lowered, [device]).as_text()
         return sum(k.runs * k.flops for k in hlo.kernels(text))
 
     projections = 2 * tokens * d * (heads * head + 2 * kv * head + heads * head + 3 * f)

@@ -102,10 +102,10 @@ def tfds_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory) -> str:
-    """One persistent compilation cache for this worker's commands: a program another command
-    compiled (the same step, the evaluation's scoring) is loaded, not compiled again."""
-    return str(tmp_path_factory.mktemp("jax_cache"))
+def jax_cache(compilation_cache) -> str:
+    """The run's persistent compilation cache for the commands: a program another command (or an
+    earlier run) compiled, the same step, the evaluation's scoring, is loaded, not compiled again."""
+    return str(compilation_cache)
 
 
 def needs_gpu_compiler(command: str) -> bool:

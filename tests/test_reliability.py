@@ -29,8 +29,8 @@ def _train_args(workdir, *extra) -> list[str]:
             "--config.log_every=1", *extra]
 
 
-def _env(tmp_path) -> dict:
-    return {**utils.subprocess_env(tmp_path / "jax_cache"), "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+def _env() -> dict:
+    return {**utils.subprocess_env(utils.jax_cache_dir()), "XLA_FLAGS": "--xla_backend_optimization_level=0"}
 
 
 # ---- one run per workdir ------------------------------------------------------------------------
@@ -52,16 +52,16 @@ def test_a_killed_holder_never_blocks_and_a_live_one_is_named_on_the_command_lin
     line and exit 2, before anything compiles."""
     hold = (f"import time; from meshtrain.workdir_lock import WorkdirLock; lock = WorkdirLock({str(tmp_path)!r})"
             ".acquire(); print('held', flush=True); time.sleep(600)")
-    holder = subprocess.Popen([sys.executable, "-c", hold], env=_env(tmp_path), stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", hold], env=_env(), stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     start = time.monotonic()
-    busy = subprocess.run(_train_args(tmp_path, "--config.steps=2"), env=_env(tmp_path), capture_output=True,
+    busy = subprocess.run(_train_args(tmp_path, "--config.steps=2"), env=_env(), capture_output=True,
                           text=True, timeout=300)
     assert busy.returncode == 2 and time.monotonic() - start < 60
     assert busy.stderr.strip().count("\n") == 0 and f"pid {holder.pid}" in busy.stderr, busy.stderr
     holder.kill()
     holder.wait()
-    done = subprocess.run(_train_args(tmp_path, "--config.steps=2"), env=_env(tmp_path), capture_output=True,
+    done = subprocess.run(_train_args(tmp_path, "--config.steps=2"), env=_env(), capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
 
@@ -73,7 +73,7 @@ def _run_until_a_step(tmp_path, resumed_from: int | None = None) -> subprocess.P
     """A long run, once it has logged a step (the second, or the one after `resumed_from`, which its
     start must name)."""
     proc = subprocess.Popen(_train_args(tmp_path, "--config.steps=100000", "--config.checkpoint.every=1000"),
-                            env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first, resumed = 2 if resumed_from is None else resumed_from + 1, resumed_from is None
     for line in proc.stdout:
         resumed = resumed or f"(step {resumed_from})" in line
@@ -119,7 +119,7 @@ def test_a_failed_save_ends_the_run_in_seconds_with_one_line(tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
 
     start = time.monotonic()
-    env = {k: v for k, v in _env(tmp_path).items() if not k.startswith("JAX_COMPILATION_CACHE")}  # big files
+    env = {k: v for k, v in _env().items() if not k.startswith("JAX_COMPILATION_CACHE")}  # big files
     result = subprocess.run(_train_args(tmp_path, "--config.steps=1000", "--config.checkpoint.every=4"), env=env,
                             preexec_fn=small_files, capture_output=True, text=True, timeout=300)
     assert result.returncode == 4 and time.monotonic() - start < 120, result.stderr[-3000:]

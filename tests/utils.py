@@ -3,7 +3,6 @@ mesh, and the checkpoint / child-process helpers of the checkpoint and launch te
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib.util
 import json
@@ -14,7 +13,13 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from meshtrain import checkpoint as checkpoint_lib, config as config_lib, mesh as mesh_lib, train_step as train_step_lib
+from meshtrain import (
+    checkpoint as checkpoint_lib,
+    compile_cache,
+    config as config_lib,
+    mesh as mesh_lib,
+    train_step as train_step_lib,
+)
 from meshtrain.run import Run
 from meshtrain.sharding_rules import Rules
 from meshtrain.validate import validate
@@ -221,26 +226,6 @@ def run_steps(config, batches, devices=None):
 STEPS = 12
 
 
-@contextlib.contextmanager
-def persistent_compilation_cache(directory):
-    """JAX's persistent compilation cache in `directory`, for this process and (via `subprocess_env`)
-    its training subprocesses: a resumed run compiles the same program as the run it continues."""
-    from jax._src import compilation_cache as cc
-
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    before = {name: getattr(jax.config, name) for name in names}
-    for name, value in zip(names, (str(directory), 0.0, 0), strict=True):
-        jax.config.update(name, value)
-    cc.reset_cache()
-    try:
-        yield directory
-    finally:
-        for name, value in before.items():
-            jax.config.update(name, value)
-        cc.reset_cache()
-
-
 def config_for(workdir, mesh=None, **overrides):
     """The checkpoint tests' run: tiny, 2 layers, `STEPS` steps on the default corpus; a shorter run
     warms up over its whole length (a warmup longer than the run is refused)."""
@@ -301,10 +286,14 @@ def cli_args(config_overrides: dict) -> list[str]:
     return ["--config", str(ROOT / "configs" / "tiny.py")] + [f"--config.{k}={v}" for k, v in flags.items()]
 
 
+def jax_cache_dir() -> pathlib.Path:
+    """The folder of JAX's persistent compilation cache the tests share (`meshtrain.compile_cache`)."""
+    return compile_cache.cache_dir() / "jax"
+
+
 def subprocess_env(cache_dir) -> dict:
     """CPU, float32 matmuls, and a shared compilation cache so each restart skips the compile."""
     return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_DEFAULT_MATMUL_PRECISION": "float32",
-            "PYTHONPATH": str(ROOT), "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+            "PYTHONPATH": str(ROOT), **compile_cache.jax_cache_env(cache_dir)}
 
 
