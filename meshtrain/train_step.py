@@ -377,6 +377,22 @@ def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, man
     )(params, histories, micro_batches, total_tokens)
 
 
+def step_gradients(state: TrainState, batch: dict[str, jax.Array], total_tokens: jax.Array, *,
+                   model: model_lib.Transformer, grad_specs, accum_steps: int, manual_axes: tuple[str, ...],
+                   grads_fn: Callable = grads_one_pass, checked: bool = True):
+    """(loss_sum, aux, grads, amaxes) of one optimizer step's batch, the gradients in their step
+    sharding (`grad_specs`). One micro-batch still goes through the manual loop (its hand-written,
+    once-per-step reduction) unless a pipeline's stage loop, itself manual over the batch axes,
+    reduces the gradients."""
+    if accum_steps == 1 and (model.pipeline is not None or not manual_axes):
+        loss_sum, aux, grads, amaxes = grads_fn(state.params, state.fp8, batch, model, total_tokens, 1)
+    else:
+        loss_sum, aux, grads, amaxes = accumulate_gradients(
+            state.params, batch, model=model, total_tokens=total_tokens, accum_steps=accum_steps,
+            manual_axes=manual_axes, grad_specs=grad_specs, checked=checked, histories=state.fp8)
+    return loss_sum, aux, jax.tree.map(jax.lax.with_sharding_constraint, grads, grad_specs), amaxes
+
+
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_lib.Transformer,
                tx: optax.GradientTransformation, schedule: optax.Schedule, grad_specs,
                accum_steps: int, manual_axes: tuple[str, ...], grad_clip: float = 0.0,
@@ -388,15 +404,9 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_l
     `grad_clip` > 0 scales the gradients to at most that global norm before `tx`.
     """
     total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
-    # One micro-batch still goes through the manual loop (its hand-written, once-per-step reduction)
-    # unless a pipeline's stage loop, itself manual over the batch axes, reduces the gradients.
-    if accum_steps == 1 and (model.pipeline is not None or not manual_axes):
-        loss_sum, aux, grads, amaxes = grads_fn(state.params, state.fp8, batch, model, total_tokens, 1)
-    else:
-        loss_sum, aux, grads, amaxes = accumulate_gradients(
-            state.params, batch, model=model, total_tokens=total_tokens, accum_steps=accum_steps,
-            manual_axes=manual_axes, grad_specs=grad_specs, checked=checked, histories=state.fp8)
-    grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, grad_specs)
+    loss_sum, aux, grads, amaxes = step_gradients(state, batch, total_tokens, model=model, grad_specs=grad_specs,
+                                                  accum_steps=accum_steps, manual_axes=manual_axes,
+                                                  grads_fn=grads_fn, checked=checked)
     # Computed once (logged, checked, and the clipping's norm), in float32 whatever the parameters'
     # dtype: bf16 gradients (`model.param_dtype=bfloat16`) squared and summed in bf16 round the norm
     # to 8 bits on one device but not on a sharded mesh, whose partial sums XLA adds in float32.

@@ -186,15 +186,17 @@ def _continued(name: str, mesh_key: tuple, overrides: tuple = ()):
     return np.array(losses), jax.tree.map(np.asarray, state.params), jax.tree.map(np.asarray, state.fp8)
 
 
-def test_fsdp_tensor_data_equals_one_device():
-    got = _continued("tiny", _key({"fsdp": 2, "tensor": 2, "data": 2}))
-    want = _continued("tiny", ())
-    _assert_close(got, want)
-    assert all((h[..., :STEPS + 1] > 0).all() for h in jax.tree.leaves(want[2]))  # every matmul, every step
-
-
-def test_expert_parallel_equals_one_device():
-    _assert_close(_continued("tiny_moe", _key({"expert": 2, "data": 2})), _continued("tiny_moe", ()))
+@pytest.mark.parametrize("name, mesh", [("tiny", {"fsdp": 2, "tensor": 2, "data": 2}),
+                                        ("tiny_moe", {"expert": 2, "data": 2})],
+                         ids=["fsdp-tensor-data", "expert-data"])
+def test_sharded_step_equals_one_device(name, mesh):
+    """GSPMD's fsdp x tensor x data and expert parallelism: a step's loss, every gradient and every
+    recorded amax equal one device's, from a shared state (the comparison of the pipeline schedules
+    below). Compared after one step, not several: on one machine (AMD EPYC, jaxlib 0.10.2) the rounding
+    flips of three steps moved parameters by up to 2e-4 through Adam (fsdp x tensor x data at XLA's
+    default LLVM level, expert x data at the suite's level 0), where the gradients differ by flips alone."""
+    _assert_one_step_equal(name, mesh, {}, {})
+    assert all((h[..., :STEPS + 1] > 0).all() for h in jax.tree.leaves(_continued(name, ())[2]))  # every step
 
 
 def test_accumulation_equals_one_pass():
@@ -224,18 +226,22 @@ def test_nonfinite_step_keeps_the_histories():
 
 @functools.cache
 def _one_step_grads(name: str, mesh_key: tuple, overrides: tuple = ()):
-    """(loss sum, gradients, amaxes) of one step from `_first_step`'s state on `mesh`, computed by the
-    step's own gradient function (autodiff, or a pipeline schedule's loop); layers in execution order."""
+    """(loss sum, gradients, amaxes) of one step from `_first_step`'s state on `mesh`, computed as the
+    step computes them (`train_step.step_gradients`: autodiff, the manual accumulation loop, or a
+    pipeline schedule's loop)."""
     host_state, batches = _first_step(name)
-    run = utils.resolve(_config(name, dict(mesh_key), **dict(overrides)))
+    config = _config(name, dict(mesh_key), **dict(overrides))
+    run = utils.resolve(config)
     factory, _ = train_step.build(run)
-    grads_fn = run.layout.grads_function(train_step.grads_one_pass)
     state = jax.tree.map(lambda a, target: jax.device_put(a, target.sharding), host_state, factory.abstract)
     state = factory.from_canonical(state)
 
     def step(state, batch):
         tokens = jnp.maximum(batch["loss_mask"].sum(), 1.0)
-        loss_sum, _, grads, amaxes = grads_fn(state.params, state.fp8, batch, factory.model, tokens, 1)
+        loss_sum, _, grads, amaxes = train_step.step_gradients(
+            state, batch, tokens, model=factory.model, grad_specs=factory.grad_specs,
+            accum_steps=config.train.grad_accum_steps, manual_axes=run.layout.accumulation_axes,
+            grads_fn=run.layout.grads_function(train_step.grads_one_pass), checked=not run.layout.kernels)
         return loss_sum, state.replace(params=grads, fp8=fp8.from_grad(amaxes))
     with jax.set_mesh(run.mesh):
         loss_sum, out = jax.jit(step)(state, batches[0])
@@ -280,9 +286,15 @@ def test_pipeline_schedules_equal_one_device(name, mesh, overrides):
     layers, on its micro-batches only (not in bubble ticks), each device its own, maximised once
     after the loop. Compared after one step from a shared state: over several steps Adam turns the
     float32 summation order of near-zero gradient entries into parameter differences (see above)."""
-    reference = tuple((k, v) for k, v in overrides.items() if not k.startswith(("pipeline.", "train.zero_stage")))
+    reference = {k: v for k, v in overrides.items() if not k.startswith(("pipeline.", "train.zero_stage"))}
+    _assert_one_step_equal(name, mesh, overrides, reference)
+
+
+def _assert_one_step_equal(name: str, mesh: dict, overrides: dict, reference: dict) -> None:
+    """One step on `mesh` with `overrides` against one device with `reference`: the loss (1e-5), every
+    gradient but for FP8 rounding flips, every layer's newest amaxes (1e-5)."""
     loss, grads, amaxes = _one_step_grads(name, _key(mesh), tuple(overrides.items()))
-    want_loss, want_grads, want_amaxes = _one_step_grads(name, (), reference)
+    want_loss, want_grads, want_amaxes = _one_step_grads(name, (), tuple(reference.items()))
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
         want = functools.reduce(lambda t, k: t[k.key], path, want_grads)
