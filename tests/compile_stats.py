@@ -6,8 +6,8 @@ in the cache folder instead). A *request* is one call into XLA's compiler for a 
 in-memory caches did not hold (an eager operation's small program included); a *distinct* program
 is one persistent-cache key (`jax._src.cache_key`: the module, the compile options, the XLA flags,
 the jaxlib and backend versions, the devices); a *read back* is a request the persistent cache
-answered. Deviceless GPU compiles have no JAX cache key: `meshtrain.compile_cache`'s records count
-them (`gpu requests`, `gpu distinct`, `gpu read back`).
+answered. Deviceless GPU compiles have no JAX cache key: `meshtrain.compile_cache`'s record events
+count them (`GPU compiles`: requested, distinct, read back).
 
 `--compile-stats FILE` also writes the totals and each test's figures as JSON.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import json
-import logging
 
 import pytest
 
@@ -24,27 +23,6 @@ _DURATIONS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
               "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
               "/jax/core/compile/backend_compile_duration": "compile"}
 _HITS = "/jax/compilation_cache/cache_hits"
-_JAX_KEY_MESSAGES = ("Persistent compilation cache hit", "PERSISTENT COMPILATION CACHE MISS")
-_GPU_LOGGER = "meshtrain.compile_cache"
-
-
-class _KeyHandler(logging.Handler):
-    """Collects the persistent-cache keys JAX's compiler and meshtrain's GPU record cache log (DEBUG)."""
-
-    def __init__(self, stats: CompileStats):
-        super().__init__(logging.DEBUG)
-        self.stats = stats
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = str(record.msg)
-        if record.name == _GPU_LOGGER and isinstance(record.args, tuple) and len(record.args) == 2:
-            outcome, key = record.args
-            self.stats.gpu_keys.add(key)
-            self.stats.add("gpu requests")
-            if outcome == "hit":
-                self.stats.add("gpu read back")
-        elif message.startswith(_JAX_KEY_MESSAGES) and isinstance(record.args, tuple) and len(record.args) == 2:
-            self.stats.keys.add(record.args[1])
 
 
 class CompileStats:
@@ -56,7 +34,6 @@ class CompileStats:
         self.per_test: dict[str, dict[str, float]] = {}
         self.keys: set[str] = set()
         self.gpu_keys: set[str] = set()
-        self._handler = _KeyHandler(self)
 
     def add(self, name: str, value: float = 1) -> None:
         self.totals[name] += value
@@ -70,20 +47,34 @@ class CompileStats:
             if name == "compile":
                 self.add("requests")
 
-    def _event(self, event: str, **_) -> None:
+    def _event(self, event: str, **kwargs) -> None:
+        from meshtrain import compile_cache
+
         if event == _HITS:
             self.add("read back")
+        elif event == compile_cache.RECORD_EVENT:
+            self.gpu_keys.add(kwargs["key"])
+            self.add("gpu requests")
+            if kwargs["outcome"] == "hit":
+                self.add("gpu read back")
+
+    def _key_logger(self, original):
+        """JAX's `log_persistent_cache_hit` / `_miss`, also recording the key."""
+        def log(module_name, cache_key):
+            self.keys.add(cache_key)
+            return original(module_name, cache_key)
+        return log
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionstart(self, session) -> None:
         import jax
+        from jax._src import compiler
 
         jax.monitoring.register_event_duration_secs_listener(self._duration)
         jax.monitoring.register_event_listener(self._event)
-        for name in ("jax._src.compiler", _GPU_LOGGER):
-            logger = logging.getLogger(name)
-            logger.setLevel(logging.DEBUG)
-            logger.addHandler(self._handler)
+        for name in ("log_persistent_cache_hit", "log_persistent_cache_miss"):  # the keys (a private API:
+            if hasattr(compiler, name):  # without it, no distinct count)
+                setattr(compiler, name, self._key_logger(getattr(compiler, name)))
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):

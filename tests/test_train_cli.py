@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from tests.utils import ROOT, load_config_file
+from meshtrain import compile_cache
+from tests.utils import ROOT, jax_cache_dir, load_config_file
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +17,8 @@ REQUIRED = {"step", "loss", "grad_norm", "learning_rate", "tokens_per_sec", "ste
 
 
 def _run(args, tmp_path, timeout=300, **env_changes):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    """The command as a user runs it (no XLA flags of the tests'), with the tests' compilation cache."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **compile_cache.jax_cache_env(jax_cache_dir())}
     env.pop("XLA_FLAGS", None)
     env.update(env_changes)
     for name in [k for k, v in env_changes.items() if v is None]:
