@@ -3,10 +3,10 @@
 from setuptools import find_packages, setup
 
 # The supported range, tested at both ends by .ci/run: the floor on Python 3.11 (the CPU suite and
-# the H100 compiles), the ceiling (the newest releases) on Python 3.12 (`tests/newest.txt`, the fast
-# set). jax 0.11+ and flax 0.12.12 need Python >= 3.12, so 3.11 installs the floor exactly; on 3.12 and
-# 3.13 pip takes the newest release in range, or keeps a JAX already installed in range (a GPU machine's
-# own JAX for CUDA is never replaced).
+# the H100 compiles), the ceiling (the newest releases) on Python 3.12 (the quick set, `tests/quick.txt`,
+# and its H100 compiles). jax 0.11+ and flax 0.12.12 need Python >= 3.12, so 3.11 installs the floor
+# exactly; on 3.12 and 3.13 pip takes the newest release in range, or keeps a JAX already installed in
+# range (a GPU machine's own JAX for CUDA is never replaced).
 # (Plain string literals: bench/gpu/run_all.sh reads this list without running setup.py.)
 INSTALL_REQUIRES = [
     'jax==0.10.2; python_version < "3.12"',

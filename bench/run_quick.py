@@ -1,6 +1,7 @@
 """Every benchmark's `--quick` smoke run, one after another: each must exit 0 and end with its JSON line.
 
-    python bench/run_quick.py                 # bench/*.py and bench/gpu/*.py (CI runs this)
+    python bench/run_quick.py                 # bench/*.py and bench/gpu/*.py, one at a time
+    python bench/run_quick.py --jobs 2        # two at a time (CI: a smoke run's seconds are not figures)
     python bench/run_quick.py comm pipeline   # only these
 
 A benchmark nothing runs rots (an import moved, a function renamed). CI runs every one in its quick
@@ -14,6 +15,7 @@ benchmark failed.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import importlib.util
 import json
 import os
@@ -72,16 +74,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="benchmarks to run (default: all), e.g. comm gpu/mfu")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per benchmark")
+    parser.add_argument("--jobs", type=int, default=1, help="benchmarks run at once (CI: 2, one a core)")
     args = parser.parse_args()
     every = {name_of(p): p for p in benchmarks()}
     unknown = sorted(set(args.names) - set(every))
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; known: {sorted(every)}")
     chosen = args.names or [n for n in every if n not in NEEDS_GPU_COMPILER or has_gpu_compiler()]
-    rows = []
-    for name in chosen:
+    def one(name: str) -> dict:
         print(f"python bench/{name}.py --quick ...", file=sys.stderr, flush=True)
-        rows.append(run_one(every[name], args.timeout))
+        return run_one(every[name], args.timeout)
+
+    with concurrent.futures.ThreadPoolExecutor(max(args.jobs, 1)) as pool:
+        rows = list(pool.map(one, chosen))
     print(f"{'benchmark':<18} {'seconds':>8}  result")
     for r in rows:
         print(f"{r['bench']:<18} {r['seconds']:>8.1f}  {'ok' if r['ok'] else 'FAILED: ' + r['error']}")

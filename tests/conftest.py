@@ -69,6 +69,16 @@ def quick_set() -> list[str]:
     return [line for line in lines if line]
 
 
+def pytest_ignore_collect(collection_path, config):
+    """With --quick, the files tests/quick.txt does not name are not even imported (the quick set runs
+    where the suite's optional test dependencies, torch and datasets, are not installed)."""
+    if config.getoption("quick") and collection_path.is_file() and collection_path.name.startswith("test_"):
+        named = {entry.split("::")[0] for entry in quick_set()}
+        relative = collection_path.resolve().relative_to(pathlib.Path(config.rootpath).resolve()).as_posix()
+        return relative not in named or None
+    return None
+
+
 @pytest.hookimpl(tryfirst=True)  # before marker deselection: a stale entry is found whatever `-m` says
 def pytest_collection_modifyitems(config, items):
     if not config.getoption("quick"):
