@@ -49,7 +49,7 @@ def run_one(path: pathlib.Path, timeout: float) -> dict:
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
-           **compile_cache.jax_cache_env(compile_cache.cache_dir() / "jax", os.environ.get("XLA_FLAGS", ""))}
+           **compile_cache.jax_cache_env(compile_cache.cache_dir() / "jax")}
     start = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, str(path), "--quick"], cwd=ROOT, env=env, capture_output=True,

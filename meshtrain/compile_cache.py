@@ -5,15 +5,13 @@ Two stores under one per-user folder, `$MESHTRAIN_CACHE_DIR`, else `$XDG_CACHE_H
 
 * `jax/`: JAX's persistent compilation cache (`use_jax_cache`), for programs compiled for devices this
   process has (the CPU suite's 8 fake devices, a GPU). The key is JAX's own (`jax._src.cache_key`): a
-  hash of the module (without source locations: a docstring moved changes nothing), the compile
-  options (meshtrain's per-mesh XLA options included), the XLA flags in `XLA_FLAGS`, the jaxlib
-  version, the backend's platform and version, and the devices; any change compiles afresh.
-  meshtrain adds to JAX's store: an entry is written to a temporary name and renamed (a process
-  killed mid-write leaves no half entry); an entry that cannot be read back (truncated, corrupted)
-  is deleted and rebuilt by the next compile instead of being skipped on every lookup; each read
-  refreshes the entry's time, and `prune` drops the least recently used entries past a size; and
-  XLA:CPU's concurrency-optimized scheduler is off in every process that shares the store
-  (`CPU_CACHE_FLAGS`: executables it scheduled can deadlock when read back).
+  hash of the module, the compile options (meshtrain's per-mesh XLA options included), the XLA flags
+  in `XLA_FLAGS`, the jaxlib version, the backend's platform and version, and the devices' kind; any
+  change compiles afresh. meshtrain adds two things to JAX's store: an entry is written to a temporary
+  name and renamed (a process killed mid-write leaves no half entry), and an entry that cannot be
+  read back (truncated, corrupted) is deleted and rebuilt by the next compile instead of being skipped
+  on every lookup. Each read refreshes the entry's time, and `prune` drops the least recently used
+  entries past a size.
 * `gpu-aot/`: records of deviceless GPU compiles (`compile`): a program compiled for a GPU that is not
   attached (`meshtrain.aot`'s target devices) cannot be loaded back as an executable, and nothing
   runs it: what is read from it (the compiled module's text and its memory analysis) is the whole
@@ -144,35 +142,12 @@ class _RepairingStore:
         self._base.clear()
 
 
-# XLA:CPU (jaxlib 0.10.2 to 0.12.0.1): an executable read back from JAX's persistent cache can
-# deadlock in its collectives when its schedule came from the concurrency-optimized scheduler (XLA's
-# default): the devices enter independent collectives in different orders and XLA aborts the process
-# after its 40-s rendezvous timeout. Measured: the gpipe and circular pipeline steps on 8 fake CPU
-# devices (stage 2 x data 4) abort on every read back, and run when compiled afresh. With that
-# scheduler off the same programs are read back and run to the same losses, and compile as fast. Every
-# process that shares the cache compiles with it off (`use_jax_cache`, `jax_cache_env`).
-CPU_CACHE_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
-
-
-def cache_safe_xla_flags(flags: str) -> str:
-    """`flags` (an XLA_FLAGS value) with `CPU_CACHE_FLAGS` added where missing."""
-    missing = [flag for flag in CPU_CACHE_FLAGS if flag.split("=")[0] not in flags]
-    return " ".join([flags.strip(), *missing]).strip()
-
-
 def use_jax_cache(directory: pathlib.Path | None = None) -> pathlib.Path:
     """JAX's persistent compilation cache in `directory` (default `cache_dir() / "jax"`) for this
-    process, every program cached however quickly it compiled; returns the folder. Must run before
-    JAX starts its backends (it adds `CPU_CACHE_FLAGS` to XLA_FLAGS). Child processes get the same
-    through `jax_cache_env`."""
-    from jax._src import compilation_cache as cc, xla_bridge
+    process, every program cached however quickly it compiled; returns the folder. Child processes
+    inherit it through `jax_cache_env`."""
+    from jax._src import compilation_cache as cc
 
-    flags = os.environ.get("XLA_FLAGS", "")
-    if cache_safe_xla_flags(flags) != flags:
-        if xla_bridge.backends_are_initialized():
-            raise RuntimeError("use_jax_cache: JAX's backends started without "
-                               f"{' '.join(CPU_CACHE_FLAGS)}; call it before the first JAX computation")
-        os.environ["XLA_FLAGS"] = cache_safe_xla_flags(flags)
     directory = pathlib.Path(directory or cache_dir() / "jax")
     directory.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(directory))
@@ -189,11 +164,10 @@ def use_jax_cache(directory: pathlib.Path | None = None) -> pathlib.Path:
     return directory
 
 
-def jax_cache_env(directory: pathlib.Path, xla_flags: str = "") -> dict[str, str]:
-    """Environment variables that give a child process the same persistent cache: the folder, every
-    program cached, and XLA_FLAGS = `xla_flags` with `CPU_CACHE_FLAGS`."""
+def jax_cache_env(directory: pathlib.Path) -> dict[str, str]:
+    """Environment variables that give a child process the same persistent cache."""
     return {"JAX_COMPILATION_CACHE_DIR": str(directory), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "XLA_FLAGS": cache_safe_xla_flags(xla_flags)}
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 # --------------------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ import sys
 
 import pytest
 
-from meshtrain import compile_cache
 from tests.utils import ROOT
 
 pytestmark = pytest.mark.slow
@@ -120,7 +119,8 @@ def command_env(tfds_dir: str, jax_cache: str | None) -> dict[str, str]:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TFDS_DATA_DIR": tfds_dir, "PYTHONPATH": str(ROOT),
            "XLA_FLAGS": "--xla_backend_optimization_level=0"}
     if jax_cache:
-        env.update(compile_cache.jax_cache_env(jax_cache, env["XLA_FLAGS"]))
+        env.update(JAX_COMPILATION_CACHE_DIR=jax_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     return env
 
 

@@ -30,7 +30,7 @@ def _train_args(workdir, *extra) -> list[str]:
 
 
 def _env() -> dict:
-    return utils.subprocess_env(utils.jax_cache_dir(), "--xla_backend_optimization_level=0")
+    return {**utils.subprocess_env(utils.jax_cache_dir()), "XLA_FLAGS": "--xla_backend_optimization_level=0"}
 
 
 # ---- one run per workdir ------------------------------------------------------------------------

@@ -17,9 +17,9 @@ REQUIRED = {"step", "loss", "grad_norm", "learning_rate", "tokens_per_sec", "ste
 
 
 def _run(args, tmp_path, timeout=300, **env_changes):
-    """The command as a user runs it (none of the tests' XLA flags), with the tests' compilation cache
-    (and the one XLA flag a process sharing it needs: `compile_cache.CPU_CACHE_FLAGS`)."""
+    """The command as a user runs it (no XLA flags of the tests'), with the tests' compilation cache."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **compile_cache.jax_cache_env(jax_cache_dir())}
+    env.pop("XLA_FLAGS", None)
     env.update(env_changes)
     for name in [k for k, v in env_changes.items() if v is None]:
         env.pop(name)

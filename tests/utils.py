@@ -291,11 +291,9 @@ def jax_cache_dir() -> pathlib.Path:
     return compile_cache.cache_dir() / "jax"
 
 
-def subprocess_env(cache_dir, xla_flags: str | None = None) -> dict:
-    """CPU, float32 matmuls, and a shared compilation cache so each restart skips the compile;
-    `xla_flags`: the child's XLA_FLAGS (default: this process's)."""
-    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+def subprocess_env(cache_dir) -> dict:
+    """CPU, float32 matmuls, and a shared compilation cache so each restart skips the compile."""
     return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_DEFAULT_MATMUL_PRECISION": "float32",
-            "PYTHONPATH": str(ROOT), **compile_cache.jax_cache_env(cache_dir, flags)}
+            "PYTHONPATH": str(ROOT), **compile_cache.jax_cache_env(cache_dir)}
 
 
