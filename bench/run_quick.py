@@ -28,6 +28,10 @@ BENCH = pathlib.Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 NEEDS_GPU_COMPILER = ("aot",)  # run by .ci/run's gpu_aot part where the gpu extra is not installed
+# A benchmark run as a script, with the shared compilation cache guarded first (as every meshtrain
+# command guards it: `compile_cache.guard_jax_cache`).
+GUARDED = ("import runpy, sys; from meshtrain import compile_cache; compile_cache.guard_jax_cache(); "
+           "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
 def benchmarks() -> list[pathlib.Path]:
@@ -52,8 +56,8 @@ def run_one(path: pathlib.Path, timeout: float) -> dict:
            **compile_cache.jax_cache_env(compile_cache.cache_dir() / "jax")}
     start = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, str(path), "--quick"], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=timeout)
+        proc = subprocess.run([sys.executable, "-c", GUARDED, str(path), "--quick"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"bench": name_of(path), "ok": False, "seconds": round(time.perf_counter() - start, 1),
                 "error": f"timed out after {timeout:.0f} s"}

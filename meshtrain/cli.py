@@ -20,15 +20,20 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from meshtrain import config as config_lib, hf, mesh as mesh_lib, run_record
+from meshtrain import compile_cache, config as config_lib, hf, mesh as mesh_lib, run_record
 
 
 def parse_flags(argv: list[str]) -> list[str]:
+    """The command line parsed (one line and exit code 2 for a bad flag); JAX's persistent compilation
+    cache, where the environment sets one (JAX_COMPILATION_CACHE_DIR), guarded before any compile
+    (`compile_cache.guard_jax_cache`)."""
     try:
-        return flags.FLAGS(argv)
+        rest = flags.FLAGS(argv)
     except (AttributeError, KeyError, TypeError, ValueError, flags.Error) as e:
         print(f"error: {describe(argv, e)}", file=sys.stderr)
         sys.exit(2)
+    compile_cache.guard_jax_cache()
+    return rest
 
 
 def describe(argv: list[str], error: Exception) -> str:

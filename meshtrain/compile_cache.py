@@ -5,13 +5,15 @@ Two stores under one per-user folder, `$MESHTRAIN_CACHE_DIR`, else `$XDG_CACHE_H
 
 * `jax/`: JAX's persistent compilation cache (`use_jax_cache`), for programs compiled for devices this
   process has (the CPU suite's 8 fake devices, a GPU). The key is JAX's own (`jax._src.cache_key`): a
-  hash of the module, the compile options (meshtrain's per-mesh XLA options included), the XLA flags
-  in `XLA_FLAGS`, the jaxlib version, the backend's platform and version, and the devices' kind; any
-  change compiles afresh. meshtrain adds two things to JAX's store: an entry is written to a temporary
-  name and renamed (a process killed mid-write leaves no half entry), and an entry that cannot be
-  read back (truncated, corrupted) is deleted and rebuilt by the next compile instead of being skipped
-  on every lookup. Each read refreshes the entry's time, and `prune` drops the least recently used
-  entries past a size.
+  hash of the module (without source locations: a moved docstring changes nothing), the compile
+  options (meshtrain's per-mesh XLA options included), the XLA flags in `XLA_FLAGS`, the jaxlib
+  version, the backend's platform and version, and the devices; any change compiles afresh.
+  meshtrain guards JAX's store (`guard_jax_cache`): an entry is written to a temporary name and
+  renamed (a process killed mid-write leaves no half entry); an entry that cannot be read back
+  (truncated, corrupted) is deleted and rebuilt by the next compile instead of being skipped on every
+  lookup; a CPU executable whose collectives sit in more than one computation is neither written nor
+  read back (XLA:CPU runs it wrongly once deserialized); each read refreshes the entry's time, and
+  `prune` drops the least recently used entries past a size.
 * `gpu-aot/`: records of deviceless GPU compiles (`compile`): a program compiled for a GPU that is not
   attached (`meshtrain.aot`'s target devices) cannot be loaded back as an executable, and nothing
   runs it: what is read from it (the compiled module's text and its memory analysis) is the whole
@@ -34,6 +36,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import tempfile
 import time
 import zlib
@@ -142,10 +145,92 @@ class _RepairingStore:
         self._base.clear()
 
 
+# XLA:CPU (jaxlib 0.10.2 to 0.12.0.1) orders a program's collectives through one shared
+# "communicator" resource; an executable deserialized from the cache gets a resource of its own in
+# every nested computation (a while loop's body, a conditional's branch, a called computation: XLA's
+# WhileThunkFromProto deserializes them with fresh state). A collective inside a loop and one outside
+# it are then unordered, devices enter them in different orders, and XLA aborts the process after its
+# 40-s rendezvous timeout. Measured on 8 fake CPU devices: the gpipe and circular pipeline steps
+# (stage 2 x data 4) on every read back; a tensor 2 x data 4 step in the training loop now and then.
+# Compiled afresh, all of them run. So on the CPU an executable whose collectives sit in more than
+# one computation is never written, and one read back is dropped and compiled again.
+_COLLECTIVE = re.compile(r"= [^=]*\b(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all|"
+                         r"collective-broadcast|ragged-all-to-all)(-start)?\(")
+
+
+NOT_KEPT_EVENT = "/meshtrain/compile_cache/not_kept"  # a jax.monitoring event per executable not written
+
+
+def collective_computations(hlo_text: str) -> int:
+    """How many computations of a compiled HLO module's text hold a collective."""
+    count, holds = 0, False
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):  # a computation's header
+            count, holds = count + holds, False
+        elif _COLLECTIVE.search(line):
+            holds = True
+    return count + holds
+
+
+def readable_back(executable) -> bool:
+    """Whether XLA:CPU runs this executable correctly once deserialized: its collectives, if any, all
+    in one computation."""
+    try:
+        modules = executable.hlo_modules()
+    except Exception:  # noqa: BLE001 - no module to look at: not safe to assume
+        return False
+    return all(collective_computations(m.to_string()) <= 1 for m in modules)
+
+
+def _guarded_put(original):
+    def put_executable_and_time(cache_key, module_name, executable, backend, compile_time):
+        if backend.platform == "cpu" and not readable_back(executable):
+            jax.monitoring.record_event(NOT_KEPT_EVENT)
+            return None  # compiled every time rather than read back into a deadlock
+        return original(cache_key, module_name, executable, backend, compile_time)
+    put_executable_and_time.meshtrain_guard = True
+    return put_executable_and_time
+
+
+def _guarded_get(original):
+    def get_executable_and_time(cache_key, compile_options, backend, executable_devices):
+        executable, seconds = original(cache_key, compile_options, backend, executable_devices)
+        if executable is not None and backend.platform == "cpu" and not readable_back(executable):
+            _log.warning("compile cache: %s was written by a process without meshtrain's guard and would not "
+                         "run correctly read back; compiling it instead", cache_key.split("-")[0])
+            return None, None
+        return executable, seconds
+    get_executable_and_time.meshtrain_guard = True
+    return get_executable_and_time
+
+
+def guard_jax_cache() -> None:
+    """Makes JAX's persistent cache, where this process has one (`jax_compilation_cache_dir`, e.g.
+    from JAX_COMPILATION_CACHE_DIR), safe: whole-file writes, unreadable entries rebuilt, and no CPU
+    executable read back that XLA would run wrongly (above). Every meshtrain command calls it
+    (`cli.parse_flags`); idempotent."""
+    from jax._src import compilation_cache as cc
+
+    if not jax.config.jax_compilation_cache_dir:
+        return
+    try:
+        if not getattr(cc.put_executable_and_time, "meshtrain_guard", False):
+            cc.put_executable_and_time = _guarded_put(cc.put_executable_and_time)
+        if not getattr(cc.get_executable_and_time, "meshtrain_guard", False):
+            cc.get_executable_and_time = _guarded_get(cc.get_executable_and_time)
+        cc._initialize_cache()  # JAX builds its store lazily: now, to wrap it
+        if getattr(cc, "_cache", None) is not None and not isinstance(cc._cache, _RepairingStore) \
+                and hasattr(cc._cache, "_path"):
+            cc._cache = _RepairingStore(cc._cache)
+    except AttributeError as error:  # a JAX whose cache module differs: no cache rather than an unsafe one
+        _log.warning("compile cache: off (JAX's cache module is not the one meshtrain guards: %s)", error)
+        jax.config.update("jax_enable_compilation_cache", False)
+
+
 def use_jax_cache(directory: pathlib.Path | None = None) -> pathlib.Path:
     """JAX's persistent compilation cache in `directory` (default `cache_dir() / "jax"`) for this
-    process, every program cached however quickly it compiled; returns the folder. Child processes
-    inherit it through `jax_cache_env`."""
+    process, every program cached however quickly it compiled, guarded (`guard_jax_cache`); returns
+    the folder. Child processes get the same through `jax_cache_env`."""
     from jax._src import compilation_cache as cc
 
     directory = pathlib.Path(directory or cache_dir() / "jax")
@@ -154,13 +239,7 @@ def use_jax_cache(directory: pathlib.Path | None = None) -> pathlib.Path:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     cc.reset_cache()
-    # Install the repairing store now (JAX builds its store lazily, at the first compile).
-    try:
-        cc._initialize_cache()
-        if getattr(cc, "_cache", None) is not None and hasattr(cc._cache, "_path"):
-            cc._cache = _RepairingStore(cc._cache)
-    except (AttributeError, TypeError) as error:  # a JAX whose store differs: its own store, unrepaired
-        _log.warning("compile cache: JAX's own store is used as is (%s)", error)
+    guard_jax_cache()
     return directory
 
 

@@ -17,8 +17,9 @@ import sys
 
 
 def main() -> None:
-    from meshtrain import evaluate
+    from meshtrain import compile_cache, evaluate
 
+    compile_cache.guard_jax_cache()  # as every meshtrain command (`cli.parse_flags`)
     evaluate.lm_class()  # lm-eval installed, or one line saying how to install it
     from lm_eval.__main__ import cli_evaluate
 

@@ -2,7 +2,8 @@
 
 * JAX's persistent cache in a folder of the test's: a second process reads the program back (no
   compile), with the same result; a truncated entry is dropped and rebuilt, never an error or another
-  result; entries are written whole (no temporary file is left behind).
+  result; entries are written whole (no temporary file is left behind); the pipeline steps XLA:CPU
+  runs wrongly once deserialized are never read back, whoever wrote them.
 * Records of deviceless GPU compiles (`gpu_aot`, the `gpu` extra): the same program is read back with
   the same module text and memory figures; another compile option, XLA flag or program is another
   key; a truncated or corrupted record is compiled again and rewritten; a compiler error writes nothing.
@@ -49,12 +50,38 @@ print(json.dumps({"sum": float(out.sum()), "first": float(out[0, 0]), **events})
 """
 
 
-def _run(directory: pathlib.Path) -> dict:
+# The gpipe and circular pipeline steps (stage 2 x data 4), 2 steps, with the cache in argv[1], guarded
+# (argv[2] == "guarded") or as plain JAX keeps it: read back unguarded, they deadlocked in their
+# collectives and XLA aborted the process (`compile_cache.readable_back`).
+PIPELINE = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+from meshtrain import compile_cache
+if sys.argv[2] == "guarded":
+    compile_cache.use_jax_cache(sys.argv[1])
+else:
+    jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+events = []
+jax.monitoring.register_event_listener(lambda e, **_: events.append(e))
+from tests import utils
+out = {}
+for schedule, repeats in (("gpipe", 1), ("circular", 2)):
+    c = utils.tiny_config({"stage": 2, "data": 4}, **{"model.n_layers": 8, "train.seq_len": 32, "train.warmup_steps": 1,
+                          "pipeline.microbatches": 4, "pipeline.schedule": schedule, "pipeline.repeats": repeats})
+    out[schedule] = utils.run_steps(c, utils.synthetic_batches(c, 2))[0].tolist()
+print(json.dumps({**out, "not_kept": events.count(compile_cache.NOT_KEPT_EVENT),
+                  "writes": events.count("/jax/compilation_cache/cache_misses")}))
+"""
+
+
+def _run(directory: pathlib.Path, program: str = PROGRAM, *args: str) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", PROGRAM, str(directory)], env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", program, str(directory), *args], env=env, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "stderr": out.stderr}
 
 
 def _entry(directory: pathlib.Path) -> pathlib.Path:
@@ -81,6 +108,54 @@ def test_jax_cache_reads_back_and_rebuilds_a_truncated_entry(tmp_path):
     fourth = _run(tmp_path)  # ... whole: every program read back again
     assert fourth["hits"] == first["writes"] and fourth["writes"] == 0 and fourth["sum"] == first["sum"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary file left
+
+
+@pytest.mark.slow
+def test_pipeline_steps_are_compiled_not_read_back_into_a_deadlock(tmp_path):
+    """Guarded: the steps XLA:CPU would run wrongly once deserialized are not written, so every run
+    compiles them and trains to the same losses (read back, they aborted after 40 s)."""
+    first = _run(tmp_path, PIPELINE, "guarded")
+    second = _run(tmp_path, PIPELINE, "guarded")
+    assert first["not_kept"] >= 2 and second["not_kept"] == first["not_kept"]
+    assert second["gpipe"] == first["gpipe"] and second["circular"] == first["circular"]
+
+
+@pytest.mark.slow
+def test_an_entry_written_without_the_guard_is_compiled_again(tmp_path):
+    """A process without meshtrain's guard (plain JAX) wrote the steps; a guarded one drops them when
+    read back, says so, and trains to the same losses."""
+    plain = _run(tmp_path, PIPELINE, "plain")
+    assert plain["writes"] > 0 and plain["not_kept"] == 0
+    guarded = _run(tmp_path, PIPELINE, "guarded")
+    assert guarded["gpipe"] == plain["gpipe"] and guarded["circular"] == plain["circular"]
+    assert "would not run correctly read back; compiling it instead" in guarded["stderr"]
+
+
+HLO = """HloModule step
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %x = f32[4]{0} get-tuple-element((s32[], f32[4]{0}) %p), index=1
+  %cp = f32[4]{0} collective-permute(f32[4]{0} %x), channel_id=1, source_target_pairs={{0,1},{1,0}}
+  ROOT %t = (s32[], f32[4]{0}) tuple(s32[] %i, f32[4]{0} %cp)
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %w = (s32[], f32[4]{0}) while((s32[], f32[4]{0}) %init), condition=%cond, body=%body
+  %ar = f32[4]{0} all-reduce(f32[4]{0} %x), channel_id=2, replica_groups={{0,1}}, to_apply=%add
+}
+"""
+
+
+def test_collectives_are_counted_by_the_computation_holding_them():
+    assert compile_cache.collective_computations(HLO) == 2  # the loop's permute and the entry's all-reduce
+    assert compile_cache.collective_computations(HLO.replace("all-reduce(", "add(")) == 1
+    assert compile_cache.collective_computations(HLO.replace("collective-permute(", "negate(")
+                                                 .replace("all-reduce(", "add(")) == 0
+    assert compile_cache.collective_computations(HLO.replace("all-reduce(", "all-reduce-start(")) == 2
 
 
 def test_cache_folder_follows_the_environment(monkeypatch, tmp_path):
