@@ -12,8 +12,9 @@ Two stores under one per-user folder, `$MESHTRAIN_CACHE_DIR`, else `$XDG_CACHE_H
   renamed (a process killed mid-write leaves no half entry); an entry that cannot be read back
   (truncated, corrupted) is deleted and rebuilt by the next compile instead of being skipped on every
   lookup; a CPU executable whose collectives sit in more than one computation is neither written nor
-  read back (XLA:CPU runs it wrongly once deserialized); each read refreshes the entry's time, and
-  `prune` drops the least recently used entries past a size.
+  read back (XLA:CPU runs it wrongly once deserialized), only reused as compiled within the process
+  that compiled it; each read refreshes the entry's time, and `prune` drops the least recently used
+  entries past a size.
 * `gpu-aot/`: records of deviceless GPU compiles (`compile`): a program compiled for a GPU that is not
   attached (`meshtrain.aot`'s target devices) cannot be loaded back as an executable, and nothing
   runs it: what is read from it (the compiled module's text and its memory analysis) is the whole
@@ -28,6 +29,7 @@ from compiling it; compiling the same program twice teaches nothing.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -182,19 +184,32 @@ def readable_back(executable) -> bool:
     return all(collective_computations(m.to_string()) <= 1 for m in modules)
 
 
+# The executables not written, as compiled (never deserialized), for a later request of the same
+# program in this process: key -> (executable, compile seconds), the most recent `_KEPT_IN_MEMORY`.
+_in_memory: collections.OrderedDict = collections.OrderedDict()
+_KEPT_IN_MEMORY = 16
+
+
 def _guarded_put(original):
     def put_executable_and_time(cache_key, module_name, executable, backend, compile_time):
         if backend.platform == "cpu" and not readable_back(executable):
             jax.monitoring.record_event(NOT_KEPT_EVENT)
-            return None  # compiled every time rather than read back into a deadlock
+            _in_memory[cache_key] = (executable, compile_time)
+            while len(_in_memory) > _KEPT_IN_MEMORY:
+                _in_memory.popitem(last=False)
+            return None  # compiled again in another process rather than read back into a deadlock
         return original(cache_key, module_name, executable, backend, compile_time)
     put_executable_and_time.meshtrain_guard = True
     return put_executable_and_time
 
 
 def _guarded_get(original):
-    def get_executable_and_time(cache_key, compile_options, backend, executable_devices):
-        executable, seconds = original(cache_key, compile_options, backend, executable_devices)
+    # jax 0.10.2: (cache_key, compile_options, backend, executable_devices); later versions add arguments
+    def get_executable_and_time(cache_key, compile_options, backend, *args, **kwargs):
+        if cache_key in _in_memory:  # the same program compiled earlier in this process, never serialized
+            _in_memory.move_to_end(cache_key)
+            return _in_memory[cache_key]
+        executable, seconds = original(cache_key, compile_options, backend, *args, **kwargs)
         if executable is not None and backend.platform == "cpu" and not readable_back(executable):
             _log.warning("compile cache: %s was written by a process without meshtrain's guard and would not "
                          "run correctly read back; compiling it instead", cache_key.split("-")[0])
