@@ -6,7 +6,8 @@ in the cache folder instead). A *request* is one call into XLA's compiler for a 
 in-memory caches did not hold (an eager operation's small program included); a *distinct* program
 is one persistent-cache key (`jax._src.cache_key`: the module, the compile options, the XLA flags,
 the jaxlib and backend versions, the devices); a *read back* is a request the persistent cache
-answered. Deviceless GPU compiles have no JAX cache key: `meshtrain.compile_cache`'s record events
+(or the guard's in-memory copy) answered; *not written* counts the CPU executables the guard keeps off
+the disk (their collectives in more than one computation), compiled afresh in every run. Deviceless GPU compiles have no JAX cache key: `meshtrain.compile_cache`'s record events
 count them (`GPU compiles`: requested, distinct, read back).
 
 `--compile-stats FILE` also writes the totals and each test's figures as JSON.
@@ -52,6 +53,8 @@ class CompileStats:
 
         if event == _HITS:
             self.add("read back")
+        elif event == compile_cache.NOT_KEPT_EVENT:
+            self.add("not kept")
         elif event == compile_cache.RECORD_EVENT:
             self.gpu_keys.add(kwargs["key"])
             self.add("gpu requests")
@@ -107,7 +110,8 @@ class CompileStats:
     def summary(self) -> str:
         t = self.totals
         line = (f"compiles: {int(t['requests']):,} requested, {len(self.keys):,} distinct, "
-                f"{int(t['read back']):,} read back from the persistent cache; seconds: trace "
+                f"{int(t['read back']):,} read back from the persistent cache ({int(t['not kept']):,} compiled "
+                f"and not written: collectives in a loop, `meshtrain.compile_cache`); seconds: trace "
                 f"{t['trace s']:.0f}, lowering {t['lower s']:.0f}, XLA compile (or cache read) {t['compile s']:.0f}")
         if t["gpu requests"]:
             line += (f"; GPU compiles: {int(t['gpu requests']):,} requested, {len(self.gpu_keys):,} distinct, "
