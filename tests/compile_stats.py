@@ -7,7 +7,8 @@ in-memory caches did not hold (an eager operation's small program included); a *
 is one persistent-cache key (`jax._src.cache_key`: the module, the compile options, the XLA flags,
 the jaxlib and backend versions, the devices); a *read back* is a request the persistent cache
 (or the guard's in-memory copy) answered; *not written* counts the CPU executables the guard keeps off
-the disk (their collectives in more than one computation), compiled afresh in every run. Deviceless GPU compiles have no JAX cache key: `meshtrain.compile_cache`'s record events
+the disk (their collectives in more than one computation), compiled afresh in every run.
+Deviceless GPU compiles have no JAX cache key: `meshtrain.compile_cache`'s record events
 count them (`GPU compiles`: requested, distinct, read back).
 
 `--compile-stats FILE` also writes the totals and each test's figures as JSON.
