@@ -1,9 +1,12 @@
 """Benchmark of the Pallas kernels.
 
-On GPU: TFLOP/s and compiled temp memory of the flash attention kernel against
-XLA attention and cuDNN (`jax.nn.dot_product_attention`), causal, Llama-3-8B
-heads (32 query heads, 8 K/V heads, head_dim 128, bf16), L = 1k .. 32k, forward
-and forward + backward.
+On GPU: TFLOP/s, % of the GPU's bf16 peak and compiled temp memory of the Pallas
+flash attention kernel against XLA attention and cuDNN (`jax.nn.dot_product_attention`),
+causal, bf16, forward and forward + backward: first at the GPU runbook's shape
+(`bench/gpu/mfu.py`: batch 4 x 4,096, 32 query heads, 8 K/V heads of 64), then at
+Llama-3-8B heads (32 query heads, 8 K/V heads, head_dim 128) for each of `--lengths`.
+`cudnn+docs` is meshtrain's `attention.impl=cudnn` on rows of 4 documents (cuDNN with
+the document mask as a bias; its causal-only call is `cudnn`).
 
 On CPU: the kernels run in interpret mode, so only correctness against the
 references is reported, plus the compiled temp memory of a loss + gradient step
@@ -36,6 +39,7 @@ from meshtrain.pallas_kernels import (
 )
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+RUNBOOK_SHAPE = (4, 4096, 32, 8, 64)  # batch, length, heads, K/V heads, head_dim: bench/gpu/mfu.py's model
 
 
 def _attention_impls():
@@ -45,10 +49,18 @@ def _attention_impls():
     def cudnn(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
+    def cudnn_docs(q, k, v):  # meshtrain's cudnn attention on rows of 4 documents: the masked call
+        from meshtrain.attention import cudnn_attention
+
+        b, t = q.shape[:2]
+        segments = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) * 4 // t + 1, (b, t))
+        return cudnn_attention(q, k, v, segments)
+
     return {
         "pallas_flash": lambda q, k, v: flash_attention(q, k, v, causal=True),
         "xla": xla,
         "cudnn": cudnn,
+        "cudnn+docs": cudnn_docs,
     }
 
 
@@ -63,20 +75,24 @@ def _time(fn, args, iters: int) -> float:
     return statistics.median(times)
 
 
-def _attention_flops(length: int, backward: bool) -> float:
+def _attention_flops(batch: int, length: int, heads: int, head_dim: int, backward: bool) -> float:
     # Two matmuls of 2*L*L*D flops per head, half of them kept by the causal mask;
     # the backward pass does 2.5x the forward's matmul work.
-    fwd = 4 * HEADS * length * length * HEAD_DIM / 2
+    fwd = batch * 4 * heads * length * length * head_dim / 2
     return fwd * (3.5 if backward else 1.0)
 
 
 def bench_attention_gpu(lengths: list[int], iters: int) -> list[dict]:
+    from meshtrain import metrics
+
+    peak = metrics.device_peak_flops(jax.devices()[0])
     rows = []
-    for length in lengths:
+    shapes = [RUNBOOK_SHAPE] + [(1, length, HEADS, KV_HEADS, HEAD_DIM) for length in lengths]
+    for batch, length, heads, kv_heads, head_dim in shapes:
         ks = jax.random.split(jax.random.key(0), 3)
-        q = jax.random.normal(ks[0], (1, length, HEADS, HEAD_DIM), jnp.bfloat16)
-        k = jax.random.normal(ks[1], (1, length, KV_HEADS, HEAD_DIM), jnp.bfloat16)
-        v = jax.random.normal(ks[2], (1, length, KV_HEADS, HEAD_DIM), jnp.bfloat16)
+        q = jax.random.normal(ks[0], (batch, length, heads, head_dim), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (batch, length, kv_heads, head_dim), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (batch, length, kv_heads, head_dim), jnp.bfloat16)
         for name, impl in _attention_impls().items():
             for backward in (False, True):
                 fn = impl
@@ -86,6 +102,7 @@ def bench_attention_gpu(lengths: list[int], iters: int) -> list[dict]:
                         argnums=(0, 1, 2),
                     )
                 row = {
+                    "shape": f"{batch}x{length}x{heads}/{kv_heads}x{head_dim}",
                     "length": length,
                     "impl": name,
                     "pass": "fwd+bwd" if backward else "fwd",
@@ -96,7 +113,9 @@ def bench_attention_gpu(lengths: list[int], iters: int) -> list[dict]:
                     row["temp_mib"] = round(mem.temp_size_in_bytes / 2**20, 1) if mem else None
                     seconds = _time(compiled, (q, k, v), iters)
                     row["ms"] = round(seconds * 1e3, 3)
-                    row["tflops"] = round(_attention_flops(length, backward) / seconds / 1e12, 1)
+                    flops = _attention_flops(batch, length, heads, head_dim, backward)
+                    row["tflops"] = round(flops / seconds / 1e12, 1)
+                    row["peak_share"] = round(flops / seconds / peak, 3) if peak else None
                 except (
                     jax.errors.JaxRuntimeError,
                     RuntimeError,

@@ -2,7 +2,11 @@
 
 `config.attention.impl`, chosen once, outside traced code (`parallel.layout.attention_fn`):
 
+* `auto`:   the default: `cudnn` on an NVIDIA GPU where cuDNN serves the model, else `xla`
+            (`config.attention_impl`, decided in the layout plan from the mesh's devices).
 * `xla`:    einsum attention (`xla_attention`), partitioned by XLA.
+* `cudnn`:  cuDNN's fused flash attention (`cudnn_attention`, playbook "Flash Attention 1-3") on each
+            device's batch / head shard, as `pallas` below.
 * `ring`:   context parallelism over `sequence` (`parallel/ring_attention.py`, playbook "Context
             Parallelism"); zig-zag layout applied once to the data (`layout.data_permutation`).
             On GPU each ring step's block runs in the Pallas flash kernel (`layout.ring_flash`).
@@ -24,6 +28,7 @@ import jax.numpy as jnp
 import ml_collections
 from jax.sharding import PartitionSpec as P
 
+from meshtrain import config as config_lib
 from meshtrain.config import BATCH_AXES, CONTEXT_PARALLEL_IMPLS, require
 from meshtrain.pallas_kernels import flash_attention
 from meshtrain.sharding_rules import auto_axes, per_shard
@@ -89,9 +94,38 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     return per_shard(local, (x, x, x, seg), x, batch + heads)(q, k, v, segment_ids)
 
 
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """cuDNN's fused attention per (batch shard, head shard): q [B,T,H,Dh], k/v [B,T,K,Dh] -> [B,T,H,Dh].
+
+    Grouped-query K/V go to cuDNN as they are (its GQA reads each K/V head for its G query heads).
+    Document masking: where every row of the shard is one document (or padding alone) the call is
+    cuDNN's causal mask alone, which skips the tiles above the diagonal; otherwise the same call
+    takes the document mask as a [B,1,T,S] additive bias (cuDNN's only arbitrary mask). `lax.cond`
+    picks per step on the device, so both stay exact for any segment ids.
+    """
+    batch = auto_axes(BATCH_AXES)
+    heads = auto_axes(("tensor",))
+    x = P(batch or None, None, heads or None, None)
+    seg = P(batch or None, None)
+    return per_shard(_cudnn_local, (x, x, x, seg), x, batch + heads)(q, k, v, segment_ids)
+
+
+def _cudnn_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    def causal(q, k, v, segment_ids):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+    def documents(q, k, v, segment_ids):
+        same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # [B,1,T,S]
+        return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True, implementation="cudnn")
+
+    one_document = jnp.all(segment_ids == segment_ids[:, :1])
+    return jax.lax.cond(one_document, causal, documents, q, k, v, segment_ids)
+
+
 def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
-    """Attention rules: ring needs seq_len divisible by 2 x sequence; xla/pallas cannot split the
-    sequence (Ulysses' own rules: `parallel.ulysses.validate_config`)."""
+    """Attention rules: ring needs seq_len divisible by 2 x sequence; the others cannot split the
+    sequence; cudnn serves bf16 / fp16 and head dims up to 128 (`config.cudnn_refusal`; on a CPU mesh
+    `parallel.layout.Layout.plan` refuses it). Ulysses' own rules: `parallel.ulysses.validate_config`."""
     att, n, t = config.attention, sizes["sequence"], config.train.seq_len
     impl = att.impl
     require(impl != "ring" or t % (2 * n) == 0, "train.seq_len", t,
@@ -101,5 +135,10 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
             "across sequence shards")
     require(impl == "ulysses" or att.ulysses_degree == 0, "attention.ulysses_degree", att.ulysses_degree,
             "is read only with attention.impl='ulysses'")
-    require(not config.model.sliding_window or impl == "xla", "model.sliding_window", config.model.sliding_window,
-            f"sliding-window attention runs in the einsum attention only: attention.impl must be 'xla' (got {impl!r})")
+    require(not config.model.sliding_window or impl in ("xla", "auto"), "model.sliding_window",
+            config.model.sliding_window, "sliding-window attention runs in the einsum attention only: "
+            f"attention.impl must be 'xla' or 'auto' (got {impl!r})")
+    refusal = config_lib.cudnn_refusal(config) if impl == "cudnn" else None
+    if refusal is not None:
+        key, value, rule = refusal
+        require(False, key, value, f"{rule} (attention.impl='cudnn'; 'auto' picks einsum attention here)")

@@ -36,13 +36,44 @@ MESH_AXES: tuple[str, ...] = tuple(a.value for a in Axis)
 BATCH_AXES: tuple[str, ...] = (Axis.DATA.value, Axis.FSDP.value, Axis.EXPERT.value)
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "selective", "full", "offload")
-ATTENTION_IMPLS = ("xla", "ring", "ulysses", "pallas")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas", "ring", "ulysses")
 ROPE_SCALINGS = ("none", "linear", "llama3")
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # model.family: what `hf export` writes (mixtral with experts)
 CONTEXT_PARALLEL_IMPLS = ("ring", "ulysses")  # the implementations that split the sequence over `sequence`
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble")
 BALANCE_SCOPES = ("batch", "sequence")
 MATMUL_PRECISIONS = ("bf16", "fp8")  # bf16: matmuls in model.dtype; fp8: e4m3 / e5m2 operands (fp8.py)
+
+
+def cudnn_refusal(config: ml_collections.ConfigDict) -> tuple[str, object, str] | None:
+    """Why cuDNN's fused attention cannot serve `config`'s model, as (key, value, rule), or None.
+
+    cuDNN's flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`) takes bf16 or
+    fp16 operands, head dims that are multiples of 8 up to 128 (256 on Hopper, but JAX checks against
+    128 where it cannot see the GPU, as in an ahead-of-time compile), and an even sequence length
+    when a mask is given (the document mask). Sliding windows stay the einsum path's.
+    """
+    m = config.model
+    if m.dtype not in ("bfloat16", "float16"):
+        return "model.dtype", m.dtype, "cuDNN's fused attention takes bfloat16 or float16 operands"
+    if m.head_dim % 8 or m.head_dim > 128:
+        return "model.head_dim", m.head_dim, "cuDNN's fused attention needs a multiple of 8 up to 128"
+    if config.train.seq_len % 2:
+        return "train.seq_len", config.train.seq_len, "cuDNN's masked (document) attention needs an even length"
+    if m.sliding_window:
+        return "model.sliding_window", m.sliding_window, "sliding-window attention runs in the einsum attention only"
+    return None
+
+
+def attention_impl(config: ml_collections.ConfigDict, platform: str) -> str:
+    """`attention.impl` as a step on `platform`'s devices ('cpu', 'gpu', 'tpu') runs it: 'auto' becomes
+    'cudnn' on a GPU where cuDNN serves the model (`cudnn_refusal`), else 'xla'; any other value is
+    itself. The Pallas flash kernel is not an automatic choice: measured on an H200 it was slower than
+    cuDNN (README, GPU runbook)."""
+    impl = config.attention.impl
+    if impl != "auto":
+        return impl
+    return "cudnn" if platform == "gpu" and cudnn_refusal(config) is None else "xla"
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -129,7 +160,11 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.router_z_loss_weight = 0.001
 
     c.attention = ml_collections.ConfigDict()
-    c.attention.impl = "xla"
+    # auto: cuDNN's fused attention on an NVIDIA GPU where it serves the model (bf16 / fp16, head_dim a
+    # multiple of 8 up to 128, no sliding window), else einsum (`config.attention_impl`); xla: einsum;
+    # cudnn: cuDNN's fused attention (GPU only); pallas: the Pallas flash kernel; ring / ulysses: context
+    # parallelism over mesh.sequence
+    c.attention.impl = "auto"
     c.attention.zigzag = True  # ring attention: zig-zag load balancing of the causal work
     # attention.impl='ulysses': devices of mesh.sequence per all-to-all group; 0 = all of them. A divisor
     # U < mesh.sequence runs a ring across the mesh.sequence / U groups (ring x Ulysses)
@@ -441,7 +476,9 @@ class ModelConfig:
         return self.matmul_precision == "fp8"
 
     @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict) -> ModelConfig:
+    def from_config(cls, config: ml_collections.ConfigDict, platform: str = "gpu") -> ModelConfig:
+        """The model section of `config` as the step on `platform`'s devices runs it (`attention.impl`
+        resolved: `attention_impl`); the planner's default is the GPU it plans for."""
         fields = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in config.model.items() if k in fields}
-        return cls(**values, remat_policy=config.remat.policy, attention_impl=config.attention.impl)
+        return cls(**values, remat_policy=config.remat.policy, attention_impl=attention_impl(config, platform))

@@ -45,9 +45,9 @@ class Run:
         devices = list(jax.devices() if devices is None else devices)
         sizes = types.MappingProxyType(config_lib.mesh_shape(config, len(devices)))
         mesh = mesh_lib.make_mesh(config, devices)
+        platform = mesh.devices.flat[0].platform
         return cls(config=config, sizes=sizes, mesh=mesh, rules=Rules.for_mesh(mesh),
-                   model=ModelConfig.from_config(config),
-                   layout=Layout.plan(config, sizes, mesh.devices.flat[0].platform))
+                   model=ModelConfig.from_config(config, platform), layout=Layout.plan(config, sizes, platform))
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -70,6 +70,9 @@ class Run:
     def describe(self) -> list[str]:
         """The start-of-run lines: the mesh, and the pipeline schedule when there is one."""
         lines = [mesh_lib.describe(self.mesh)]
+        impl = self.config.attention.impl
+        lines.append(f"attention: {self.layout.attention_impl}"
+                     + (f" (attention.impl='auto' on {self.layout.platform})" if impl == "auto" else ""))
         if self.layout.pipeline is not None:
             lines.append(self.layout.pipeline.describe())
         return lines

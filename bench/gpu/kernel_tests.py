@@ -2,7 +2,8 @@
 
 `python bench/gpu/kernel_tests.py [--out FILE] [-k EXPR] [--seconds S] [--log FILE]`
 
-Runs `tests/test_pallas_rms_norm.py`, `tests/test_pallas_cross_entropy.py` and
+Runs `tests/test_cudnn_attention.py` (cuDNN's attention against the einsum one),
+`tests/test_pallas_rms_norm.py`, `tests/test_pallas_cross_entropy.py` and
 `tests/test_pallas_flash_attention.py` with `MESHTRAIN_PALLAS=compiled` (the kernels compiled, not
 interpreted) on JAX's GPU backend: each kernel and its backward against the pure-jnp reference, in
 float32 (1e-5) and bf16, the tolerances of the CPU suite. On a machine without a GPU it runs them in
@@ -30,7 +31,8 @@ import xml.etree.ElementTree as ET
 STARTED = time.monotonic()  # --seconds counts from here: the part's limit began with this process
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # the quick kernels first: a run stopped at its time limit has tested them
-FILES = ("tests/test_pallas_rms_norm.py", "tests/test_pallas_cross_entropy.py", "tests/test_pallas_flash_attention.py")
+FILES = ("tests/test_cudnn_attention.py", "tests/test_pallas_rms_norm.py", "tests/test_pallas_cross_entropy.py",
+         "tests/test_pallas_flash_attention.py")
 
 
 def gpu_visible(timeout: float = 120.0) -> bool:

@@ -1,10 +1,15 @@
-"""Single-device MFU of a ~1B Llama: bf16 and FP8 matmuls, with the Pallas kernels on and off.
+"""Single-device MFU of a ~1B Llama: each attention implementation, bf16 and FP8 matmuls, the Pallas kernels.
 
 `python bench/gpu/mfu.py [--quick] [--steps 10] [--out FILE] [--profile DIR]`
 
 Each variant builds meshtrain's own step (`train_step.build` on a one-device mesh: no parallelism,
 so the figure is the kernels and XLA's code, not communication), creates the state, and times
-`--steps` steps after two warm-up steps on a fixed synthetic batch. MFU follows the playbook
+`--steps` steps after two warm-up steps on a fixed synthetic batch (one document a row, so the
+`cudnn` variants run cuDNN's causal mask; `cudnn+docs` gives every row 4 documents, cuDNN's masked
+call). The variants, in the order they run (a run stopped at its time limit keeps the first):
+`auto` (the default config: `attention.impl=auto`), `cudnn`, `cudnn+docs`, `bf16` (einsum attention),
+`bf16+kernels` (the Pallas flash attention, fused norm and fused head + loss), `fp8`, `fp8+kernels`
+(einsum attention; with the kernels, Pallas). MFU follows the playbook
 ("Benchmarking thousands of configurations"): model FLOPs per token (`metrics.flops_per_token`)
 x tokens/s / the device's peak (`metrics.device_peak_flops`; under FP8 the quantised matmuls'
 share counts at the FP8 peak). The model is Llama 3.2 1B's shape (16 layers, d_model 2048, 32 heads,
@@ -30,10 +35,19 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = (("bf16", False), ("bf16", True), ("fp8", False), ("fp8", True))  # (matmuls, kernels)
+# name -> (matmuls, attention.impl, the fused norm and loss kernels, documents a row)
+VARIANTS = {
+    "auto": ("bf16", "auto", False, 1),
+    "cudnn": ("bf16", "cudnn", False, 1),
+    "cudnn+docs": ("bf16", "cudnn", False, 4),
+    "bf16": ("bf16", "xla", False, 1),
+    "bf16+kernels": ("bf16", "pallas", True, 1),
+    "fp8": ("fp8", "xla", False, 1),
+    "fp8+kernels": ("fp8", "pallas", True, 1),
+}
 
 
-def bench_config(quick: bool, matmuls: str, kernels: bool):
+def bench_config(quick: bool, matmuls: str, kernels: bool, attention: str = ""):
     from meshtrain import config as config_lib
 
     c = config_lib.default_config()
@@ -51,12 +65,12 @@ def bench_config(quick: bool, matmuls: str, kernels: bool):
                        mlp_dim=8192, rope_theta=500000.0)
         c.train.update(batch_size=4, seq_len=4096)
     c.model.matmul_precision = matmuls
-    c.attention.impl = "pallas" if kernels else "xla"
+    c.attention.impl = attention or ("pallas" if kernels else "xla")
     c.model.fused_norm = c.model.fused_loss = kernels
     return c
 
 
-def measure(config, steps: int, profile: str = "") -> dict:
+def measure(config, steps: int, profile: str = "", documents: int = 1) -> dict:
     import jax
     import numpy as np
 
@@ -70,7 +84,9 @@ def measure(config, steps: int, profile: str = "") -> dict:
     tokens = rng.integers(3, v, size=(b, t + 1), dtype=np.int32)
     host = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
             "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)),
-            "segment_ids": np.ones((b, t), np.int32), "loss_mask": np.ones((b, t), np.float32)}
+            "segment_ids": np.repeat(np.arange(1, documents + 1, dtype=np.int32), -(-t // documents))[None, :t]
+                           .repeat(b, axis=0),
+            "loss_mask": np.ones((b, t), np.float32)}
     batch = {k: jax.device_put(x, run.batch_sharding) for k, x in host.items()}
     start = time.perf_counter()
     with jax.set_mesh(run.mesh):
@@ -103,7 +119,7 @@ def measure(config, steps: int, profile: str = "") -> dict:
     cfg = run.model
     per_token = metrics.flops_per_token(cfg, t)
     peak = metrics.device_peak_flops(jax.devices()[0], metrics.fp8_flops_per_token(cfg) / per_token)
-    return {"step_s": seconds, "tokens_per_s": tokens_per_s, "compile_s": compile_s,
+    return {"attention": run.layout.attention_impl, "step_s": seconds, "tokens_per_s": tokens_per_s, "compile_s": compile_s,
             "tflops_per_s": per_token * tokens_per_s / 1e12, "mfu": per_token * tokens_per_s / peak if peak else None,
             "loss": float(out["loss"]), "params": int(sum(x.size for x in jax.tree.leaves(state.params))),
             **({"top_ops": top_ops} if top_ops is not None else {})}
@@ -116,22 +132,26 @@ def main() -> None:
     parser.add_argument("--out", default="", help="also write the JSON line here")
     parser.add_argument("--profile", default="", help="trace two more steps of each variant into DIR/<variant> "
                         "(Perfetto and TensorBoard) and add its top operations per device to the JSON")
-    parser.add_argument("--variants", default="", help="comma-separated subset of " + ", ".join(
-        f"{m}{'+kernels' if k else ''}" for m, k in VARIANTS))
+    parser.add_argument("--variants", default="", help="comma-separated subset of " + ", ".join(VARIANTS))
     args = parser.parse_args()
     import jax
 
     quick = args.quick or jax.default_backend() == "cpu"
     device = jax.devices()[0]
     rows = {}
-    chosen = set(args.variants.split(",")) if args.variants else None
-    for matmuls, kernels in VARIANTS:
-        name = f"{matmuls}{'+kernels' if kernels else ''}"
-        if chosen is not None and name not in chosen:
+    chosen = args.variants.split(",") if args.variants else list(VARIANTS)
+    unknown = [name for name in chosen if name not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: {', '.join(unknown)} not among {', '.join(VARIANTS)}")
+    for name in chosen:
+        matmuls, attention, kernels, documents = VARIANTS[name]
+        if attention == "cudnn" and device.platform != "gpu":
+            rows[name] = {"skipped": "cuDNN's attention runs on an NVIDIA GPU"}
             continue
         try:
-            profile = str(pathlib.Path(args.profile) / name) if args.profile else ""
-            rows[name] = measure(bench_config(quick, matmuls, kernels), 2 if quick else args.steps, profile)
+            profile = str(pathlib.Path(args.profile) / name.replace("+", "_")) if args.profile else ""
+            rows[name] = measure(bench_config(quick, matmuls, kernels, attention), 2 if quick else args.steps,
+                                 profile, documents)
         except Exception as error:  # noqa: BLE001 - one variant's failure is a result, the others still run
             rows[name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
         if args.out:  # after every variant, so that a run stopped at its time limit keeps what it measured
@@ -141,8 +161,8 @@ def main() -> None:
     print(f"{device.device_kind} ({device.platform}), {'quick model' if quick else 'Llama 3.2 1B shape'}")
     print(f"{'variant':<14} {'step s':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'compile s':>9}")
     for name, r in rows.items():
-        if "error" in r:
-            print(f"{name:<14} {r['error']}")
+        if "error" in r or "skipped" in r:
+            print(f"{name:<14} {r.get('error') or 'skipped: ' + r['skipped']}")
             continue
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         print(f"{name:<14} {r['step_s']:>8.4f} {r['tokens_per_s']:>10,.0f} {r['tflops_per_s']:>8.1f} {mfu:>6} "

@@ -23,7 +23,7 @@
 # machine without an NVIDIA GPU it stops at once. Each part has its own time limit (240, 300, 90, 120, 60 s),
 # cut to what is left of RUNBOOK_SECONDS (default 600) from the runbook's start, so that the runbook
 # ends within it; a part over its limit is recorded as such and the next runs (none starts with under
-# 20 s left).
+# 20 s left). RUNBOOK_PARTS (comma-separated part names; default all) runs a subset, in the order above.
 set -uo pipefail
 OUT=${1:?usage: bench/gpu/run_all.sh OUT_DIR}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -53,6 +53,10 @@ status=0
 budget=${RUNBOOK_SECONDS:-600}
 part() {  # part NAME SECONDS COMMAND...: runs one part under its time limit, keeps going on failure
   local name=$1 limit=$2; shift 2
+  if [ -n "${RUNBOOK_PARTS:-}" ] && [[ ",$RUNBOOK_PARTS," != *",$name,"* ]]; then
+    log "$name: not in RUNBOOK_PARTS=$RUNBOOK_PARTS"
+    return
+  fi
   local left=$(( budget - ($(date +%s) - start) - 5 ))
   if [ "$left" -lt 20 ]; then
     log "$name: skipped (${left}s left of RUNBOOK_SECONDS=$budget)"

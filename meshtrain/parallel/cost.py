@@ -136,12 +136,14 @@ class BranchCosts:
         """Each branch of one stage (`stage_branches`) run on `device` (default: the first) and timed:
         `iterations` runs inside one device loop, as the pipeline's tick loop runs them, the fastest of
         three such loops divided by `iterations` (`timed`). Attention is the configured one where it is
-        a single-device kernel (`attention.impl` xla or pallas: the Pallas flash kernel on a GPU). The
+        a single-device kernel (`attention.impl` xla, cudnn or pallas, 'auto' resolved for `device`). The
         transfer stays `gpu`'s link bandwidth (one device has no neighbour to send to)."""
+        from meshtrain import config as config_lib
         from meshtrain.parallel import layout
 
         device = device or jax.devices()[0]
-        attention_fn = layout.attention_fn(config) if config.attention.impl in ("xla", "pallas") else None
+        single = config_lib.attention_impl(config, device.platform) in ("xla", "cudnn", "pallas")
+        attention_fn = layout.attention_fn(config, platform=device.platform) if single else None
         return cls._priced(config, sizes, gpu, device, lambda name, fn, args: timed(fn, args, device, iterations),
                            in_node, attention_fn)
 

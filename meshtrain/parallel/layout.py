@@ -3,7 +3,8 @@
     layout = Layout.plan(config, sizes, platform="gpu")
     layout.pipeline            # the schedule over `stage` (None when mesh.stage == 1)
     layout.accumulation_axes   # what the gradient-accumulation loop is manual over
-    layout.attention           # the attention function the model runs (ring, flash or einsum)
+    layout.attention           # the attention function the model runs (ring, cuDNN, flash or einsum)
+    layout.attention_impl      # its name: `attention.impl` with 'auto' resolved for the platform
 
 Playbook, "5D parallelism in a nutshell". XLA's partitioner handles every axis from the sharding
 rules alone (`sharding_rules.py`) except where meshtrain writes the communication by hand; there a
@@ -34,7 +35,7 @@ from collections.abc import Callable, Mapping
 import ml_collections
 import numpy as np
 
-from meshtrain import attention as attention_lib
+from meshtrain import attention as attention_lib, config as config_lib
 from meshtrain.config import BATCH_AXES, CONTEXT_PARALLEL_IMPLS, Axis, require
 from meshtrain.pallas_kernels.flash_attention import MIN_BLOCK
 from meshtrain.parallel import pipeline as pipeline_lib, pipeline_tables, ring_attention, schedules, ulysses
@@ -53,17 +54,24 @@ class Layout:
     accumulation_axes: tuple[str, ...]
     kernels: bool  # Pallas kernels run: their regions go unchecked
     ring_flash: bool  # ring attention's blocks in the Pallas flash kernel
+    attention_impl: str  # `attention.impl` as run: 'auto' resolved (`config.attention_impl`)
     attention: attention_lib.AttentionFn
     permutation: np.ndarray | None  # the data's token order along the sequence (ring zig-zag), or None
 
     @classmethod
     def plan(cls, config: ml_collections.ConfigDict, sizes: Mapping[str, int], platform: str = "cpu") -> Layout:
-        """The plan of a validated `config` on a mesh of `sizes` whose devices are `platform`'s."""
+        """The plan of a validated `config` on a mesh of `sizes` whose devices are `platform`'s.
+        Raises ConfigError for `attention.impl='cudnn'` on devices other than NVIDIA GPUs."""
+        impl = config_lib.attention_impl(config, platform)
+        require(impl != "cudnn" or platform == "gpu", "attention.impl", impl,
+                f"cuDNN's fused attention runs on NVIDIA GPUs; this mesh's devices are {platform!r} "
+                "(attention.impl='auto' picks the einsum attention there)")
         kernels = uses_kernels(config, sizes, platform)
         flash = ring_flash(config, sizes, platform)
         return cls(sizes=sizes, platform=platform, pipeline=pipeline_plan(config, sizes, kernels=kernels),
                    accumulation_axes=accumulation_axes(config, sizes), kernels=kernels, ring_flash=flash,
-                   attention=attention_fn(config, flash=flash), permutation=data_permutation(config, sizes))
+                   attention_impl=impl, attention=attention_fn(config, flash=flash, platform=platform),
+                   permutation=data_permutation(config, sizes))
 
     def grads_function(self, default: GradsFn) -> GradsFn:
         """The step's loss-and-gradient function: 1F1B's own loop (`pipeline.loss_and_grads`), the
@@ -161,10 +169,11 @@ def uses_kernels(config: ml_collections.ConfigDict, sizes: Mapping[str, int], pl
     return bool(named or ring_flash(config, sizes, platform))
 
 
-def attention_fn(config: ml_collections.ConfigDict, flash: bool = False) -> attention_lib.AttentionFn:
-    """The attention function of `config.attention.impl`; `flash`: ring attention's blocks in the Pallas
-    kernel (`ring_flash`)."""
-    impl = config.attention.impl
+def attention_fn(config: ml_collections.ConfigDict, flash: bool = False,
+                 platform: str = "cpu") -> attention_lib.AttentionFn:
+    """The attention function of `config.attention.impl` on `platform`'s devices ('auto' resolved:
+    `config.attention_impl`); `flash`: ring attention's blocks in the Pallas kernel (`ring_flash`)."""
+    impl = config_lib.attention_impl(config, platform)
     if impl == "ring":
         return functools.partial(ring_attention.ring, zigzag=bool(config.attention.zigzag), flash=flash,
                                  transport="ring")
@@ -173,6 +182,8 @@ def attention_fn(config: ml_collections.ConfigDict, flash: bool = False) -> atte
                                  zigzag=bool(config.attention.zigzag), flash=flash, transport="ring")
     if impl == "pallas":
         return attention_lib.pallas_attention
+    if impl == "cudnn":
+        return attention_lib.cudnn_attention
     return attention_lib.xla_attention
 
 

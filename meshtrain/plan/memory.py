@@ -302,7 +302,7 @@ def _layer_workspace(run: Step, t: int) -> int:
         mlp = t * 3 * m.mlp_dim // tp
     workspace = TOKEN_WORKSPACE * a * (t * per_token + mlp)
     context = m.attention_impl in ("ring", "ulysses") and s["sequence"] > 1  # ring / Ulysses: flash blocks on GPU
-    if m.attention_impl != "pallas" and not context:
+    if m.attention_impl not in ("pallas", "cudnn") and not context:  # flash kernels keep no scores
         workspace += SCORE_BYTES * t * (m.n_heads // tp) * run.seq_len
     return workspace
 

@@ -1,0 +1,127 @@
+"""`attention.impl` cudnn and auto (playbook, "Flash Attention 1-3").
+
+On CPU: which implementation `auto` resolves to for each platform, and the one-line refusals of
+`cudnn` where cuDNN cannot serve. On an NVIDIA GPU (the runbook's `kernel_tests` part runs this file
+there): cuDNN's attention against the einsum attention, causal and document-masked, forward and
+gradients, and a packed row of three documents against the documents run one by one. The H100
+compile (cuDNN calls in the compiled step, `auto` on every mesh) is `tests/test_gpu_aot.py`'s.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshtrain import attention, config as config_lib
+from meshtrain.config import ConfigError
+from meshtrain.parallel.layout import Layout
+from meshtrain.validate import validate
+from tests import utils
+
+ON_GPU = jax.default_backend() == "gpu"
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="cuDNN's attention runs on an NVIDIA GPU: "
+                              "bench/gpu/kernel_tests.py runs these tests on one")
+# bf16 operands; the reference's scores and softmax in float32 (the Pallas kernel tests' bf16 tolerance)
+BF16_TOL = {"rtol": 2e-2, "atol": 2e-2}
+
+
+def _config(**model):
+    c = utils.tiny_config()
+    c.model.update({"dtype": "bfloat16", **model})
+    c.attention.impl = "auto"
+    return c
+
+
+@pytest.mark.parametrize("platform, model, expected", [
+    ("cpu", {}, "xla"),
+    ("gpu", {}, "cudnn"),
+    ("gpu", {"dtype": "float32"}, "xla"),
+    ("gpu", {"head_dim": 12}, "xla"),
+    ("gpu", {"sliding_window": 8}, "xla"),
+    ("tpu", {}, "xla"),
+])
+def test_auto_resolves_per_platform_and_model(platform, model, expected):
+    c = _config(**model)
+    assert config_lib.attention_impl(c, platform) == expected
+    assert config_lib.ModelConfig.from_config(c, platform).attention_impl == expected
+
+
+def test_default_is_auto_and_cpu_runs_einsum():
+    assert config_lib.default_config().attention.impl == "auto"
+    c = _config()
+    layout = Layout.plan(c, validate(c, 1, inputs=False), "cpu")
+    assert layout.attention_impl == "xla" and layout.attention is attention.xla_attention
+
+
+@pytest.mark.parametrize("model, key", [({"dtype": "float32"}, "model.dtype"),
+                                        ({"head_dim": 12}, "model.head_dim"),
+                                        ({"sliding_window": 8}, "model.sliding_window")])
+def test_cudnn_refused_where_it_cannot_serve(model, key):
+    c = _config(**model)
+    c.attention.impl = "cudnn"
+    with pytest.raises(ConfigError, match=key) as error:
+        validate(c, 1, inputs=False)
+    assert len(str(error.value).splitlines()) == 1
+
+
+def test_cudnn_refused_on_a_cpu_mesh():
+    c = _config()
+    c.attention.impl = "cudnn"
+    sizes = validate(c, 1, inputs=False)
+    with pytest.raises(ConfigError, match="attention.impl.*NVIDIA GPUs.*'cpu'"):
+        Layout.plan(c, sizes, "cpu")
+    assert Layout.plan(c, sizes, "gpu").attention is attention.cudnn_attention
+
+
+def _qkv(b=2, t=512, h=8, kv=2, d=64, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(ks[0], (b, t, h, d), jnp.bfloat16),
+            jax.random.normal(ks[1], (b, t, kv, d), jnp.bfloat16),
+            jax.random.normal(ks[2], (b, t, kv, d), jnp.bfloat16))
+
+
+def _reference(q, k, v, segment_ids):
+    """The einsum attention on the same bf16 values, computed in float32."""
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    return attention.xla_attention(*f32, segment_ids)
+
+
+def _segments(b, t, lengths):
+    row = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)] + [np.zeros(t - sum(lengths))])
+    return jnp.asarray(np.tile(row, (b, 1)), jnp.int32)
+
+
+@gpu_only
+@pytest.mark.parametrize("lengths", [(512,), (128, 256, 96)], ids=["one_document", "documents_and_padding"])
+def test_cudnn_matches_einsum_forward_and_gradients(lengths):
+    q, k, v = _qkv()
+    seg = _segments(2, 512, lengths)
+    ct = jax.random.normal(jax.random.key(1), q.shape, jnp.float32)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v, seg).astype(jnp.float32) * ct)
+
+    out = jax.jit(attention.cudnn_attention)(q, k, v, seg)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(_reference(q, k, v, seg)), **BF16_TOL)
+    got = jax.jit(jax.grad(loss(attention.cudnn_attention), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.grad(loss(_reference), argnums=(0, 1, 2)))(q, k, v)
+    for g, w in zip(got, want):
+        scale = float(jnp.max(jnp.abs(w)))
+        np.testing.assert_allclose(np.asarray(g, np.float32) / scale, np.asarray(w) / scale, **BF16_TOL)
+
+
+@gpu_only
+def test_packed_row_equals_documents_one_by_one():
+    """A row of 3 documents gives each document the output it has alone."""
+    lengths = (128, 256, 128)
+    q, k, v = _qkv(b=1)
+    seg = _segments(1, 512, lengths)
+    packed = np.asarray(jax.jit(attention.cudnn_attention)(q, k, v, seg), np.float32)
+    start = 0
+    for n in lengths:
+        part = slice(start, start + n)
+        alone = jax.jit(attention.cudnn_attention)(q[:, part], k[:, part], v[:, part], jnp.ones((1, n), jnp.int32))
+        np.testing.assert_allclose(packed[:, part], np.asarray(alone, np.float32), **BF16_TOL)
+        start += n
