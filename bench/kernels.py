@@ -193,15 +193,15 @@ def main(argv: list[str]) -> int:
         args.lengths, args.iters = "1024,2048", 2
     backend = jax.default_backend()
     result = {"backend": backend, "device": jax.devices()[0].device_kind}
-    result["correctness"] = correctness()
-    print("correctness:", result["correctness"], flush=True)
-    result["loss_memory"] = loss_memory()
-    print("loss step memory:", result["loss_memory"], flush=True)
-    if backend == "gpu":
+    if backend == "gpu":  # the timings first: a run stopped at its time limit has printed them
         lengths = [int(n) for n in args.lengths.split(",")]
         result["attention"] = bench_attention_gpu(lengths, args.iters)
     else:
         print("not a GPU: attention timings skipped (interpret mode measures nothing useful)")
+    result["correctness"] = correctness()
+    print("correctness:", result["correctness"], flush=True)
+    result["loss_memory"] = loss_memory()
+    print("loss step memory:", result["loss_memory"], flush=True)
     line = json.dumps(result)
     print(line)
     if args.out:

@@ -10,7 +10,8 @@
 #                       reports the tests that finished)
 # 3. mfu.json           single-GPU MFU of a ~1B Llama, bf16 and FP8, kernels off and on, with each variant's
 #                       top GPU operations from a two-step profile (bench/gpu/mfu.py --profile)
-# 4. kernels.json       flash attention against XLA's and cuDNN's at 4k and 16k tokens, TFLOP/s (bench/kernels.py)
+# 4. kernels.json       flash attention against XLA's and cuDNN's at the mfu model's shape and at 8k and 16k
+#                       tokens, forward and forward + backward, TFLOP/s and % of peak (bench/kernels.py)
 # 5. pipeline_branches.json  one pipeline stage's branches timed on the GPU beside the cost model's roofline,
 #                       and each schedule's modeled step from the measured times (bench/gpu/pipeline_branches.py)
 # 6. overlap.json       the step compiled over all local GPUs: asynchronous collectives and the compute
@@ -20,7 +21,7 @@
 # (out of range: the runbook stops); meshtrain goes in with --no-deps, and its other needs come from the
 # package index or, on machines without one, from a folder of wheels (WHEELS=DIR, filled where an index
 # is reachable by bench/gpu/offline_wheels.sh DIR). With no JAX at all it installs the `gpu` extra. On a
-# machine without an NVIDIA GPU it stops at once. Each part has its own time limit (240, 300, 90, 120, 60 s),
+# machine without an NVIDIA GPU it stops at once. Each part has its own time limit (240, 300, 120, 120, 60 s),
 # cut to what is left of RUNBOOK_SECONDS (default 600) from the runbook's start, so that the runbook
 # ends within it; a part over its limit is recorded as such and the next runs (none starts with under
 # 20 s left). RUNBOOK_PARTS (comma-separated part names; default all) runs a subset, in the order above.
@@ -88,7 +89,7 @@ EOF
 cat "$OUT/env.json"
 part kernel_tests 240 "$PY" bench/gpu/kernel_tests.py --out "$OUT/kernel_tests.json" --log "$OUT/kernel_tests.pytest.log"
 part mfu 300 "$PY" bench/gpu/mfu.py --out "$OUT/mfu.json" --profile "${TMPDIR:-/tmp}/meshtrain_mfu_profile"
-part kernels 90 "$PY" bench/kernels.py --lengths 4096,16384 --iters 5 --out "$OUT/kernels.json"
+part kernels 120 "$PY" bench/kernels.py --lengths 8192,16384 --iters 5 --out "$OUT/kernels.json"
 part pipeline_branches 120 "$PY" bench/gpu/pipeline_branches.py --out "$OUT/pipeline_branches.json"
 part overlap 60 "$PY" bench/gpu/overlap.py --out "$OUT/overlap.json"
 log "done: $(ls "$OUT"/*.json | wc -l) JSON files in $OUT"
