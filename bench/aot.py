@@ -8,7 +8,14 @@ aliased) beside the planner's, whether it fits the target's usable HBM, the Pall
 Triton calls, the asynchronous collectives with compute scheduled beside them, and the compile time.
 `--quick` compiles the two smallest (llama3_8b on fsdp=8, with and without the kernels), read back
 from the per-user compile cache when the same programs were compiled before (`meshtrain.compile_cache`;
-the compile time shown is then the first compile's). Prints a table and one JSON line.
+the compile time shown is then the first compile's).
+
+Each row also gives the attention the step runs (`attention.impl=auto` on a GPU: cuDNN's fused
+attention) and the step's modeled MFU (`meshtrain.aot`: model FLOPs over the kernel model's step at
+the target's peak, communication not included). Targets (issue "attention at the GPU's speed"):
+the GPU runbook's 1.5B step on one H200 (`bench/gpu/mfu.py`'s model, compiled first in every mode)
+at least 50%, llama3_8b on fsdp=8 at least 45%; a row that misses its target is marked, and the
+JSON line says which. Prints a table and one JSON line.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 QUICK = ("8b-fsdp8", "8b-fsdp8-kernels")
+RUNBOOK = "runbook-1.5b-h200"  # bench/gpu/mfu.py's model and step, one H200
+MFU_TARGETS = {RUNBOOK: 0.50, "8b-fsdp8": 0.45}
 
 
 def main() -> None:
@@ -38,27 +47,48 @@ def main() -> None:
     names = QUICK if args.quick else tuple(aot.REFERENCE_MESHES)
     rows, start = [], time.perf_counter()
     header = (f"{'mesh':<32} {'devices':>7} {'compiler GiB':>12} {'planner GiB':>11} {'planner/compiler':>16} "
-              f"{'fits':>4} {'overlapped':>10} {'kernels':>7} {'compile s':>9}")
+              f"{'fits':>4} {'overlapped':>10} {'kernels':>7} {'attention':>9} {'modeled MFU':>14} {'compile s':>9}")
     print(header, flush=True)
-    for name in names:
-        config_name, devices, overrides = aot.REFERENCE_MESHES[name]
-        config = cli.apply_overrides(cli.load_config_file(str(ROOT / "configs" / f"{config_name}.py")), overrides)
-        report = aot.compile_report(config, args.target, devices, sample=None)
+    sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+    import mfu
+
+    for name in (RUNBOOK, *names):
+        if name == RUNBOOK:
+            config_name, devices, target = "bench/gpu/mfu.py", 1, "h200"
+            config = mfu.bench_config(False, "bf16", False, "auto")
+        else:
+            config_name, devices, overrides = aot.REFERENCE_MESHES[name]
+            config = cli.apply_overrides(cli.load_config_file(str(ROOT / "configs" / f"{config_name}.py")), overrides)
+            target = args.target
+        report = aot.compile_report(config, target, devices, sample=None)
         mem, plan = report.step.memory["peak"], report.planner["peak"]
         pairs = sum(c["pairs"] for c in report.step.collectives.values())
         hidden = sum(c["overlapped"] for c in report.step.collectives.values())
         row = {"mesh": name, "config": config_name, "devices": devices, "sizes": report.sizes,
                "compiler_bytes": mem, "planner_bytes": plan, "planner_over_compiler": round(plan / mem, 4),
                "fits": report.fits, "async_pairs": pairs, "overlapped": hidden,
-               "triton_kernels": sum(report.step.kernels.values()), "compile_s": round(report.step.compile_seconds, 1)}
+               "triton_kernels": sum(report.step.kernels.values()), "compile_s": round(report.step.compile_seconds, 1),
+               "target": target, "attention": report.step.cudnn_attention and "cudnn" or (
+                   "pallas" if "flash_attention_forward" in report.step.kernels else "einsum"),
+               "cudnn_calls": sum(report.step.cudnn_attention.values()),
+               "modeled_step_s": round(report.step.modeled_seconds, 4),
+               "modeled_mfu": round(report.modeled_mfu, 4) if report.modeled_mfu is not None else None,
+               "mfu_target": MFU_TARGETS.get(name)}
+        row["mfu_target_met"] = None if row["mfu_target"] is None or row["modeled_mfu"] is None else \
+            row["modeled_mfu"] >= row["mfu_target"]
         rows.append(row)
+        mfu_cell = "-" if row["modeled_mfu"] is None else f"{row['modeled_mfu']:.1%}"
+        if row["mfu_target_met"] is not None:
+            mfu_cell += f" {'>=' if row['mfu_target_met'] else '<'}{row['mfu_target']:.0%}"
         print(f"{name:<32} {devices:>7} {mem / 2**30:>12.2f} {plan / 2**30:>11.2f} {plan / mem:>16.3f} "
               f"{'yes' if report.fits else 'no':>4} {f'{hidden}/{pairs}':>10} {row['triton_kernels']:>7} "
-              f"{row['compile_s']:>9.1f}", flush=True)
+              f"{row['attention']:>9} {mfu_cell:>14} {row['compile_s']:>9.1f}", flush=True)
     worst = max(abs(r["planner_over_compiler"] - 1) for r in rows)
     print(f"largest planner error {worst:.1%}; {time.perf_counter() - start:.0f} s in all")
+    missed = [r["mesh"] for r in rows if r["mfu_target_met"] is False]
+    print(f"modeled MFU targets missed: {', '.join(missed) or 'none'}")
     print(json.dumps({"bench": "aot", "target": args.target, "quick": args.quick, "rows": rows,
-                      "largest_planner_error": round(worst, 4)}))
+                      "largest_planner_error": round(worst, 4), "mfu_targets_missed": missed}))
 
 
 if __name__ == "__main__":

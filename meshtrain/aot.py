@@ -152,9 +152,12 @@ class ProgramReport:
     gemms: int
     fp8_gemms: int
     collectives: dict[str, dict[str, int]]  # kind -> {"pairs", "overlapped"}
+    cudnn_attention: dict[str, int] = dataclasses.field(default_factory=dict)  # cuDNN fused-attention target -> calls
     # the program's kernels one after another on one device, priced kernel by kernel (`hlo.KernelTimes`):
-    # no communication; a Pallas kernel by its bytes alone (its FLOPs are not in the module's text); of a
-    # conditional (a pipeline tick's `lax.switch`) the longest branch, as a lock-step tick lasts
+    # no communication; cuDNN's and the Pallas flash attention by their FLOPs at their measured efficiency
+    # (`hlo.MEASURED_EFFICIENCY`), the other Pallas kernels by their bytes alone (their FLOPs are not in the
+    # module's text); of a conditional (a pipeline tick's `lax.switch`, cuDNN attention's choice between
+    # its causal and its document-masked call) the longest branch, as a lock-step tick lasts
     modeled_seconds: float = 0.0
     top_kernels: list[dict] = dataclasses.field(default_factory=list)  # the most modeled time first
     from_cache: bool = False  # read back from the compile cache (`compile_seconds`: the compile that made it)
@@ -169,6 +172,7 @@ class ProgramReport:
             by_kind[pair.kind]["overlapped"] += pair.overlapped
         report = cls(seconds, verify.compiled_memory(compiled), dict(sorted(hlo.triton_kernels(text).items())),
                      gemm.total, gemm.fp8, dict(sorted(by_kind.items())),
+                     dict(sorted(hlo.cudnn_attention_calls(text).items())),
                      from_cache=getattr(compiled, "from_cache", False))
         if gpu is not None:
             kernels = hlo.kernels(text, price=lambda ks: hlo.KERNEL_TIMES.seconds(ks, gpu))
@@ -193,6 +197,9 @@ class Report:
     usable_bytes: int
     sampling: ProgramReport | None = None
     sampling_note: str = ""
+    # model FLOPs per device (`metrics.flops_per_token`, as the training log counts them) over the modeled
+    # step, at the target's peak (FP8-weighted under matmul_precision=fp8); None when not priced
+    modeled_mfu: float | None = None
 
     @property
     def fits(self) -> bool:
@@ -228,6 +235,9 @@ class Report:
         lines.append(f"GEMMs: {self.step.gemms} ({self.step.fp8_gemms} in FP8)")
         lines.append(_collective_lines(self.step))
         lines.append(_modeled_lines(self.step))
+        if self.modeled_mfu is not None:
+            lines.append(f"modeled MFU: {self.modeled_mfu:.1%} (model FLOPs a step, as the training log counts them, "
+                         "over the modeled step at the target's peak; communication not included)")
         if self.sampling is not None:
             s = self.sampling
             lines.append(f"sampling program compiled in {s.compile_seconds:.1f} s{_cached(s)}: arguments "
@@ -242,9 +252,9 @@ def _cached(program: ProgramReport) -> str:
 
 
 def _kernel_line(program: ProgramReport) -> str:
-    if not program.kernels:
-        return "Pallas kernels as Triton calls: none"
-    return "Pallas kernels as Triton calls: " + ", ".join(f"{k} x{n}" for k, n in program.kernels.items())
+    pallas = ", ".join(f"{k} x{n}" for k, n in program.kernels.items()) or "none"
+    cudnn = ", ".join(f"{k.removeprefix('__cudnn$')} x{n}" for k, n in program.cudnn_attention.items()) or "none"
+    return f"Pallas kernels as Triton calls: {pallas}\ncuDNN fused attention calls: {cudnn}"
 
 
 def _modeled_lines(program: ProgramReport) -> str:
@@ -252,7 +262,7 @@ def _modeled_lines(program: ProgramReport) -> str:
     if not program.top_kernels:
         return "modeled compute: not priced"
     lines = [f"modeled compute per step, kernel by kernel: {program.modeled_seconds:.4f} s (no communication; "
-             "Pallas kernels by their bytes)",
+             "attention kernels by their FLOPs at their measured efficiency, the other Pallas kernels by their bytes)",
              "  kernel                                   kind                  runs   share  GB moved   TFLOP"]
     for k in program.top_kernels:
         lines.append(f"  {k['name'][:40]:<40} {k['kind'][:20]:<20} {k['runs']:>6.0f} "
@@ -293,6 +303,21 @@ def compile_sampling(run, factory, prompt_len: int, new_tokens: int):
     return compiled, verify.compile_seconds(compiled, time.perf_counter() - start)
 
 
+def modeled_mfu(run, step: ProgramReport, gpu: hardware.Gpu) -> float | None:
+    """Model FLOPs a device does per step (`metrics.flops_per_token` x the step's tokens / devices) over
+    the modeled step (`ProgramReport.modeled_seconds`), at `gpu`'s peak (FP8-weighted as
+    `metrics.device_peak_flops`); None when the step was not priced. Playbook, "Benchmarking thousands
+    of configurations" (MFU)."""
+    from meshtrain import metrics
+
+    if not step.modeled_seconds:
+        return None
+    t = run.config.train.seq_len
+    per_token = metrics.flops_per_token(run.model, t)
+    peak = metrics.blended_peak(gpu.peak_flops, gpu.peak_fp8_flops, metrics.fp8_flops_per_token(run.model) / per_token)
+    return per_token * run.config.train.batch_size * t / run.mesh.devices.size / step.modeled_seconds / peak
+
+
 def compile_report(config: ml_collections.ConfigDict, target: str, devices: int, devices_per_node: int = 8,
                    sample: tuple[int, int] | None = (128, 64)) -> Report:
     """Compiles the configured step (and, with `sample` = (prompt length, new tokens), the sampling
@@ -305,7 +330,7 @@ def compile_report(config: ml_collections.ConfigDict, target: str, devices: int,
     del compiled
     planner = verify.model_memory(config, dict(run.sizes), verify.batch_bytes(run))
     report = Report(target, run.mesh.devices.flat[0].device_kind, devices, devices_per_node, dict(run.sizes),
-                    step, planner, gpu.usable_bytes)
+                    step, planner, gpu.usable_bytes, modeled_mfu=modeled_mfu(run, step, gpu))
     if sample is None:
         report.sampling_note = "not compiled (--sample=false)"
     elif run.sizes["stage"] > 1 or run.sizes["sequence"] > 1:

@@ -107,7 +107,13 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
     heads = auto_axes(("tensor",))
     x = P(batch or None, None, heads or None, None)
     seg = P(batch or None, None)
-    return per_shard(_cudnn_local, (x, x, x, seg), x, batch + heads)(q, k, v, segment_ids)
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(getattr(mesh, "manual_axes", ()))
+    # every axis still automatic, size 1 included: JAX's cuDNN call partitions itself (custom
+    # partitioning), which fails in a region manual over only some axes (the accumulation and pipeline
+    # loops); in a fully manual region there is nothing left to partition
+    rest = tuple(a for a in mesh.axis_names if a not in manual) if not mesh.empty else ()
+    return per_shard(_cudnn_local, (x, x, x, seg), x, rest)(q, k, v, segment_ids)
 
 
 def _cudnn_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:

@@ -51,7 +51,9 @@ def cudnn_refusal(config: ml_collections.ConfigDict) -> tuple[str, object, str] 
     cuDNN's flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`) takes bf16 or
     fp16 operands, head dims that are multiples of 8 up to 128 (256 on Hopper, but JAX checks against
     128 where it cannot see the GPU, as in an ahead-of-time compile), and an even sequence length
-    when a mask is given (the document mask). Sliding windows stay the einsum path's.
+    when a mask is given (the document mask). Sliding windows stay the einsum path's. Its calls
+    declare no variance inside a `shard_map` (as a Pallas kernel: `parallel.layout.uses_kernels`), so
+    no MoE layer may share a pipeline stage with them.
     """
     m = config.model
     if m.dtype not in ("bfloat16", "float16"):
@@ -62,6 +64,10 @@ def cudnn_refusal(config: ml_collections.ConfigDict) -> tuple[str, object, str] 
         return "train.seq_len", config.train.seq_len, "cuDNN's masked (document) attention needs an even length"
     if m.sliding_window:
         return "model.sliding_window", m.sliding_window, "sliding-window attention runs in the einsum attention only"
+    if m.num_experts and int(config.mesh.stage) != 1:
+        return ("model.num_experts", m.num_experts, "MoE layers and cuDNN's attention cannot share a pipeline stage: "
+                "the router statistics' gradients need the stage loop's variance checks, which cuDNN's calls do not "
+                "pass (they declare no variance, as a Pallas kernel)")
     return None
 
 

@@ -311,9 +311,11 @@ class RunCheckpoints:
     """
 
     def __init__(self, config: ml_collections.ConfigDict, factory: StateFactory, watchdog: Watchdog | None = None,
-                 injection: faults.Injection = faults.NONE):
+                 injection: faults.Injection = faults.NONE, attention: str = ""):
         """Checkpoints hold the layers in execution order (`StateFactory.to_canonical`); the run's
-        state holds them in its schedule's order. `injection`: a fault to inject (`faults`)."""
+        state holds them in its schedule's order. `injection`: a fault to inject (`faults`). `attention`:
+        the attention implementation the step runs (`attention.impl` resolved), recorded in each
+        checkpoint's meta beside the run's description."""
         self.config, self.factory, self.abstract_state = config, factory, factory.canonical
         self.every = int(config.checkpoint.every)
         self.ckpt = checkpoint.Checkpointer(checkpoint.checkpoint_root(config.workdir),
@@ -324,7 +326,7 @@ class RunCheckpoints:
         self.spikes = SpikeGuard(config)
         self.preemption = Preemption()
         self._record = checkpoint.config_record(config)
-        self._described = run_record.record(config)
+        self._described = {**run_record.record(config), **({"attention": attention} if attention else {})}
         self.injection = injection
         if injection.point == "save":  # once this process's part of the step is written, before the commit
             self.ckpt.on_written = lambda step: injection.at("save", step)
@@ -538,7 +540,7 @@ class Loop:
         self.watchdog = Watchdog(float(config.train.hang_timeout_s), checkpoint.checkpoint_root(config.workdir),
                                  enabled=jax.process_count() > 1)
         self.injection = faults.from_environment()  # MESHTRAIN_INJECT, read once
-        self.ckpts = RunCheckpoints(config, factory, self.watchdog, self.injection)
+        self.ckpts = RunCheckpoints(config, factory, self.watchdog, self.injection, run.layout.attention_impl)
         self._create: Callable[[], object] | None = None
         self.eval_step = make_eval_step(factory, mesh_lib.compiler_options(run.mesh)) if config.eval_every else None
         self.flops_per_token = metrics_lib.flops_per_token(run.model, config.train.seq_len)

@@ -66,6 +66,26 @@ def test_cudnn_refused_where_it_cannot_serve(model, key):
     assert len(str(error.value).splitlines()) == 1
 
 
+def test_moe_pipeline_stage_keeps_einsum_attention():
+    """cuDNN's calls declare no variance (the stage loop then goes unchecked), and MoE stages need the
+    checks: auto picks einsum there, and cudnn is refused naming the key."""
+    c = _config(num_experts=4)
+    c.mesh.stage = 2
+    assert config_lib.attention_impl(c, "gpu") == "xla"
+    c.mesh.stage = 1
+    assert config_lib.attention_impl(c, "gpu") == "cudnn"
+    c.mesh.stage, c.mesh.data = 2, 1
+    c.attention.impl = "cudnn"
+    with pytest.raises(ConfigError, match="model.num_experts.*pipeline stage"):
+        validate(c, 2, inputs=False)
+
+
+def test_cudnn_regions_go_unchecked_on_a_gpu():
+    c = _config()
+    sizes = validate(c, 1, inputs=False)
+    assert Layout.plan(c, sizes, "gpu").kernels and not Layout.plan(c, sizes, "cpu").kernels
+
+
 def test_cudnn_refused_on_a_cpu_mesh():
     c = _config()
     c.attention.impl = "cudnn"

@@ -25,6 +25,7 @@ import itertools
 import json
 import math
 import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -116,6 +117,7 @@ def test_composed_mesh_compiles_for_h100(mesh):
     report = _compile(config, devices)
     assert report.sizes == {a: mesh.get(a, 1) for a in AXES}
     assert set(report.step.kernels) == _kernels_expected(config, report)
+    assert bool(report.step.cudnn_attention) == (config_lib.attention_impl(config, "gpu") == "cudnn")
     assert report.step.memory["peak"] > 0 and report.fits
 
 
@@ -170,6 +172,25 @@ def test_sampling_program_compiles_for_h100():
     report = aot.compile_report(config, "h100", 8, sample=(16, 8))
     assert report.sampling is not None and report.sampling.gemms > 0
     assert report.sampling.memory["argument"] > 0
+
+
+# attention.impl=auto on an NVIDIA GPU: cuDNN's causal call and its document-masked one (a bias), each
+# with its backward (`attention.cudnn_attention`)
+CUDNN_CALLS = {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward", "__cudnn$fmhaScaleBiasSoftmax",
+               "__cudnn$fmhaScaleBiasSoftmaxBackward"}
+
+
+def test_runbook_step_runs_cudnn_attention_on_h200():
+    """The GPU runbook's 1.5B step (`bench/gpu/mfu.py`, default `attention.impl=auto`) compiled for one
+    H200: cuDNN's attention calls, no Triton kernels, and the kernel model's MFU (printed by
+    `meshtrain.aot`, its target in `bench/aot.py`) between the measured einsum step's and the peak."""
+    sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+    import mfu
+
+    config = mfu.bench_config(False, "bf16", False, "auto")
+    report = aot.compile_report(config, "h200", 1, sample=None)
+    assert set(report.step.cudnn_attention) == CUDNN_CALLS and not report.step.kernels
+    assert report.fits and 0.121 < report.modeled_mfu < 1.0
 
 
 def test_llama3_8b_kernels_are_triton_calls():
@@ -241,6 +262,8 @@ def test_planner_memory_within_10_percent_of_the_h100_compiler(name):
     compiled, planned = report.step.memory["peak"], report.planner["peak"]
     assert planned == pytest.approx(compiled, rel=0.10), (
         f"{name}: planner {planned / 2**30:.2f} GiB, compiler {compiled / 2**30:.2f} GiB")
+    if config_lib.attention_impl(config, "gpu") == "cudnn":  # attention.impl=auto on the GPU
+        assert set(report.step.cudnn_attention) >= CUDNN_CALLS, report.step.cudnn_attention
     if config.pipeline.overlap_transfers:  # each tick's transfers beside the next tick's compute
         found = report.step.collectives
         assert found["collective-permute"]["overlapped"] == found["collective-permute"]["pairs"] > 0, found

@@ -46,6 +46,7 @@ def test_checkpoints_hold_the_model_and_tokenizer(trained):
     found = run_record.read(str(workdir))
     assert found["step"] == 2 and found["tokenizer"] == "bytes" and found["dtype"] == config.model.dtype
     assert found["model"] == {key: config.model[key] for key in run_record.MODEL_KEYS}
+    assert found["attention"] == config_lib.attention_impl(config, "cpu")  # attention.impl as the step ran it
 
 
 def test_the_workdir_alone_samples_what_the_full_config_does(trained):

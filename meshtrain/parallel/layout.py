@@ -20,10 +20,12 @@ automatic (`Rules.manual` tells it which are already manual). The table, outermo
 | ring attention (`attention.impl='ring'`) | `sequence` (and `tensor` for the K/V heads) when not yet manual | K/V blocks travel the ring by `ppermute` | the enclosing region |
 | Ulysses (`attention.impl='ulysses'`) | `sequence` when not yet manual; `tensor` around each all-to-all when it splits the heads | the all-to-alls trade the sequence split for a head split | the enclosing region |
 | Pallas kernels (flash, fused norm / loss) | the axes each operand is split on | a `pallas_call` cannot be partitioned | `sharding_rules.per_shard` |
+| cuDNN attention (`attention.impl` cudnn, or auto on a GPU) | every axis not yet manual | its custom partitioning fails in a partly manual region | `attention.cudnn_attention` |
 
-A region holding a Pallas kernel is not type-checked for variance (`kernels`: a `pallas_call`
-declares none). The pipeline loop and the accumulation loop are never open together
-(`pipeline` rules: `train.grad_accum_steps` must be 1 with `mesh.stage > 1`).
+A region holding a Pallas kernel or a cuDNN attention call is not type-checked for variance
+(`kernels`: a `pallas_call` declares none, and cuDNN's gradients come back without one). The
+pipeline loop and the accumulation loop are never open together (`pipeline` rules:
+`train.grad_accum_steps` must be 1 with `mesh.stage > 1`).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class Layout:
     platform: str  # what the step is compiled for ('cpu', 'gpu', 'tpu'): the mesh's devices
     pipeline: pipeline_lib.Pipeline | None  # None unless mesh.stage > 1
     accumulation_axes: tuple[str, ...]
-    kernels: bool  # Pallas kernels run: their regions go unchecked
+    kernels: bool  # Pallas kernels or cuDNN's attention run: their regions go unchecked
     ring_flash: bool  # ring attention's blocks in the Pallas flash kernel
     attention_impl: str  # `attention.impl` as run: 'auto' resolved (`config.attention_impl`)
     attention: attention_lib.AttentionFn
@@ -161,11 +163,12 @@ def ring_size(config: ml_collections.ConfigDict, sizes: Mapping[str, int]) -> in
 
 
 def uses_kernels(config: ml_collections.ConfigDict, sizes: Mapping[str, int], platform: str = "cpu") -> bool:
-    """Whether the step runs Pallas kernels, whose manual regions then go unchecked (a pallas_call
-    declares no variance): flash attention, the fused RMSNorm or loss, or ring attention's flash blocks
-    on a GPU (`ring_flash`)."""
+    """Whether the step runs kernels that declare no variance, whose manual regions then go unchecked:
+    the Pallas kernels (flash attention, the fused RMSNorm or loss, ring attention's flash blocks on a
+    GPU: `ring_flash`) and cuDNN's attention calls (`attention.impl` cudnn, or auto on a GPU)."""
     m = config.model
-    named = config.attention.impl == "pallas" or m.fused_norm or m.fused_loss
+    impl = config_lib.attention_impl(config, platform)
+    named = impl in ("pallas", "cudnn") or m.fused_norm or m.fused_loss
     return bool(named or ring_flash(config, sizes, platform))
 
 

@@ -404,7 +404,8 @@ def _async_kind(line: str, comps: dict[str, list[str]]) -> str:
 # --------------------------------------------------------------------------------------------
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
-_TRITON_CALL = 'custom_call_target="__gpu$xla.gpu.triton"'
+_TRITON_TARGET = "__gpu$xla.gpu.triton"
+_TRITON_CALL = f'custom_call_target="{_TRITON_TARGET}"'
 _KERNEL_NAME = re.compile(r'\bname\s*=\s*\\?"([\w.\-]+)\\?"')
 _CUSTOM_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _F8 = re.compile(r"^\(?f8e\w+\[")
@@ -418,6 +419,16 @@ def triton_kernels(hlo: str) -> collections.Counter:
         if _TRITON_CALL in line:
             name = _KERNEL_NAME.search(line)
             found[name.group(1) if name else "unnamed"] += 1
+    return found
+
+
+def cudnn_attention_calls(hlo: str) -> collections.Counter:
+    """cuDNN fused-attention custom call target (`__cudnn$fmhaSoftmax`, its backward, the bias
+    variants) -> how many the compiled module holds."""
+    found: collections.Counter = collections.Counter()
+    for line in hlo.splitlines():
+        if (t := _CUSTOM_TARGET.search(line)) and t.group(1).startswith("__cudnn$fmha"):
+            found[t.group(1)] += 1
     return found
 
 
@@ -532,8 +543,12 @@ class Kernel:
     name: str
     opcode: str  # "fusion", or the custom call's target, or the unfused instruction's opcode
     bytes: float  # read and written by one launch
-    flops: float  # of its dots (GEMMs) in one launch; elementwise work is not counted
+    flops: float  # of its dots (GEMMs) in one launch, or an attention kernel's; elementwise work is not counted
     runs: float
+    # the share of the bf16 peak its FLOPs run at: a measured kernel's (`MEASURED_EFFICIENCY`);
+    # 0 for GEMMs, which `KernelTimes.flop_efficiency` prices (float32 ones at `TF32_EFFICIENCY`)
+    efficiency: float = 0.0
+    tf32: bool = False  # a GEMM of float32 operands: Hopper runs it as TF32 (`TF32_EFFICIENCY`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -555,12 +570,90 @@ class KernelTimes:
 
     def seconds(self, kernels, gpu) -> float:
         """The kernels run one after another (one stream), each `runs` times."""
-        return sum(k.runs * (max(k.flops / (gpu.peak_flops * self.flop_efficiency),
+        return sum(k.runs * (max(k.flops / (gpu.peak_flops * self.rate(k)),
                                  k.bytes / (gpu.hbm_bandwidth * self.hbm_efficiency)) + self.launch)
                    for k in kernels)
 
+    def rate(self, kernel: Kernel) -> float:
+        """The share of the bf16 peak at which `kernel`'s FLOPs run."""
+        if kernel.efficiency:
+            return kernel.efficiency
+        return min(self.flop_efficiency, TF32_EFFICIENCY) if kernel.tf32 else self.flop_efficiency
+
 
 KERNEL_TIMES = KernelTimes()
+
+# A float32 GEMM runs as TF32 on Hopper (XLA:GPU's default precision; TF32's dense peak is half the
+# bf16 one): the share of the bf16 peak at which the two float32 GEMMs of the head's backward (the
+# logits' float32 gradient against bf16 operands, [16384, 2048] x [2048, 128256]) ran in the profiled
+# step of `bench/gpu/mfu.py` on one H200 (2026-11-27): 58 ms for 17.2 TFLOP.
+TF32_EFFICIENCY = 0.30
+
+# Attention kernels and the fused head + loss, priced by their FLOPs (the compiled module's text gives
+# their shapes, not what they compute): the share of the bf16 peak each reached, by head_dim (64: up to
+# 64; 128: above; the loss kernels' figure is the same in both), on one
+# H200 (JAX 0.11.2, CUDA 13, 2026-11-27). Head dim 64: in the step of `bench/gpu/mfu.py`'s model
+# (batch 4 x 4,096, 32 heads, 8 K/V heads), device time per call from its two-step profile (`--profile`):
+# cuDNN forward 0.716 ms (its backward 2.144 ms with its three helper kernels), with the document mask
+# as a bias 1.267 / 3.52 ms; the Pallas forward 1.753 ms, dq 1.374 ms, dk/dv 1.997 ms. Head dim 128:
+# `bench/kernels.py` at 1 x 8,192 (wall time per call, so a little under the device's speed): cuDNN
+# forward 1.188 ms, forward + backward 3.978 ms; with the bias 2.117 / 9.005 ms; Pallas 2.069 / 11.603 ms.
+# The fused head + loss (`pallas_kernels.cross_entropy`, [16384, 2048] x [2048, 128256], in the same step's
+# profile): forward 17.7 ms, backward 692 ms a call (its GEMMs accumulate with atomic adds).
+# FLOPs as counted here (`_attention_flops`): forward 4·B·H·T·S·D, halved when causal; cuDNN's backward
+# 2.5 forwards; the Pallas dq kernel 1.5 forwards (it recomputes the scores), dk/dv 2 forwards; the
+# loss kernels 2·N·D·V forward, 6·N·D·V backward (the logits again, then dh and dw).
+MEASURED_EFFICIENCY: dict[str, tuple[float, float]] = {  # kernel -> (head_dim <= 64, head_dim > 64)
+    "cudnn_forward": (0.388, 0.468),
+    "cudnn_backward": (0.324, 0.498),
+    "cudnn_bias_forward": (0.219, 0.263),
+    "cudnn_bias_backward": (0.197, 0.202),
+    "flash_attention_forward": (0.158, 0.269),
+    "flash_attention_dq": (0.303, 0.204),
+    "flash_attention_dkdv": (0.278, 0.204),
+    "cross_entropy_forward": (0.491, 0.491),
+    "cross_entropy_backward": (0.0377, 0.0377),
+}
+_PALLAS_FLASH = {"flash_attention_forward": 1.0, "flash_attention_dq": 1.5, "flash_attention_dkdv": 2.0}
+_PALLAS_LOSS = {"cross_entropy_forward": 2.0, "cross_entropy_backward": 6.0}  # x N·D·V
+_FMHA_SHAPE = re.compile(r'"intermediate_tensor_shape"\s*:\s*\{[^}]*?"dimensions"\s*:\s*\[([^\]]*)\]')
+_MASK_TYPE = re.compile(r'"mask_type"\s*:\s*"(\w+)"')
+
+
+def _attention_flops(batch: int, heads: int, length_q: int, length_kv: int, head_dim: int, causal: bool) -> float:
+    """A forward attention's matmul FLOPs: scores and output, 2·T·S·D each per head; half when causal."""
+    return 4.0 * batch * heads * length_q * length_kv * head_dim * (0.5 if causal else 1.0)
+
+
+def _measured_kernel(target: str, rest: str, operand_shapes: list[str]) -> tuple[float, float]:
+    """(FLOPs, efficiency) of a cuDNN fused-attention call, a Pallas flash kernel or a Pallas loss kernel,
+    or (0, 0) for any other custom call. cuDNN's backend config gives its [B, H, T, S] scores' shape and
+    its mask; the Pallas flash kernels take q [B, T, H, D] and k [B, S, K, D] first, and count as causal
+    when T == S (the model's attention; ring attention's off-diagonal blocks are full, and priced as
+    half); the loss kernels take h [N, D] and w [D, V] first."""
+    if target.startswith("__cudnn$fmha"):
+        shape, q = _FMHA_SHAPE.search(rest), _dims(operand_shapes[0]) if operand_shapes else []
+        if not shape or not q:
+            return 0.0, 0.0
+        b, h, t, s_ = (int(d.strip().strip('"')) for d in shape.group(1).split(","))
+        mask = _MASK_TYPE.search(rest)
+        flops = _attention_flops(b, h, t, s_, q[-1], bool(mask and "CAUSAL" in mask.group(1)))
+        backward = "Backward" in target
+        kind = "cudnn_" + ("bias_" if "Bias" in target else "") + ("backward" if backward else "forward")
+        return flops * (2.5 if backward else 1.0), MEASURED_EFFICIENCY[kind][q[-1] > 64]
+    name = _KERNEL_NAME.search(rest)
+    if target == _TRITON_TARGET and name and name.group(1) in _PALLAS_FLASH and len(operand_shapes) >= 2:
+        q, k = _dims(operand_shapes[0]), _dims(operand_shapes[1])
+        if len(q) != 4 or len(k) != 4:
+            return 0.0, 0.0
+        flops = _attention_flops(q[0], q[2], q[1], k[1], q[3], q[1] == k[1])
+        return flops * _PALLAS_FLASH[name.group(1)], MEASURED_EFFICIENCY[name.group(1)][q[3] > 64]
+    if target == _TRITON_TARGET and name and name.group(1) in _PALLAS_LOSS and len(operand_shapes) >= 2:
+        h, w = _dims(operand_shapes[0]), _dims(operand_shapes[1])
+        if len(h) != 2 or len(w) != 2:
+            return 0.0, 0.0
+        return _PALLAS_LOSS[name.group(1)] * h[0] * h[1] * w[1], MEASURED_EFFICIENCY[name.group(1)][0]
+    return 0.0, 0.0
 
 
 def kernels(hlo: str, branch_weights: tuple[float, ...] | None = None, price=None) -> list[Kernel]:
@@ -617,11 +710,12 @@ def _kernel(m, shapes: dict[str, str], parsed) -> Kernel | None:
         return None
     args = [_operand_name(a) for a in _top_level_args(rest)]
     operand_bytes = [_nbytes(shapes.get(a, "")) for a in args]
-    out_bytes, flops = _nbytes(m.group(2)), 0.0
+    out_bytes, flops, efficiency, tf32 = _nbytes(m.group(2)), 0.0, 0.0, False
     callee = re.search(r"\bcalls=%?([\w.\-]+)", rest) if opcode == "fusion" else None
     if callee and callee.group(1) in parsed:
         moved = _fusion_bytes(parsed[callee.group(1)], operand_bytes, out_bytes)
         flops = _dot_flops(parsed, callee.group(1))
+        tf32 = flops > 0 and _float32_dots(parsed, callee.group(1))
     else:
         target = _CUSTOM_TARGET.search(rest) if opcode == "custom-call" else None
         if target and target.group(1).startswith("__cublas"):  # (result, workspace): the scratch is no traffic
@@ -630,14 +724,18 @@ def _kernel(m, shapes: dict[str, str], parsed) -> Kernel | None:
         moved = out_bytes + sum(operand_bytes)
         if opcode == "dot":
             flops = _one_dot_flops(m, shapes)
+            tf32 = _element_type(shapes.get(args[0], "")) == "f32" if args else False
         elif target and target.group(1).startswith("__cublas") and (c := _CUBLAS_CONTRACTING.search(rest)):
             lhs = _dims(shapes.get(args[0], "")) if args else []
             dims = [int(d.strip().strip('"')) for d in c.group(1).split(",") if d.strip()]
             if lhs and all(d < len(lhs) for d in dims):
                 flops = 2.0 * math.prod(_dims(m.group(2))) * math.prod(lhs[d] for d in dims)
+                tf32 = _element_type(shapes.get(args[0], "")) == "f32"
+        elif target:
+            flops, efficiency = _measured_kernel(target.group(1), rest, [shapes.get(a, "") for a in args])
     if opcode == "custom-call" and (t := _CUSTOM_TARGET.search(rest)):
         opcode = t.group(1)
-    return Kernel(m.group(1), opcode, float(moved), float(flops), 1.0)
+    return Kernel(m.group(1), opcode, float(moved), float(flops), 1.0, efficiency, tf32)
 
 
 def _operand_name(arg: str) -> str:
@@ -669,6 +767,20 @@ def _dot_flops(parsed, name: str) -> float:
                 and callee.group(1) in parsed:
             total += _dot_flops(parsed, callee.group(1))
     return total
+
+
+def _float32_dots(parsed, name: str) -> bool:
+    """Whether a fused computation's dots (nested fusions included) take float32 operands (TF32)."""
+    shapes = {m.group(1): m.group(2) for m in parsed[name]}
+    for m in parsed[name]:
+        if m.group(3) == "dot":
+            args = _top_level_args(m.group(4))
+            if args and _element_type(shapes.get(_operand_name(args[0]), "")) == "f32":
+                return True
+        elif m.group(3) == "fusion" and (callee := re.search(r"\bcalls=%?([\w.\-]+)", m.group(4))) \
+                and callee.group(1) in parsed and _float32_dots(parsed, callee.group(1)):
+            return True
+    return False
 
 
 def _fusion_bytes(body, operand_bytes: list[int], out_bytes: int) -> int:
