@@ -66,14 +66,16 @@ def newest_meta(root: str) -> tuple[int, dict] | None:
 
 
 def read(workdir: str) -> dict | None:
-    """The newest checkpoint's record of the run in `workdir` ({"model", "tokenizer", "step"}), or None
-    (no checkpoint, or one written before checkpoints described their run)."""
+    """The newest checkpoint's record of the run in `workdir` ({"model", "tokenizer", "step", "dtype",
+    "parameters_only", "attention": the attention implementation its steps ran, "" before they said}),
+    or None (no checkpoint, or one written before checkpoints described their run)."""
     found = newest_meta(os.path.join(os.path.expanduser(workdir), "checkpoints")) if workdir else None
     if found is None or "model" not in found[1]:
         return None
     step, meta = found
     return {"model": meta["model"], "tokenizer": meta.get("tokenizer", "bytes"), "step": step,
-            "dtype": meta.get("dtype", ""), "parameters_only": bool(meta.get("parameters_only", False))}
+            "dtype": meta.get("dtype", ""), "parameters_only": bool(meta.get("parameters_only", False)),
+            "attention": meta.get("attention", "")}
 
 
 def adopt(config: ml_collections.ConfigDict, given: dict) -> dict[str, tuple]:

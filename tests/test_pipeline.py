@@ -221,7 +221,8 @@ def test_describe_reports_ticks_bubble_in_flight():
     assert (circular.ticks, round(circular.bubble, 4)) == (19, round(3 / 19, 4))
     assert layout_lib.pipeline_plan(_config("gpipe", {}), _sizes()) is None
     run = resolve(_config("gpipe", {"stage": 2}))
-    assert run.describe() == ["mesh stage=2 (2 devices, 1 process(es))", run.layout.pipeline.describe()]
+    assert run.describe() == ["mesh stage=2 (2 devices, 1 process(es))",
+                              "attention: xla (attention.impl='auto' on cpu)", run.layout.pipeline.describe()]
 
 
 @pytest.mark.parametrize("p, m", [(2, 2), (2, 5), (3, 7), (4, 4), (4, 16)])

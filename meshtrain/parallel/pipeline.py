@@ -370,7 +370,9 @@ class SplitStage:
             x, (stats, recorded) = scan(layer, x, (chunk, probes))
             return (x, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats or {})), recorded
 
-        plain = model_lib.scan_unit(cfg)[0](cfg, rules, attention_fn, parent=None)  # W recomputes nothing
+        # W recomputes nothing: every matmul reads its recorded input, so attention's output is never
+        # read and a stand-in of its shape replaces it (no attention kernel traced under W's vmap)
+        plain = model_lib.scan_unit(cfg)[0](cfg, rules, _unread_attention, parent=None)
 
         def weights(chunk, recorded, x, positions, segment_ids, first=0):
             """`first`: the stage's unit index of the chunk's first row (W in parts: a slice of them).
@@ -394,6 +396,12 @@ class SplitStage:
             return lax.scan(layer, x, chunk)[1]
 
         return cls(forward, weights, probe_shapes)
+
+
+def _unread_attention(q, k, v, segment_ids, window: int = 0):
+    """Attention's shape without its work, for the weight-gradient pass (`SplitStage.weights`), whose
+    matmuls read their recorded inputs instead of attention's output."""
+    return jnp.zeros_like(q)
 
 
 def _chunk_function(stack):
