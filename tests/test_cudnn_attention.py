@@ -127,7 +127,7 @@ def test_cudnn_matches_einsum_forward_and_gradients(lengths):
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(_reference(q, k, v, seg)), **BF16_TOL)
     got = jax.jit(jax.grad(loss(attention.cudnn_attention), argnums=(0, 1, 2)))(q, k, v)
     want = jax.jit(jax.grad(loss(_reference), argnums=(0, 1, 2)))(q, k, v)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         scale = float(jnp.max(jnp.abs(w)))
         np.testing.assert_allclose(np.asarray(g, np.float32) / scale, np.asarray(w) / scale, **BF16_TOL)
 

@@ -119,7 +119,8 @@ def measure(config, steps: int, profile: str = "", documents: int = 1) -> dict:
     cfg = run.model
     per_token = metrics.flops_per_token(cfg, t)
     peak = metrics.device_peak_flops(jax.devices()[0], metrics.fp8_flops_per_token(cfg) / per_token)
-    return {"attention": run.layout.attention_impl, "step_s": seconds, "tokens_per_s": tokens_per_s, "compile_s": compile_s,
+    return {"attention": run.layout.attention_impl, "step_s": seconds, "tokens_per_s": tokens_per_s,
+            "compile_s": compile_s,
             "tflops_per_s": per_token * tokens_per_s / 1e12, "mfu": per_token * tokens_per_s / peak if peak else None,
             "loss": float(out["loss"]), "params": int(sum(x.size for x in jax.tree.leaves(state.params))),
             **({"top_ops": top_ops} if top_ops is not None else {})}

@@ -598,11 +598,11 @@ TF32_EFFICIENCY = 0.30
 # as a bias 1.267 / 3.52 ms; the Pallas forward 1.753 ms, dq 1.374 ms, dk/dv 1.997 ms. Head dim 128:
 # `bench/kernels.py` at 1 x 8,192 (wall time per call, so a little under the device's speed): cuDNN
 # forward 1.188 ms, forward + backward 3.978 ms; with the bias 2.117 / 9.005 ms; Pallas 2.069 / 11.603 ms.
-# The fused head + loss (`pallas_kernels.cross_entropy`, [16384, 2048] x [2048, 128256], in the same step's
-# profile): forward 17.7 ms, backward 692 ms a call (its GEMMs accumulate with atomic adds).
+# The fused head + loss's forward (`pallas_kernels.cross_entropy`, [16384, 2048] x [2048, 128256], in the
+# same step's profile): 17.7 ms a call (its Pallas backward, 692 ms with atomic adds, is now XLA GEMMs).
 # FLOPs as counted here (`_attention_flops`): forward 4·B·H·T·S·D, halved when causal; cuDNN's backward
 # 2.5 forwards; the Pallas dq kernel 1.5 forwards (it recomputes the scores), dk/dv 2 forwards; the
-# loss kernels 2·N·D·V forward, 6·N·D·V backward (the logits again, then dh and dw).
+# loss kernel 2·N·D·V.
 MEASURED_EFFICIENCY: dict[str, tuple[float, float]] = {  # kernel -> (head_dim <= 64, head_dim > 64)
     "cudnn_forward": (0.388, 0.468),
     "cudnn_backward": (0.324, 0.498),
@@ -612,10 +612,9 @@ MEASURED_EFFICIENCY: dict[str, tuple[float, float]] = {  # kernel -> (head_dim <
     "flash_attention_dq": (0.303, 0.204),
     "flash_attention_dkdv": (0.278, 0.204),
     "cross_entropy_forward": (0.491, 0.491),
-    "cross_entropy_backward": (0.0377, 0.0377),
 }
 _PALLAS_FLASH = {"flash_attention_forward": 1.0, "flash_attention_dq": 1.5, "flash_attention_dkdv": 2.0}
-_PALLAS_LOSS = {"cross_entropy_forward": 2.0, "cross_entropy_backward": 6.0}  # x N·D·V
+_PALLAS_LOSS = {"cross_entropy_forward": 2.0}  # x N·D·V
 _FMHA_SHAPE = re.compile(r'"intermediate_tensor_shape"\s*:\s*\{[^}]*?"dimensions"\s*:\s*\[([^\]]*)\]')
 _MASK_TYPE = re.compile(r'"mask_type"\s*:\s*"(\w+)"')
 
