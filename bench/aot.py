@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     parser.add_argument("--target", default="h100")
     args = parser.parse_args()
-    from meshtrain import aot, cli, compile_cache
+    from meshtrain import aot, cli, compile_cache, config as config_lib
 
     aot.keep_jax_on_cpu()
     if args.quick:  # a smoke run: an earlier compile of the same program is read back
@@ -68,8 +68,7 @@ def main() -> None:
                "compiler_bytes": mem, "planner_bytes": plan, "planner_over_compiler": round(plan / mem, 4),
                "fits": report.fits, "async_pairs": pairs, "overlapped": hidden,
                "triton_kernels": sum(report.step.kernels.values()), "compile_s": round(report.step.compile_seconds, 1),
-               "target": target, "attention": report.step.cudnn_attention and "cudnn" or (
-                   "pallas" if "flash_attention_forward" in report.step.kernels else "einsum"),
+               "target": target, "attention": config_lib.attention_impl(config, "gpu"),
                "cudnn_calls": sum(report.step.cudnn_attention.values()),
                "modeled_step_s": round(report.step.modeled_seconds, 4),
                "modeled_mfu": round(report.modeled_mfu, 4) if report.modeled_mfu is not None else None,
