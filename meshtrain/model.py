@@ -404,13 +404,45 @@ def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array,
 
     With the vocabulary split over `tensor` the target logit is picked by a one-hot product, which
     keeps the split (a gather would collect the whole [B,T,V] logits); otherwise by a gather.
+
+    The gradient is one elementwise pass over the logits, (softmax - onehot) x mask x g (playbook,
+    "Fused Kernels": one read of the [B,T,V] float32 logits, one write of their gradient), where
+    autodiff would compute the softmax, scatter the target logit's gradient into a dense [B,T,V]
+    buffer and add the two.
     """
+    return _cross_entropy_sum(logits, targets, mask.astype(jnp.float32), vocab_split)
+
+
+def _cross_entropy_parts(logits, targets, vocab_split: bool):
+    """(log-sum-exp, target logit), each [B,T]."""
     log_z = jax.nn.logsumexp(logits, axis=-1)
     if vocab_split:
         target_logit = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1)
     else:
         target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.sum((log_z - target_logit) * mask.astype(jnp.float32))
+    return log_z, target_logit
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _cross_entropy_sum(logits, targets, mask, vocab_split):
+    log_z, target_logit = _cross_entropy_parts(logits, targets, vocab_split)
+    return jnp.sum((log_z - target_logit) * mask)
+
+
+def _cross_entropy_sum_fwd(logits, targets, mask, vocab_split):
+    log_z, target_logit = _cross_entropy_parts(logits, targets, vocab_split)
+    token_loss = log_z - target_logit
+    return jnp.sum(token_loss * mask), (logits, targets, mask, log_z, token_loss)
+
+
+def _cross_entropy_sum_bwd(vocab_split, residuals, g):
+    logits, targets, mask, log_z, token_loss = residuals
+    onehot = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
+    dlogits = (jnp.exp(logits - log_z[..., None]) - onehot) * (mask * g)[..., None]
+    return dlogits, None, token_loss * g
+
+
+_cross_entropy_sum.defvjp(_cross_entropy_sum_fwd, _cross_entropy_sum_bwd)
 
 
 def dummy_batch(batch: int, seq_len: int) -> dict[str, jax.Array]:
