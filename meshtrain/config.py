@@ -71,15 +71,22 @@ def cudnn_refusal(config: ml_collections.ConfigDict) -> tuple[str, object, str] 
     return None
 
 
+# `attention.impl=auto` picks cuDNN for head dims from here up: the ones it was run, tested and timed at
+# on a GPU (64 and 128: tests/test_cudnn_attention.py, bench/kernels.py). `cudnn` itself takes any
+# multiple of 8 up to 128.
+AUTO_CUDNN_MIN_HEAD_DIM = 64
+
+
 def attention_impl(config: ml_collections.ConfigDict, platform: str) -> str:
     """`attention.impl` as a step on `platform`'s devices ('cpu', 'gpu', 'tpu') runs it: 'auto' becomes
-    'cudnn' on a GPU where cuDNN serves the model (`cudnn_refusal`), else 'xla'; any other value is
-    itself. The Pallas flash kernel is not an automatic choice: measured on an H200 it was slower than
+    'cudnn' on a GPU where cuDNN serves the model (`cudnn_refusal`) at a head dim of at least
+    AUTO_CUDNN_MIN_HEAD_DIM, else 'xla'; any other value is itself. The Pallas flash kernel is not an automatic choice: measured on an H200 it was slower than
     cuDNN (README, GPU runbook)."""
     impl = config.attention.impl
     if impl != "auto":
         return impl
-    return "cudnn" if platform == "gpu" and cudnn_refusal(config) is None else "xla"
+    serves = cudnn_refusal(config) is None and config.model.head_dim >= AUTO_CUDNN_MIN_HEAD_DIM
+    return "cudnn" if platform == "gpu" and serves else "xla"
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -166,8 +173,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.router_z_loss_weight = 0.001
 
     c.attention = ml_collections.ConfigDict()
-    # auto: cuDNN's fused attention on an NVIDIA GPU where it serves the model (bf16 / fp16, head_dim a
-    # multiple of 8 up to 128, no sliding window), else einsum (`config.attention_impl`); xla: einsum;
+    # auto: cuDNN's fused attention on an NVIDIA GPU where it serves the model (bf16 / fp16, head_dim 64
+    # to 128 and a multiple of 8, no sliding window), else einsum (`config.attention_impl`); xla: einsum;
     # cudnn: cuDNN's fused attention (GPU only); pallas: the Pallas flash kernel; ring / ulysses: context
     # parallelism over mesh.sequence
     c.attention.impl = "auto"

@@ -29,7 +29,7 @@ BF16_TOL = {"rtol": 2e-2, "atol": 2e-2}
 
 def _config(**model):
     c = utils.tiny_config()
-    c.model.update({"dtype": "bfloat16", **model})
+    c.model.update({"dtype": "bfloat16", "head_dim": 64, **model})
     c.attention.impl = "auto"
     return c
 
@@ -39,6 +39,8 @@ def _config(**model):
     ("gpu", {}, "cudnn"),
     ("gpu", {"dtype": "float32"}, "xla"),
     ("gpu", {"head_dim": 12}, "xla"),
+    ("gpu", {"head_dim": 32}, "xla"),  # cuDNN serves it (attention.impl=cudnn), auto keeps the measured dims
+    ("gpu", {"head_dim": 128}, "cudnn"),
     ("gpu", {"sliding_window": 8}, "xla"),
     ("tpu", {}, "xla"),
 ])

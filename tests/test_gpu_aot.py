@@ -149,6 +149,13 @@ FEATURES = {
     "ulysses-expert": ({"sequence": 2, "expert": 2, "data": 2}, {"attention.impl": "ulysses"}),
     "ulysses-hybrid-1f1b": ({"sequence": 4, "stage": 2}, {"attention.impl": "ulysses", "attention.ulysses_degree": 2}),
     "remat-selective": ({"fsdp": 8}, {"remat.policy": "selective"}),
+    # cuDNN's attention (auto picks it at head dims of 64 and up; the tiny model's is 8) where its custom
+    # partitioning and its gradients' missing variance met the manual regions: the accumulation loop,
+    # heads over tensor, the split-backward pipeline's vmapped weight pass
+    "cudnn-accumulation": ({"data": 2, "fsdp": 4}, {"attention.impl": "cudnn", "train.grad_accum_steps": 2}),
+    "cudnn-tensor": ({"fsdp": 4, "tensor": 2}, {"attention.impl": "cudnn"}),
+    "cudnn-zero-bubble": ({"stage": 2, "tensor": 2, "data": 2}, {"attention.impl": "cudnn",
+                                                                 "pipeline.schedule": "zero_bubble"}),
     # the model families' features (tests/test_hf.py); a sliding window is einsum attention's only
     "families": ({"fsdp": 4, "tensor": 2}, {"model.attention_bias": True, "model.qk_norm": True,
                                              "model.rope_scaling": "llama3", "model.rope_factor": 8.0,
@@ -163,6 +170,7 @@ def test_feature_compiles_for_h100(name):
     config = _bf16_composed(mesh, **overrides)
     report = _compile(config)
     assert set(report.step.kernels) == _kernels_expected(config, report)
+    assert bool(report.step.cudnn_attention) == (config_lib.attention_impl(config, "gpu") == "cudnn")
     if config.model.matmul_precision == "fp8":
         assert report.step.gemms > 0
 
@@ -208,12 +216,14 @@ def test_llama3_8b_kernels_are_triton_calls():
 # region, expert parallelism, 1F1B's loop) and llama3_8b's real widths. Remat `none` (`selective` for
 # the 8B: both save the matmul outputs), so each forward GEMM runs once.
 FP8_MESHES = {
-    "tiny-fsdp8": ("tiny", {"mesh.fsdp": 8, "remat.policy": "none"}),
+    # the tiny models with cuDNN's attention, as the 8B runs it by default (auto at head_dim 128)
+    "tiny-fsdp8": ("tiny", {"mesh.fsdp": 8, "remat.policy": "none", "attention.impl": "cudnn"}),
     # tiny_moe on data 8 counts the same matmuls as on data 4 x expert 2 (last measured: 18 FP8 GEMMs,
     # 6 -> 7 all-reduces); the expert-split mesh is the one kept, for the set's time
-    "tiny_moe-expert2": ("tiny_moe", {"mesh.data": 4, "mesh.expert": 2, "remat.policy": "none"}),
+    "tiny_moe-expert2": ("tiny_moe", {"mesh.data": 4, "mesh.expert": 2, "remat.policy": "none",
+                                      "attention.impl": "cudnn"}),
     "tiny-1f1b": ("tiny", {"mesh.data": 4, "mesh.stage": 2, "pipeline.schedule": "1f1b", "remat.policy": "none",
-                           "model.n_layers": 2}),  # a layer a stage: the loop's FP8 as 4 layers, in 3/5 the compile
+                           "model.n_layers": 2, "attention.impl": "cudnn"}),  # a layer a stage: 3/5 the compile
     "llama3_8b-2layers": ("llama3_8b", {"mesh.fsdp": 8, "train.batch_size": 8, "model.n_layers": 2,
                                         "remat.policy": "selective"}),
 }
