@@ -233,7 +233,9 @@ def state_memory(run: Step) -> dict[str, int]:
 # What XLA:GPU allocates beside the state, calibrated on the H100 compiler (`python -m meshtrain.aot`,
 # jax 0.10.2; the live buffers at the peak of each compiled step, read from XLA's buffer-assignment dump):
 SCORE_BYTES = 10  # XLA attention, per element of [H/tp, t, T_kv]: f32 scores, f32 and bf16 probabilities, the mask
-LOGIT_BYTES = 6  # unfused loss, per element of [t, V/tp]: the f32 logits and their compute-dtype copy
+# unfused loss, per element of [t, V/tp]: the f32 logits (kept for the backward, whose single elementwise
+# pass writes their gradient in the compute dtype over them: `model.cross_entropy_sum`, `model.head_logits`)
+LOGIT_BYTES = 4
 TOKEN_WORKSPACE = 2  # a layer's activations and their gradients are alive together in its backward
 EXCHANGE_BUFFERS = 6  # dropless MoE over `expert`: worst-case send / receive staging buffers [ep * s, D]
 EXPERT_GRAD_COPIES = 0.7  # the layer scan's zero-initialised stacked expert-weight cotangents (f32)
