@@ -82,7 +82,8 @@ def _attention_flops(batch: int, length: int, heads: int, head_dim: int, backwar
     return fwd * (3.5 if backward else 1.0)
 
 
-def bench_attention_gpu(lengths: list[int], iters: int) -> list[dict]:
+def bench_attention_gpu(lengths: list[int], iters: int, on_row=None) -> list[dict]:
+    """Each implementation's rows (`on_row(rows)` after each: a run stopped at its time limit keeps them)."""
     from meshtrain import metrics
 
     peak = metrics.device_peak_flops(jax.devices()[0])
@@ -125,6 +126,8 @@ def bench_attention_gpu(lengths: list[int], iters: int) -> list[dict]:
                     # out of memory (XLA at long L), or cuDNN unavailable for this shape or GPU
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
                 rows.append(row)
+                if on_row is not None:
+                    on_row(rows)
                 print(json.dumps(row), flush=True)
     return rows
 
@@ -195,7 +198,10 @@ def main(argv: list[str]) -> int:
     result = {"backend": backend, "device": jax.devices()[0].device_kind}
     if backend == "gpu":  # the timings first: a run stopped at its time limit has printed them
         lengths = [int(n) for n in args.lengths.split(",")]
-        result["attention"] = bench_attention_gpu(lengths, args.iters)
+        def keep(rows):  # the rows so far, under --out, until the whole result replaces them
+            if args.out:
+                pathlib.Path(args.out).write_text(json.dumps({**result, "attention": rows, "partial": True}) + "\n")
+        result["attention"] = bench_attention_gpu(lengths, args.iters, keep)
     else:
         print("not a GPU: attention timings skipped (interpret mode measures nothing useful)")
     result["correctness"] = correctness()
