@@ -13,7 +13,13 @@ references is reported, plus the compiled temp memory of a loss + gradient step
 with and without the fused cross-entropy (32k vocabulary). Prints a table and
 one JSON line, exits 0.
 
+`--sweep` (GPU only) times the flash kernel alone at the runbook's shape for each tile size and
+Triton launch parameter (`FlashBlockSizes`: warps, pipeline stages): the forward's, then the
+backward's under the default forward; each call's time is the mean of back-to-back calls (no
+host round trip per call), and the best of each is printed with the default's.
+
     python bench/kernels.py [--lengths 1024,2048] [--iters 10] [--out FILE]
+    python bench/kernels.py --sweep [--out FILE]
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshtrain.pallas_kernels import (
+    FlashBlockSizes,
     flash_attention,
     flash_attention_reference,
     fused_cross_entropy,
@@ -132,6 +139,83 @@ def bench_attention_gpu(lengths: list[int], iters: int, on_row=None) -> list[dic
     return rows
 
 
+def _time_queued(fn, args, calls: int = 20) -> float:
+    """Seconds a call, from `calls` calls queued back to back (one host round trip in all)."""
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        outs = [fn(*args) for _ in range(calls)]
+        jax.block_until_ready(outs)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+SWEEP_FORWARD = [  # (block_q, block_kv, num_warps, num_stages)
+    (bq, bk, warps, stages) for bq, bk in ((64, 64), (128, 64), (128, 128)) for warps in (4, 8) for stages in (2, 3)
+]
+SWEEP_BACKWARD = [  # (block_q_bwd, block_kv_bwd, num_warps_bwd, num_stages_bwd)
+    (bq, bk, warps, stages)
+    for bq, bk in ((32, 64), (64, 64), (64, 128), (128, 64), (128, 128))
+    for warps in (4, 8)
+    for stages in (1, 2)
+]
+
+
+def sweep_flash(on_row=None, shape=RUNBOOK_SHAPE, forward=None, backward=None) -> dict:
+    """The flash kernel's forward and forward + backward at the runbook's shape for each entry of
+    `SWEEP_FORWARD` / `SWEEP_BACKWARD` (the backward's under the default forward), as TFLOP/s and
+    share of the GPU's bf16 peak; the default `FlashBlockSizes()` first in each list."""
+    from meshtrain import metrics
+
+    peak = metrics.device_peak_flops(jax.devices()[0])
+    batch, length, heads, kv_heads, head_dim = shape
+    ks = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(ks[0], (batch, length, heads, head_dim), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (batch, length, kv_heads, head_dim), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (batch, length, kv_heads, head_dim), jnp.bfloat16)
+    default = FlashBlockSizes()
+    result = {"shape": f"{batch}x{length}x{heads}/{kv_heads}x{head_dim}", "forward": [], "backward": []}
+    d_warps, d_stages = default.launch_params(head_dim, backward=False)
+    d_warps_bwd, d_stages_bwd = default.launch_params(head_dim, backward=True)
+    cases = [("forward", (default.block_q, default.block_kv, d_warps, d_stages))]
+    forward = SWEEP_FORWARD if forward is None else forward
+    cases += [("forward", c) for c in forward]
+    cases += [("backward", (default.block_q_bwd, default.block_kv_bwd, d_warps_bwd, d_stages_bwd))]
+    cases += [("backward", c) for c in (SWEEP_BACKWARD if backward is None else backward)]
+    for n, (which, (bq, bk, warps, stages)) in enumerate(cases):
+        backward = which == "backward"
+        if backward:
+            blocks = FlashBlockSizes(block_q_bwd=bq, block_kv_bwd=bk, num_warps_bwd=warps, num_stages_bwd=stages)
+        else:
+            blocks = FlashBlockSizes(block_q=bq, block_kv=bk, num_warps=warps, num_stages=stages)
+        fn = lambda q, k, v, blocks=blocks: flash_attention(q, k, v, causal=True, block_sizes=blocks)
+        if backward:
+            fn = jax.grad(lambda q, k, v, f=fn: jnp.sum(f(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
+        row = {"block_q": bq, "block_kv": bk, "num_warps": warps, "num_stages": stages,
+               "default": n in (0, len(forward) + 1)}
+        try:
+            seconds = _time_queued(jax.jit(fn).lower(q, k, v).compile(), (q, k, v))
+            flops = _attention_flops(batch, length, heads, head_dim, backward)
+            row["ms"] = round(seconds * 1e3, 3)
+            row["tflops"] = round(flops / seconds / 1e12, 1)
+            row["peak_share"] = round(flops / seconds / peak, 3) if peak else None
+        except (jax.errors.JaxRuntimeError, RuntimeError, ValueError) as e:  # e.g. out of shared memory
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        result[which].append(row)
+        print(which, json.dumps(row), flush=True)
+        if on_row is not None:
+            on_row(result)
+    for which in ("forward", "backward"):
+        timed = [r for r in result[which] if "ms" in r]
+        if timed:
+            best = min(timed, key=lambda r: r["ms"])
+            result[f"best_{which}"] = best
+            base = next((r for r in timed if r["default"]), None)
+            print(f"{which}: best {best}  default {base}", flush=True)
+    return result
+
+
 def _max_err(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
 
@@ -189,6 +273,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--out", default="", help="also write the JSON line here")
+    parser.add_argument("--sweep", action="store_true",
+                        help="GPU only: the flash kernel's tile sizes and launch parameters at the runbook's shape")
     parser.add_argument("--quick", action="store_true",
                         help="the CI smoke run: on a GPU the 1024 and 2048 lengths, 2 iterations")
     args = parser.parse_args(argv)
@@ -196,6 +282,19 @@ def main(argv: list[str]) -> int:
         args.lengths, args.iters = "1024,2048", 2
     backend = jax.default_backend()
     result = {"backend": backend, "device": jax.devices()[0].device_kind}
+    if args.sweep:
+        if backend != "gpu":
+            print("bench/kernels.py --sweep: not a GPU (the sweep times compiled Triton kernels)", file=sys.stderr)
+            return 2
+        def keep_sweep(sweep):
+            if args.out:
+                pathlib.Path(args.out).write_text(json.dumps({**result, "sweep": sweep, "partial": True}) + "\n")
+        result["sweep"] = sweep_flash(keep_sweep)
+        line = json.dumps(result)
+        print(line)
+        if args.out:
+            pathlib.Path(args.out).write_text(line + "\n")
+        return 0
     if backend == "gpu":  # the timings first: a run stopped at its time limit has printed them
         lengths = [int(n) for n in args.lengths.split(",")]
         def keep(rows):  # the rows so far, under --out, until the whole result replaces them

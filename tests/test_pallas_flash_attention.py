@@ -131,6 +131,35 @@ def test_flash_attention_output_only_and_block_override():
     )
 
 
+@pytest.mark.parametrize(
+    "blocks",
+    [
+        FlashBlockSizes(block_q=64, block_kv=16, block_q_bwd=16, block_kv_bwd=64),  # q tiles taller than K/V tiles
+        FlashBlockSizes(block_q=16, block_kv=64, block_q_bwd=64, block_kv_bwd=16, num_warps=8, num_stages=3),
+    ],
+)
+@pytest.mark.parametrize("segments", [False, True])
+def test_tiles_below_and_across_the_diagonal(blocks, segments):
+    """Causal: the tiles wholly below the diagonal skip the causal mask, the ones it crosses keep it,
+    for every ratio of query to key tile in the forward and both backward kernels."""
+    q, k, v, d_out, d_lse = _inputs(1, 256, 256, 4, 2, 32, jnp.float32, seed=11)
+    kw = {"causal": True, "segment_ids": _segments(1, 256, 4) if segments else None}
+    got = _value_and_grads(flash_attention_with_lse, q, k, v, d_out, d_lse, interpret=INTERPRET,
+                           block_sizes=blocks, **kw)
+    want = _value_and_grads(flash_attention_with_lse_reference, q, k, v, d_out, d_lse, **kw)
+    _assert_close(got, want, F32_TOL)
+
+
+def test_launch_params_default_by_head_dim_and_are_checked():
+    assert FlashBlockSizes().launch_params(64, backward=False) == (4, 2)
+    assert FlashBlockSizes().launch_params(128, backward=True) == (8, 2)
+    tuned = FlashBlockSizes(num_warps=8, num_stages=3, num_warps_bwd=4, num_stages_bwd=1)
+    assert tuned.launch_params(64, backward=False) == (8, 3)
+    assert tuned.launch_params(128, backward=True) == (4, 1)
+    with pytest.raises(ValueError, match="num_warps=3"):
+        FlashBlockSizes(num_warps=3).fit(128, 128, user_given=True)
+
+
 def test_default_blocks_fit_the_shape():
     fitted = FlashBlockSizes().fit(96, 48, user_given=False)
     assert fitted == FlashBlockSizes(block_q=32, block_kv=16, block_q_bwd=32, block_kv_bwd=16)

@@ -49,29 +49,48 @@ def _dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class FlashBlockSizes:
-    """Tile sizes (powers of two >= 16) of the forward and the backward kernels.
+    """Tile sizes (powers of two >= 16) and Triton launch parameters of the forward and backward kernels.
 
     Attributes:
         block_q: query rows per forward program.
         block_kv: key rows per step of the forward loop.
         block_q_bwd: query rows per tile in both backward kernels.
         block_kv_bwd: key rows per tile in both backward kernels.
+        num_warps, num_stages: the forward kernel's warps per program and software-pipelining
+            depth of its K/V loop (None: the default for the head dim, `launch_params`).
+        num_warps_bwd, num_stages_bwd: the same for both backward kernels.
     """
 
     block_q: int = 128
     block_kv: int = 128
     block_q_bwd: int = 64
     block_kv_bwd: int = 64
+    num_warps: int | None = None
+    num_stages: int | None = None
+    num_warps_bwd: int | None = None
+    num_stages_bwd: int | None = None
 
     def fit(self, len_q: int, len_kv: int, *, user_given: bool) -> FlashBlockSizes:
         """Clamps every block to its length (halving defaults until they divide it)."""
         fit = functools.partial(fit_block, minimum=MIN_BLOCK, user_given=user_given)
-        return FlashBlockSizes(
+        for name in ("num_warps", "num_stages", "num_warps_bwd", "num_stages_bwd"):
+            value = getattr(self, name)
+            if value is not None and (value < 1 or (name.startswith("num_warps") and not is_power_of_two(value))):
+                raise ValueError(f"{name}={value} must be a positive integer (warps: a power of two)")
+        return dataclasses.replace(
+            self,
             block_q=fit("block_q", self.block_q, len_q, "q length"),
             block_kv=fit("block_kv", self.block_kv, len_kv, "kv length"),
             block_q_bwd=fit("block_q_bwd", self.block_q_bwd, len_q, "q length"),
             block_kv_bwd=fit("block_kv_bwd", self.block_kv_bwd, len_kv, "kv length"),
         )
+
+    def launch_params(self, head_dim: int, *, backward: bool) -> tuple[int, int]:
+        """(num_warps, num_stages) of the forward or the backward kernels: the given ones, else 4 warps
+        up to head dim 64 and 8 above, 2 stages."""
+        warps = self.num_warps_bwd if backward else self.num_warps
+        stages = self.num_stages_bwd if backward else self.num_stages
+        return (warps or (4 if head_dim <= 64 else 8)), (stages or 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +111,11 @@ def _split_refs(refs, cfg: _Config):
     return q_ref, k_ref, v_ref, segs, pos, rest
 
 
-def _mask(cfg: _Config, q_pos, kv_pos, q_seg, kv_seg):
-    """[bq, bk] boolean mask of allowed (query, key) pairs, or None when all are."""
+def _mask(cfg: _Config, q_pos, kv_pos, q_seg, kv_seg, causal: bool):
+    """[bq, bk] boolean mask of allowed (query, key) pairs, or None when all are. `causal` False: the
+    tile lies wholly below the diagonal (every key precedes every query), so only documents mask it."""
     mask = None
-    if cfg.causal:
+    if cfg.causal and causal:
         mask = kv_pos[None, :] <= q_pos[:, None]
     if cfg.has_segments:
         same = q_seg[:, None] == kv_seg[None, :]
@@ -103,9 +123,9 @@ def _mask(cfg: _Config, q_pos, kv_pos, q_seg, kv_seg):
     return mask
 
 
-def _scores(cfg, q, k, q_pos, kv_pos, q_seg, kv_seg):
+def _scores(cfg, q, k, q_pos, kv_pos, q_seg, kv_seg, causal=True):
     s = _dot(q, k, _NT) * cfg.sm_scale
-    mask = _mask(cfg, q_pos, kv_pos, q_seg, kv_seg)
+    mask = _mask(cfg, q_pos, kv_pos, q_seg, kv_seg, causal)
     return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
 
@@ -123,12 +143,12 @@ def _forward_kernel(*refs, cfg: _Config, len_kv: int):
     q_pos = _positions(cfg, pos and pos[0], slice(None), i * bq, bq)
     q_seg = segs[0][...] if segs else None
 
-    def body(j, carry):
+    def body(j, carry, causal):
         acc, m, denom = carry
         ks = pl.ds(j * bk, bk)
         kv_pos = _positions(cfg, pos and pos[1], ks, j * bk, bk)
         kv_seg = segs[1][ks] if segs else None
-        s = _scores(cfg, q, k_ref[ks, :], q_pos, kv_pos, q_seg, kv_seg)  # [bq, bk]
+        s = _scores(cfg, q, k_ref[ks, :], q_pos, kv_pos, q_seg, kv_seg, causal)  # [bq, bk]
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])  # masked scores are -inf: p = 0
@@ -137,19 +157,29 @@ def _forward_kernel(*refs, cfg: _Config, len_kv: int):
         acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v, _NN)
         return acc, m_new, denom
 
-    num_kv = len_kv // bk
-    if cfg.causal and not cfg.has_positions:  # tiles right of the diagonal are all masked
-        num_kv = jnp.minimum(lax.div((i + 1) * bq + bk - 1, bk), num_kv)
     init = (
         jnp.zeros(q.shape, jnp.float32),
         jnp.full((bq,), _INIT_MAX, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
-    acc, m, denom = lax.fori_loop(0, num_kv, body, init)
+    acc, m, denom = _diagonal_loops(cfg, i, bq, bk, len_kv, body, init)
     empty = denom == 0.0
     denom_safe = jnp.where(empty, 1.0, denom)
     o_ref[...] = (acc / denom_safe[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(denom_safe))
+
+
+def _diagonal_loops(cfg: _Config, i, bq: int, bk: int, len_kv: int, body, init):
+    """Runs `body(j, carry, causal)` over the K/V tiles query tile `i` reads. Causal with default
+    positions: the tiles wholly below the diagonal first, with no causal mask to build (most of them),
+    then the ones the diagonal crosses; the tiles right of it, all masked, are skipped."""
+    num_kv = len_kv // bk
+    if not (cfg.causal and not cfg.has_positions):
+        return lax.fori_loop(0, num_kv, functools.partial(body, causal=True), init)
+    num_kv = jnp.minimum(lax.div((i + 1) * bq + bk - 1, bk), num_kv)
+    num_below = jnp.minimum(lax.div(i * bq, bk), num_kv)  # tile j's last key (j+1)*bk-1 < i*bq
+    carry = lax.fori_loop(0, num_below, functools.partial(body, causal=False), init)
+    return lax.fori_loop(num_below, num_kv, functools.partial(body, causal=True), carry)
 
 
 def _dq_kernel(*refs, cfg: _Config, len_kv: int):
@@ -162,19 +192,16 @@ def _dq_kernel(*refs, cfg: _Config, len_kv: int):
     q_pos = _positions(cfg, pos and pos[0], slice(None), i * bq, bq)
     q_seg = segs[0][...] if segs else None
 
-    def body(j, dq):
+    def body(j, dq, causal):
         ks = pl.ds(j * bk, bk)
         k, v = k_ref[ks, :], v_ref[ks, :]
         kv_pos = _positions(cfg, pos and pos[1], ks, j * bk, bk)
         kv_seg = segs[1][ks] if segs else None
-        p = jnp.exp(_scores(cfg, q, k, q_pos, kv_pos, q_seg, kv_seg) - lse[:, None])
+        p = jnp.exp(_scores(cfg, q, k, q_pos, kv_pos, q_seg, kv_seg, causal) - lse[:, None])
         ds = p * (_dot(do, v, _NT) - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k, _NN)
 
-    num_kv = len_kv // bk
-    if cfg.causal and not cfg.has_positions:
-        num_kv = jnp.minimum(lax.div((i + 1) * bq + bk - 1, bk), num_kv)
-    dq = lax.fori_loop(0, num_kv, body, jnp.zeros(q.shape, jnp.float32))
+    dq = _diagonal_loops(cfg, i, bq, bk, len_kv, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * cfg.sm_scale).astype(dq_ref.dtype)
 
 
@@ -186,15 +213,20 @@ def _dkdv_kernel(*refs, cfg: _Config, len_q: int, group: int):
     k, v = k_ref[...], v_ref[...]  # [bk, D]
     kv_pos = _positions(cfg, pos and pos[1], slice(None), j * bk, bk)
     kv_seg = segs[1][...] if segs else None
-    first_q = lax.div(j * bk, bq) if cfg.causal and not cfg.has_positions else 0
+    num_q = len_q // bq
+    default_causal = cfg.causal and not cfg.has_positions
+    first_q = lax.div(j * bk, bq) if default_causal else 0  # the q tiles above the diagonal see no key here
+    # q tiles from here on lie wholly below the diagonal (first query i*bq >= last key (j+1)*bk-1): no causal
+    # mask; with explicit positions (ring blocks) every tile keeps it
+    first_below = jnp.minimum(lax.div((j + 1) * bk + bq - 1, bq), num_q) if default_causal else num_q
 
-    def q_tile(i, carry, g):
+    def q_tile(i, carry, g, causal):
         dk, dv = carry
         qs = pl.ds(i * bq, bq)
         q, do = q_ref[qs, g, :], do_ref[qs, g, :]
         q_pos = _positions(cfg, pos and pos[0], qs, i * bq, bq)
         q_seg = segs[0][qs] if segs else None
-        s = _scores(cfg, q, k, q_pos, kv_pos, q_seg, kv_seg)
+        s = _scores(cfg, q, k, q_pos, kv_pos, q_seg, kv_seg, causal)
         p = jnp.exp(s - lse_ref[g, qs][:, None])  # [bq, bk]
         dv = dv + _dot(p.astype(do.dtype), do, _TN)
         ds = p * (_dot(do, v, _NT) - delta_ref[g, qs][:, None])
@@ -202,7 +234,8 @@ def _dkdv_kernel(*refs, cfg: _Config, len_q: int, group: int):
         return dk, dv
 
     def head(g, carry):  # the query heads that read this K/V head
-        return lax.fori_loop(first_q, len_q // bq, functools.partial(q_tile, g=g), carry)
+        carry = lax.fori_loop(first_q, first_below, functools.partial(q_tile, g=g, causal=True), carry)
+        return lax.fori_loop(first_below, num_q, functools.partial(q_tile, g=g, causal=False), carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
@@ -222,8 +255,9 @@ def _side_inputs(cfg, q_seg, kv_seg, q_pos, kv_pos, q_spec, kv_spec):
     return args, specs
 
 
-def _params(head_dim: int):
-    return plgpu.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+def _params(cfg: _Config, head_dim: int, *, backward: bool):
+    warps, stages = cfg.blocks.launch_params(head_dim, backward=backward)
+    return plgpu.CompilerParams(num_warps=warps, num_stages=stages)
 
 
 def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
@@ -253,7 +287,7 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((b, h, len_q), jnp.float32),
         ],
-        compiler_params=_params(d),
+        compiler_params=_params(cfg, d, backward=False),
         interpret=cfg.interpret,
         name="flash_attention_forward",
     )(q, k, v, *side)
@@ -288,7 +322,7 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do,
         in_specs=[q_spec, kv_spec, kv_spec, *side_specs, q_spec, row_spec, row_spec],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=_params(d),
+        compiler_params=_params(cfg, d, backward=True),
         interpret=cfg.interpret,
         name="flash_attention_dq",
     )(q, k, v, *side, do, lse, delta)
@@ -322,7 +356,7 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do,
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
         ],
-        compiler_params=_params(d),
+        compiler_params=_params(cfg, d, backward=True),
         interpret=cfg.interpret,
         name="flash_attention_dkdv",
     )(q, k, v, *side, do, lse, delta)
