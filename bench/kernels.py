@@ -6,20 +6,22 @@ causal, bf16, forward and forward + backward: first at the GPU runbook's shape
 (`bench/gpu/mfu.py`: batch 4 x 4,096, 32 query heads, 8 K/V heads of 64), then at
 Llama-3-8B heads (32 query heads, 8 K/V heads, head_dim 128) for each of `--lengths`.
 `cudnn+docs` is meshtrain's `attention.impl=cudnn` on rows of 4 documents (cuDNN with
-the document mask as a bias; its causal-only call is `cudnn`).
+the document mask as a bias; its causal-only call is `cudnn`). A call's time is the GPU's
+throughput: `--iters` calls queued back to back, one host round trip for all, best of 3
+(a round trip per call adds ~0.3 ms, a third of a 1-ms kernel).
 
 On CPU: the kernels run in interpret mode, so only correctness against the
 references is reported, plus the compiled temp memory of a loss + gradient step
 with and without the fused cross-entropy (32k vocabulary). Prints a table and
 one JSON line, exits 0.
 
-`--sweep` (GPU only) times the flash kernel alone at the runbook's shape for each tile size and
-Triton launch parameter (`FlashBlockSizes`: warps, pipeline stages): the forward's, then the
-backward's under the default forward; each call's time is the mean of back-to-back calls (no
-host round trip per call), and the best of each is printed with the default's.
+`--sweep` (GPU only) times the flash kernel alone at the runbook's shape (or 1 x
+`--sweep-length` tokens at Llama-3-8B heads) for each tile size and Triton launch parameter
+(`FlashBlockSizes`: warps, pipeline stages): the forward's, then the backward's under the
+default forward; the best of each is printed with the default's.
 
     python bench/kernels.py [--lengths 1024,2048] [--iters 10] [--out FILE]
-    python bench/kernels.py --sweep [--out FILE]
+    python bench/kernels.py --sweep [--sweep-length 8192] [--out FILE]
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
 import sys
 import time
 
@@ -71,15 +72,16 @@ def _attention_impls():
     }
 
 
-def _time(fn, args, iters: int) -> float:
-    out = fn(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(iters):
+def _time_queued(fn, args, calls: int = 20) -> float:
+    """Seconds a call, from `calls` calls queued back to back (one host round trip in all)."""
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(3):
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        outs = [fn(*args) for _ in range(calls)]
+        jax.block_until_ready(outs)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
 
 
 def _attention_flops(batch: int, length: int, heads: int, head_dim: int, backward: bool) -> float:
@@ -119,7 +121,7 @@ def bench_attention_gpu(lengths: list[int], iters: int, on_row=None) -> list[dic
                     compiled = jax.jit(fn).lower(q, k, v).compile()
                     mem = compiled.memory_analysis()
                     row["temp_mib"] = round(mem.temp_size_in_bytes / 2**20, 1) if mem else None
-                    seconds = _time(compiled, (q, k, v), iters)
+                    seconds = _time_queued(compiled, (q, k, v), iters)
                     row["ms"] = round(seconds * 1e3, 3)
                     flops = _attention_flops(batch, length, heads, head_dim, backward)
                     row["tflops"] = round(flops / seconds / 1e12, 1)
@@ -139,20 +141,11 @@ def bench_attention_gpu(lengths: list[int], iters: int, on_row=None) -> list[dic
     return rows
 
 
-def _time_queued(fn, args, calls: int = 20) -> float:
-    """Seconds a call, from `calls` calls queued back to back (one host round trip in all)."""
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        outs = [fn(*args) for _ in range(calls)]
-        jax.block_until_ready(outs)
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best
-
-
 SWEEP_FORWARD = [  # (block_q, block_kv, num_warps, num_stages)
-    (bq, bk, warps, stages) for bq, bk in ((64, 64), (128, 64), (128, 128)) for warps in (4, 8) for stages in (2, 3)
+    (bq, bk, warps, stages)
+    for bq, bk in ((64, 64), (64, 128), (128, 64), (128, 128))
+    for warps in (4, 8)
+    for stages in (2, 3)
 ]
 SWEEP_BACKWARD = [  # (block_q_bwd, block_kv_bwd, num_warps_bwd, num_stages_bwd)
     (bq, bk, warps, stages)
@@ -165,7 +158,7 @@ SWEEP_BACKWARD = [  # (block_q_bwd, block_kv_bwd, num_warps_bwd, num_stages_bwd)
 def sweep_flash(on_row=None, shape=RUNBOOK_SHAPE, forward=None, backward=None) -> dict:
     """The flash kernel's forward and forward + backward at the runbook's shape for each entry of
     `SWEEP_FORWARD` / `SWEEP_BACKWARD` (the backward's under the default forward), as TFLOP/s and
-    share of the GPU's bf16 peak; the default `FlashBlockSizes()` first in each list."""
+    share of the GPU's bf16 peak; the default (`FlashBlockSizes.default`) first in each list."""
     from meshtrain import metrics
 
     peak = metrics.device_peak_flops(jax.devices()[0])
@@ -174,7 +167,7 @@ def sweep_flash(on_row=None, shape=RUNBOOK_SHAPE, forward=None, backward=None) -
     q = jax.random.normal(ks[0], (batch, length, heads, head_dim), jnp.bfloat16)
     k = jax.random.normal(ks[1], (batch, length, kv_heads, head_dim), jnp.bfloat16)
     v = jax.random.normal(ks[2], (batch, length, kv_heads, head_dim), jnp.bfloat16)
-    default = FlashBlockSizes()
+    default = FlashBlockSizes.default(head_dim, jnp.bfloat16)
     result = {"shape": f"{batch}x{length}x{heads}/{kv_heads}x{head_dim}", "forward": [], "backward": []}
     d_warps, d_stages = default.launch_params(head_dim, backward=False)
     d_warps_bwd, d_stages_bwd = default.launch_params(head_dim, backward=True)
@@ -270,11 +263,14 @@ def loss_memory(tokens: int = 2048, d_model: int = 256, vocab: int = 32768) -> d
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768")
+    parser.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768",
+                        help="lengths timed after the runbook's shape ('' for none)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--out", default="", help="also write the JSON line here")
     parser.add_argument("--sweep", action="store_true",
                         help="GPU only: the flash kernel's tile sizes and launch parameters at the runbook's shape")
+    parser.add_argument("--sweep-length", type=int, default=0,
+                        help="--sweep at 1 x LENGTH tokens, 32/8 heads of 128 (default: the runbook's shape)")
     parser.add_argument("--quick", action="store_true",
                         help="the CI smoke run: on a GPU the 1024 and 2048 lengths, 2 iterations")
     args = parser.parse_args(argv)
@@ -289,14 +285,15 @@ def main(argv: list[str]) -> int:
         def keep_sweep(sweep):
             if args.out:
                 pathlib.Path(args.out).write_text(json.dumps({**result, "sweep": sweep, "partial": True}) + "\n")
-        result["sweep"] = sweep_flash(keep_sweep)
+        shape = (1, args.sweep_length, HEADS, KV_HEADS, HEAD_DIM) if args.sweep_length else RUNBOOK_SHAPE
+        result["sweep"] = sweep_flash(keep_sweep, shape=shape)
         line = json.dumps(result)
         print(line)
         if args.out:
             pathlib.Path(args.out).write_text(line + "\n")
         return 0
     if backend == "gpu":  # the timings first: a run stopped at its time limit has printed them
-        lengths = [int(n) for n in args.lengths.split(",")]
+        lengths = [int(n) for n in args.lengths.split(",") if n]
         def keep(rows):  # the rows so far, under --out, until the whole result replaces them
             if args.out:
                 pathlib.Path(args.out).write_text(json.dumps({**result, "attention": rows, "partial": True}) + "\n")

@@ -163,6 +163,11 @@ def test_launch_params_default_by_head_dim_and_are_checked():
 def test_default_blocks_fit_the_shape():
     fitted = FlashBlockSizes().fit(96, 48, user_given=False)
     assert fitted == FlashBlockSizes(block_q=32, block_kv=16, block_q_bwd=32, block_kv_bwd=16)
+    bf16_64 = FlashBlockSizes.default(64, jnp.bfloat16)
+    assert (bf16_64.block_q, bf16_64.block_kv, bf16_64.launch_params(64, backward=False)) == (64, 64, (4, 3))
+    f32_128 = FlashBlockSizes.default(128, jnp.float32)  # 128 x 128 float32 tiles overflow an SM's shared memory
+    assert (f32_128.block_q, f32_128.block_kv) == (64, 64)
+    assert FlashBlockSizes.default(128, jnp.bfloat16) == FlashBlockSizes()
     assert resolve_interpret(None) is (jax.default_backend() == "cpu")
 
 
