@@ -167,7 +167,10 @@ def test_default_blocks_fit_the_shape():
     assert (bf16_64.block_q, bf16_64.block_kv, bf16_64.launch_params(64, backward=False)) == (64, 64, (4, 3))
     f32_128 = FlashBlockSizes.default(128, jnp.float32)  # 128 x 128 float32 tiles overflow an SM's shared memory
     assert (f32_128.block_q, f32_128.block_kv) == (64, 64)
-    assert FlashBlockSizes.default(128, jnp.bfloat16) == FlashBlockSizes()
+    bf16_128 = FlashBlockSizes.default(128, jnp.bfloat16)
+    assert bf16_128.launch_params(128, backward=False) == (8, 3)
+    assert bf16_128.launch_params(128, backward=True) == (4, 2)
+    assert FlashBlockSizes.default(256, jnp.bfloat16) == FlashBlockSizes()
     assert resolve_interpret(None) is (jax.default_backend() == "cpu")
 
 

@@ -72,16 +72,24 @@ class FlashBlockSizes:
 
     @classmethod
     def default(cls, head_dim: int, dtype) -> FlashBlockSizes:
-        """The tiles and launch parameters used when none are given, by (padded) head dim and dtype.
+        """The tiles and launch parameters used when none are given, by (padded) head dim and dtype,
+        as `bench/kernels.py --sweep` measured them on an H200 (JAX 0.11.2, 2026-11-27; causal, bf16,
+        32 query heads on 8 K/V heads; a call's time from calls queued back to back):
 
-        bf16 / FP8 at head dim <= 64: 64 x 64 forward tiles, 3 pipeline stages (bench/kernels.py
-        --sweep on an H200 at the runbook's shape, 4 x 4,096, 32/8 heads of 64: 0.956 ms a causal
-        forward call against 1.127 ms for 128 x 128, 2 stages; the backward's 64 x 64, 4 warps, 2
-        stages was within 0.4% of the best of 20). float32 at head dim >= 128: 64 x 64 forward tiles
-        (128 x 128 float32 tiles ask 262 KB of shared memory; an H100 / H200 SM has 227 KB)."""
+        - head dim 64 (4 x 4,096 tokens): forward 64 x 64 tiles, 4 warps, 3 stages, 0.956 ms a call
+          (1.127 ms with the former 128 x 128, 2 stages; the best of 17); backward 64 x 64, 4 warps,
+          2 stages, within 0.4% of the best of 21.
+        - head dim 128 (1 x 8,192): forward 128 x 128, 8 warps, 3 stages, 1.391 ms (1.483 with 2
+          stages; the best of 17); backward 64 x 64 with 4 warps, 5.57 ms forward + backward against
+          10.91 ms with the former 8 warps (the best of 21).
+        - float32 at head dim >= 128: 64 x 64 forward tiles (128 x 128 float32 tiles ask 262 KB of
+          shared memory; an H100 / H200 SM has 227 KB).
+        """
         itemsize = jnp.dtype(dtype).itemsize
         if itemsize <= 2 and head_dim <= 64:
-            return cls(block_q=64, block_kv=64, num_warps=4, num_stages=3)
+            return cls(block_q=64, block_kv=64, num_warps=4, num_stages=3, num_warps_bwd=4, num_stages_bwd=2)
+        if itemsize <= 2 and head_dim == 128:
+            return cls(block_q=128, block_kv=128, num_warps=8, num_stages=3, num_warps_bwd=4, num_stages_bwd=2)
         if itemsize >= 4 and head_dim >= 128:
             return cls(block_q=64, block_kv=64)
         return cls()

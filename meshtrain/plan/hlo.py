@@ -595,9 +595,13 @@ TF32_EFFICIENCY = 0.30
 # H200 (JAX 0.11.2, CUDA 13, 2026-11-27). Head dim 64: in the step of `bench/gpu/mfu.py`'s model
 # (batch 4 x 4,096, 32 heads, 8 K/V heads), device time per call from its two-step profile (`--profile`):
 # cuDNN forward 0.716 ms (its backward 2.144 ms with its three helper kernels), with the document mask
-# as a bias 1.267 / 3.52 ms; the Pallas forward 1.753 ms, dq 1.374 ms, dk/dv 1.997 ms. Head dim 128:
-# `bench/kernels.py` at 1 x 8,192 (wall time per call, so a little under the device's speed): cuDNN
-# forward 1.188 ms, forward + backward 3.978 ms; with the bias 2.117 / 9.005 ms; Pallas 2.069 / 11.603 ms.
+# as a bias 1.267 / 3.52 ms; the Pallas forward 1.640 ms, dq 1.332 ms, dk/dv 2.096 ms (the kernels that
+# skip the causal mask below the diagonal, with 128 x 128 forward tiles; the 64 x 64 ones that replaced
+# them were not profiled in the step: alone they take 0.978 ms a forward, the former 1.127, so the figure
+# here is an upper bound). Head dim 128: `bench/kernels.py` at 1 x 8,192 (calls queued back to back):
+# cuDNN forward 1.188 ms, forward + backward 3.978 ms; with the bias 2.117 / 9.005 ms (those two timed
+# with a host round trip per call, so a little under the device's speed); Pallas with its default
+# tiles 1.391 / 5.573 ms (dq and dk/dv not timed apart: both at the backward's share).
 # The fused head + loss's forward (`pallas_kernels.cross_entropy`, [16384, 2048] x [2048, 128256], in the
 # same step's profile): 17.7 ms a call (its Pallas backward, 692 ms with atomic adds, is now XLA GEMMs).
 # FLOPs as counted here (`_attention_flops`): forward 4·B·H·T·S·D, halved when causal; cuDNN's backward
@@ -608,9 +612,9 @@ MEASURED_EFFICIENCY: dict[str, tuple[float, float]] = {  # kernel -> (head_dim <
     "cudnn_backward": (0.324, 0.498),
     "cudnn_bias_forward": (0.219, 0.263),
     "cudnn_bias_backward": (0.197, 0.202),
-    "flash_attention_forward": (0.158, 0.269),
-    "flash_attention_dq": (0.303, 0.204),
-    "flash_attention_dkdv": (0.278, 0.204),
+    "flash_attention_forward": (0.169, 0.400),
+    "flash_attention_dq": (0.313, 0.465),
+    "flash_attention_dkdv": (0.265, 0.465),
     "cross_entropy_forward": (0.491, 0.491),
 }
 _PALLAS_FLASH = {"flash_attention_forward": 1.0, "flash_attention_dq": 1.5, "flash_attention_dkdv": 2.0}
