@@ -95,19 +95,19 @@ def default_config() -> ml_collections.ConfigDict:
     Long by design: the schema is one statement per key, read top to bottom, section by section.
     """
     c = ml_collections.ConfigDict()
-    c.seed = 0
-    c.steps = 100
-    c.workdir = "runs/default"
+    c.seed = 0  # parameter initialisation and data order
+    c.steps = 100  # optimizer steps of the run
+    c.workdir = "runs/default"  # checkpoints, metrics.jsonl, the run record; a run resumes from it
     c.cpu_devices = 8  # fake this many devices when the platform is CPU (0: leave JAX's default)
-    c.log_every = 10
+    c.log_every = 10  # steps between lines of metrics (stdout and metrics.jsonl)
     c.eval_every = 0  # 0: no evaluation
-    c.eval_batches = 4
+    c.eval_batches = 4  # validation batches at each evaluation
     c.eval_tasks = ""  # lm-eval tasks also run at each evaluation, comma-separated (needs lm-eval: evaluate.py)
     c.eval_tasks_include_path = ""  # a folder of lm-eval task YAMLs of your own
     c.eval_tasks_limit = 0  # documents per task at each evaluation (0: all)
     c.sample_every = 0  # 0: off; else the model continues `sample_prompt` every this many steps (generate.py)
-    c.sample_prompt = "def "
-    c.sample_max_new_tokens = 48
+    c.sample_prompt = "def "  # the text `sample_every` continues
+    c.sample_max_new_tokens = 48  # tokens each sample adds
     c.sample_temperature = 0.8  # 0: greedy
     c.sample_top_k = 40  # 0: every token
     c.explain = False  # print the parameter sharding table and exit
@@ -121,34 +121,35 @@ def default_config() -> ml_collections.ConfigDict:
 
     c.distributed = ml_collections.ConfigDict()
     c.distributed.coordinator_address = ""  # "host:port"; empty: auto-detect (SLURM, cloud) or single process
-    c.distributed.num_processes = 0
-    c.distributed.process_id = -1
+    c.distributed.num_processes = 0  # with coordinator_address: processes in the job (0: auto-detect)
+    c.distributed.process_id = -1  # with coordinator_address: this process's index (-1: auto-detect)
 
     c.model = ml_collections.ConfigDict()
-    c.model.vocab_size = 512
-    c.model.d_model = 128
-    c.model.n_layers = 4
-    c.model.n_heads = 8
-    c.model.n_kv_heads = 4
-    c.model.head_dim = 16
-    c.model.mlp_dim = 384
-    c.model.rope_theta = 10000.0
+    c.model.vocab_size = 512  # token ids the embedding and head hold (padded up to a multiple of mesh.tensor)
+    c.model.d_model = 128  # hidden width
+    c.model.n_layers = 4  # transformer blocks
+    c.model.n_heads = 8  # query heads
+    c.model.n_kv_heads = 4  # key/value heads (grouped-query attention: divides n_heads)
+    c.model.head_dim = 16  # width of each attention head
+    c.model.mlp_dim = 384  # SwiGLU hidden width
+    c.model.rope_theta = 10000.0  # RoPE base frequency
     # RoPE frequency scaling for long contexts: "none", "linear" (positions / rope_factor) or "llama3"
     # (Llama 3.1: low frequencies / rope_factor, high ones kept, smoothed between rope_low_freq_factor and
     # rope_high_freq_factor of rope_original_max_positions)
     c.model.rope_scaling = "none"
-    c.model.rope_factor = 1.0
+    c.model.rope_factor = 1.0  # rope_scaling's factor (context extension)
+    # llama3 scaling: wavelengths above rope_original_max_positions / this are divided by rope_factor
     c.model.rope_low_freq_factor = 1.0
-    c.model.rope_high_freq_factor = 4.0
-    c.model.rope_original_max_positions = 8192
+    c.model.rope_high_freq_factor = 4.0  # llama3 scaling: wavelengths below rope_original_max_positions / this are kept
+    c.model.rope_original_max_positions = 8192  # llama3 scaling: the context the model was trained at
     # the Hugging Face architecture an export writes: llama, mistral, qwen2, qwen3 (mixtral with experts)
     c.model.family = "llama"
     c.model.attention_bias = False  # biases on the q, k, v projections (Qwen2)
     c.model.qk_norm = False  # RMSNorm of each query and key head before RoPE (Qwen3)
     c.model.sliding_window = 0  # attend to at most this many tokens back (Mistral v0.1); 0: the whole context
-    c.model.norm_eps = 1e-5
-    c.model.tie_embeddings = False
-    c.model.init_std = 0.02
+    c.model.norm_eps = 1e-5  # RMSNorm epsilon
+    c.model.tie_embeddings = False  # the head is the embedding's transpose
+    c.model.init_std = 0.02  # standard deviation of the normal initialisation
     c.model.dtype = "bfloat16"  # compute dtype
     c.model.param_dtype = "float32"  # storage dtype of parameters and optimizer state
     c.model.sequence_parallel = False  # Megatron SP: norm/residual regions split over `tensor`
@@ -161,16 +162,17 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.matmul_precision = "bf16"
     c.model.fp8_history = 16  # steps of amax history behind each FP8 scale (delayed scaling)
     # Mixture of experts (num_experts == 0: dense model).
-    c.model.num_experts = 0
-    c.model.experts_per_token = 2
-    c.model.moe_every = 1
+    c.model.num_experts = 0  # experts per MoE layer (0: a dense model)
+    c.model.experts_per_token = 2  # experts each token is routed to (top-k)
+    c.model.moe_every = 1  # every this many layers is an MoE layer (divides n_layers)
+    # tokens an expert takes per step, as a multiple of an even share (excess tokens are dropped)
     c.model.capacity_factor = 1.25
-    c.model.moe_dropless = False
+    c.model.moe_dropless = False  # no capacity: every routed token is computed (ragged expert matmuls)
     c.model.moe_mlp_dim = 0  # 0: same as mlp_dim
-    c.model.shared_expert = False
-    c.model.aux_loss_weight = 0.01
+    c.model.shared_expert = False  # one expert every token also runs (DeepSeek-style)
+    c.model.aux_loss_weight = 0.01  # weight of the load-balancing loss
     c.model.moe_balance_scope = "batch"  # "batch" (Switch, over all tokens) or "sequence" (per row, DeepSeek-V3)
-    c.model.router_z_loss_weight = 0.001
+    c.model.router_z_loss_weight = 0.001  # weight of the router z-loss (keeps router logits small)
 
     c.attention = ml_collections.ConfigDict()
     # auto: cuDNN's fused attention on an NVIDIA GPU where it serves the model (bf16 / fp16, head_dim 64
@@ -184,28 +186,29 @@ def default_config() -> ml_collections.ConfigDict:
     c.attention.ulysses_degree = 0
 
     c.remat = ml_collections.ConfigDict()
+    # recomputation in the backward: none, selective (keep matmul outputs), full, offload (to host memory)
     c.remat.policy = "selective"
 
     c.train = ml_collections.ConfigDict()
     c.train.batch_size = 16  # global rows per optimizer step
-    c.train.seq_len = 128
+    c.train.seq_len = 128  # tokens per row
     c.train.grad_accum_steps = 1  # micro-batches per step
-    c.train.zero_stage = 1
-    c.train.learning_rate = 3e-3
-    c.train.warmup_steps = 10
-    c.train.min_lr_ratio = 0.1
-    c.train.weight_decay = 0.1
-    c.train.b1 = 0.9
-    c.train.b2 = 0.95
-    c.train.eps = 1e-8
+    c.train.zero_stage = 1  # ZeRO: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded over the batch axes
+    c.train.learning_rate = 3e-3  # peak learning rate (AdamW)
+    c.train.warmup_steps = 10  # linear warm-up steps before the cosine decay
+    c.train.min_lr_ratio = 0.1  # the cosine decay ends at learning_rate x this
+    c.train.weight_decay = 0.1  # AdamW's decoupled weight decay
+    c.train.b1 = 0.9  # Adam's first-moment decay
+    c.train.b2 = 0.95  # Adam's second-moment decay
+    c.train.eps = 1e-8  # Adam's epsilon
     c.train.grad_clip = 1.0  # global-norm clip; 0 disables
-    c.train.skip_nonfinite = False
+    c.train.skip_nonfinite = False  # a step whose loss or gradients are not finite leaves the state unchanged
     # loss-spike guard (off at 0): spike_steps losses in a row above spike_factor x the running median of the
     # last spike_window roll back to the newest older checkpoint and skip those steps' data rows
     c.train.spike_factor = 0.0
-    c.train.spike_steps = 3
-    c.train.spike_window = 32
-    c.train.spike_max_rollbacks = 3
+    c.train.spike_steps = 3  # loss-spike guard: losses in a row above the threshold before a rollback
+    c.train.spike_window = 32  # loss-spike guard: steps in the running median
+    c.train.spike_max_rollbacks = 3  # loss-spike guard: rollbacks before the run stops
     # multi-process: a step or save with no progress this long ends the job (exit 5); below jax.distributed's
     # 100-s heartbeat timeout, whose abort of a job with a stopped peer says far less; 0: off
     c.train.hang_timeout_s = 90.0
@@ -215,31 +218,32 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.xla_gpu_memory_limit_slop_factor = 95
 
     c.data = ml_collections.ConfigDict()
+    # text_files (data.files, or the Python standard library's sources), tfds:<name>, hf:<folder or glob>, synthetic
     c.data.source = "text_files"
-    c.data.files = ""
-    c.data.tokenizer = "bytes"
-    c.data.data_dir = ""
-    c.data.text_field = "text"
+    c.data.files = ""  # text_files: a glob of local files (empty: the Python standard library's sources)
+    c.data.tokenizer = "bytes"  # bytes, a Hugging Face folder or tokenizer.json, or a sentencepiece .model
+    c.data.data_dir = ""  # where datasets are prepared and read (empty: $TFDS_DATA_DIR, else <workdir>/datasets)
+    c.data.text_field = "text"  # the text column of JSON lines and Hugging Face datasets
     # a binary or non-UTF-8 file, or a JSON line without a string text: "skip" (by name, counted: the run prints
     # the counts and metrics.jsonl's first record keeps them) or "error" (the first one stops the run)
     c.data.on_bad_data = "skip"
-    c.data.cross_document_attention = False
-    c.data.prefetch = 2
+    c.data.cross_document_attention = False  # packed rows attend across document boundaries (off: a document mask)
+    c.data.prefetch = 2  # batches the loader prepares ahead
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 0  # 0: only at the end
-    c.checkpoint.keep = 2
-    c.checkpoint.async_save = True
-    c.checkpoint.restore_from = ""
+    c.checkpoint.keep = 2  # newest checkpoints kept
+    c.checkpoint.async_save = True  # save in the background while training goes on
+    c.checkpoint.restore_from = ""  # a checkpoint folder to start from (else the workdir's newest)
     # a workdir whose checkpoints were all found damaged (and set aside) refuses to start over unless this is True
     c.checkpoint.restart_from_scratch = False
     # a checkpoint without checksums (a save killed before writing them) is restored only when this is True
     c.checkpoint.trust_unverified = False
 
     c.pipeline = ml_collections.ConfigDict()
-    c.pipeline.schedule = "gpipe"
-    c.pipeline.microbatches = 4
-    c.pipeline.repeats = 1
+    c.pipeline.schedule = "gpipe"  # gpipe, circular, 1f1b, interleaved_1f1b or zero_bubble (mesh.stage > 1)
+    c.pipeline.microbatches = 4  # micro-batches each step's batch is cut into on the pipeline
+    c.pipeline.repeats = 1  # circular / interleaved_1f1b: layer chunks per stage (virtual stages)
     # zero_bubble's W: "gemms" (the weight GEMMs from each matmul's kept input and
     # output gradient: W about one forward, more memory) or "pullback" (the stage's pullback again from
     # its residuals: 1F1B's memory, W about two forwards)
