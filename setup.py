@@ -37,12 +37,13 @@ DATA = ["datasets==5.2.0"]
 EVAL = ["lm-eval==0.4.13", *DATA]
 
 TEST_CORE = ["pytest==9.0.3", "pytest-xdist==3.8.0", "tokenizers==0.23.3", "sentencepiece==0.2.3"]
+LINT = ["ruff==0.17.6"]  # `ruff check .`, a leg of .ci/run (its rules: pyproject.toml)
 
 EXTRAS = {
     # tokenizers / sentencepiece: the tokenizer.json and .model readers (data.tokenizer)
     # test-core: what the fast set on the newest JAX needs (no torch, no lm-eval); test: the whole suite
     "test-core": TEST_CORE,
-    "test": [*TEST_CORE, *HF_TEST, *EVAL],
+    "test": [*TEST_CORE, *HF_TEST, *EVAL, *LINT],
     "data": DATA,
     "eval": EVAL,
     # XLA's GPU compiler and runtime: CUDA 12 builds (every version in range), CUDA 13 (jax >= 0.11,

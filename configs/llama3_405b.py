@@ -13,12 +13,12 @@ Where each number comes from ("The Llama 3 Herd of Models", 2024):
   126 = 7 + 14 x 8 + 7, `pipeline.layers_per_stage`'s default for 126 on 16).
 - batch (Section 3.4.1): 16M tokens a step at the end of the ramp, 2,048 sequences of 8,192; micro-batch
   1 per data-parallel rank, so 2,048 / 128 = 16 micro-batches per step (1F1B here; the paper's
-  interleaved schedule with v > 1 cannot carry 126 layers unevenly: see README, "405B on 16K GPUs").
+  interleaved schedule with v > 1 cannot carry 126 layers unevenly: see docs/405b.md).
 - optimizer (Section 3.4.1): peak learning rate 8e-5, 8,000 warm-up steps, cosine decay to 8e-7 over
   1,200,000 steps.
 The data-parallel axis is `fsdp` (-1: 128 on 16,384 devices) with ZeRO-1 (optimizer state sharded),
 every layer recomputed in the backward (full remat), attention and the norms and loss in the Pallas
-kernels on GPU: what fits the H100's 80 GB (README, "405B on 16K GPUs").
+kernels on GPU: what fits the H100's 80 GB (docs/405b.md).
 """
 
 from meshtrain.config import default_config

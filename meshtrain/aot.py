@@ -63,7 +63,7 @@ REFERENCE_MESHES: dict[str, tuple[str, int, dict]] = {
                                                                  "pipeline.microbatches": 8,
                                                                  "pipeline.split_backward": "pullback"}),
     # `pipeline.overlap_transfers`: every permute of the tick loop beside compute, at least 80% of the
-    # FSDP gathers and reduce-scatters (tests/test_gpu_aot.py asserts it). Plain 1F1B is the README's
+    # FSDP gathers and reduce-scatters (tests/test_gpu_aot.py asserts it). Plain 1F1B is docs/405b.md's
     # 405B command's. Interleaved 1F1B (v=2, one layer a chunk) in its alternating ticks.
     **{f"8b-stage4-fsdp2-{schedule}-m8-overlap": ("llama3_8b", 8, {
         "model.n_layers": 8 if schedule == "interleaved_1f1b" else 4, "mesh.fsdp": 2, "mesh.stage": 4,

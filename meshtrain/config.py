@@ -81,7 +81,7 @@ def attention_impl(config: ml_collections.ConfigDict, platform: str) -> str:
     """`attention.impl` as a step on `platform`'s devices ('cpu', 'gpu', 'tpu') runs it: 'auto' becomes
     'cudnn' on a GPU where cuDNN serves the model (`cudnn_refusal`) at a head dim of at least
     AUTO_CUDNN_MIN_HEAD_DIM, else 'xla'; any other value is itself. The Pallas flash kernel is not
-    an automatic choice: measured on an H200 it was slower than cuDNN (README, GPU runbook)."""
+    an automatic choice: measured on an H200 it was slower than cuDNN (docs/benchmarks.md, "GPU")."""
     impl = config.attention.impl
     if impl != "auto":
         return impl

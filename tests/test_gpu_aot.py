@@ -15,7 +15,7 @@ with the `gpu` extra (`pytest -m gpu_aot`). Without the extra they fail with its
   the step's temporaries are no larger than bf16's and the amax reductions add at most 2 all-reduces.
 * The planner's per-device memory against the compiler's for the acceptance meshes: within 10%.
 * Multi-node targets: 64 devices as 8 nodes of 8 give the devices of 8 processes.
-* The README's `meshtrain.aot` and `plan --target` commands run.
+* The `meshtrain.aot` and `plan --target` commands of README.md and docs/ run.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import gc
 import itertools
 import json
 import math
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -90,7 +92,13 @@ def _kernels_expected(config, report: aot.Report) -> set[str]:
 GPU_COMMANDS = [c for c in readme.COMMANDS if readme.needs_gpu_compiler(c)]
 
 
-@pytest.mark.parametrize("command", GPU_COMMANDS, ids=lambda c: c.split()[2])
+def _command_id(command: str) -> str:
+    """`meshtrain.aot-llama3_8b`: the module and the config file's name."""
+    config = re.search(r"--config (\S+)", command)
+    return command.split()[2] + (f"-{pathlib.Path(config.group(1)).stem}" if config else "")
+
+
+@pytest.mark.parametrize("command", GPU_COMMANDS, ids=_command_id)
 def test_readme_gpu_compiler_commands_run(tmp_path, command):
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     args = readme.prepare_command(command, 0, tmp_path, {"OUT_DIR": str(tmp_path / "out")})

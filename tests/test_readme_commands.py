@@ -1,5 +1,11 @@
-"""Every `python -m meshtrain...` command README.md prints runs to completion, as a user would type
-it, with only its length cut: training commands get `--config.steps=2` (with a warmup of 1) and a workdir of their own.
+"""Every `python -m meshtrain...` command README.md and the pages under docs/ print runs to completion,
+as a user would type it, with only its length cut: training commands get `--config.steps=2` (with a
+warmup of 1) and a workdir of their own. A command printed on several pages runs once.
+
+A launcher in front of the command (`srun ... python -m meshtrain.train ...`) is left out: outside
+SLURM the command runs as one process. A command for one host of several (`--process_id=RANK`, with
+`--coordinator_address=HEAD_HOST` and `--num_processes=N`) runs as N local processes joined on
+127.0.0.1.
 
 Commands are read from the README's code blocks and from inline code spans that carry arguments
 (a bare `python -m meshtrain.plan` is a name, and must appear as a full command elsewhere).
@@ -28,6 +34,8 @@ from tests.utils import ROOT
 pytestmark = pytest.mark.slow
 
 MODULE = re.compile(r"python -m (meshtrain[\w.]*)")
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # README first: its main job is the one
+LAUNCHER = re.compile(r"^(?:srun|mpirun)\s.*?(python -m meshtrain.*)$")
 SHORTEN = ["--config.steps=2", "--config.train.warmup_steps=1", "--config.log_every=1"]  # training: length only
 
 
@@ -48,6 +56,9 @@ def readme_commands(text: str) -> tuple[list[str], set[str]]:
     commands: list[tuple[int, str]] = []
     for block in re.finditer(r"```[a-z]*\n(.*?)```", text, re.S):
         for i, line in enumerate(_join_continuations(block.group(1))):
+            launched = LAUNCHER.match(line)
+            if launched:
+                line = launched.group(1)
             if line.startswith("python -m meshtrain"):
                 commands.append((block.start(1) + i, line))
     outside = re.sub(r"```.*?```", lambda m: " " * len(m.group(0)), text, flags=re.S)
@@ -135,15 +146,25 @@ def prepare_command(command: str, index: int, tmp_path, filled: dict[str, str]) 
     return [sys.executable, *args[1:]]
 
 
-def test_readme_names_only_commands_it_also_prints():
-    commands, bare = readme_commands((ROOT / "README.md").read_text())
+def docs_commands() -> tuple[list[str], set[str]]:
+    """(every distinct command of README.md and docs/*.md, first occurrence first; modules named bare)."""
+    commands, bare = [], set()
+    for path in DOCS:
+        found, named = readme_commands(path.read_text())
+        commands += [c for c in dict.fromkeys(found) if c not in commands]
+        bare |= named
+    return commands, bare
+
+
+def test_docs_name_only_commands_they_also_print():
+    commands, bare = docs_commands()
     modules = {MODULE.match(c).group(1) for c in commands}
     assert bare <= modules, bare - modules
     assert {"meshtrain.train", "meshtrain.data.prepare", "meshtrain.launch", "meshtrain.plan", "meshtrain.hf",
-            "meshtrain.report"} <= modules
+            "meshtrain.report", "meshtrain.config_reference"} <= modules
 
 
-COMMANDS = readme_commands((ROOT / "README.md").read_text())[0]
+COMMANDS = docs_commands()[0]
 CPU_COMMANDS = [i for i, c in enumerate(COMMANDS) if not needs_gpu_compiler(c)]
 MAIN = next(i for i, c in enumerate(COMMANDS) if MODULE.match(c).group(1) == "meshtrain.train" and "explain" not in c)
 # commands that read the main job's workdir run right after it, in its case; likewise those reading the
@@ -167,8 +188,29 @@ def test_every_readme_command_runs(tmp_path, hf_dir, tfds_dir, parquet_dir, jax_
         command = COMMANDS[i]
         filled = {"HF_DIR": hf_dir, "OUT_DIR": str(tmp_path / f"export{i}"), "<workdir>": str(tmp_path / f"run{MAIN}"),
                   "PARQUET_DIR": parquet_dir, "PROMPTS_FILE": str(prompts), "IMPORTED_RUN": str(tmp_path / "imported")}
+        if "RANK" in command:  # one host's command of several: all of them, here
+            _run_on_local_hosts(command, i, tmp_path, filled, env)
+            continue
         args = prepare_command(command, i, tmp_path, filled)
         result = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
         if i == MAIN:
             assert (tmp_path / f"run{MAIN}" / "metrics.jsonl").exists()
+
+
+def _run_on_local_hosts(command: str, index: int, tmp_path, filled: dict[str, str], env: dict[str, str]) -> None:
+    """`command` with HEAD_HOST and RANK filled in, once per process of `--num_processes=N`, all at once."""
+    import portpicker
+
+    count = int(re.search(r"--num_processes=(\d+)", command).group(1))
+    head = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    procs = []
+    for rank in range(count):
+        host = {**filled, "HEAD_HOST": head, "RANK": str(rank)}
+        args = prepare_command(command, index, tmp_path, host)
+        procs.append(subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    for rank, proc in enumerate(procs):
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{command} (RANK={rank})\n{out[-2000:]}\n{err[-3000:]}"
+    assert (tmp_path / f"run{index}" / "metrics.jsonl").exists()

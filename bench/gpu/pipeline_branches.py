@@ -16,7 +16,7 @@ bench's first H200 run): on a GPU with `--kernel_model`, without one where the `
 installed (for the H100). The measured times of a later run check the fit against the same model run
 deviceless for that GPU (`bench/pipeline.py --modeled --compiled --gpu h200`).
 
-Shapes: the README's modeled table (d_model 512, 8 layers, one row of 128 tokens a micro-batch), the
+Shapes: docs/pipeline.md's modeled table (d_model 512, 8 layers, one row of 128 tokens a micro-batch), the
 same at 2,048 tokens, and llama3_8b's layer (8 layers, one row of 4,096 tokens); each at p in
 `--stages` (p stages of n_layers / p layers); then llama3_8b at p=4 with the Pallas flash attention
 kernel (the roofline column prices the einsum attention throughout). On a CPU (or with `--quick`) one

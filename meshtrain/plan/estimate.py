@@ -156,7 +156,7 @@ def _divisors(n: int) -> list[int]:
 # The schedules a search tries on a pipelined mesh: (pipeline.schedule, pipeline.repeats,
 # pipeline.overlap_transfers). The lock-step loops that hold flat activation memory: 1F1B, with and
 # without its transfers behind compute, and interleaved 1F1B in two chunks a stage, whose transfers are
-# behind compute anyway (README, "Pipeline parallelism": modeled 0.69 of 1F1B's step; measured on an
+# behind compute anyway (docs/pipeline.md: modeled 0.69 of 1F1B's step; measured on an
 # H200, 0.65 to 0.76). Zero bubble is left out: measured, its split backward is slower than 1F1B.
 PIPELINE_CHOICES = (("1f1b", 1, False), ("1f1b", 1, True), ("interleaved_1f1b", 2, True))
 
@@ -218,7 +218,7 @@ def _candidates(config: ml_collections.ConfigDict, num_devices: int, devices_per
 
 
 # The search ranks first the candidates whose modelled memory leaves this share of usable HBM free:
-# the model's error against the compiler (README, "Planning a run": mean 4.4%). Without it the 405B
+# the model's error against the compiler (docs/aot.md, "Planning a run": mean 4.4%). Without it the 405B
 # search chose a layout modelled at 76.90 GiB that the H100 compiler put at 78.07 (over 78 usable).
 SEARCH_HEADROOM = 0.05
 PROGRESS_SECONDS = 10.0
