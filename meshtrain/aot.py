@@ -159,6 +159,9 @@ class ProgramReport:
     # module's text); of a conditional (a pipeline tick's `lax.switch`, cuDNN attention's choice between
     # its causal and its document-masked call) the longest branch, as a lock-step tick lasts
     modeled_seconds: float = 0.0
+    # the same with cuDNN attention's conditional on its causal call (rows of one document each: the
+    # branch the runbook's batches take); equal to `modeled_seconds` where no such conditional exists
+    modeled_seconds_one_document: float = 0.0
     top_kernels: list[dict] = dataclasses.field(default_factory=list)  # the most modeled time first
     from_cache: bool = False  # read back from the compile cache (`compile_seconds`: the compile that made it)
 
@@ -178,6 +181,9 @@ class ProgramReport:
             kernels = hlo.kernels(text, price=lambda ks: hlo.KERNEL_TIMES.seconds(ks, gpu))
             priced = sorted(((hlo.KERNEL_TIMES.seconds([k], gpu), k) for k in kernels), key=lambda sk: -sk[0])
             report.modeled_seconds = sum(s for s, _ in priced)
+            report.modeled_seconds_one_document = hlo.KERNEL_TIMES.seconds(
+                hlo.kernels(text, price=lambda ks: hlo.KERNEL_TIMES.seconds(ks, gpu), attention_branch="shortest"),
+                gpu)
             report.top_kernels = [{"name": k.name, "kind": k.opcode, "runs": k.runs, "seconds": s,
                                    "bytes": k.bytes * k.runs, "flops": k.flops * k.runs} for s, k in priced[:top]]
         return report
@@ -200,6 +206,7 @@ class Report:
     # model FLOPs per device (`metrics.flops_per_token`, as the training log counts them) over the modeled
     # step, at the target's peak (FP8-weighted under matmul_precision=fp8); None when not priced
     modeled_mfu: float | None = None
+    modeled_mfu_one_document: float | None = None  # `modeled_mfu` of `ProgramReport.modeled_seconds_one_document`
 
     @property
     def fits(self) -> bool:
@@ -238,6 +245,10 @@ class Report:
         if self.modeled_mfu is not None:
             lines.append(f"modeled MFU: {self.modeled_mfu:.1%} (model FLOPs a step, as the training log counts them, "
                          "over the modeled step at the target's peak; communication not included)")
+            if self.modeled_mfu_one_document and abs(self.modeled_mfu_one_document - self.modeled_mfu) > 5e-4:
+                lines.append(f"  {self.modeled_mfu_one_document:.1%} on rows of one document each "
+                             f"({self.step.modeled_seconds_one_document:.4f} s: cuDNN's causal call; the figure above "
+                             "prices the document-masked call, which packed rows take)")
         if self.sampling is not None:
             s = self.sampling
             lines.append(f"sampling program compiled in {s.compile_seconds:.1f} s{_cached(s)}: arguments "
@@ -303,19 +314,20 @@ def compile_sampling(run, factory, prompt_len: int, new_tokens: int):
     return compiled, verify.compile_seconds(compiled, time.perf_counter() - start)
 
 
-def modeled_mfu(run, step: ProgramReport, gpu: hardware.Gpu) -> float | None:
+def modeled_mfu(run, step: ProgramReport, gpu: hardware.Gpu, seconds: float | None = None) -> float | None:
     """Model FLOPs a device does per step (`metrics.flops_per_token` x the step's tokens / devices) over
-    the modeled step (`ProgramReport.modeled_seconds`), at `gpu`'s peak (FP8-weighted as
+    the modeled step (`seconds`, else `ProgramReport.modeled_seconds`), at `gpu`'s peak (FP8-weighted as
     `metrics.device_peak_flops`); None when the step was not priced. Playbook, "Benchmarking thousands
     of configurations" (MFU)."""
     from meshtrain import metrics
 
-    if not step.modeled_seconds:
+    seconds = seconds or step.modeled_seconds
+    if not seconds:
         return None
     t = run.config.train.seq_len
     per_token = metrics.flops_per_token(run.model, t)
     peak = metrics.blended_peak(gpu.peak_flops, gpu.peak_fp8_flops, metrics.fp8_flops_per_token(run.model) / per_token)
-    return per_token * run.config.train.batch_size * t / run.mesh.devices.size / step.modeled_seconds / peak
+    return per_token * run.config.train.batch_size * t / run.mesh.devices.size / seconds / peak
 
 
 def compile_report(config: ml_collections.ConfigDict, target: str, devices: int, devices_per_node: int = 8,
@@ -330,7 +342,8 @@ def compile_report(config: ml_collections.ConfigDict, target: str, devices: int,
     del compiled
     planner = verify.model_memory(config, dict(run.sizes), verify.batch_bytes(run))
     report = Report(target, run.mesh.devices.flat[0].device_kind, devices, devices_per_node, dict(run.sizes),
-                    step, planner, gpu.usable_bytes, modeled_mfu=modeled_mfu(run, step, gpu))
+                    step, planner, gpu.usable_bytes, modeled_mfu=modeled_mfu(run, step, gpu),
+                    modeled_mfu_one_document=modeled_mfu(run, step, gpu, step.modeled_seconds_one_document))
     if sample is None:
         report.sampling_note = "not compiled (--sample=false)"
     elif run.sizes["stage"] > 1 or run.sizes["sequence"] > 1:

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from meshtrain import config as config_lib
 from meshtrain.config import BATCH_AXES, CONTEXT_PARALLEL_IMPLS, require
 from meshtrain.pallas_kernels import flash_attention
+from meshtrain.pallas_kernels.flash_attention import MIN_BLOCK
 from meshtrain.sharding_rules import auto_axes, per_shard
 
 # attention_fn(q [B,T,H,Dh], k [B,T,K,Dh], v [B,T,K,Dh], segment_ids [B,T]) -> [B,T,H,Dh], causal.
@@ -99,9 +100,10 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
 
     Grouped-query K/V go to cuDNN as they are (its GQA reads each K/V head for its G query heads).
     Document masking: where every row of the shard is one document (or padding alone) the call is
-    cuDNN's causal mask alone, which skips the tiles above the diagonal; otherwise the same call
-    takes the document mask as a [B,1,T,S] additive bias (cuDNN's only arbitrary mask). `lax.cond`
-    picks per step on the device, so both stay exact for any segment ids.
+    cuDNN's causal mask alone, which skips the tiles above the diagonal; otherwise, from head dim
+    `PALLAS_DOCUMENTS_MIN_HEAD_DIM` on, the Pallas flash kernel with the segment ids, and below it the
+    same cuDNN call with the document mask as a [B,1,T,S] additive bias (cuDNN's only arbitrary mask).
+    `lax.cond` picks per step on the device, so both stay exact for any segment ids.
     """
     batch = auto_axes(BATCH_AXES)
     heads = auto_axes(("tensor",))
@@ -116,11 +118,22 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
     return per_shard(_cudnn_local, (x, x, x, seg), x, rest)(q, k, v, segment_ids)
 
 
+# From this head dim on, rows of several documents go to the Pallas flash kernel, which masks documents
+# by their segment ids, instead of cuDNN with the mask as a bias (whose backward always computes the
+# bias's gradient). Measured on an H200 at 1 x 8,192 tokens, 32/8 heads of 128, causal (bench/kernels.py,
+# calls queued back to back, 2026-11-27): cuDNN with the bias 26% / 21% of the bf16 peak forward /
+# forward + backward, the Pallas kernel with its default tiles 40% / 35%; at head dim 64 (the runbook's
+# shape) the two are within 10% of each other in the step's profile, and cuDNN keeps it.
+PALLAS_DOCUMENTS_MIN_HEAD_DIM = 128
+
+
 def _cudnn_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
     def causal(q, k, v, segment_ids):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
     def documents(q, k, v, segment_ids):
+        if q.shape[-1] >= PALLAS_DOCUMENTS_MIN_HEAD_DIM and q.shape[1] % MIN_BLOCK == 0:
+            return flash_attention(q, k, v, causal=True, segment_ids=segment_ids)
         same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # [B,1,T,S]
         return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True, implementation="cudnn")
 

@@ -659,7 +659,8 @@ def _measured_kernel(target: str, rest: str, operand_shapes: list[str]) -> tuple
     return 0.0, 0.0
 
 
-def kernels(hlo: str, branch_weights: tuple[float, ...] | None = None, price=None) -> list[Kernel]:
+def kernels(hlo: str, branch_weights: tuple[float, ...] | None = None, price=None,
+            attention_branch: str = "longest") -> list[Kernel]:
     """The kernels a GPU-compiled module launches (its optimized HLO, `compiled.as_text()`): each
     fusion, custom call and unfused instruction of the computations that run, with the bytes it reads
     and writes and its GEMM FLOPs, and how many times it runs per call: loop bodies times their trip
@@ -667,7 +668,10 @@ def kernels(hlo: str, branch_weights: tuple[float, ...] | None = None, price=Non
     branch per call: with `branch_weights` (for conditionals of that many branches) each branch counts
     that share of the calls; otherwise only the branch that `price` (kernels -> seconds) makes longest,
     or without `price` the one of the most launches (a lock-step tick lasts as long as its slowest
-    stage's branch). A fusion reads of a parameter only what its (dynamic-)slices take (a layer of a
+    stage's branch). `attention_branch="shortest"` prices a conditional whose branches call cuDNN's
+    attention (`attention.cudnn_attention`'s choice between the causal call and the document-masked
+    one) by its cheapest branch: the step of a batch whose rows are one document each. A fusion
+    reads of a parameter only what its (dynamic-)slices take (a layer of a
     scanned stack), and updates an operand in place when its root is a dynamic-update-slice (writing
     only the update)."""
     comps, entry = _computations(hlo)
@@ -698,7 +702,9 @@ def kernels(hlo: str, branch_weights: tuple[float, ...] | None = None, price=Non
                         out += walk(branch, factor * weight)
                 elif names:
                     walked = [walk(branch, factor) for branch in names]
-                    out += max(walked, key=lambda ks: price(ks) if price else sum(k.runs for k in ks))
+                    cost = (lambda ks: price(ks)) if price else (lambda ks: sum(k.runs for k in ks))
+                    cudnn = any(k.opcode.startswith("__cudnn$fmha") for ks in walked for k in ks)
+                    out += (min if attention_branch == "shortest" and cudnn else max)(walked, key=cost)
             elif opcode == "call" and (t := re.search(r"\bto_apply=%?([\w.\-]+)", rest)) and t.group(1) in parsed:
                 out += walk(t.group(1), factor)
         return out
