@@ -33,7 +33,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import aot, compile_cache, config as config_lib, mesh as mesh_lib, train_step
+from meshtrain import aot, attention, compile_cache, config as config_lib, mesh as mesh_lib, train_step
 from meshtrain.parallel import layout
 from meshtrain.plan import hlo, verify
 from tests import test_readme_commands as readme
@@ -78,7 +78,9 @@ def _compile(config, devices: int = 8, sample=None) -> aot.Report:
 
 def _kernels_expected(config, report: aot.Report) -> set[str]:
     expected = set()
-    if config.attention.impl == "pallas" or layout.ring_flash(config, report.sizes, "gpu"):
+    documents_in_flash = (config_lib.attention_impl(config, "gpu") == "cudnn"
+                          and config.model.head_dim >= attention.PALLAS_DOCUMENTS_MIN_HEAD_DIM)
+    if config.attention.impl == "pallas" or layout.ring_flash(config, report.sizes, "gpu") or documents_in_flash:
         expected |= {"flash_attention_forward", "flash_attention_dq", "flash_attention_dkdv"}
     if config.model.fused_norm:
         expected |= {"rms_norm_forward", "rms_norm_backward"}
@@ -191,9 +193,21 @@ def test_sampling_program_compiles_for_h100():
 
 
 # attention.impl=auto on an NVIDIA GPU: cuDNN's causal call and its document-masked one (a bias), each
-# with its backward (`attention.cudnn_attention`)
-CUDNN_CALLS = {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward", "__cudnn$fmhaScaleBiasSoftmax",
-               "__cudnn$fmhaScaleBiasSoftmaxBackward"}
+# with its backward (`attention.cudnn_attention`); from head dim `PALLAS_DOCUMENTS_MIN_HEAD_DIM` on the
+# document-masked branch is the Pallas flash kernel instead
+CAUSAL_CUDNN_CALLS = {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}
+CUDNN_CALLS = CAUSAL_CUDNN_CALLS | {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"}
+FLASH_KERNELS = {"flash_attention_forward", "flash_attention_dq", "flash_attention_dkdv"}
+
+
+def _assert_cudnn_document_branch(config, report):
+    """cuDNN's causal calls, and for the document-masked branch cuDNN's bias calls or, at head dim
+    PALLAS_DOCUMENTS_MIN_HEAD_DIM and up, the Pallas flash kernels as Triton calls."""
+    if config.model.head_dim >= attention.PALLAS_DOCUMENTS_MIN_HEAD_DIM:
+        assert set(report.step.cudnn_attention) == CAUSAL_CUDNN_CALLS, report.step.cudnn_attention
+        assert set(report.step.kernels) >= FLASH_KERNELS, report.step.kernels
+    else:
+        assert set(report.step.cudnn_attention) == CUDNN_CALLS, report.step.cudnn_attention
 
 
 def test_runbook_step_runs_cudnn_attention_on_h200():
@@ -237,6 +251,13 @@ FP8_MESHES = {
 }
 
 
+def _bf16_params_per_device(run) -> int:
+    """Bytes a device's share of the parameters takes in the compute dtype (bf16): one copy of them."""
+    factory, _ = train_step.build(run)
+    leaves = jax.tree.leaves(factory.abstract.params)
+    return sum(2 * math.prod(leaf.sharding.shard_shape(leaf.shape)) for leaf in leaves)
+
+
 def _precision_pair(name: str):
     """(bf16 report, fp8 report, fp8 GEMMs as executed, quantised matmuls run per device per step)."""
     config_name, overrides = FP8_MESHES[name]
@@ -262,7 +283,10 @@ def test_fp8_matmuls_are_fp8_gemms_on_h100(name):
     assert executed.of_types("f8e4m3fn", "f8e4m3fn") == pytest.approx(runs)  # forward
     assert executed.of_types("f8e4m3fn", "f8e5m2") == pytest.approx(2 * runs)  # input and weight gradients
     assert hlo.f8_conversions(text) == 0  # no quantised tensor widened again: no bf16 copy of a weight
-    assert memory["temp"] <= bf16_memory["temp"]
+    # nor does FP8 keep one beside its e4m3 copies: its temporaries exceed bf16's by less than a bf16 copy
+    # of the device's parameters (since the SwiGLU backward's custom gradient the two differ by 0.1 to 2%,
+    # either way, where a kept copy would add the whole copy)
+    assert memory["temp"] - bf16_memory["temp"] < _bf16_params_per_device(run)
     n = math.prod(run.sizes.values())
     all_reduces = [c for c in hlo.collectives(text, n) if c.kind == "all-reduce"]
     assert len(all_reduces) <= len([c for c in hlo.collectives(bf16_text, n) if c.kind == "all-reduce"]) + 2
@@ -281,7 +305,7 @@ def test_planner_memory_within_10_percent_of_the_h100_compiler(name):
     assert planned == pytest.approx(compiled, rel=0.10), (
         f"{name}: planner {planned / 2**30:.2f} GiB, compiler {compiled / 2**30:.2f} GiB")
     if config_lib.attention_impl(config, "gpu") == "cudnn":  # attention.impl=auto on the GPU
-        assert set(report.step.cudnn_attention) >= CUDNN_CALLS, report.step.cudnn_attention
+        _assert_cudnn_document_branch(config, report)
     if config.pipeline.overlap_transfers:  # each tick's transfers beside the next tick's compute
         found = report.step.collectives
         assert found["collective-permute"]["overlapped"] == found["collective-permute"]["pairs"] > 0, found
