@@ -248,7 +248,7 @@ class Report:
             if self.modeled_mfu_one_document and abs(self.modeled_mfu_one_document - self.modeled_mfu) > 5e-4:
                 lines.append(f"  {self.modeled_mfu_one_document:.1%} on rows of one document each "
                              f"({self.step.modeled_seconds_one_document:.4f} s: cuDNN's causal call; the figure above "
-                             "prices the document-masked call, which packed rows take)")
+                             "prices the document-masked branch, which packed rows take)")
         if self.sampling is not None:
             s = self.sampling
             lines.append(f"sampling program compiled in {s.compile_seconds:.1f} s{_cached(s)}: arguments "

@@ -549,6 +549,7 @@ class Kernel:
     # 0 for GEMMs, which `KernelTimes.flop_efficiency` prices (float32 ones at `TF32_EFFICIENCY`)
     efficiency: float = 0.0
     tf32: bool = False  # a GEMM of float32 operands: Hopper runs it as TF32 (`TF32_EFFICIENCY`)
+    attention: bool = False  # a cuDNN fused-attention call or a Pallas flash attention kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -668,9 +669,10 @@ def kernels(hlo: str, branch_weights: tuple[float, ...] | None = None, price=Non
     branch per call: with `branch_weights` (for conditionals of that many branches) each branch counts
     that share of the calls; otherwise only the branch that `price` (kernels -> seconds) makes longest,
     or without `price` the one of the most launches (a lock-step tick lasts as long as its slowest
-    stage's branch). `attention_branch="shortest"` prices a conditional whose branches call cuDNN's
-    attention (`attention.cudnn_attention`'s choice between the causal call and the document-masked
-    one) by its cheapest branch: the step of a batch whose rows are one document each. A fusion
+    stage's branch). `attention_branch="shortest"` prices a conditional each of whose branches is
+    itself an attention call (`attention.cudnn_attention`'s choice between cuDNN's causal call and the
+    document-masked one) by its cheapest branch: the step of a batch whose rows are one document each;
+    a pipeline tick's switch (its stages' attention nested in their layer loops) keeps its longest. A fusion
     reads of a parameter only what its (dynamic-)slices take (a layer of a
     scanned stack), and updates an operand in place when its root is a dynamic-update-slice (writing
     only the update)."""
@@ -703,8 +705,9 @@ def kernels(hlo: str, branch_weights: tuple[float, ...] | None = None, price=Non
                 elif names:
                     walked = [walk(branch, factor) for branch in names]
                     cost = (lambda ks: price(ks)) if price else (lambda ks: sum(k.runs for k in ks))
-                    cudnn = any(k.opcode.startswith("__cudnn$fmha") for ks in walked for k in ks)
-                    out += (min if attention_branch == "shortest" and cudnn else max)(walked, key=cost)
+                    attention_choice = len(names) > 1 and all(  # every branch itself an attention call
+                        any(k.attention for k in own(branch)) for branch in names)
+                    out += (min if attention_branch == "shortest" and attention_choice else max)(walked, key=cost)
             elif opcode == "call" and (t := re.search(r"\bto_apply=%?([\w.\-]+)", rest)) and t.group(1) in parsed:
                 out += walk(t.group(1), factor)
         return out
@@ -744,7 +747,10 @@ def _kernel(m, shapes: dict[str, str], parsed) -> Kernel | None:
             flops, efficiency = _measured_kernel(target.group(1), rest, [shapes.get(a, "") for a in args])
     if opcode == "custom-call" and (t := _CUSTOM_TARGET.search(rest)):
         opcode = t.group(1)
-    return Kernel(m.group(1), opcode, float(moved), float(flops), 1.0, efficiency, tf32)
+    name = _KERNEL_NAME.search(rest)
+    attention = opcode.startswith("__cudnn$fmha") or (
+        opcode == _TRITON_TARGET and name is not None and name.group(1) in _PALLAS_FLASH)
+    return Kernel(m.group(1), opcode, float(moved), float(flops), 1.0, efficiency, tf32, attention)
 
 
 def _operand_name(arg: str) -> str:
