@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ast
 import io
+import os
 import pathlib
 import sys
 import tokenize
@@ -110,8 +111,8 @@ def rule(key: str, default) -> str:
         try:
             validate.validate(config, 1)
         except config_lib.ConfigError as e:
-            if e.key == key:
-                return e.rule
+            if e.key == key:  # a path the rule resolved is shown as given, not under this process's folder
+                return e.rule.replace(os.path.join(os.path.abspath(os.curdir), ""), "")
         except (TypeError, ValueError, OSError):
             continue
     return ""
