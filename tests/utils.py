@@ -17,6 +17,7 @@ from meshtrain import (
     checkpoint as checkpoint_lib,
     compile_cache,
     config as config_lib,
+    config_reference,
     mesh as mesh_lib,
     train_step as train_step_lib,
 )
@@ -191,15 +192,9 @@ def initial_state(factory, config):
     return factory.from_canonical(state)
 
 
-def flatten(config, prefix: str = "") -> dict:
-    """{"a.b": value} of every leaf of a ConfigDict."""
-    out = {}
-    for key, value in config.items():
-        if hasattr(value, "items"):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
+def flatten(config) -> dict:
+    """{"a.b": value} of every leaf of a ConfigDict (`config_reference.flat_keys`)."""
+    return config_reference.flat_keys(config)
 
 
 def train(config, batches, devices=None):
