@@ -65,7 +65,7 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from meshtrain import checksums, config as config_lib
+from meshtrain import checksums, config as config_lib, durable
 
 CHECKPOINT_SUBDIR = "checkpoints"
 CHECKSUMS_SUBDIR = "checksums"
@@ -164,12 +164,7 @@ def write_checksums(step_dir: str, process: int) -> dict:
             if name in _REWRITTEN_AT_COMMIT or _owner(rel) != process:
                 continue
             entries[rel] = list(checksums.size_and_crc32(full))
-    folder = os.path.join(step_dir, CHECKSUMS_SUBDIR)
-    os.makedirs(folder, exist_ok=True)
-    target = os.path.join(folder, f"process_{process}.json")
-    with open(target + ".tmp", "w") as f:
-        json.dump({"crc32": entries}, f)
-    os.replace(target + ".tmp", target)
+    durable.write_json(os.path.join(step_dir, CHECKSUMS_SUBDIR, f"process_{process}.json"), {"crc32": entries})
     return entries
 
 

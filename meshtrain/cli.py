@@ -27,6 +27,10 @@ def parse_flags(argv: list[str]) -> list[str]:
     """The command line parsed (one line and exit code 2 for a bad flag); JAX's persistent compilation
     cache, where the environment sets one (JAX_COMPILATION_CACHE_DIR), guarded before any compile
     (`compile_cache.guard_jax_cache`)."""
+    config_file = _config_path(argv)
+    if config_file is not None and not pathlib.Path(config_file).is_file():  # ml_collections defers it
+        print(f"error: --config {config_file}: no such config file ({_config_hint(config_file)})", file=sys.stderr)
+        sys.exit(2)
     try:
         rest = flags.FLAGS(argv)
     except (AttributeError, KeyError, TypeError, ValueError, flags.Error) as e:
@@ -49,18 +53,34 @@ def describe(argv: list[str], error: Exception) -> str:
     return " ".join(part.strip() for part in text.replace("\\n", "\n").splitlines())
 
 
-def _config_file(argv: list[str]) -> ml_collections.ConfigDict | None:
-    """The config the command line names (`--config PATH` or `--config=PATH`), loaded, or None."""
+def _config_path(argv: list[str]) -> str | None:
+    """The config file the command line names (`--config PATH` or `--config=PATH`, without a `:arg`), or None."""
     path = None
     for i, arg in enumerate(argv):
         if arg == "--config" and i + 1 < len(argv):
             path = argv[i + 1]
         elif arg.startswith("--config="):
             path = arg.split("=", 1)[1]
-    if path is None or not pathlib.Path(path.split(":")[0]).is_file():
+    return None if path is None else path.split(":")[0]
+
+
+def _config_hint(path: str) -> str:
+    """What to pass instead of a config file that does not exist: the files of its folder, or configs/'s."""
+    folder = pathlib.Path(path).parent
+    if not folder.is_dir() or not list(folder.glob("*.py")):
+        folder = pathlib.Path(__file__).resolve().parent.parent / "configs"
+    names = sorted(p.name for p in folder.glob("*.py") if not p.name.startswith("_"))
+    return f"{folder}/ holds {', '.join(names[:8])}{', ...' if len(names) > 8 else ''}" if names \
+        else "give the path of a configs/*.py file"
+
+
+def _config_file(argv: list[str]) -> ml_collections.ConfigDict | None:
+    """The config the command line names, loaded, or None."""
+    path = _config_path(argv)
+    if path is None or not pathlib.Path(path).is_file():
         return None
     try:
-        return load_config_file(path.split(":")[0])
+        return load_config_file(path)
     except Exception:  # noqa: BLE001 - the config file's own error is reported by the command
         return None
 

@@ -37,7 +37,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from meshtrain import cli, config as config_lib, default_run, eval_tasks, generate, sample
+from meshtrain import cli, config as config_lib, default_run, durable, eval_tasks, generate, sample
 from meshtrain.config import BATCH_AXES, ModelConfig
 from meshtrain.data import tokenizers
 from meshtrain.mesh import compiler_options
@@ -312,9 +312,12 @@ def main(argv) -> None:
 
     print(make_table(results))
     if f.output_path:
-        with open(f.output_path, "w") as out:
-            json.dump({k: results[k] for k in ("results", "configs", "versions", "n-shot") if k in results}, out,
-                      indent=2, default=str)
+        try:
+            durable.write_json(f.output_path, {k: results[k] for k in ("results", "configs", "versions", "n-shot")
+                                               if k in results}, indent=2, default=str)
+        except durable.WriteError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(4)
     print(json.dumps({"tasks": f.tasks, **eval_tasks.summary(results)}))
 
 

@@ -18,7 +18,7 @@ import time
 
 import jax
 
-from meshtrain import model
+from meshtrain import durable, model
 from meshtrain.config import ModelConfig
 
 # Peak dense (bf16, fp8) FLOP/s per device, by `device_kind` prefix; fp8 None where the device has no
@@ -85,44 +85,42 @@ def memory_stats() -> dict[str, float]:
 
 
 class MetricsWriter:
-    """Appends one JSON object per logged step to `<workdir>/metrics.jsonl` (process 0 only)."""
+    """Appends one JSON object per logged step to `<workdir>/metrics.jsonl` (process 0 only): an
+    append-only log (`durable.JsonlLog`) whose torn last line, if a crash left one, is dropped with a
+    warning and cut off before the first append."""
 
     def __init__(self, workdir: str, enabled: bool = True):
         self.enabled = enabled
         self.path = os.path.join(workdir, "metrics.jsonl")
-        if enabled:
-            os.makedirs(workdir, exist_ok=True)
-        self._file = open(self.path, "a") if enabled else None
+        self.rolled_back_path = os.path.join(workdir, "metrics.rolled_back.jsonl")
+        self._log = durable.JsonlLog(self.path) if enabled else None
 
     def truncate_after(self, step: int) -> None:
         """Moves the records of steps after `step` to `metrics.rolled_back.jsonl`: the run went back
         to `step` (a resume from an older checkpoint, a loss-spike rollback), so metrics.jsonl holds
-        one trajectory, each step once, and nothing logged is lost."""
-        if not self._file:
+        one trajectory, each step once, and nothing logged is lost. Crash-safe in its order: the moved
+        records are appended to the rolled-back log first, then metrics.jsonl is replaced whole; a
+        crash in between leaves them in both, and the relaunch moves them again (the rolled-back log
+        may then hold a record twice, never lose one)."""
+        if not self._log or not os.path.exists(self.path):
             return
-        self._file.close()
-        with open(self.path) as f:
-            lines = f.readlines()
-        keep = [line for line in lines if not line.strip() or json.loads(line)["step"] <= step]
-        dropped = [line for line in lines if line.strip() and json.loads(line)["step"] > step]
+        self._log.close()
+        records = durable.read_jsonl(self.path)  # warns once of a torn last line, cut off here
+        durable.repair_tail(self.path, warn=False)
+        dropped = [r for r in records if r.get("step", 0) > step]
         if dropped:
-            with open(os.path.join(os.path.dirname(self.path), "metrics.rolled_back.jsonl"), "a") as f:
-                f.writelines(dropped)
-            tmp = self.path + ".tmp"
-            with open(tmp, "w") as f:
-                f.writelines(keep)
-            os.replace(tmp, self.path)
-        self._file = open(self.path, "a")
+            rolled_back = durable.JsonlLog(self.rolled_back_path)
+            rolled_back.extend(dropped)
+            rolled_back.close()
+            durable.write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in records if r.get("step", 0) <= step))
 
     def write(self, record: dict) -> None:
-        if self._file:
-            self._file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
-            self._file.flush()
+        if self._log:
+            self._log.append({k: _jsonable(v) for k, v in record.items()})
 
     def close(self) -> None:
-        if self._file:
-            self._file.close()
-            self._file = None
+        if self._log:
+            self._log.close()
 
 
 def _jsonable(value):

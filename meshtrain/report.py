@@ -9,11 +9,12 @@ tokens/s and learning rate against step into `<workdir>/report/`.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
 import sys
+
+from meshtrain import durable
 
 PLOTS = {  # file stem -> (metrics key, y label)
     "loss": ("loss", "training loss"),
@@ -29,14 +30,8 @@ def read_metrics(workdir: str) -> list[dict]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"workdir={workdir!r}: no metrics.jsonl (not a meshtrain run folder?)")
     by_step: dict[int, dict] = {}
-    with open(path) as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{number}: not JSON ({e.msg})") from None
+    for record in durable.read_jsonl(path):  # a torn last line (a crash's) is dropped with a warning
+        if "step" in record:
             by_step[int(record["step"])] = record
     if not by_step:
         raise ValueError(f"{path}: no records")
@@ -110,7 +105,8 @@ def plot(records: list[dict], out_dir: str) -> list[str]:
         ax.grid(alpha=0.3)
         fig.tight_layout()
         path = os.path.join(out_dir, f"{stem}.png")
-        fig.savefig(path)
+        with durable.atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png")
         plt.close(fig)
         written.append(path)
     return written

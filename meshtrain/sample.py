@@ -27,7 +27,7 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from meshtrain import checkpoint, cli, config as config_lib, default_run, generate, hf, run_record
+from meshtrain import checkpoint, cli, config as config_lib, default_run, durable, generate, hf, run_record
 from meshtrain.data import tokenizers
 from meshtrain.run import Run
 from meshtrain.validate import validate
@@ -184,8 +184,11 @@ def main(argv) -> None:
     lines = [json.dumps({"prompt": p, "completion": t}, ensure_ascii=False)
              for p, t in zip(prompts, texts, strict=True)]
     if f.output_file:
-        with open(f.output_file, "w") as out:
-            out.write("\n".join(lines) + "\n")
+        try:
+            durable.write_atomic(f.output_file, "\n".join(lines) + "\n")
+        except durable.WriteError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(4)
         log.info("wrote %d completions to %s", len(lines), f.output_file)
     else:
         print("\n".join(lines))

@@ -87,10 +87,11 @@ def _values(logdir: str) -> Iterator[tuple[int, object]]:
 
 def _records(path: str) -> Iterator[bytes]:
     with open(path, "rb") as fh:
-        while header := fh.read(12):  # uint64 length, uint32 masked crc of the length
+        while len(header := fh.read(12)) == 12:  # uint64 length, uint32 masked crc of the length
             (length,) = struct.unpack("<Q", header[:8])
             payload = fh.read(length)
-            fh.read(4)  # masked crc of the payload
+            if len(payload) < length or len(fh.read(4)) < 4:  # masked crc of the payload
+                return  # a torn last record (a crash during its write), as TensorBoard reads it: skipped
             yield payload
 
 

@@ -23,8 +23,10 @@ from meshtrain import (
     checkpoint,
     cli,
     config as config_lib,
+    crash_points,
     data,
     default_run,
+    durable,
     evaluate,
     hf,
     model,
@@ -52,6 +54,9 @@ def run(config: ml_collections.ConfigDict, given: dict | None = None) -> dict:
     """Trains for `config.steps` steps; returns the last logged metrics. A workdir whose checkpoints
     describe their run resumes with that run's model and tokenizer (`given`: the keys set on the
     command line, which must not contradict it)."""
+    if problem := durable.unwritable(config.workdir):  # before anything reads, compiles or writes
+        raise config_lib.ConfigError("workdir", config.workdir, f"{problem}: a run writes its checkpoints and "
+                                     "metrics there; choose a folder this user can write")
     cli.setup_runtime(config, given)
     validate(config, jax.device_count())  # a bad config stops here, before anything compiles
     with workdir_lock.WorkdirLock(config.workdir, jax.process_index()):  # one run per workdir
@@ -95,6 +100,7 @@ def _train(config: ml_collections.ConfigDict) -> dict:
 
 def main(argv) -> None:
     del argv
+    crash_points.install(_PROCESS_ID.value or 0)  # only where MESHTRAIN_CRASH_ROOTS asks (the crash-point sweep)
     cli.setup_logging(sys.stdout)
     # a failed asynchronous save leaves one unretrieved future per array write; the run reports it once
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
@@ -118,9 +124,12 @@ def main(argv) -> None:
     except run_loop.PeerLost as e:
         print(f"error: {e}", file=sys.stderr)
         _exit(run_loop.HANG_EXIT_CODE)
-    except checkpoint.CheckpointSaveError as e:
+    except (checkpoint.CheckpointSaveError, durable.WriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         _exit(4)
+    except durable.CorruptFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        _exit(2)
     except Exception:
         if jax.process_count() == 1:
             raise

@@ -42,8 +42,8 @@ class WorkdirLock:
                                          "stop it, or use another workdir") from None
         handle.seek(0)
         handle.truncate()
-        json.dump({"host": socket.gethostname(), "pid": os.getpid(),
-                   "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}, handle)
+        handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),  # read as "holder unknown" if torn
+                                 "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}))
         handle.flush()
         self._file = handle
         return self

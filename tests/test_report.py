@@ -46,9 +46,13 @@ def test_summary_figures(tmp_path):
 def test_missing_or_bad_metrics_is_a_clear_error(tmp_path, capsys):
     assert report.main([str(tmp_path)]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{oops\n')
-    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not JSON"):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{oops\n{"step": 2, "loss": 0.5}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON object"):
         report.read_metrics(str(tmp_path))
+    # a torn last line is what a crash during its write leaves: dropped, the rest reported
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo')
+    assert report.read_metrics(str(tmp_path)) == [{"step": 1, "loss": 1.0}]
+    assert report.main([str(tmp_path)]) == 0
 
 
 def test_plots_only_what_was_logged(tmp_path):

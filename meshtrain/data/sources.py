@@ -25,7 +25,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 import tqdm
 
-from meshtrain import config as config_lib
+from meshtrain import config as config_lib, durable
 from meshtrain.data import corpus, hf_source, text_files, tokenizers
 from meshtrain.data.text_files import TextFiles
 
@@ -42,6 +42,15 @@ def tokenizer_for(spec: str):
 
 
 DEFAULT_SUBDIR = "datasets"  # under the workdir, when neither data.data_dir nor $TFDS_DATA_DIR is set
+
+
+def _prepared(config) -> bool:
+    """Whether the text_files / hf: dataset of `config` is prepared (nothing to write but token caches)."""
+    try:
+        builder(config, prepare_if_missing=False)
+    except config_lib.ConfigError:
+        return False
+    return True
 
 
 def data_dir(config) -> str:
@@ -104,10 +113,17 @@ def _builder(config, prepare_if_missing: bool):
                 result.download_and_prepare()
                 result.write_read_stats()
                 log.info("data: prepared in %.1f s", time.monotonic() - start)
-            except OSError:  # another process sharing data_dir may have finished first
+            except (OSError, RuntimeError) as error:  # another process sharing data_dir may have finished first
                 result = text_files_builder(config)
                 if not result.is_prepared():
-                    raise
+                    wrapped = durable.as_write_error(data_dir(config), error)
+                    if wrapped is None:
+                        raise
+                    raise wrapped from error
+        elif not result.is_complete():
+            log.info("data: %s was prepared by a run that stopped before its checksums: writing them",
+                     result.data_dir)
+            result.finish_interrupted()
         _require_dataset_info(source, str(result.data_dir))
         report = corpus.read_report(result.load_read_stats())
         skipped = report.get("data_skipped_files") or report.get("data_skipped_lines")
@@ -198,25 +214,56 @@ def token_cache(result, split: str, config, progress: bool = False) -> tuple[np.
         source = result.as_data_source(split=tfds_split)
     field = config.data.text_field
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-    os.makedirs(directory, exist_ok=True)
-    raw = f"{stem}.tokens.{os.getpid()}.tmp.raw"
-    try:
-        starts = _tokenize_to(raw, source, field, tokenizer, dtype, result, tfds_split, config, progress)
-        tmp = f"{stem}.tokens.npy.{os.getpid()}.tmp.npy"
-        tokens = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(int(starts[-1]),))
-        written = np.memmap(raw, dtype=dtype, mode="r") if starts[-1] else np.zeros(0, dtype)
-        for lo in range(0, tokens.size, _FLUSH_TOKENS):  # copied a chunk at a time: memory stays flat
-            tokens[lo:lo + _FLUSH_TOKENS] = written[lo:lo + _FLUSH_TOKENS]
-        tokens.flush()
-        del tokens, written
-    finally:
-        if os.path.exists(raw):
-            os.remove(raw)
-    os.replace(tmp, stem + ".tokens.npy")
-    tmp = f"{stem}.starts.npy.{os.getpid()}.tmp.npy"  # starts last: marks the cache complete
-    np.save(tmp, starts)
-    os.replace(tmp, stem + ".starts.npy")
+    with durable.writing(directory):  # a full disk or a read-only folder: one line naming it
+        _remove_stale_temporaries(directory)
+        os.makedirs(directory, exist_ok=True)
+        raw = f"{stem}.tokens.{os.getpid()}.tmp.raw"
+        try:
+            starts = _tokenize_to(raw, source, field, tokenizer, dtype, result, tfds_split, config, progress)
+            tmp = f"{stem}.tokens.npy.{os.getpid()}.tmp.npy"
+            tokens = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(int(starts[-1]),))
+            written = np.memmap(raw, dtype=dtype, mode="r") if starts[-1] else np.zeros(0, dtype)
+            for lo in range(0, tokens.size, _FLUSH_TOKENS):  # copied a chunk at a time: memory stays flat
+                tokens[lo:lo + _FLUSH_TOKENS] = written[lo:lo + _FLUSH_TOKENS]
+            tokens.flush()
+            del tokens, written
+        finally:
+            if os.path.exists(raw):
+                os.remove(raw)
+        os.replace(tmp, stem + ".tokens.npy")
+        tmp = f"{stem}.starts.npy.{os.getpid()}.tmp.npy"  # starts last: marks the cache complete
+        np.save(tmp, starts)
+        os.replace(tmp, stem + ".starts.npy")
     return np.load(stem + ".tokens.npy", mmap_mode="r"), np.load(stem + ".starts.npy")
+
+
+_STALE_S = 600  # a temporary file untouched this long, of a process not alive here, is a dead writer's
+
+
+def _remove_stale_temporaries(directory: str) -> None:
+    """Removes the temporary files of token caches whose writer died (a crash leaves `*.<pid>.tmp.*`)."""
+    if not os.path.isdir(directory):
+        return
+    for name in os.listdir(directory):
+        parts = name.split(".")
+        if "tmp" not in parts or not parts[parts.index("tmp") - 1].isdigit():
+            continue
+        pid, path = int(parts[parts.index("tmp") - 1]), os.path.join(directory, name)
+        with contextlib.suppress(OSError):  # a writer on another host of a shared folder: still being written
+            if pid == os.getpid() or _alive(pid) or time.time() - os.path.getmtime(path) < _STALE_S:
+                continue
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _tokenize_to(raw: str, source, field: str, tokenizer, dtype, result, tfds_split: str, config,
@@ -340,11 +387,18 @@ def validate_config(config) -> None:
             "model.vocab_size", config.model.vocab_size,
             f"must be >= the vocabulary of config.data.tokenizer={config.data.tokenizer!r} ({tokenizer.vocab_size})")
     source = config.data.source
-    if source == "text_files":
-        corpus.expand_files(config.data.files)
-        return
-    if source.startswith(hf_source.PREFIX):
-        hf_source.resolve(source)
+    if source == "text_files" or source.startswith(hf_source.PREFIX):
+        if source == "text_files":
+            corpus.expand_files(config.data.files)
+        else:
+            hf_source.resolve(source)
+        folder = data_dir(config)
+        if (problem := durable.unwritable(folder)) and not _prepared(config):
+            key, value = ("data.data_dir", config.data.data_dir) if config.data.data_dir else \
+                ("workdir", config.workdir)
+            raise config_lib.ConfigError(key, value, f"the data folder {folder} {problem}: the dataset is not "
+                                         "prepared there yet and cannot be; set config.data.data_dir to a folder "
+                                         "this user can write (or prepare it there once with a user who can)")
         return
     if source == "tfds:":
         raise config_lib.ConfigError("data.source", source, "'tfds:' must be followed by a dataset name")

@@ -19,7 +19,7 @@ from typing import ClassVar
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core import utils as tfds_utils
 
-from meshtrain import checksums
+from meshtrain import checksums, durable
 from meshtrain.data import corpus
 
 VALIDATION_PERCENT = 5
@@ -110,12 +110,24 @@ class TextFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     def write_read_stats(self) -> None:
         """Stores what reading met (non-UTF-8 and unreadable files) beside the dataset, and the
         size and CRC-32 of every shard written (`shard_checksums`), checked before each tokenization."""
-        with open(os.path.join(self.data_dir, STATS_FILE), "w") as f:
-            json.dump(self.read_stats.__dict__, f)
+        durable.write_json(os.path.join(self.data_dir, STATS_FILE), self.read_stats.__dict__)
         shards = {name: list(checksums.size_and_crc32(os.path.join(self.data_dir, name)))
-                  for name in sorted(os.listdir(self.data_dir)) if ".array_record-" in name}
-        with open(os.path.join(self.data_dir, SHARDS_FILE), "w") as f:
-            json.dump(shards, f)
+                  for name in sorted(os.listdir(self.data_dir)) if ".array_record-" in name and durable.TMP_MARK
+                  not in name}
+        durable.write_json(os.path.join(self.data_dir, SHARDS_FILE), shards)
+
+    def is_complete(self) -> bool:
+        """Whether the stats and checksums of `write_read_stats` are beside the prepared dataset (the
+        checksums are written last: a crash between TFDS's rename and them leaves them out)."""
+        return os.path.exists(os.path.join(self.data_dir, SHARDS_FILE))
+
+    def finish_interrupted(self) -> None:
+        """Writes what a crash after TFDS's preparation left out (`is_complete`): the documents are read
+        once more for their stats (nothing is tokenized or stored again), the shards checksummed."""
+        self.read_stats = corpus.ReadStats()
+        for _ in corpus.read_documents(self._files, self._text_field, self.read_stats, self._strict):
+            pass
+        self.write_read_stats()
 
     def load_read_stats(self) -> dict:
         path = os.path.join(self.data_dir, STATS_FILE)

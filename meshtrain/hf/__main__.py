@@ -20,7 +20,7 @@ import sys
 
 import jax
 
-from meshtrain import checkpoint, config as config_lib, model, run_record
+from meshtrain import checkpoint, config as config_lib, durable, model, run_record
 from meshtrain.hf.formats import DTYPE_NAMES
 from meshtrain.hf.io import load, save
 
@@ -97,7 +97,8 @@ def import_run(hf_dir: str, workdir: str) -> int:
     if "tokenizer.json" in copied:
         os.makedirs(tokenizer_dir, exist_ok=True)
         for name in copied:
-            shutil.copyfile(os.path.join(hf_dir, name), os.path.join(tokenizer_dir, name))
+            with durable.atomic_path(os.path.join(tokenizer_dir, name)) as tmp:
+                shutil.copyfile(os.path.join(hf_dir, name), tmp)
         config.data.tokenizer = tokenizer_dir
     validate(config, jax.device_count(), inputs=False)
     run = Run.resolve(config)

@@ -174,9 +174,13 @@ def save(cfg: ModelConfig, params: dict, out_dir: str, *, dtype: str | None = No
                 json.dump(index, fh, indent=2)
         with open(os.path.join(tmp, "config.json"), "w") as fh:  # last: marks the folder complete
             json.dump(hf_config_from_model(cfg, dtype), fh, indent=2)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
+        old = None
+        if os.path.exists(out_dir):  # set aside, not deleted, until the new folder has its name
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
+            os.rename(out_dir, os.path.join(old, "model"))
         os.rename(tmp, out_dir)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
