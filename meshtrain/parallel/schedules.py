@@ -36,6 +36,7 @@ most (p - s - 1) * 2 + (v - 1) * p + 1 chunk activations, each 1/v of a stage's 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 TABLE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")  # the trainer runs these from their tables
@@ -157,11 +158,24 @@ def _ready(op: Op, s: int, p: int, v: int, done: dict, split: bool, now: int, la
     return done.get((B, s, op.micro, op.chunk), now) < now
 
 
+@functools.lru_cache(maxsize=512)
 def executed(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1,
-             latency: int = 0) -> list[list[Op | None]]:
+             latency: int = 0) -> tuple[tuple[Op | None, ...], ...]:
     """The table the trainer runs (`pipeline_tables.slot_plan`): `alternating` for the ALTERNATING
     schedules, `aligned` for zero_bubble with transfers behind compute (`latency` 1), `simulate`'s
-    otherwise."""
+    otherwise. Built once per arguments (the planner prices thousands of layouts on a few tables):
+    read-only, rows of tuples."""
+    return tuple(tuple(row) for row in _executed(schedule, p, m, v, weight_parts, latency))
+
+
+@functools.lru_cache(maxsize=512)
+def executed_in_flight(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1,
+                       latency: int = 0) -> tuple[int, ...]:
+    """`in_flight` of the `executed` table, once per arguments."""
+    return tuple(in_flight(executed(schedule, p, m, v, weight_parts, latency)))
+
+
+def _executed(schedule: str, p: int, m: int, v: int, weight_parts: int, latency: int) -> list[list[Op | None]]:
     if schedule in ALTERNATING:
         return alternating(schedule, p, m, v, latency)
     if schedule in SPLIT_BACKWARD and latency:

@@ -355,7 +355,9 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
     if pipelined:
         in_flight = min(2 * p - 1 if run.overlap_transfers else p, run.microbatches)
         if run.pipeline_schedule in schedules.TABLE_SCHEDULES:
-            in_flight = max(schedules.in_flight(run.pipeline_table)) / run.pipeline_repeats
+            in_flight = max(schedules.executed_in_flight(run.pipeline_schedule, run.sizes["stage"], run.microbatches,
+                                                         run.pipeline_repeats, run.weight_parts,
+                                                         int(run.overlap_transfers))) / run.pipeline_repeats
         elif autodiff_pipe:  # the tick loop's autodiff keeps every micro-batch's stage input
             in_flight = run.microbatches
     saved = _saved_per_layer(run, remat, t)
