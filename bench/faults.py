@@ -30,6 +30,16 @@ Faults (each injected for real, on files and processes):
 * save fails: the training process may not write files over 256 KiB (RLIMIT_FSIZE, as a full disk
   fails a write); the run must stop before its next save with exit 4 and one line.
 
+With `--crash-points` it runs the crash-point sweep instead (`meshtrain.crash_points`): a short job
+(text_files data prepared on the way, a checkpoint every step) recorded once, then killed right before
+each file operation it performed in its workdir and data folder (a write: after half its bytes),
+relaunched, and compared bit for bit with the uninterrupted run; one process and two (`meshtrain.launch`
+on 127.0.0.1). `--quick`: 12 points of one process and 4 of two, spread over every kind of operation
+and file; `--crash-limit N`: N points of one process (at most 40 of two); without either: every point of one
+process and 40 of two.
+The table: per file kind, operations recorded, kill points tried, resumes bit-equal, anything lost
+(must be 0), relaunches that ended unclear (must be 0).
+
 The last six run their tests (`tests/test_checkpoint_crash.py`, `tests/test_launch.py`,
 `tests/test_loss_spike.py`, `tests/test_reliability.py`), each case of a test one trial.
 
@@ -200,6 +210,38 @@ def test_trials(fault: str, test: str, trials: int, root: str) -> dict:
     return out
 
 
+def crash_point_sweep(root: str, limits: dict[int, int | None]) -> list[dict]:
+    """`crash_points.sweep` for each process count in `limits` (None: every point); its summaries."""
+    from meshtrain import compile_cache, crash_points
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_DEFAULT_MATMUL_PRECISION": "float32", "PYTHONPATH": ROOT,
+           **compile_cache.jax_cache_env(compile_cache.cache_dir() / "jax")}
+    out = []
+    for processes, limit in limits.items():
+        result = crash_points.sweep(os.path.join(root, f"processes_{processes}"), limit=limit, processes=processes,
+                                    env=env, progress=lambda line: print(line, file=sys.stderr))
+        out.append(result)
+    return out
+
+
+def print_crash_table(results: list[dict]) -> bool:
+    """The sweep's table (per file kind) and JSON line; True when every trial resumed bit-equal, clearly."""
+    print(f"{'processes':>9} {'file kind':<14} {'operations':>10} {'tried':>5} {'killed':>6} {'bit-equal':>9} "
+          f"{'lost':>4} {'unclear':>7}")
+    for result in results:
+        for kind in sorted(result["file_kinds"]):
+            rows = [r for r in result["rows"] if r["file_kind"] == kind]
+            print(f"{result['processes']:>9} {kind:<14} {result['file_kinds'][kind]:>10} {len(rows):>5} "
+                  f"{sum(r['reached'] for r in rows):>6} {sum(r['bit_equal'] for r in rows):>9} "
+                  f"{sum(r['lost'] for r in rows):>4} {sum(not r['clear'] for r in rows):>7}")
+        print(f"{result['processes']:>9} {'all':<14} {result['operations']:>10} {result['tried']:>5} "
+              f"{result['reached']:>6} {result['bit_equal']:>9} {result['lost']:>4} {result['unclear']:>7}"
+              f"   ({result['seconds']:.0f} s; by kind of operation: {result['operations_by_kind']})")
+    print(json.dumps({"bench": "faults", "crash_points": [{k: v for k, v in r.items() if k != "rows"}
+                                                         for r in results]}))
+    return all(r["bit_equal"] == r["tried"] and not r["lost"] and not r["unclear"] and r["tried"] for r in results)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=10, help="checkpoint and data damage trials each")
@@ -214,7 +256,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true",
                         help="the CI smoke run: one checkpoint, data and kill trial; no test-suite trials")
+    parser.add_argument("--crash-points", action="store_true",
+                        help="the crash-point sweep (meshtrain.crash_points) instead of the faults above")
+    parser.add_argument("--crash-limit", type=int, default=None, help="kill points per process count")
     args = parser.parse_args()
+    if args.crash_points:
+        limits = {1: 12, 2: 4} if args.quick else {1: args.crash_limit, 2: min(args.crash_limit or 40, 40)}
+        root = args.dir or tempfile.mkdtemp(prefix="meshtrain_crash_points_")
+        ok = print_crash_table(crash_point_sweep(root, limits))
+        if not ok:
+            print("FAIL: a crash point did not resume bit-equal, lost data or ended unclear", file=sys.stderr)
+            sys.exit(1)
+        return
     if args.quick:
         args.trials, args.kill_trials, args.disk_trials, args.hang_trials, args.spike_trials = 1, 1, 0, 0, 0
         args.lock_trials = args.interrupt_trials = args.save_fail_trials = 0

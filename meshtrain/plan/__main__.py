@@ -21,7 +21,7 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from meshtrain import aot, cli, compile_cache, config as config_lib
+from meshtrain import aot, cli, compile_cache, config as config_lib, durable
 from meshtrain.plan import comm, estimate as estimate_lib, hardware, memory, verify
 from meshtrain.validate import validate
 
@@ -97,7 +97,8 @@ def plot(path: str, chosen: estimate_lib.Estimate, ranked: list[estimate_lib.Est
     ax2.set_xlabel("predicted MFU")
     ax2.set_title("ranked candidates")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with durable.atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100, format=os.path.splitext(path)[1][1:] or "png")
 
 
 def _mesh_overridden(argv: list[str]) -> bool:
