@@ -86,6 +86,8 @@ def _values(logdir: str) -> Iterator[tuple[int, object]]:
 
 
 def _records(path: str) -> Iterator[bytes]:
+    """The payloads of a TFRecord file; a torn last record (a crash during its write) ends the file, as
+    TensorBoard reads it."""
     with open(path, "rb") as fh:
         while len(header := fh.read(12)) == 12:  # uint64 length, uint32 masked crc of the length
             (length,) = struct.unpack("<Q", header[:8])
