@@ -38,7 +38,8 @@ on 127.0.0.1). `--quick`: 12 points of one process and 4 of two, spread over eve
 and file; `--crash-limit N`: N points of one process (at most 40 of two); without either: every point of one
 process and 40 of two.
 The table: per file kind, operations recorded, kill points tried, resumes bit-equal, anything lost
-(must be 0), relaunches that ended unclear (must be 0).
+(must be 0), relaunches that ended unclear (must be 0), and trials that left an old checkpoint over (a
+kill in the middle of deleting it, after the run's last save: the next save of that workdir deletes it).
 
 The last six run their tests (`tests/test_checkpoint_crash.py`, `tests/test_launch.py`,
 `tests/test_loss_spike.py`, `tests/test_reliability.py`), each case of a test one trial.
@@ -227,15 +228,17 @@ def crash_point_sweep(root: str, limits: dict[int, int | None]) -> list[dict]:
 def print_crash_table(results: list[dict]) -> bool:
     """The sweep's table (per file kind) and JSON line; True when every trial resumed bit-equal, clearly."""
     print(f"{'processes':>9} {'file kind':<14} {'operations':>10} {'tried':>5} {'killed':>6} {'bit-equal':>9} "
-          f"{'lost':>4} {'unclear':>7}")
+          f"{'lost':>4} {'unclear':>7} {'left over':>9}")
     for result in results:
         for kind in sorted(result["file_kinds"]):
             rows = [r for r in result["rows"] if r["file_kind"] == kind]
             print(f"{result['processes']:>9} {kind:<14} {result['file_kinds'][kind]:>10} {len(rows):>5} "
                   f"{sum(r['reached'] for r in rows):>6} {sum(r['bit_equal'] for r in rows):>9} "
-                  f"{sum(r['lost'] for r in rows):>4} {sum(not r['clear'] for r in rows):>7}")
+                  f"{sum(r['lost'] for r in rows):>4} {sum(not r['clear'] for r in rows):>7} "
+                  f"{sum(bool(r['left_over']) for r in rows):>9}")
         print(f"{result['processes']:>9} {'all':<14} {result['operations']:>10} {result['tried']:>5} "
-              f"{result['reached']:>6} {result['bit_equal']:>9} {result['lost']:>4} {result['unclear']:>7}"
+              f"{result['reached']:>6} {result['bit_equal']:>9} {result['lost']:>4} {result['unclear']:>7} "
+              f"{result['left_over']:>9}"
               f"   ({result['seconds']:.0f} s; by kind of operation: {result['operations_by_kind']})")
     print(json.dumps({"bench": "faults", "crash_points": [{k: v for k, v in r.items() if k != "rows"}
                                                          for r in results]}))

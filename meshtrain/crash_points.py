@@ -371,16 +371,20 @@ def sweep(root: str, *, limit: int | None, processes: int = 1, steps: int = 4, e
                                        os.path.join(trial + ".killed.log"), timeout)
         reached = killed_code in (-signal.SIGKILL, 128 + signal.SIGKILL)
         code, output = _run(cmd, {**env, ENV_ROOTS: roots(trial)}, os.path.join(trial + ".relaunch.log"), timeout)
-        got = _metrics(os.path.join(trial, "work"))
+        got, ckpts = _metrics(os.path.join(trial, "work")), _checkpoints(os.path.join(trial, "work"))
         row = {"point": dataclasses.asdict(point), "file_kind": point.file_kind, "reached": reached,
                "relaunch_exit": code, "trained": code == 0, "clear": code == 0 or clear_ending(output),
                "bit_equal": code == 0 and got == expected,
-               "lost": 0 if code == 0 and got == expected and _checkpoints(os.path.join(trial, "work")) ==
-               expected_ckpts else 1}
+               # a logged step or a kept checkpoint of the uninterrupted run missing or different
+               "lost": len([r for r in expected if r not in got]) + len(set(expected_ckpts) - set(ckpts)),
+               # an old checkpoint whose deletion the kill interrupted: the next save deletes it
+               "left_over": sorted(set(ckpts) - set(expected_ckpts))}
         rows.append(row)
+        left = f", checkpoints {row['left_over']} left over" if row["left_over"] else ""
         progress(f"  {index + 1}/{len(chosen)} {point.kind:<8} {point.path} #{point.occurrence} (process "
                  f"{point.process}): {'killed' if reached else f'not reached (exit {killed_code})'}, relaunch "
                  f"exit {code}{', bit-equal' if row['bit_equal'] else ', DIFFERS'}"
+                 f"{left}"
                  f"{'' if row['clear'] else ', UNCLEAR ending'}")
         if row["bit_equal"] and row["clear"]:
             shutil.rmtree(trial, ignore_errors=True)
@@ -392,4 +396,5 @@ def sweep(root: str, *, limit: int | None, processes: int = 1, steps: int = 4, e
             "file_kinds": dict(collections.Counter(p.file_kind for p in points)), "tried": len(rows),
             "tried_by_file_kind": dict(tried), "reached": sum(r["reached"] for r in rows),
             "bit_equal": sum(r["bit_equal"] for r in rows), "lost": sum(r["lost"] for r in rows),
+            "left_over": sum(bool(r["left_over"]) for r in rows),
             "unclear": sum(not r["clear"] for r in rows), "seconds": round(time.monotonic() - start, 1), "rows": rows}
