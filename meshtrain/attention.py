@@ -76,10 +76,14 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     b, t, h, dh = q.shape
     kv = k.shape[2]
     q = q.reshape(b, t, kv, h // kv, dh)  # [B,T,K,G,Dh]
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(dh)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    # The scores stay in the layout the batched GEMM writes them, [B,K,T,G,S] (batch dims, then the
+    # query's free dims in their order, then the key's): the mask's select, the softmax and the second
+    # GEMM read them there, the [B,T,S] mask broadcast inside the select's fusion; no transpose of the
+    # float32 scores is ever written (`[B,K,G,T,S]` cost three).
+    scores = jnp.einsum("btkgd,bskd->bktgs", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(dh)
+    scores = jnp.where(mask[:, None, :, None, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    out = jnp.einsum("bktgs,bskd->btkgd", probs, v)
     return out.reshape(b, t, h, dh)
 
 
