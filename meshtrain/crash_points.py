@@ -35,6 +35,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -91,6 +92,7 @@ def file_kind(path: str) -> str:
 _PATTERNS = [
     (re.compile(r"[0-9a-f]{32}"), "#"),  # uuid hex
     (re.compile(r"(?<![0-9A-Za-z])\d{6,}(?![0-9A-Za-z])"), "#"),  # timestamps
+    (re.compile(re.escape(socket.gethostname())), "<host>"),
     (re.compile(r"(incomplete\.|tmp|partial-|old-)[A-Za-z0-9_]{6,}"), r"\1#"),  # tempfile / TFDS random names
 ]
 
@@ -105,7 +107,8 @@ def normalize(path: str, roots: dict[str, str], pid: int) -> str | None:
             break
     else:
         return None
-    rel = re.sub(rf"(?<!\d){pid}(?!\d)", "<pid>", rel)
+    if pid >= 1000:  # a small pid could be a step number too
+        rel = re.sub(rf"(?<!\d){pid}(?!\d)", "<pid>", rel)
     for pattern, replacement in _PATTERNS:
         rel = pattern.sub(replacement, rel)
     return rel
@@ -180,6 +183,9 @@ class _Tracked:
 
     def __iter__(self):
         return iter(self._file)
+
+    def __next__(self):
+        return next(self._file)
 
     def __getattr__(self, name):
         return getattr(self._file, name)

@@ -5,7 +5,7 @@ Every file meshtrain writes is one of two kinds (docs/checkpoints.md, "What a cr
 * **whole files** (a run's exported model, sample and evaluation outputs, the token cache, data
   checksums): written under a temporary name in the same folder, flushed to disk and renamed over
   the target (`write_atomic`, `atomic_path`). A crash leaves the old file or the new one, never half
-  of either; the temporary file it may leave (`*.tmp<pid>`) is ignored by every reader.
+  of either; the temporary file it may leave (`*.tmp.<host>.<pid>`) is ignored by every reader.
 * **append-only logs** (`metrics.jsonl`, `metrics.rolled_back.jsonl`): one JSON object a line,
   appended and flushed a line at a time (`JsonlLog`). A crash or a full disk during an append leaves
   at worst a torn last line; readers (`read_jsonl`) drop it with one warning, and the next append
@@ -25,11 +25,12 @@ import errno
 import json
 import logging
 import os
+import socket
 from collections.abc import Iterator
 
 log = logging.getLogger("meshtrain")
 
-TMP_MARK = ".tmp"  # temporary files are `<name>.tmp<pid>`: readers skip them, a later write replaces them
+TMP_MARK = ".tmp"  # temporary files are `<name>.tmp.<host>.<pid>`: readers skip them, a later write replaces them
 
 
 class CorruptFileError(ValueError):
@@ -39,6 +40,9 @@ class CorruptFileError(ValueError):
 
 class WriteError(OSError):
     """A write failed for a reason outside the run (disk full, read-only, no permission): one line."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
 
 
 def describe_os_error(path: str, error: OSError) -> str:
@@ -51,7 +55,8 @@ def describe_os_error(path: str, error: OSError) -> str:
             "folder), then run the same command: it resumes from the newest finished checkpoint")
 
 
-_MESSAGES = {os.strerror(code): code for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EFBIG)}
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG)
+_MESSAGES = {os.strerror(code): code for code in WRITE_ERRNOS}
 
 
 def as_write_error(path: str, error: BaseException) -> WriteError | None:
@@ -60,8 +65,8 @@ def as_write_error(path: str, error: BaseException) -> WriteError | None:
     left on device ..."); None otherwise."""
     if isinstance(error, WriteError):
         return error
-    if isinstance(error, OSError) and error.errno is not None:
-        return WriteError(error.errno, describe_os_error(path, error))
+    if isinstance(error, OSError):
+        return WriteError(error.errno, describe_os_error(path, error)) if error.errno in WRITE_ERRNOS else None
     for message, code in _MESSAGES.items():
         if message in str(error):
             return WriteError(code, describe_os_error(path, OSError(code, message)))
@@ -70,7 +75,8 @@ def as_write_error(path: str, error: BaseException) -> WriteError | None:
 
 @contextlib.contextmanager
 def writing(path: str) -> Iterator[None]:
-    """Turns an OSError of the block into a `WriteError` naming `path` (errors already named pass)."""
+    """Turns a failed write of the block (`as_write_error`: a full disk, a read-only folder, no
+    permission) into a `WriteError` naming `path`; other errors (a read's) pass unchanged."""
     try:
         yield
     except (OSError, RuntimeError) as error:
@@ -97,6 +103,14 @@ def unwritable(folder: str) -> str | None:
     return f"cannot be written by this user (uid {os.getuid()}){where}"
 
 
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_dir(folder: str) -> None:
     try:
         fd = os.open(folder or ".", os.O_RDONLY)
@@ -115,14 +129,13 @@ def atomic_path(path: str) -> Iterator[str]:
     """A temporary path beside `path` to write (any way: numpy, a library) that replaces `path` when the
     block ends without an error; on an error the temporary file is removed and `path` is unchanged."""
     folder = os.path.dirname(path)
-    tmp = f"{path}{TMP_MARK}{os.getpid()}"
+    tmp = f"{path}{TMP_MARK}.{socket.gethostname()}.{os.getpid()}"  # unique across hosts sharing the folder
     with writing(path):
         if folder:
             os.makedirs(folder, exist_ok=True)
         try:
             yield tmp
-            with open(tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
+            _fsync(tmp)
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -196,25 +209,38 @@ def repair_tail(path: str, warn: bool = True) -> None:
     if not size:
         return
     with open(path, "rb+") as fh:
-        back = min(size, 1 << 16)
-        while True:
-            fh.seek(size - back)
-            chunk = fh.read(back)
-            cut = chunk.rfind(b"\n")
-            if cut >= 0 or back == size:
-                break
-            back = min(size, back * 2)
-        keep = size - back + cut + 1  # 0 when no line of the file is complete
-        if keep == size:
+        ends_line = _read_at(fh, size - 1, 1) == b"\n"
+        end = size - 1 if ends_line else size  # the last line: [start, end)
+        start = _line_start(fh, end)
+        last = _read_at(fh, start, end - start)
+        if not last.strip():
             return
-        torn = chunk[cut + 1:]
-        if _parse(torn) is not None:  # a whole record that lost only its newline: keep it
-            fh.seek(size)
-            fh.write(b"\n")
+        if _parse(last) is not None:  # whole; if it lost only its newline, it gets one
+            if not ends_line:
+                fh.seek(size)
+                fh.write(b"\n")
             return
-        if warn:
+        if warn:  # torn (a bad last line ending in a newline is read as torn too: `read_jsonl`)
             _warn_torn(path)
-        fh.truncate(keep)
+        fh.truncate(start)
+
+
+def _read_at(fh, offset: int, length: int) -> bytes:
+    fh.seek(offset)
+    return fh.read(length)
+
+
+def _line_start(fh, end: int) -> int:
+    """The offset after the last newline before `end` (0 when none)."""
+    back = 1 << 16
+    while True:
+        lo = max(0, end - back)
+        cut = _read_at(fh, lo, end - lo).rfind(b"\n")
+        if cut >= 0:
+            return lo + cut + 1
+        if lo == 0:
+            return 0
+        back *= 2
 
 
 class JsonlLog:
@@ -241,6 +267,12 @@ class JsonlLog:
                 self._file = open(self.path, "a")  # noqa: SIM115 (held open between appends)
             self._file.write("".join(json.dumps(r) + "\n" for r in records))
             self._file.flush()
+
+    def sync(self) -> None:
+        """Forces the appended lines to disk (before a step that relies on them surviving a power loss)."""
+        if self._file is not None:
+            with writing(self.path):
+                os.fsync(self._file.fileno())
 
     def close(self) -> None:
         if self._file is not None:

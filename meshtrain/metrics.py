@@ -105,12 +105,14 @@ class MetricsWriter:
         if not self._log or not os.path.exists(self.path):
             return
         self._log.close()
-        records = durable.read_jsonl(self.path)  # warns once of a torn last line, cut off here
-        durable.repair_tail(self.path, warn=False)
+        with durable.writing(self.path):
+            records = durable.read_jsonl(self.path)  # warns once of a torn last line, cut off here
+            durable.repair_tail(self.path, warn=False)
         dropped = [r for r in records if r.get("step", 0) > step]
         if dropped:
             rolled_back = durable.JsonlLog(self.rolled_back_path)
             rolled_back.extend(dropped)
+            rolled_back.sync()  # on disk before metrics.jsonl loses them
             rolled_back.close()
             durable.write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in records if r.get("step", 0) <= step))
 

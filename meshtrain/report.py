@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         summary, paths = report(args.workdir, args.out)
+    except durable.WriteError as e:  # the plots' folder: a full disk, read-only
+        print(f"error: {e}", file=sys.stderr)
+        return 4
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -656,10 +656,12 @@ class Loop:
             progress.clear()
             it.close()
             writer.close()
-            tb.close()
-            profiler.stop()
-            self.ckpts.close()
-            dog.close()
+            try:
+                self.ckpts.close()  # the pending save first: nothing below may keep it from finishing
+            finally:
+                dog.close()
+                tb.close()
+                profiler.stop()
         return {**last, "skipped_steps": self.ckpts.guard.skipped,
                 "spike_rollbacks": self.ckpts.spikes.rollbacks} if last else last
 

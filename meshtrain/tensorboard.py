@@ -17,6 +17,8 @@ from collections.abc import Iterator
 
 import jax
 
+from meshtrain import durable
+
 log = logging.getLogger(__name__)
 
 
@@ -45,12 +47,16 @@ class TensorBoardWriter:
                 self._writer.add_scalar(key, float(value), step)
             elif isinstance(value, str):  # the in-loop sample (`sample_every`)
                 self._writer.add_text(key, value, step)
-        self._writer.flush()
+        with durable.writing(self.logdir):  # a full disk: one line (`durable.WriteError`), as for metrics
+            self._writer.flush()
 
     def close(self) -> None:
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+            writer, self._writer = self._writer, None
+            try:
+                writer.close()
+            except OSError as error:  # the run is ending; what failed to reach the disk is lost from TB only
+                log.warning("TensorBoard events in %s not all written: %s", self.logdir, error)
 
 
 def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:

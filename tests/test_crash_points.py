@@ -54,6 +54,10 @@ def test_the_first_append_cuts_a_torn_tail_and_keeps_a_whole_one(tmp_path):
     log.append({"step": 3})
     log.close()
     assert (tmp_path / "m.jsonl").read_bytes() == b'{"step": 1}\n{"step": 2}\n{"step": 3}\n'
+    log = durable.JsonlLog(_write(tmp_path / "b.jsonl", b'{"step": 1}\n{"step": 2, "lo\n'))  # bad, newline-ended
+    log.append({"step": 2})
+    log.close()
+    assert (tmp_path / "b.jsonl").read_bytes() == b'{"step": 1}\n{"step": 2}\n'
     log = durable.JsonlLog(_write(tmp_path / "n.jsonl", b'{"step": 1}'))  # whole, without its newline
     log.append({"step": 2})
     log.close()

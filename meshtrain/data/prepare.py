@@ -13,7 +13,7 @@ import sys
 from absl import app
 from ml_collections import config_flags
 
-from meshtrain import cli, data as data_lib
+from meshtrain import cli, data as data_lib, durable
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
 
@@ -34,6 +34,9 @@ def main(argv) -> None:
         summary = prepare(_CONFIG.value)
     except ValueError as error:  # a bad config or bad input: one clear line, no traceback
         sys.exit(f"error: {error}")
+    except durable.WriteError as error:  # a full disk, a read-only folder: one line, exit code 4
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(4)
     for split, sizes in summary.get("splits", {}).items():
         print(f"{split:>10}: {sizes['documents']:,} documents, {sizes['tokens']:,} tokens, "
               f"{sizes['rows']:,} rows of {_CONFIG.value.train.seq_len} tokens, unigram entropy "

@@ -120,10 +120,13 @@ def _builder(config, prepare_if_missing: bool):
                     if wrapped is None:
                         raise
                     raise wrapped from error
-        elif not result.is_complete():
-            log.info("data: %s was prepared by a run that stopped before its checksums: writing them",
-                     result.data_dir)
-            result.finish_interrupted()
+        if not result.is_complete():
+            log.info("data: %s was prepared without its checksums (a run that stopped before them, or an older "
+                     "meshtrain): writing them", result.data_dir)
+            try:
+                result.finish_interrupted()
+            except durable.WriteError as error:  # a read-only shared folder: usable, unchecked
+                log.warning("data: %s: its shards stay unchecked (%s)", result.data_dir, error)
         _require_dataset_info(source, str(result.data_dir))
         report = corpus.read_report(result.load_read_stats())
         skipped = report.get("data_skipped_files") or report.get("data_skipped_lines")
@@ -138,7 +141,8 @@ def _builder(config, prepare_if_missing: bool):
         if not result.is_prepared():
             if not prepare_if_missing:
                 raise config_lib.ConfigError("data.source", source, f"not prepared in {result.data_dir}")
-            result.prepare()
+            with durable.writing(result.data_dir):
+                result.prepare()
         return result
     name = source.removeprefix("tfds:")
     directory = data_dir(config)

@@ -65,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # HFFormatError and ConfigError are ValueErrors
         print(f"error: {e}")
         return 2
+    except OSError as e:  # a full disk, a read-only folder: one line (the save keeps the previous export)
+        wrapped = durable.as_write_error(getattr(args, "out_dir", "") or getattr(args, "workdir", ""), e)
+        if wrapped is None:
+            raise
+        print(f"error: {wrapped}")
+        return 4
     return 0
 
 

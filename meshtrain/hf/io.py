@@ -159,7 +159,9 @@ def save(cfg: ModelConfig, params: dict, out_dir: str, *, dtype: str | None = No
         return
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
+    _recover_set_aside(out_dir)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.partial-", dir=parent)
+    old = None
     try:
         names = [SINGLE_FILE] if len(shards) == 1 else [
             f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
@@ -174,7 +176,6 @@ def save(cfg: ModelConfig, params: dict, out_dir: str, *, dtype: str | None = No
                 json.dump(index, fh, indent=2)
         with open(os.path.join(tmp, "config.json"), "w") as fh:  # last: marks the folder complete
             json.dump(hf_config_from_model(cfg, dtype), fh, indent=2)
-        old = None
         if os.path.exists(out_dir):  # set aside, not deleted, until the new folder has its name
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
             os.rename(out_dir, os.path.join(old, "model"))
@@ -183,7 +184,25 @@ def save(cfg: ModelConfig, params: dict, out_dir: str, *, dtype: str | None = No
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old and not os.path.exists(out_dir) and os.path.isdir(os.path.join(old, "model")):
+            os.rename(os.path.join(old, "model"), out_dir)  # the previous export back under its name
+            shutil.rmtree(old, ignore_errors=True)
         raise
+
+
+def _recover_set_aside(out_dir: str) -> None:
+    """A previous export set aside by a save killed before its replacement got the name: back under
+    `out_dir` when that is missing; otherwise (replaced) the leftover is removed."""
+    parent, name = os.path.dirname(os.path.abspath(out_dir)), os.path.basename(out_dir)
+    if not os.path.isdir(parent):
+        return
+    for entry in sorted(os.listdir(parent)):
+        if not entry.startswith(f".{name}.old-"):
+            continue
+        leftover = os.path.join(parent, entry, "model")
+        if os.path.isdir(leftover) and not os.path.exists(out_dir):
+            os.rename(leftover, out_dir)
+        shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
 
 
 def _blocks(tensors, flat, table) -> Iterator[np.ndarray]:
