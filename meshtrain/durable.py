@@ -155,12 +155,13 @@ def write_json(path: str, obj, **dump_kwargs) -> None:
     write_atomic(path, json.dumps(obj, **dump_kwargs))
 
 
-def read_jsonl(path: str) -> list[dict]:
+def read_jsonl(path: str, warn: bool = True) -> list[dict]:
     """The records of an append-only JSON-lines log (`JsonlLog`), in file order.
 
     Accepts: blank lines (skipped) and a torn last line (no newline at its end, or not JSON: what a
     crash or a full disk during an append leaves), dropped with one warning. Any other line that is
-    not a JSON object raises `CorruptFileError` naming the file and the line."""
+    not a JSON object raises `CorruptFileError` naming the file and the line. `warn`: False checks
+    the file without the warning (a reader that warns comes later)."""
     with open(path, "rb") as fh:
         data = fh.read()
     lines = data.split(b"\n")
@@ -172,7 +173,8 @@ def read_jsonl(path: str) -> list[dict]:
         record = _parse(raw)
         if record is None:
             if number == len(lines) and not tail.strip():  # the last line: what a crash tears
-                _warn_torn(path, number)
+                if warn:
+                    _warn_torn(path, number)
                 continue
             raise CorruptFileError(f"{path}:{number}: not a JSON object ({raw[:60]!r}); a crash tears only the "
                                    "last line: the file was changed by hand or damaged: fix or delete that line")
@@ -180,7 +182,8 @@ def read_jsonl(path: str) -> list[dict]:
     if tail.strip():
         record = _parse(tail)
         if record is None:
-            _warn_torn(path, len(lines) + 1)
+            if warn:
+                _warn_torn(path, len(lines) + 1)
         else:
             records.append(record)  # complete but for its newline
     return records

@@ -572,8 +572,7 @@ class Loop:
         first record this run writes to metrics.jsonl keeps (what reading the data skipped)."""
         config, dog = self.config, self.watchdog
         writer = metrics_lib.MetricsWriter(config.workdir, enabled=self.is_main)
-        writer.truncate_after(start)  # a resume from an older checkpoint: its later records were rolled back
-        tb = tensorboard_lib.TensorBoardWriter(config.workdir, enabled=self.is_main)
+        tb = tensorboard_lib.TensorBoardWriter(config.workdir, enabled=False)  # opened in the try
         profiler = tensorboard_lib.StepProfiler(config.workdir, tuple(config.profile.steps))
         progress = metrics_lib.Progress(config.steps, start, enabled=self.is_main)
         window, last, evaluated, sampled = _Window(it), {}, False, False
@@ -581,6 +580,8 @@ class Loop:
         skip_to: dict[int, int] = {}  # step -> the row its batch starts at instead (rows of a spike skipped)
         step, first = start, start + 1
         try:
+            writer.truncate_after(start)  # a resume from an older checkpoint: its later records were rolled back
+            tb = tensorboard_lib.TensorBoardWriter(config.workdir, enabled=self.is_main)
             with jax.set_mesh(self.run.mesh):
                 while step < config.steps:
                     step += 1

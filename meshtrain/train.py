@@ -57,6 +57,9 @@ def run(config: ml_collections.ConfigDict, given: dict | None = None) -> dict:
     if problem := durable.unwritable(config.workdir):  # before anything reads, compiles or writes
         raise config_lib.ConfigError("workdir", config.workdir, f"{problem}: a run writes its checkpoints and "
                                      "metrics there; choose a folder this user can write")
+    metrics_file = os.path.join(os.path.expanduser(config.workdir), "metrics.jsonl")
+    if os.path.isfile(metrics_file):  # damaged before its last line: one line now, before any thread starts
+        durable.read_jsonl(metrics_file, warn=False)
     cli.setup_runtime(config, given)
     validate(config, jax.device_count())  # a bad config stops here, before anything compiles
     with workdir_lock.WorkdirLock(config.workdir, jax.process_index()):  # one run per workdir
