@@ -7,6 +7,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests compare sharded and unsharded runs at 1e-5: matmuls must be full float32.
@@ -27,10 +28,20 @@ if os.environ["JAX_PLATFORMS"] == "cpu" and importlib.util.find_spec("jax_plugin
         and importlib.util.find_spec("jax_plugins.xla_cuda12") is not None:
     os.environ["XLA_FLAGS"] += " --xla_gpu_disable_gpuasm_optimizations=true"
 
-# Datasets the tests prepare go to a folder of this session, never to ~/tensorflow_datasets.
-_TFDS_DIR = tempfile.mkdtemp(prefix="meshtrain-tests-tfds-")
-atexit.register(shutil.rmtree, _TFDS_DIR, ignore_errors=True)
-os.environ["TFDS_DATA_DIR"] = _TFDS_DIR
+# Datasets the tests prepare go to a folder of this run, never to ~/tensorflow_datasets: made by the
+# process that starts first (pytest, or xdist's controller) and shared by its workers through the
+# environment, so the default corpus is prepared once a run; removed by its maker at exit. Folders of
+# runs that were killed (no exit) are removed after a day.
+if not os.environ.get("MESHTRAIN_TESTS_TFDS_DIR"):
+    for stale in pathlib.Path(tempfile.gettempdir()).glob("meshtrain-tests-tfds-*"):
+        try:
+            if stale.stat().st_mtime < time.time() - 86400:
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            pass
+    os.environ["MESHTRAIN_TESTS_TFDS_DIR"] = tempfile.mkdtemp(prefix="meshtrain-tests-tfds-")
+    atexit.register(shutil.rmtree, os.environ["MESHTRAIN_TESTS_TFDS_DIR"], ignore_errors=True)
+os.environ["TFDS_DATA_DIR"] = os.environ["MESHTRAIN_TESTS_TFDS_DIR"]
 
 import jax  # noqa: E402
 

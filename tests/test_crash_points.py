@@ -3,8 +3,8 @@ operations of a real run (`meshtrain.crash_points`), and hostile paths, each one
 
 `python bench/faults.py --crash-points` kills a run before every operation it records; this file runs
 a sample (one and two processes) chosen to cover each way a file is written: a torn append to
-metrics.jsonl, a torn TensorBoard record, orbax's commit rename, a checksum file's rename, the
-dataset's and its checksums' renames.
+metrics.jsonl, a torn TensorBoard record, orbax's commit rename, a checksum file's rename (process 1
+of two), the dataset's and its checksums' renames.
 """
 
 from __future__ import annotations
@@ -255,8 +255,7 @@ def _pick(wanted):
     return pick
 
 
-SAMPLE = [(0, "write", "W/metrics.jsonl", 2), (0, "rename", "W/checkpoints/2", 1),
-          (0, "rename", "3.orbax-checkpoint-tmp/checksums/process_0.json", 1), (0, "rename", "D/text_files/", 1),
+SAMPLE = [(0, "write", "W/metrics.jsonl", 2), (0, "rename", "W/checkpoints/2", 1), (0, "rename", "D/text_files/", 1),
           (0, "rename", "meshtrain_shards.json", 1), (0, "write", "tfevents", 40)]
 SAMPLE_TWO_PROCESSES = [(1, "rename", "2.orbax-checkpoint-tmp/checksums/process_1.json", 1),
                         (0, "write", "W/metrics.jsonl", 3)]
@@ -268,11 +267,11 @@ def test_a_run_killed_before_a_file_operation_resumes_to_the_same_bits(processes
     write: after half of its bytes), then the same command is run again: it must train to the end, its
     metrics.jsonl equal to the uninterrupted run's on every step (float32, bit for bit), its newest
     checkpoints the same steps, and nothing a finished step wrote lost."""
-    result = crash_points.sweep(str(tmp_path), limit=None, processes=processes,
+    result = crash_points.sweep(str(tmp_path), limit=None, processes=processes, steps=3,
                                 pick=_pick(SAMPLE if processes == 1 else SAMPLE_TWO_PROCESSES),
                                 env=subprocess_env(compilation_cache))
     rows = result["rows"]
-    assert result["operations"] > 100 and len(rows) == len(SAMPLE if processes == 1 else SAMPLE_TWO_PROCESSES)
+    assert result["operations"] > 50 and len(rows) == len(SAMPLE if processes == 1 else SAMPLE_TWO_PROCESSES)
     assert all(r["reached"] for r in rows), rows
     assert [r for r in rows if not (r["trained"] and r["bit_equal"] and r["clear"])] == []
     assert result["lost"] == 0 and result["unclear"] == 0
