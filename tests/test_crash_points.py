@@ -85,30 +85,25 @@ def test_a_whole_file_write_leaves_the_old_or_the_new_file(tmp_path):
 
 
 def test_a_folder_this_user_cannot_write_is_named(tmp_path):
-    """Permissions as a non-root user: a forked child drops to uid 65534 when the suite runs as root."""
+    """Permissions as a non-root user: a child process drops to uid 65534 when the suite runs as root."""
     folder = tmp_path / "shared"
     folder.mkdir(mode=0o755)
     (tmp_path / "afile").write_text("x")
     assert durable.unwritable(str(tmp_path / "afile")) == "is a file, not a folder"
     assert "afile is a file" in durable.unwritable(str(tmp_path / "afile" / "run"))
     assert durable.unwritable(str(tmp_path / "new" / "run")) is None
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: another user, then the same question
-        try:
-            if os.geteuid() == 0:
-                os.setgid(65534)
-                os.setuid(65534)
-            else:
-                os.chmod(folder, 0o555)
-            os.write(write, json.dumps([durable.unwritable(str(folder)), durable.unwritable(str(folder / "run"))])
-                     .encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    os.waitpid(pid, 0)
-    answer = json.loads(os.read(read, 4096))
-    os.close(read)
+    # a child process asks as another user: it imports meshtrain.durable first (as root, the interpreter
+    # under /root is unreadable to uid 65534), then gives up root; as a non-root user the folder is made
+    # read-only for it instead
+    script = ("import json, os, sys; sys.path.insert(0, sys.argv[1]); from meshtrain import durable\n"
+              "if os.geteuid() == 0:\n    os.setgid(65534); os.setuid(65534)\n"
+              "print(json.dumps([durable.unwritable(sys.argv[2]), durable.unwritable(sys.argv[2] + '/run')]))")
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+    child = subprocess.run([sys.executable, "-c", script, str(ROOT), str(folder)], capture_output=True, text=True,
+                           timeout=60)
+    assert child.returncode == 0, child.stderr
+    answer = json.loads(child.stdout)
     assert answer[0].startswith("cannot be written by this user (uid ")
     assert answer[1].startswith("cannot be written by this user") and "its parent" in answer[1]
 
