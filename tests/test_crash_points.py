@@ -108,6 +108,22 @@ def test_a_folder_this_user_cannot_write_is_named(tmp_path):
     assert answer[1].startswith("cannot be written by this user") and "its parent" in answer[1]
 
 
+def test_a_dead_preparations_leftovers_are_removed_and_a_live_ones_kept(tmp_path):
+    """TFDS prepares into `incomplete.*` and renames; a kill leaves that folder. The next preparation
+    removes it once nothing in it changed for `_STALE_S`; one still being written stays."""
+    from meshtrain.data import sources
+
+    dead, live = tmp_path / "incomplete.ABC123_1.1.0", tmp_path / "incomplete.XYZ789_1.1.0"
+    for folder in (dead, live):
+        folder.mkdir()
+        (folder / "shard").write_bytes(b"x")
+    old = os.path.getmtime(dead) - sources._STALE_S - 1
+    for path in (dead / "shard", dead):
+        os.utime(path, (old, old))
+    sources.remove_stale_incomplete(str(tmp_path))
+    assert not dead.exists() and (live / "shard").exists()
+
+
 # The command line: torn logs and hostile paths -------------------------------------------------------------
 
 def _train(overrides: dict, compilation_cache, *, wrap: list[str] | None = None, env: dict | None = None):

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import logging
 import os
+import shutil
 import time
 
 import grain
@@ -103,6 +104,7 @@ def _builder(config, prepare_if_missing: bool):
     source = config.data.source
     if source == "text_files":
         result = text_files_builder(config)
+        remove_stale_incomplete(os.path.dirname(str(result.data_dir)))  # a killed preparation's, at any start
         if not result.is_prepared():
             if not prepare_if_missing:
                 raise config_lib.ConfigError("data.source", source, f"not prepared in {result.data_dir}")
@@ -258,6 +260,23 @@ def _remove_stale_temporaries(directory: str) -> None:
                 continue
         with contextlib.suppress(OSError):
             os.remove(path)
+
+
+def remove_stale_incomplete(folder: str) -> None:
+    """Removes TFDS's `incomplete.*` folders of preparations that died (a kill leaves them): those whose
+    newest file is older than `_STALE_S` (a live preparation, here or on another host, writes on)."""
+    if not os.path.isdir(folder):
+        return
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if not name.startswith("incomplete.") or not os.path.isdir(path):
+            continue
+        with contextlib.suppress(OSError):
+            newest = max([os.path.getmtime(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs]
+                         + [os.path.getmtime(path)])
+            if time.time() - newest >= _STALE_S:
+                log.info("data: removing %s (a preparation that did not finish)", path)
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
