@@ -98,7 +98,7 @@ def plot(path: str, chosen: estimate_lib.Estimate, ranked: list[estimate_lib.Est
     ax2.set_title("ranked candidates")
     fig.tight_layout()
     with durable.atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=100, format=os.path.splitext(path)[1][1:] or "png")
+        fig.savefig(tmp, dpi=100, format=os.path.splitext(path)[1][1:].lower() or "png")
 
 
 def _mesh_overridden(argv: list[str]) -> bool:
