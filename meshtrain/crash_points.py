@@ -255,18 +255,22 @@ def distinct(points: list[Point]) -> list[Point]:
 
 
 def choose(points: list[Point], limit: int | None) -> list[Point]:
-    """`limit` points spread over every (kind, file kind) pair: the first of each pair, then the last,
-    then evenly between; all of them when `limit` is None."""
+    """`limit` points spread over every file kind and kind of operation: the first point of each (file
+    kind, kind) pair, the file kinds in turn, then the last of each pair, then evenly between; all of
+    them when `limit` is None."""
     if limit is None or limit >= len(points):
         return list(points)
     groups: dict[tuple, list[Point]] = collections.defaultdict(list)
     for point in points:
         groups[(point.process, point.kind, point.file_kind)].append(point)
-    by_process = collections.defaultdict(list)  # the processes' groups in turn, each process's in order
+    buckets = collections.defaultdict(list)  # each (process, file kind)'s groups in turn: every file first
     for key, group in groups.items():
-        by_process[key[0]].append(group)
-    turns = [g for i in range(max(map(len, by_process.values()))) for gs in by_process.values() if i < len(gs)
-             for g in gs[i:i + 1]]
+        buckets[(key[0], key[2])].append(group)
+    by_process = collections.defaultdict(list)  # and the processes in turn
+    for key in buckets:
+        by_process[key[0]].append(buckets[key])
+    ordered = [bs[i] for i in range(max(map(len, by_process.values()))) for bs in by_process.values() if i < len(bs)]
+    turns = [gs[i] for i in range(max(map(len, ordered))) for gs in ordered if i < len(gs)]
     orders = [[group[i] for i in _spread(len(group))] for group in turns]
     order = [o[rank] for rank in range(max(map(len, orders))) for o in orders if rank < len(o)]
     return order[:limit]
