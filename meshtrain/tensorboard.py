@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import sys
+import threading
 from collections.abc import Iterator
 
 import jax
@@ -34,9 +36,7 @@ class TensorBoardWriter:
         self._writer = None
         if not enabled:
             return
-        from tensorboardX import SummaryWriter
-
-        self._writer = SummaryWriter(self.logdir, flush_secs=30)
+        self._writer = summary_writer_class()(self.logdir, flush_secs=30)
 
     def write(self, record: dict) -> None:
         if self._writer is None:
@@ -57,6 +57,30 @@ class TensorBoardWriter:
                 writer.close()
             except OSError as error:  # the run is ending; what failed to reach the disk is lost from TB only
                 log.warning("TensorBoard events in %s not all written: %s", self.logdir, error)
+
+
+_IMPORT_LOCK = threading.Lock()
+
+
+def summary_writer_class():
+    """tensorboardX's `SummaryWriter`, imported without torch.
+
+    tensorboardX imports torch whenever torch is installed, only to accept torch tensors (which
+    meshtrain never passes): 1.3 s of every run's start on a 2-core CPU where torch is installed (the
+    test extra installs it). While tensorboardX is imported, `import torch` fails (a `None` entry in
+    `sys.modules`), and tensorboardX falls back to numpy; torch imported later imports normally.
+    """
+    with _IMPORT_LOCK:
+        if "tensorboardX" in sys.modules or "torch" in sys.modules:
+            from tensorboardX import SummaryWriter
+
+            return SummaryWriter
+        sys.modules["torch"] = None  # type: ignore[assignment]
+        try:
+            from tensorboardX import SummaryWriter
+        finally:
+            del sys.modules["torch"]
+        return SummaryWriter
 
 
 def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:

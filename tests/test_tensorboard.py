@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +12,7 @@ import pytest
 
 from meshtrain import config as config_lib, tensorboard
 from meshtrain.validate import validate
-from tests.utils import tiny_config
+from tests.utils import ROOT, tiny_config
 
 
 def test_scalars_round_trip_through_event_files(tmp_path):
@@ -25,6 +28,18 @@ def test_scalars_round_trip_through_event_files(tmp_path):
         steps, values = zip(*scalars[key], strict=True)
         assert steps == (1, 2, 5)
         np.testing.assert_allclose(values, [r[key] for r in records], rtol=1e-7)  # float32 storage
+
+
+def test_the_writer_does_not_import_torch_and_torch_still_imports_after(tmp_path):
+    """tensorboardX imports torch when it is installed (the test extra installs it): seconds of every
+    run's start. The writer hides it while tensorboardX is imported; a later `import torch` works."""
+    script = (f"import sys; from meshtrain import tensorboard; w = tensorboard.TensorBoardWriter({str(tmp_path)!r}); "
+              "w.write({'step': 1, 'loss': 2.5}); w.close(); print('torch' in sys.modules); "
+              "import importlib.util; print(importlib.util.find_spec('torch') is None or bool(__import__('torch')))")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["False", "True"], result.stdout
+    assert tensorboard.read_scalars(str(tmp_path / "tb")) == {"loss": [(1, 2.5)]}
 
 
 def test_disabled_writer_writes_nothing(tmp_path):
