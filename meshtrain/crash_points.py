@@ -5,6 +5,8 @@ A training process reads three variables at its start (`install`, called by `pyt
     MESHTRAIN_CRASH_ROOTS={"W": workdir, "D": data dir}   the folders whose operations count
     MESHTRAIN_CRASH_TRACE=<file>   appends one JSON line per operation (`Point`) to <file>.<process>
     MESHTRAIN_CRASH_AT=<Point as JSON>   SIGKILLs the process right before that operation
+    MESHTRAIN_CRASH_REACHED=<file>   created right before that kill (the exit code of a several-process
+                                     job is whichever process the launcher saw end first)
 
 The operations: a file opened for writing (`open`), each `write` and `flush` of a file opened that
 way (a kill at a `write` first writes half of its bytes: a torn write), `rename` (and `replace`),
@@ -44,6 +46,7 @@ import time
 ENV_ROOTS = "MESHTRAIN_CRASH_ROOTS"
 ENV_TRACE = "MESHTRAIN_CRASH_TRACE"
 ENV_AT = "MESHTRAIN_CRASH_AT"
+ENV_REACHED = "MESHTRAIN_CRASH_REACHED"
 KINDS = ("open", "write", "flush", "rename", "delete", "mkdir", "rmdir", "rmtree", "truncate", "copy")
 
 
@@ -147,6 +150,8 @@ class _Recorder:
 
 
 def _kill() -> None:
+    if marker := os.environ.get(ENV_REACHED):
+        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT, 0o644))
     sys.stdout.flush()
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
@@ -377,9 +382,12 @@ def sweep(root: str, *, limit: int | None, processes: int = 1, steps: int = 4, e
     for index, point in enumerate(chosen):
         trial = os.path.join(root, f"trial_{index}")
         cmd = command(trial, corpus, steps, processes, config)
-        killed_code, killed_out = _run(cmd, {**env, ENV_ROOTS: roots(trial), ENV_AT: point.spec()},
+        marker = trial + ".reached"
+        killed_code, killed_out = _run(cmd, {**env, ENV_ROOTS: roots(trial), ENV_AT: point.spec(), ENV_REACHED: marker},
                                        os.path.join(trial + ".killed.log"), timeout)
-        reached = killed_code in (-signal.SIGKILL, 128 + signal.SIGKILL)
+        # the killed process left the marker; with several processes the job's exit code may be a peer's
+        # (one that saw the kill as a failed collective first)
+        reached = os.path.exists(marker)
         code, output = _run(cmd, {**env, ENV_ROOTS: roots(trial)}, os.path.join(trial + ".relaunch.log"), timeout)
         got, ckpts = _metrics(os.path.join(trial, "work")), _checkpoints(os.path.join(trial, "work"))
         row = {"point": dataclasses.asdict(point), "file_kind": point.file_kind, "reached": reached,
