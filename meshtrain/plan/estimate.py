@@ -11,6 +11,7 @@ An axis is in-node when it and every axis inside it (mesh order, innermost `tens
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import time
@@ -35,7 +36,9 @@ RECOMPUTE = {"none": 0.0, "selective": 0.0, "offload": 0.0, "full": 1.0}  # extr
 
 @dataclasses.dataclass
 class Estimate:
-    config: ml_collections.ConfigDict
+    # the candidate's config, or a function that builds it (`config`): a search prices tens of thousands
+    # of candidates and reads the config of a few
+    source: ml_collections.ConfigDict | Callable[[], ml_collections.ConfigDict]
     run: memory.Step
     remat: str
     memory: dict[str, int]
@@ -49,6 +52,10 @@ class Estimate:
     fits: bool
     usable_bytes: int
     limit: str = ""
+
+    @functools.cached_property
+    def config(self) -> ml_collections.ConfigDict:
+        return self.source if isinstance(self.source, ml_collections.ConfigDict) else self.source()
 
     @property
     def pipeline(self) -> str:
@@ -164,12 +171,30 @@ PIPELINE_CHOICES = (("1f1b", 1, False), ("1f1b", 1, True), ("interleaved_1f1b", 
 def candidate_configs(config: ml_collections.ConfigDict, num_devices: int, devices_per_node: int = 8):
     """Valid (config, sizes) over meshes x ZeRO stage x remat policy x gradient accumulation, and on a
     pipelined mesh x PIPELINE_CHOICES."""
-    for valid, sizes, _ in _candidates(config, num_devices, devices_per_node):
-        yield valid, sizes
+    for _, sizes, _, layout in _candidates(config, num_devices, devices_per_node):
+        yield with_layout(config, layout), sizes
+
+
+def with_layout(config: ml_collections.ConfigDict, layout: dict[str, object]) -> ml_collections.ConfigDict:
+    """A copy of `config` with the keys of `layout` ("mesh.fsdp" -> 8, ...) set; locked if `config` is."""
+    c = config.copy_and_resolve_references()
+    with c.unlocked():
+        _set(c, layout)
+    if config.is_locked:  # a copy of an unlocked config is unlocked
+        c.lock()
+    return c
+
+
+def _set(c: ml_collections.ConfigDict, layout: dict[str, object]) -> None:
+    for key, value in layout.items():
+        group, name = key.split(".")
+        c[group][name] = value
 
 
 def _candidates(config: ml_collections.ConfigDict, num_devices: int, devices_per_node: int):
-    """`candidate_configs` with each candidate's `memory.Step` (built to check its state fits the mesh)."""
+    """(scratch config, sizes, `memory.Step`, layout) per valid candidate: the scratch is one config a
+    mesh, valid only until the next candidate; `with_layout(config, layout)` is the candidate's own
+    (the Step is built to check its state fits the mesh)."""
     axes = ["data", "fsdp", "tensor", "sequence"] + (["expert"] if config.model.num_experts else ["stage"])
     for mesh in _factorizations(num_devices, axes):
         if mesh["tensor"] > devices_per_node:
@@ -182,24 +207,25 @@ def _candidates(config: ml_collections.ConfigDict, num_devices: int, devices_per
         # ring attention splits the sequence; a pipeline takes one row per micro-batch (the smallest
         # bubble) instead of gradient accumulation, under one of PIPELINE_CHOICES (flat activation memory)
         pipelined = mesh.get("stage", 1) > 1
-        # one scratch copy a mesh, set and validated per combination; copied again only when valid.
-        # The combinations set only layout keys, each to a valid choice: the config's other fields are
-        # checked once a mesh (`validate_fields`), the layout rules per combination.
+        # one scratch copy a mesh, set and validated per combination. The combinations set only layout
+        # keys, each to a valid choice: the config's other fields are checked once a mesh
+        # (`validate_fields`), the layout rules per combination.
+        mesh_layout = {f"mesh.{axis}": mesh.get(axis, 1) for axis in config_lib.MESH_AXES}
+        mesh_layout.update({f"mesh.dcn_{axis}": 1 for axis in config_lib.MESH_AXES})
+        if mesh.get("sequence", 1) > 1:
+            mesh_layout["attention.impl"] = "ring"
         c = config.copy_and_resolve_references()
         with c.unlocked():
-            for axis in config_lib.MESH_AXES:
-                c.mesh[axis] = mesh.get(axis, 1)
-                c.mesh[f"dcn_{axis}"] = 1
-            if mesh.get("sequence", 1) > 1:
-                c.attention.impl = "ring"
+            _set(c, mesh_layout)
             fields_checked = False
             for zero, remat, accum, (schedule, repeats, overlap) in itertools.product(
                     zeros, ("none", "selective", "full"), [1] if pipelined else _divisors(per_rank),
                     PIPELINE_CHOICES if pipelined else [PIPELINE_CHOICES[0]]):
-                c.train.zero_stage, c.remat.policy, c.train.grad_accum_steps = zero, remat, accum
+                combination = {"train.zero_stage": zero, "remat.policy": remat, "train.grad_accum_steps": accum}
                 if pipelined:
-                    c.pipeline.schedule, c.pipeline.microbatches = schedule, per_rank
-                    c.pipeline.repeats, c.pipeline.overlap_transfers = repeats, overlap
+                    combination.update({"pipeline.schedule": schedule, "pipeline.microbatches": per_rank,
+                                        "pipeline.repeats": repeats, "pipeline.overlap_transfers": overlap})
+                _set(c, combination)
                 try:
                     if not fields_checked:
                         config_lib.validate_fields(c)
@@ -211,10 +237,7 @@ def _candidates(config: ml_collections.ConfigDict, num_devices: int, devices_per
                     if not fields_checked:
                         break  # a field no combination sets is invalid: every combination would fail
                     continue
-                valid = c.copy_and_resolve_references()
-                if config.is_locked:  # a copy of the unlocked scratch is unlocked
-                    valid.lock()
-                yield valid, sizes, run
+                yield c, sizes, run, {**mesh_layout, **combination}
 
 
 # The search ranks first the candidates whose modelled memory leaves this share of usable HBM free:
@@ -234,8 +257,10 @@ def search(config: ml_collections.ConfigDict, num_devices: int, gpu: Gpu, device
     (a search over thousands of devices prices tens of thousands of candidates)."""
     out, start = [], time.monotonic()
     last = start
-    for c, sizes, run in _candidates(config, num_devices, devices_per_node):
-        out.append(estimate(c, sizes, gpu, devices_per_node, efficiency, run))
+    for c, sizes, run, layout in _candidates(config, num_devices, devices_per_node):
+        e = estimate(c, sizes, gpu, devices_per_node, efficiency, run)
+        e.source = functools.partial(with_layout, config, layout)  # the scratch `c` changes next candidate
+        out.append(e)
         if progress and time.monotonic() - last >= PROGRESS_SECONDS:
             last = time.monotonic()
             progress(len(out), last - start, False)
