@@ -193,7 +193,7 @@ _KEPT_IN_MEMORY = 16
 def _guarded_put(original):
     def put_executable_and_time(cache_key, module_name, executable, backend, compile_time):
         if backend.platform == "cpu" and not readable_back(executable):
-            jax.monitoring.record_event(NOT_KEPT_EVENT)
+            jax.monitoring.record_event(NOT_KEPT_EVENT, key=cache_key)
             _in_memory[cache_key] = (executable, compile_time)
             while len(_in_memory) > _KEPT_IN_MEMORY:
                 _in_memory.popitem(last=False)

@@ -35,6 +35,7 @@ class CompileStats:
         self.totals: collections.Counter = collections.Counter()
         self.per_test: dict[str, dict[str, float]] = {}
         self.keys: set[str] = set()
+        self.not_kept_keys: collections.Counter = collections.Counter()  # key -> compiles
         self.gpu_keys: set[str] = set()
 
     def add(self, name: str, value: float = 1) -> None:
@@ -56,6 +57,7 @@ class CompileStats:
             self.add("read back")
         elif event == compile_cache.NOT_KEPT_EVENT:
             self.add("not kept")
+            self.not_kept_keys[kwargs.get("key", "")] += 1
         elif event == compile_cache.RECORD_EVENT:
             self.gpu_keys.add(kwargs["key"])
             self.add("gpu requests")
@@ -91,7 +93,8 @@ class CompileStats:
     # -- across xdist workers ----------------------------------------------------------------------
 
     def _payload(self) -> dict:
-        return {"totals": dict(self.totals), "keys": sorted(self.keys), "gpu_keys": sorted(self.gpu_keys),
+        return {"totals": dict(self.totals), "keys": sorted(self.keys), "not_kept_keys": dict(self.not_kept_keys),
+                "gpu_keys": sorted(self.gpu_keys),
                 "per_test": self.per_test}
 
     def pytest_sessionfinish(self, session) -> None:
@@ -105,6 +108,7 @@ class CompileStats:
             data = json.loads(payload)
             self.totals.update(data["totals"])
             self.keys.update(data["keys"])
+            self.not_kept_keys.update(data["not_kept_keys"])
             self.gpu_keys.update(data["gpu_keys"])
             self.per_test.update(data["per_test"])
 
@@ -112,7 +116,7 @@ class CompileStats:
         t = self.totals
         line = (f"compiles: {int(t['requests']):,} requested, {len(self.keys):,} distinct, "
                 f"{int(t['read back']):,} read back from the persistent cache ({int(t['not kept']):,} compiled "
-                f"and not written: collectives in a loop, `meshtrain.compile_cache`); seconds: trace "
+                f"and not written, {len(self.not_kept_keys):,} distinct: collectives in a loop, `meshtrain.compile_cache`); seconds: trace "
                 f"{t['trace s']:.0f}, lowering {t['lower s']:.0f}, XLA compile (or cache read) {t['compile s']:.0f}")
         if t["gpu requests"]:
             line += (f"; GPU compiles: {int(t['gpu requests']):,} requested, {len(self.gpu_keys):,} distinct, "
