@@ -116,7 +116,8 @@ class CompileStats:
         t = self.totals
         line = (f"compiles: {int(t['requests']):,} requested, {len(self.keys):,} distinct, "
                 f"{int(t['read back']):,} read back from the persistent cache ({int(t['not kept']):,} compiled "
-                f"and not written, {len(self.not_kept_keys):,} distinct: collectives in a loop, `meshtrain.compile_cache`); seconds: trace "
+                f"and not written, {len(self.not_kept_keys):,} distinct: collectives in a loop, "
+                f"`meshtrain.compile_cache`); seconds: trace "
                 f"{t['trace s']:.0f}, lowering {t['lower s']:.0f}, XLA compile (or cache read) {t['compile s']:.0f}")
         if t["gpu requests"]:
             line += (f"; GPU compiles: {int(t['gpu requests']):,} requested, {len(self.gpu_keys):,} distinct, "
