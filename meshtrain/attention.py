@@ -21,6 +21,7 @@ grouped-query (G = H / K query heads share a K/V head, never copied).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -44,17 +45,18 @@ def _causal(query_index: jax.Array, key_index: jax.Array, window: int) -> jax.Ar
     return (offset >= 0) & (offset < window) if window else offset >= 0
 
 
-def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, window: int = 0) -> jax.Array:
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, window: int = 0,
+                  scores_dtype: str = "float32") -> jax.Array:
     """Causal attention with document masking, written as einsums for XLA; `window` > 0 limits each
     query to its `window` latest keys (sliding-window attention, Mistral v0.1).
 
     Grouped-query attention shares each K/V head with G query heads without copying it.
-    Scores and softmax run in float32.
+    Scores in float32, or in q's dtype (`scores_dtype="compute"`); the softmax in float32.
     """
     t = q.shape[1]
     causal = _causal(jnp.arange(t), jnp.arange(t), window)  # [T,S]
     same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B,T,S]
-    return masked_attention(q, k, v, causal[None] & same_doc)
+    return masked_attention(q, k, v, causal[None] & same_doc, scores_dtype)
 
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_segment_ids: jax.Array,
@@ -70,19 +72,25 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_segment_ids: 
     return masked_attention(q, k, v, causal[None] & (key_segment_ids > 0)[:, None, :])
 
 
-def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                     scores_dtype: str = "float32") -> jax.Array:
     """Grouped-query attention of q [B,T,H,Dh] over k, v [B,S,K,Dh] where mask [B,T,S] allows;
-    scores and softmax in float32."""
+    scores in float32 (or, `scores_dtype="compute"`, in q's dtype: the GEMM still accumulates in
+    float32 and rounds once as it writes them), softmax in float32."""
     b, t, h, dh = q.shape
     kv = k.shape[2]
     q = q.reshape(b, t, kv, h // kv, dh)  # [B,T,K,G,Dh]
     # The scores stay in the layout the batched GEMM writes them, [B,K,T,G,S] (batch dims, then the
     # query's free dims in their order, then the key's): the mask's select, the softmax and the second
     # GEMM read them there, the [B,T,S] mask broadcast inside the select's fusion; no transpose of the
-    # float32 scores is ever written (`[B,K,G,T,S]` cost three).
-    scores = jnp.einsum("btkgd,bskd->bktgs", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(dh)
-    scores = jnp.where(mask[:, None, :, None, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    # scores is ever written (`[B,K,G,T,S]` cost three).
+    if scores_dtype == "compute":  # the scale on q (exact for a power-of-two head dim), scores as written
+        scores = jnp.einsum("btkgd,bskd->bktgs", q * jnp.asarray(1 / math.sqrt(dh), q.dtype), k,
+                            preferred_element_type=q.dtype)
+    else:
+        scores = jnp.einsum("btkgd,bskd->bktgs", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(dh)
+    scores = jnp.where(mask[:, None, :, None, :], scores, jnp.finfo(scores.dtype).min)
+    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
     out = jnp.einsum("bktgs,bskd->btkgd", probs, v)
     return out.reshape(b, t, h, dh)
 

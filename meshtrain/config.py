@@ -37,6 +37,7 @@ BATCH_AXES: tuple[str, ...] = (Axis.DATA.value, Axis.FSDP.value, Axis.EXPERT.val
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "selective", "full", "offload")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas", "ring", "ulysses")
+SCORES_DTYPES = ("float32", "compute")
 ROPE_SCALINGS = ("none", "linear", "llama3")
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # model.family: what `hf export` writes (mixtral with experts)
 CONTEXT_PARALLEL_IMPLS = ("ring", "ulysses")  # the implementations that split the sequence over `sequence`
@@ -181,6 +182,10 @@ def default_config() -> ml_collections.ConfigDict:
     # parallelism over mesh.sequence
     c.attention.impl = "auto"
     c.attention.zigzag = True  # ring attention: zig-zag load balancing of the causal work
+    # the einsum attention's scores (impl xla, and auto where it resolves to xla): float32, or compute
+    # (model.dtype: in bf16 the [B,K,T,G,S] scores take half the bytes; the softmax still accumulates
+    # in float32). docs/aot.md: the modeled step of each
+    c.attention.scores_dtype = "float32"
     # attention.impl='ulysses': devices of mesh.sequence per all-to-all group; 0 = all of them. A divisor
     # U < mesh.sequence runs a ring across the mesh.sequence / U groups (ring x Ulysses)
     c.attention.ulysses_degree = 0
@@ -326,6 +331,7 @@ def _divides(key: str, value: int, what: str, by: int, by_name: str) -> None:
 def _validate_choices(config) -> None:
     for key, choices in (("model.dtype", DTYPES), ("model.param_dtype", DTYPES),
                          ("remat.policy", REMAT_POLICIES), ("attention.impl", ATTENTION_IMPLS),
+                         ("attention.scores_dtype", SCORES_DTYPES),
                          ("pipeline.schedule", PIPELINE_SCHEDULES), ("model.moe_balance_scope", BALANCE_SCOPES),
                          ("model.matmul_precision", MATMUL_PRECISIONS), ("model.rope_scaling", ROPE_SCALINGS),
                          ("model.family", FAMILIES), ("data.on_bad_data", ("skip", "error"))):
@@ -469,6 +475,7 @@ class ModelConfig:
     collective_matmul: bool = False
     remat_policy: str = "none"
     attention_impl: str = "xla"
+    attention_scores_dtype: str = "float32"  # attention.scores_dtype (the einsum attention's scores)
     fused_norm: bool = False
     fused_loss: bool = False
     num_experts: int = 0
@@ -498,4 +505,5 @@ class ModelConfig:
         resolved: `attention_impl`); the planner's default is the GPU it plans for."""
         fields = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in config.model.items() if k in fields}
-        return cls(**values, remat_policy=config.remat.policy, attention_impl=attention_impl(config, platform))
+        return cls(**values, remat_policy=config.remat.policy, attention_impl=attention_impl(config, platform),
+                   attention_scores_dtype=config.attention.scores_dtype)

@@ -79,6 +79,14 @@ def test_pallas_kernels_train_like_xla(tiny_reference):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 
 
+def test_scores_in_the_compute_dtype_train_like_float32_scores(tiny_reference):
+    """attention.scores_dtype=compute in a float32 run: the same scores (the scale moved onto q)."""
+    batches, ref_losses, _ = tiny_reference
+    config = tiny_config({"data": 2, "tensor": 2}, **{"attention.impl": "xla", "attention.scores_dtype": "compute"})
+    losses, _, _ = run_steps(config, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
 def test_sequence_axis_needs_ring():
     with pytest.raises(ValueError, match="config.attention.impl"):
         validate(tiny_config({"sequence": 2}), 2)

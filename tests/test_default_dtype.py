@@ -58,8 +58,8 @@ FAMILY = {"model.attention_bias": True, "model.qk_norm": True, "model.rope_scali
                         "model.rope_factor": 8.0, "model.rope_original_max_positions": 32, "model.sliding_window": 24}
 # Keys that choose how the step is laid out, never what it computes: the float32 reference drops them.
 LAYOUT_KEYS = {"train.zero_stage", "train.grad_accum_steps", "model.sequence_parallel", "model.collective_matmul",
-               "remat.policy",
-               "attention.impl", "attention.ulysses_degree", "model.fused_norm", "model.fused_loss",
+               "remat.policy", "attention.impl", "attention.ulysses_degree", "attention.scores_dtype",
+               "model.fused_norm", "model.fused_loss",
                "pipeline.schedule", "pipeline.repeats", "pipeline.microbatches", "pipeline.weight_parts",
                "pipeline.layers_per_stage"}
 
@@ -97,6 +97,9 @@ CASES = [
     _case("dense", {"data": 2, "sequence": 2, "tensor": 2}, **{"attention.impl": "ulysses"}),
     _case("dense", {"sequence": 4, "data": 2}, **{"attention.impl": "ulysses", "attention.ulysses_degree": 2}),
     _case("dense", {"data": 8}, **{"attention.impl": "pallas", "model.fused_norm": True, "model.fused_loss": True}),
+    # test_attention_impls: the einsum attention's scores in the compute dtype
+    _case("dense", {"data": 2, "fsdp": 2, "tensor": 2}, **{"attention.impl": "xla",
+                                                           "attention.scores_dtype": "compute"}),
     _case("dense", {"data": 2}, **{"attention.impl": "pallas", "model.fused_norm": True, "model.fused_loss": True,
                                    "train.grad_accum_steps": 2}),
     # test_hf: the model families' features (Qwen2 biases, Qwen3 q/k norm, Llama 3.1 RoPE, Mistral's window)

@@ -166,6 +166,8 @@ FEATURES = {
     "cudnn-tensor": ({"fsdp": 4, "tensor": 2}, {"attention.impl": "cudnn"}),
     "cudnn-zero-bubble": ({"stage": 2, "tensor": 2, "data": 2}, {"attention.impl": "cudnn",
                                                                  "pipeline.schedule": "zero_bubble"}),
+    # the einsum attention's scores in bf16 (attention.scores_dtype=compute)
+    "scores-bf16": ({"fsdp": 4, "tensor": 2}, {"attention.impl": "xla", "attention.scores_dtype": "compute"}),
     # the model families' features (tests/test_hf.py); a sliding window is einsum attention's only
     "families": ({"fsdp": 4, "tensor": 2}, {"model.attention_bias": True, "model.qk_norm": True,
                                              "model.rope_scaling": "llama3", "model.rope_factor": 8.0,

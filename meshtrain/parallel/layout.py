@@ -187,6 +187,8 @@ def attention_fn(config: ml_collections.ConfigDict, flash: bool = False,
         return attention_lib.pallas_attention
     if impl == "cudnn":
         return attention_lib.cudnn_attention
+    if config.attention.scores_dtype != "float32":
+        return functools.partial(attention_lib.xla_attention, scores_dtype=config.attention.scores_dtype)
     return attention_lib.xla_attention
 
 
