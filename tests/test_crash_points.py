@@ -138,6 +138,7 @@ def _one_error_line(proc) -> str:
     return errors[0]
 
 
+@pytest.mark.slow
 def test_a_torn_metrics_line_resumes_and_a_damaged_one_is_one_line(tmp_path, compilation_cache):
     """The issue's row: the last line of metrics.jsonl torn (a kill or a full disk during its write),
     then the command again: the run resumes, drops the torn line with one warning, and `report` reads
@@ -165,6 +166,7 @@ def test_a_torn_metrics_line_resumes_and_a_damaged_one_is_one_line(tmp_path, com
     assert path.read_bytes() == damaged
 
 
+@pytest.mark.slow
 def test_hostile_paths_are_one_line_before_anything_compiles(tmp_path, compilation_cache):
     """A missing --config file and a workdir that is a file: exit 2, one line naming the path."""
     missing = subprocess.run([sys.executable, "-m", "meshtrain.train", "--config", "configs/nope.py"], cwd=ROOT,
@@ -205,6 +207,7 @@ true
 """
 
 
+@pytest.mark.slow
 def test_read_only_workdir_and_data_dir_are_one_line_and_lose_nothing(tmp_path, compilation_cache):
     """A workdir on a read-only mount (a bind mount in a private mount namespace: even root cannot
     write it) and a data folder on one, before its dataset is prepared: exit 2, one line each."""
@@ -222,6 +225,7 @@ def test_read_only_workdir_and_data_dir_are_one_line_and_lose_nothing(tmp_path, 
     assert proc.returncode == 2 and f"the data folder {data_dir} is on a read-only file system" in line, line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["data preparation", "metrics write"])
 def test_a_full_disk_is_one_line_then_the_same_command_resumes(where, tmp_path, compilation_cache):
     """The data folder (first preparation) or the workdir (its metrics.jsonl; checkpoints on a disk of
@@ -272,6 +276,7 @@ SAMPLE_TWO_PROCESSES = [(1, "rename", "2.orbax-checkpoint-tmp/checksums/process_
                         (0, "write", "W/metrics.jsonl", 3)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2])
 def test_a_run_killed_before_a_file_operation_resumes_to_the_same_bits(processes, tmp_path, compilation_cache):
     """The run is recorded once; for each chosen operation a fresh run is SIGKILLed right before it (a
