@@ -94,11 +94,6 @@ def pytest_ignore_collect(collection_path, config):
 def pytest_collection_modifyitems(config, items):
     if config.getoption("quick"):
         _keep_quick_set(config, items)
-    # The tests that run commands in child processes (marked slow or multiprocess: the longest, up to a
-    # minute each) first, each group in its order: xdist's workers then end on short tests together
-    # rather than one of them on a long one alone.
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None
-               and item.get_closest_marker("multiprocess") is None)
 
 
 def _keep_quick_set(config, items) -> None:
