@@ -152,7 +152,10 @@ def test_a_hung_process_ends_the_job_and_the_relaunch_resumes(tmp_path, compilat
         hung = subprocess.run(cmd, cwd=ROOT, env={**env, faults.ENV: f"stop:{point}:{step}:1"}, capture_output=True,
                               text=True, timeout=WAIT_S)
         output = hung.stdout + hung.stderr
-        assert hung.returncode == run_loop.HANG_EXIT_CODE, output[-3000:]
+        # on failure: the lines that say why (an abort's C++ message comes before its long stack dump)
+        why = "\n".join(line for line in output.splitlines()
+                        if re.search(r"error|launch:|Fatal|Check fail|rendezvous|timeout|step \d+ \|", line))
+        assert hung.returncode == run_loop.HANG_EXIT_CODE, why[-6000:] + "\n...\n" + output[-2000:]
         assert named is None or f"(step {named})" in output, output[-3000:]  # the relaunch resumed there
         error = [line for line in output.splitlines() if line.startswith("error: ")]
         assert len(error) == 1, output[-3000:]
