@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import ml_collections
 
-from meshtrain import config as config_lib, metrics
+from meshtrain import cli, config as config_lib, metrics
 from meshtrain.mesh import MESH_ORDER
 from meshtrain.parallel import cost
 from meshtrain.plan import comm, memory
@@ -179,16 +179,10 @@ def with_layout(config: ml_collections.ConfigDict, layout: dict[str, object]) ->
     """A copy of `config` with the keys of `layout` ("mesh.fsdp" -> 8, ...) set; locked if `config` is."""
     c = config.copy_and_resolve_references()
     with c.unlocked():
-        _set(c, layout)
+        cli.apply_overrides(c, layout)
     if config.is_locked:  # a copy of an unlocked config is unlocked
         c.lock()
     return c
-
-
-def _set(c: ml_collections.ConfigDict, layout: dict[str, object]) -> None:
-    for key, value in layout.items():
-        group, name = key.split(".")
-        c[group][name] = value
 
 
 def _candidates(config: ml_collections.ConfigDict, num_devices: int, devices_per_node: int):
@@ -216,7 +210,7 @@ def _candidates(config: ml_collections.ConfigDict, num_devices: int, devices_per
             mesh_layout["attention.impl"] = "ring"
         c = config.copy_and_resolve_references()
         with c.unlocked():
-            _set(c, mesh_layout)
+            cli.apply_overrides(c, mesh_layout)
             fields_checked = False
             for zero, remat, accum, (schedule, repeats, overlap) in itertools.product(
                     zeros, ("none", "selective", "full"), [1] if pipelined else _divisors(per_rank),
@@ -225,7 +219,7 @@ def _candidates(config: ml_collections.ConfigDict, num_devices: int, devices_per
                 if pipelined:
                     combination.update({"pipeline.schedule": schedule, "pipeline.microbatches": per_rank,
                                         "pipeline.repeats": repeats, "pipeline.overlap_transfers": overlap})
-                _set(c, combination)
+                cli.apply_overrides(c, combination)
                 try:
                     if not fields_checked:
                         config_lib.validate_fields(c)
