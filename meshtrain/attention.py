@@ -4,7 +4,9 @@
 
 * `auto`:   the default: `cudnn` on an NVIDIA GPU where cuDNN serves the model, else `xla`
             (`config.attention_impl`, decided in the layout plan from the mesh's devices).
-* `xla`:    einsum attention (`xla_attention`), partitioned by XLA.
+* `xla`:    einsum attention (`xla_attention`), partitioned by XLA; its scores in float32 or, with
+            `attention.scores_dtype=compute`, in the compute dtype (playbook "Mixed Precision Training":
+            low-precision storage, float32 accumulation in the softmax).
 * `cudnn`:  cuDNN's fused flash attention (`cudnn_attention`, playbook "Flash Attention 1-3") on each
             device's batch / head shard, as `pallas` below.
 * `ring`:   context parallelism over `sequence` (`parallel/ring_attention.py`, playbook "Context
