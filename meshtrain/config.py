@@ -264,9 +264,11 @@ def default_config() -> ml_collections.ConfigDict:
     # interleaved_1f1b's ticks alternate forwards and backwards, its results are read two ticks on anyway: free
     c.pipeline.overlap_transfers = False
     # layers of each stage, first to last (sum model.n_layers; multiples of model.moe_every under MoE), for a
-    # pipeline of uneven stages; () splits evenly, or, when mesh.stage does not divide the layers, gives one
-    # layer fewer to the first and the last stage (they also run the embedding and the head), then to the
-    # second and the second to last, ... (Llama 3 405B: 126 layers on 16 stages, 7 + 14 x 8 + 7)
+    # pipeline of uneven stages; with pipeline.repeats = v > 1 chunks a stage (interleaved_1f1b, circular), of
+    # each chunk in execution order (mesh.stage*v entries, chunk r of stage s at r*mesh.stage + s); () splits
+    # evenly, or, when the stages (chunks) do not divide the layers, gives one layer fewer to the first and the
+    # last (they also run the embedding and the head), then to the second and the second to last, ... (Llama 3
+    # 405B: 126 layers on 16 stages, 7 + 14 x 8 + 7; in 2 chunks a stage, 3 + 30 x 4 + 3)
     c.pipeline.layers_per_stage = ()
 
     c.profile = ml_collections.ConfigDict()

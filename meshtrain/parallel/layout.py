@@ -116,7 +116,7 @@ def pipeline_plan(config: ml_collections.ConfigDict, sizes: Mapping[str, int], *
     repeats = pipe.repeats if pipe.schedule in pipeline_lib.CHUNKED_SCHEDULES else 1
     unit = config.model.moe_every if config.model.num_experts else 1  # layers per scanned unit
     given = tuple(n // unit for n in pipe.layers_per_stage)
-    units = pipeline_lib.stage_layers(config.model.n_layers // unit, sizes[STAGE], given)
+    units = pipeline_lib.stage_layers(config.model.n_layers // unit, sizes[STAGE], given, repeats)
     return pipeline_lib.Pipeline(pipe.schedule, sizes[STAGE], pipe.microbatches, repeats, pipeline_axes(sizes),
                                  checked=not kernels, split_backward=pipe.split_backward,
                                  weight_parts=pipe.weight_parts, units=units, overlap=pipe.overlap_transfers)

@@ -105,9 +105,10 @@ class Pipeline:
     checked: bool = True
     split_backward: str = "gemms"  # slot tables' W (`pipeline_tables.SlotPlan.split_backward`)
     weight_parts: int = 1  # split W as this many operations on slices of the chunk's layers
-    # scanned units (layers, or MoE groups of model.moe_every) each stage runs, first to last; () = even.
-    # Uneven stages (`stage_units`) store max(units) rows each; the rows past a stage's count are
-    # empty slots: zeros in the state, skipped by a `lax.cond` in the stage's scan.
+    # scanned units (layers, or MoE groups of model.moe_every) each chunk runs, in execution order: chunk
+    # c = r*p + s is stage s's r-th chunk (the virtual stage c; v = 1: one chunk a stage); () = even.
+    # Uneven chunks (`stage_layers`) store max(units) rows each; the rows past a chunk's count are
+    # empty slots: zeros in the state, skipped by a `lax.cond` in the chunk's scan.
     units: tuple[int, ...] = ()
     # 1f1b and the slot tables: each tick's outputs travel while the next tick computes (a hop of two
     # ticks, `pipeline.overlap_transfers`): deeper warm-up, more micro-batches in flight
@@ -177,7 +178,8 @@ class Pipeline:
         if self.overlap:
             line += ", transfers behind the next tick's compute"
         if self.uneven:
-            line += f", scanned units per stage {list(self.units)} ({max(self.units)} rows each)"
+            per = "stage" if self.repeats == 1 else "chunk (virtual stage)"
+            line += f", scanned units per {per} {list(self.units)} ({max(self.units)} rows each)"
         return line
 
     @property
@@ -185,21 +187,27 @@ class Pipeline:
         return len(set(self.units)) > 1
 
     @property
-    def counts(self) -> tuple[int, ...] | None:
-        """Units per stage when the stages are uneven (what `stage_function` skips past), else None."""
-        return self.units if self.uneven else None
+    def counts(self) -> tuple[tuple[int, ...], ...] | None:
+        """counts[s][r]: units of stage s's chunk r when the chunks are uneven (what `stage_function`
+        skips past), else None."""
+        if not self.uneven:
+            return None
+        p, v = self.stages, self.repeats
+        return tuple(tuple(self.units[r * p + s] for r in range(v)) for s in range(p))
 
     def rows(self, n_units: int) -> int:
-        """Rows of the stored layer stack: n_units, or p x the largest stage when uneven."""
-        return self.stages * max(self.units) if self.uneven else n_units
+        """Rows of the stored layer stack: n_units, or p x v x the largest chunk when uneven."""
+        return self.stages * self.repeats * max(self.units) if self.uneven else n_units
 
     def execution_order(self, n_units: int) -> np.ndarray:
-        """order[q] = stored row of the scanned unit that runs q-th: the identity unless circular
-        (a permutation) or uneven (stage s's units at rows s*k ..., k the largest stage's count)."""
+        """order[q] = stored row of the scanned unit that runs q-th: the identity unless circular or
+        interleaved (a permutation: chunk c = r*p + s runs stage s's r-th block of rows) or uneven
+        (chunk r of stage s at rows (s*v + r)*k ..., k the largest chunk's count)."""
         p, v = self.stages, self.repeats
         if self.uneven:
             k = max(self.units)
-            return np.array([s * k + j for s, n in enumerate(self.units) for j in range(n)])
+            return np.array([(s * v + r) * k + j for c, n in enumerate(self.units)
+                             for r, s in [divmod(c, p)] for j in range(n)], dtype=np.int64)
         k = n_units // (p * v)
         stored = np.arange(n_units).reshape(p, v, k)  # [stage, repeat, layer]
         return stored.transpose(1, 0, 2).reshape(-1)
@@ -264,28 +272,29 @@ def _split(a: jax.Array, m: int) -> jax.Array:
     return a.reshape(a.shape[0] // m, m, *a.shape[1:])
 
 
-def stage_function(cfg, rules, attention_fn, counts: tuple[int, ...] | None = None):
-    """(chunk variables, x [b,T,D], positions, segment_ids) -> (x, stats): k scanned units of the
-    model's block (with its remat policy), stats summed over the chunk's MoE units ({} if dense).
+def stage_function(cfg, rules, attention_fn, counts: tuple[tuple[int, ...], ...] | None = None):
+    """(chunk variables, x [b,T,D], positions, segment_ids, chunk index) -> (x, stats): k scanned units of
+    the model's block (with its remat policy), stats summed over the chunk's MoE units ({} if dense).
     The chunk's variables are `stage_variables` cut to k units ({"params": [k, ...]}, and under FP8
     {"fp8": [k, 3, H]}). `rules` are those of the loop's manual region.
 
-    `counts` (uneven stages, `Pipeline.counts`): stage s runs only its first counts[s] units; the rest
-    are empty slots, skipped by a `lax.cond` (no compute; their stored weights are zeros and get zero
-    gradients). Called inside the loop's `shard_map`, where `lax.axis_index('stage')` is the stage."""
+    `counts` (uneven chunks, `Pipeline.counts`): stage s runs only the first counts[s][r] units of its
+    chunk r (the chunk index, traced or not; 0 with one chunk a stage); the rest are empty slots, skipped
+    by a `lax.cond` (no compute; their stored weights are zeros and get zero gradients). Called inside
+    the loop's `shard_map`, where `lax.axis_index('stage')` is the stage."""
     # Under remat `none` the block is wrapped in a remat that saves everything (`_stage_block`): nothing is
     # recomputed and the memory is that of no remat. Without one, jax 0.10's transpose of the layer scan
     # inside 1F1B's and the slot tables' `jax.vjp` types an MoE layer's router-statistic cotangent as
     # varying over the batch axes and tracing fails.
     block = _stage_block(cfg, rules, attention_fn)
 
-    def stack(chunk, x, positions, segment_ids):
+    def stack(chunk, x, positions, segment_ids, index=0):
         def layer(x, variables):
             return block.apply(variables, x, positions, segment_ids)
         if counts is None:
             x, stats = lax.scan(layer, x, chunk)
         else:
-            x, stats = lax.scan(skipping(layer, counts, cfg), x, (chunk, jnp.arange(leading(chunk))))
+            x, stats = lax.scan(skipping(layer, counts, cfg, index), x, (chunk, jnp.arange(leading(chunk))))
         return x, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats or {})
     return stack
 
@@ -295,9 +304,9 @@ def leading(tree) -> int:
     return jax.tree.leaves(tree)[0].shape[0]
 
 
-def skipping(layer, counts: tuple[int, ...], cfg):
+def skipping(layer, counts: tuple[tuple[int, ...], ...], cfg, chunk=0):
     """A scan body (x, variables) -> (x, out) made (x, (variables, j)) -> (x, out) that runs unit j only
-    when j < counts[this stage] and otherwise passes x through with zero outputs (an empty slot). Both
+    when j < counts[this stage][chunk] and otherwise passes x through with zero outputs (an empty slot). Both
     branches' results vary over every manual axis of the region (a `lax.cond` needs equal types).
 
     The `lax.cond` sits in a `jax.checkpoint` with the model's remat policy: differentiated bare, a
@@ -308,7 +317,7 @@ def skipping(layer, counts: tuple[int, ...], cfg):
 
     def body(x, scanned):
         variables, j = scanned
-        real = j < jnp.asarray(counts, jnp.int32)[lax.axis_index(STAGE)]
+        real = j < jnp.asarray(counts, jnp.int32)[lax.axis_index(STAGE), chunk]
         manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
         shapes = jax.eval_shape(layer, x, variables)
 
@@ -351,8 +360,9 @@ class SplitStage:
     probes: object
 
     @classmethod
-    def build(cls, cfg, rules, attention_fn, counts: tuple[int, ...] | None = None) -> SplitStage:
-        """`counts`: uneven stages' units per stage (`stage_function`): F and W skip the empty slots."""
+    def build(cls, cfg, rules, attention_fn, counts: tuple[tuple[int, ...], ...] | None = None) -> SplitStage:
+        """`counts`: uneven stages' units per stage (`stage_function`; one chunk a stage): F and W skip the
+        empty slots."""
         block = _stage_block(cfg, rules, attention_fn)
         inputs, probes_key, outputs = fp8_lib.SPLIT_INPUTS, fp8_lib.SPLIT_PROBES, fp8_lib.SPLIT_OUTPUTS
 
@@ -412,7 +422,7 @@ def _chunk_function(stack):
         if FP8 in chunk:
             chunk = {**chunk, FP8: jax.tree.map(lambda h: fp8_lib.recorded_if(h, working), chunk[FP8])}
         return stack(chunk, x, lax.dynamic_index_in_dim(positions, i, 1, keepdims=False),
-                     lax.dynamic_index_in_dim(segment_ids, i, 1, keepdims=False))
+                     lax.dynamic_index_in_dim(segment_ids, i, 1, keepdims=False), r)
     return run
 
 
@@ -615,15 +625,16 @@ class Residuals:
     def __init__(self, stack, layers):
         self._stack, self._layers = stack, layers
 
-    def vjp(self, x, mb, w=None):
-        """((y, stats), pullback) of the stage (variables `w`) on x [b, T, D] for micro-batch `mb`.
-        FP8 histories enter as `fp8.for_grad` values: their cotangents are the matmuls' amaxes."""
+    def vjp(self, x, mb, w=None, chunk=0):
+        """((y, stats), pullback) of the stage (variables `w`, its chunk number `chunk`) on x [b, T, D]
+        for micro-batch `mb`. FP8 histories enter as `fp8.for_grad` values: their cotangents are the
+        matmuls' amaxes."""
         w = self._layers if w is None else w
 
         def run(w, x):
             if FP8 in w:
                 w = {**w, FP8: fp8_lib.for_grad(w[FP8])}
-            return self._stack(w, x, mb["positions"], mb["segment_ids"])
+            return self._stack(w, x, mb["positions"], mb["segment_ids"], chunk)
         return jax.vjp(run, w, x)
 
     def _constants(self, w) -> list:
@@ -876,18 +887,21 @@ def _loop_results(c, specs, axes, units, m):
 # ---------------------------------------------------------------------------------------------
 
 
-def stage_layers(n_layers: int, p: int, given=()) -> tuple[int, ...]:
-    """Layers of each of `p` stages: `given` (`pipeline.layers_per_stage`), else even, or when `p` does
-    not divide `n_layers`, ceil(n_layers/p) each less one for the first stage, the last, the second, the
-    second to last, ... (the first stage also embeds, the last runs the head and the loss: Llama 3's
-    405B runs 126 layers on 16 stages as 7 + 14 x 8 + 7)."""
+def stage_layers(n_layers: int, p: int, given=(), repeats: int = 1) -> tuple[int, ...]:
+    """Layers of each of the p*v chunks (virtual stages) in execution order, chunk c = r*p + s being stage
+    s's r-th of v = `repeats` (v = 1: the stages): `given` (`pipeline.layers_per_stage`), else even, or
+    when p*v does not divide `n_layers`, ceil(n_layers/(p*v)) each less one for the first chunk, the
+    last, the second, the second to last, ... (the first stage also embeds, the last runs the head and
+    the loss: Llama 3's 405B runs 126 layers on 16 stages as 7 + 14 x 8 + 7; interleaved in 2 chunks a
+    stage, 3 + 30 x 4 + 3, so stages 0 and 15 again hold 7 layers and the others 8)."""
     if given:
         return tuple(int(n) for n in given)
-    k = -(-n_layers // p)
-    counts = [k] * p
-    ends = [s for pair in zip(range(p), range(p - 1, -1, -1), strict=True) for s in pair]
-    for s in list(dict.fromkeys(ends))[:p * k - n_layers]:
-        counts[s] -= 1
+    chunks = p * repeats
+    k = -(-n_layers // chunks)
+    counts = [k] * chunks
+    ends = [c for pair in zip(range(chunks), range(chunks - 1, -1, -1), strict=True) for c in pair]
+    for c in list(dict.fromkeys(ends))[:chunks * k - n_layers]:
+        counts[c] -= 1
     return tuple(counts)
 
 
@@ -915,8 +929,11 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
         pipe.microbatches, f"interleaved_1f1b runs micro-batches in groups of mesh.stage={p}: must be divisible by it")
     unit = config.model.moe_every if config.model.num_experts else 1  # the scanned unit: moe_every layers
     n_layers, given = config.model.n_layers, tuple(pipe.layers_per_stage)
+    chunked = pipe.schedule in CHUNKED_SCHEDULES and v > 1
     if given:
-        req(len(given) == p, "pipeline.layers_per_stage", given, f"needs one entry per stage: mesh.stage={p}")
+        entries = f"chunk: mesh.stage*pipeline.repeats={p}*{v}" if chunked else f"stage: mesh.stage={p}"
+        req(len(given) == p * (v if chunked else 1), "pipeline.layers_per_stage", given,
+            f"needs one entry per {entries}")
         req(all(isinstance(n, int) and n >= 0 and n % unit == 0 for n in given), "pipeline.layers_per_stage", given,
             "entries must be integers >= 0" + (f" and multiples of model.moe_every={unit}" if unit > 1 else ""))
         req(sum(given) == n_layers, "pipeline.layers_per_stage", given,
@@ -924,10 +941,8 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     req(bool(given) or n_layers // unit >= p, "model.n_layers", n_layers,
         f"its {n_layers // unit} scanned units of {unit} layer(s) are fewer than mesh.stage={p}: every stage "
         "needs one (or give pipeline.layers_per_stage with empty stages)")
-    units = stage_layers(n_layers // unit, p, tuple(n // unit for n in given))
+    units = stage_layers(n_layers // unit, p, tuple(n // unit for n in given), v if chunked else 1)
     if len(set(units)) > 1:
-        req(v == 1, "pipeline.repeats", v, f"uneven stages (layers per stage {[n * unit for n in units]}) need "
-            "one chunk per stage: must be 1 (or give mesh.stage*pipeline.repeats an even split of model.n_layers)")
         chunk_units = max(units)
         slots = pipe.schedule == "1f1b" or pipe.schedule in TABLE_SCHEDULES
         ring_heads = config.attention.impl == "ring" and sizes[SEQUENCE] > 1 and sizes["tensor"] > 1
@@ -936,13 +951,10 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
             f"attention's gathered blocks inside {pipe.schedule}'s slots with the heads split over mesh.tensor: "
             "use 'selective' or 'full' (or an even split of model.n_layers)")
     else:
-        req(n_layers % (p * v * unit) == 0, "model.n_layers", n_layers,
-            f"the {n_layers // unit} scanned units of {unit} layer(s) must be divisible by "
-            f"mesh.stage*pipeline.repeats={p}*{v} (uneven stages need pipeline.repeats=1)")
-        chunk_units = n_layers // (p * v * unit)
+        chunk_units = units[0]
     req(chunk_units % parts == 0, "pipeline.weight_parts", parts,
-        f"must divide the {chunk_units} scanned units of a stage's chunk (the largest stage's"
-        f"{' MoE groups of model.moe_every layers' if unit > 1 else ' layers'} / pipeline.repeats)")
+        f"must divide the {chunk_units} scanned units of a stage's chunk (the largest chunk's"
+        f"{' MoE groups of model.moe_every layers' if unit > 1 else ' layers'})")
     req(pipe.microbatches >= p, "pipeline.microbatches", pipe.microbatches,
         f"must be >= mesh.stage={p} (every stage needs a micro-batch to work on)")
     dp = config_lib.data_parallel_size(sizes)

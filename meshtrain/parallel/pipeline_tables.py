@@ -278,7 +278,8 @@ class SplitResiduals(Residuals):
             return self.split.forward(w, x, mb["positions"], mb["segment_ids"], probes)
         return jax.vjp(run, w, x, self.probes, has_aux=True)
 
-    def vjp(self, x, mb, w=None):
+    def vjp(self, x, mb, w=None, chunk=0):
+        del chunk  # the split backward runs one chunk a stage (`schedules.SPLIT_BACKWARD`)
         out, pullback, _ = self.vjp_recording(x, mb, self._layers if w is None else w)
         return out, pullback
 
@@ -445,7 +446,7 @@ class _TableWork(SlotWork):
             if self.plan.gemms:
                 (y, stats), pullback, put["inputs"] = self.residuals.vjp_recording(x_in, mb, w)
             else:
-                (y, stats), pullback = self.residuals.vjp(x_in, mb, w)
+                (y, stats), pullback = self.residuals.vjp(x_in, mb, w, chunk)
             put["stash"] = self.residuals.keep(pullback, w)
             if self.plan.gemms:
                 put["stash"] = self._varying(self.records.pack(0, put["stash"]))

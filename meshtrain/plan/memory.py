@@ -152,14 +152,15 @@ class Step:
     def stored_model(self) -> ModelConfig:
         """The model as the state stores it: uneven pipeline stages add empty layer rows (each stage
         stores as many as the largest one runs; `parallel.pipeline.Pipeline.rows`)."""
-        from meshtrain.parallel.pipeline import stage_layers
+        from meshtrain.parallel.pipeline import CHUNKED_SCHEDULES, stage_layers
 
         p, m = self.sizes["stage"], self.model
         if p == 1:
             return m
         unit = m.moe_every if m.num_experts else 1
-        units = stage_layers(m.n_layers // unit, p, tuple(n // unit for n in self.layers_per_stage))
-        return dataclasses.replace(m, n_layers=p * max(units) * unit)
+        v = self.pipeline_repeats if self.pipeline_schedule in CHUNKED_SCHEDULES else 1
+        units = stage_layers(m.n_layers // unit, p, tuple(n // unit for n in self.layers_per_stage), v)
+        return dataclasses.replace(m, n_layers=p * v * max(units) * unit)
 
     @property
     def pipeline_ticks(self) -> int:
