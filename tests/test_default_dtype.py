@@ -128,6 +128,13 @@ CASES = [
                                                   "pipeline.overlap_transfers": True}),
     # test_pipeline_uneven: uneven stages (1 + 2 + 2 + 1 by default; 4 + 2 given) under 1F1B and zero bubble
     _case("pipeline", {"stage": 4, "data": 2}, **{"pipeline.schedule": "1f1b", "model.n_layers": 6}),
+    # ... and uneven chunks: interleaved 1F1B in 2 and 3 chunks a stage, circular in 2 (10 layers on 4 stages)
+    _case("pipeline", {"stage": 4, "data": 2}, **{"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2,
+                                                  "model.n_layers": 10}),
+    _case("pipeline", {"stage": 4, "fsdp": 2}, **{"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 3,
+                                                  "model.n_layers": 10, "pipeline.overlap_transfers": True}),
+    _case("pipeline", {"stage": 4, "data": 2}, **{"pipeline.schedule": "circular", "pipeline.repeats": 2,
+                                                  "model.n_layers": 10}),
     _case("pipeline", {"stage": 4, "tensor": 2}, **{"pipeline.schedule": "zero_bubble", "model.n_layers": 6}),
     _case("pipeline", {"stage": 2, "fsdp": 2, "tensor": 2}, **{"pipeline.schedule": "zero_bubble", "model.n_layers": 6,
                                                                "pipeline.layers_per_stage": (4, 2),

@@ -150,6 +150,11 @@ FEATURES = {
     "interleaved-1f1b": ({"stage": 2, "fsdp": 4}, {"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2}),
     "zero-bubble": ({"stage": 2, "tensor": 2, "data": 2}, {"pipeline.schedule": "zero_bubble",
                                                            "pipeline.weight_parts": 2}),
+    # uneven chunks under interleaved 1F1B (10 layers on 4 stages in 2 chunks: 1 1 1 2 2 1 1 1), transfers
+    # behind compute: the empty slots' lax.cond picked by the chunk a tick runs
+    "uneven-interleaved": ({"stage": 4, "data": 2}, {"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2,
+                                                     "model.n_layers": 10, "pipeline.microbatches": 4,
+                                                     "pipeline.overlap_transfers": True}),
     # uneven stages under zero bubble (1 + 2): the empty slots' lax.cond
     "uneven-zero-bubble": ({"stage": 2, "tensor": 2, "data": 2}, {"pipeline.schedule": "zero_bubble",
                                                                   "model.n_layers": 3}),

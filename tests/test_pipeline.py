@@ -189,7 +189,7 @@ def test_one_f_one_b_temp_memory_flat_while_gpipe_grows():
 
 
 @pytest.mark.parametrize("overrides, key", [
-    ({"model.n_layers": 6, "pipeline.schedule": "circular", "pipeline.repeats": 2}, "model.n_layers"),
+    ({"model.n_layers": 1, "pipeline.schedule": "circular", "pipeline.repeats": 2}, "model.n_layers"),  # < stages
     ({"pipeline.microbatches": 1}, "pipeline.microbatches"),
     ({"train.batch_size": 6}, "train.batch_size"),
     ({"train.grad_accum_steps": 2, "train.batch_size": 16}, "train.grad_accum_steps"),

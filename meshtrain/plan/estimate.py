@@ -111,7 +111,10 @@ def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu,
     hardware_flops = model_flops * (1 + RECOMPUTE[remat] / 3)  # a forward pass is 1/3 of fwd + bwd
     # the FP8 share of the FLOPs at the FP8 peak (model.matmul_precision='fp8')
     peak = metrics.blended_peak(gpu.peak_flops, gpu.peak_fp8_flops, metrics.fp8_flops_per_token(run.model) / per_token)
-    compute = hardware_flops / n / (peak * efficiency)
+    # a pipeline runs in lock-step: every tick lasts as long as the stage (chunk) with the most layers, so
+    # uneven stages compute as if each held that many (`memory.Step.stored_model`'s rows)
+    busy = metrics.flops_per_token(run.stored_model, run.seq_len) / per_token
+    compute = hardware_flops * busy / n / (peak * efficiency)
     inside = in_node_axes(sizes, devices_per_node)
     exposed = {}
     attention = 12.0 * run.model.n_layers * run.seq_len * run.model.n_heads * run.model.head_dim / per_token
