@@ -166,7 +166,10 @@ class ProgramReport:
     from_cache: bool = False  # read back from the compile cache (`compile_seconds`: the compile that made it)
 
     @classmethod
-    def of(cls, compiled, seconds: float, gpu: hardware.Gpu | None = None, top: int = 8) -> ProgramReport:
+    def of(cls, compiled, seconds: float, gpu: hardware.Gpu | None = None, top: int = 8,
+           lockstep=None) -> ProgramReport:
+        """`lockstep`: the pipeline loop's rows of switch branches (`Layout.lockstep_rows`), how the
+        kernel model prices its ticks (`plan.hlo.kernels`)."""
         text = compiled.as_text()
         gemm = hlo.gemms(text)
         by_kind: dict[str, dict[str, int]] = collections.defaultdict(lambda: {"pairs": 0, "overlapped": 0})
@@ -178,11 +181,12 @@ class ProgramReport:
                      dict(sorted(hlo.cudnn_attention_calls(text).items())),
                      from_cache=getattr(compiled, "from_cache", False))
         if gpu is not None:
-            kernels = hlo.kernels(text, price=lambda ks: hlo.KERNEL_TIMES.seconds(ks, gpu))
+            kernels = hlo.kernels(text, price=lambda ks: hlo.KERNEL_TIMES.seconds(ks, gpu), lockstep=lockstep)
             priced = sorted(((hlo.KERNEL_TIMES.seconds([k], gpu), k) for k in kernels), key=lambda sk: -sk[0])
             report.modeled_seconds = sum(s for s, _ in priced)
             report.modeled_seconds_one_document = hlo.KERNEL_TIMES.seconds(
-                hlo.kernels(text, price=lambda ks: hlo.KERNEL_TIMES.seconds(ks, gpu), attention_branch="shortest"),
+                hlo.kernels(text, price=lambda ks: hlo.KERNEL_TIMES.seconds(ks, gpu), attention_branch="shortest",
+                            lockstep=lockstep),
                 gpu)
             report.top_kernels = [{"name": k.name, "kind": k.opcode, "runs": k.runs, "seconds": s,
                                    "bytes": k.bytes * k.runs, "flops": k.flops * k.runs} for s, k in priced[:top]]
@@ -338,7 +342,7 @@ def compile_report(config: ml_collections.ConfigDict, target: str, devices: int,
 
     compiled, run, seconds = compile_step(config, target, devices, devices_per_node)
     gpu = hardware.get_gpu(target)
-    step = ProgramReport.of(compiled, seconds, gpu)
+    step = ProgramReport.of(compiled, seconds, gpu, lockstep=run.layout.lockstep_rows())
     del compiled
     planner = verify.model_memory(config, dict(run.sizes), verify.batch_bytes(run))
     report = Report(target, run.mesh.devices.flat[0].device_kind, devices, devices_per_node, dict(run.sizes),

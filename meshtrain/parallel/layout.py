@@ -86,6 +86,19 @@ class Layout:
             return pipeline_tables.loss_and_grads
         return default
 
+    def lockstep_rows(self) -> tuple[np.ndarray, int] | None:
+        """(rows [n, p] of the pipeline switch's branch each stage takes, one row a 1F1B slot or a table
+        tick; the switch's branches), how the kernel model prices the loop (`plan.hlo.kernels`), or None
+        without a slot loop."""
+        pipe = self.pipeline
+        if pipe is not None and pipe.schedule == "1f1b":
+            return pipe.slot_rows(), pipeline_lib.SLOT_BRANCHES
+        if pipe is not None and pipe.schedule in schedules.TABLE_SCHEDULES:
+            plan = pipeline_tables.slot_plan(pipe.schedule, pipe.stages, pipe.microbatches, pipe.repeats,
+                                             pipe.split_backward, pipe.weight_parts, int(pipe.overlap))
+            return plan.program[:, :, 0], pipeline_lib.SLOT_BRANCHES
+        return None
+
     def branch_share(self) -> tuple[float, ...] | None:
         """The share of a step's slot calls that take each branch of the pipeline's `lax.switch` (how
         often each branch's collectives run: `plan.hlo.collectives`), or None without a slot loop."""

@@ -90,6 +90,7 @@ OVERLAPPING = ("1f1b", "interleaved_1f1b", "zero_bubble")
 
 
 SPLIT_MODES = ("gemms", "pullback")  # `pipeline.split_backward`
+SLOT_BRANCHES = 7  # the `lax.switch` of a 1F1B slot or a slot-table tick: idle, three forwards, three backwards
 
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
@@ -155,16 +156,23 @@ class Pipeline:
 
     def slot_branch_share(self) -> tuple[float, ...]:
         """1f1b: the share of slot calls, averaged over stages, that take each `lax.switch` branch."""
+        counts = np.bincount(self.slot_rows().ravel(), minlength=SLOT_BRANCHES)
+        return tuple(float(c) for c in counts / counts.sum())
+
+    def slot_rows(self) -> np.ndarray:
+        """1f1b: [2 x ticks, p] the `lax.switch` branch (`one_f_one_b_branch`'s index) stage s takes in
+        each slot: plain, slot u; overlapped, a tick's forward switch then its backward switch."""
         p, m = self.stages, self.microbatches
-        slots = 2 * self.ticks
-        counts = np.zeros(7)
-        for s in range(p):
-            for u in range(slots):
-                if self.overlap:  # a forward switch and a backward switch per tick
-                    counts[int(one_f_one_b_overlapped(p, m, s, u // 2)[u % 2][0])] += 1
+        rows = np.zeros((2 * self.ticks, p), np.int32)
+        for u in range(2 * self.ticks):
+            for s in range(p):
+                if self.overlap:
+                    rows[u, s] = one_f_one_b_overlapped(p, m, s, u // 2)[u % 2][0]
                 else:
-                    counts[int(one_f_one_b_branch(p, m, s, u)[0])] += 1
-        return tuple(float(c) for c in counts / (p * slots))
+                    op, j = one_f_one_b_slot(p, s, u)
+                    role = 1 if s == 0 else 2 if s == p - 1 else 0
+                    rows[u, s] = 1 + 3 * (op - 1) + role if 0 <= j < m else 0
+        return rows
 
     def describe(self) -> str:
         """One line for the start-of-run log: schedule, ticks, bubble, in-flight micro-batches per stage."""

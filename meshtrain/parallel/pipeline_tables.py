@@ -375,9 +375,29 @@ class _TableWork(SlotWork):
             return stats
         stats = jax.eval_shape(probe, x)
         zeros32 = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, jnp.float32))
-        carry = dict(g_layers=self._layer_sums(), g_outer=zeros32(self.outer), loss=jnp.zeros((), jnp.float32),
-                     stats=zeros32(stats))
+        carry = dict(g_layers=self._layer_sums(), g_outer=zeros32(self._head_params(self.outer)),
+                     loss=jnp.zeros((), jnp.float32), stats=zeros32(stats))
         return self._varying(carry)
+
+    def _head_params(self, outer: dict) -> dict:
+        """The outer parameters the last stage's head and loss read (all but the input embedding, unless
+        the head is tied to it): the gradient sums the tick's switch carries. The embedding's gradient is
+        summed outside it (`add_embedding_grads`): in the switch it would be copied in every branch of
+        every tick (405B: 8 GiB of float32)."""
+        return {k: v for k, v in outer.items() if k != "embedding" or self.model.cfg.tie_embeddings}
+
+    @property
+    def embedding_outside(self) -> bool:
+        return "embedding" not in self._head_params(self.outer)
+
+    def add_embedding_grads(self, sums: jax.Array, dx: jax.Array, j, taken) -> jax.Array:
+        """The input embedding's float32 gradient sums [V, D] plus, where `taken` (stage 0's first chunk
+        ran micro-batch j's backward this tick), the gradient of its lookup: dx [b, T, D] (the stage's
+        input gradient) added at the rows of the micro-batch's tokens. One micro-batch's rows a tick,
+        in place; the embedding is a lookup of the table in the compute dtype (`Transformer.embed`)."""
+        tokens = lax.dynamic_index_in_dim(self.micro["inputs"], j, 1, keepdims=False)  # [b, T]
+        rows = jnp.where(taken, dx, jnp.zeros_like(dx)).astype(jnp.float32)
+        return sums.at[tokens.reshape(-1)].add(rows.reshape(-1, rows.shape[-1]))
 
     def slot_buffers(self) -> dict:
         """Zeroed slot buffers of the plan's sizes: "stash" (residuals; gemms: the records, `SlotUnion`
@@ -415,27 +435,37 @@ class _TableWork(SlotWork):
                  self._backward(False), self._backward(True), self._weights if self.plan.split else self._idle]
         return [branch if index in used else self._idle for index, branch in enumerate(every)]
 
-    def _outputs(self, like, buffers, y=None, dx=None, dy=None, **put):
-        """(activation, gradient, dy, put): zeros where not given; `put` holds a slot's value for
-        every buffer, zeros for those the operation does not fill (written where they overwrite nothing
-        still to be read: the plan's `put_*` slots)."""
+    def _outputs(self, like, buffers, y=None, dx=None, dy=None, g_w=None, **put):
+        """(activation, gradient, dy, chunk gradient, put): zeros where not given (the chunk gradient's
+        FP8 amaxes -inf: `_chunk_grads`); `put` holds a slot's value for every buffer, zeros for those the
+        operation does not fill (written where they overwrite nothing still to be read: the plan's `put_*`
+        slots)."""
         zeros = jnp.zeros_like(like)
         put = {name: put.get(name, jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), buf))
                for name, buf in buffers.items()}
-        return (*(self._varying(a if a is not None else zeros) for a in (y, dx, dy)), self._varying(put))
+        g_w = self._chunk_grads() if g_w is None else g_w
+        return (*(self._varying(a if a is not None else zeros) for a in (y, dx, dy)), self._varying(g_w),
+                self._varying(put))
 
     def _idle(self, c, x, g, j, chunk, slot, wslot, part, buffers):
         return (c, *self._outputs(x, buffers))
 
-    def _add_layers(self, c, chunk, grads, start=0):
-        """The gradient sums of chunk `chunk`'s layers start, start + 1, ... plus `grads` [layers, ...]."""
-        def window(a):  # [v, k, ...] -> the (chunk, layers) window `grads` covers
-            size = (1, jax.tree.leaves(grads)[0].shape[0], *a.shape[2:])
-            return lax.dynamic_slice(a, (chunk, start) + (0,) * (a.ndim - 2), size)[0]
-        new = self._acc_layers(jax.tree.map(window, c["g_layers"]), grads)
-        return {**c, "g_layers": jax.tree.map(
-            lambda a, n: lax.dynamic_update_slice(a, n[None], (chunk, start) + (0,) * (a.ndim - 2)),
-            c["g_layers"], new)}
+    def _chunk_grads(self, grads=None, start=0):
+        """One chunk's [k, ...] float32 layer gradients (FP8: amaxes), what an operation adds to the chunk's
+        sums: `grads` [layers, ...] at layers start, start + 1, ..., zeros (amaxes -inf) elsewhere.
+
+        The sums themselves stay out of the tick's `lax.switch` (`_table_loop` adds this after it): an
+        operand a branch returns updated makes XLA copy it in every branch, the idle ones included, every
+        tick (405B on 16 H100 stages in 2 chunks: 20 ms a tick of 14 modeled seconds a step, 3 s)."""
+        sums = jax.tree.map(lambda a: a[0], self._layer_sums())
+        if grads is None:
+            return sums
+        grads = {"params": grads["params"], **({FP8: fp8_lib.from_grad(grads[FP8])} if FP8 in grads else {})}
+
+        def place(zero, g):
+            g = g.astype(zero.dtype)
+            return g if g.shape == zero.shape else lax.dynamic_update_slice_in_dim(zero, g, start, 0)
+        return jax.tree.map(place, sums, grads)
 
     def _forward(self, first: bool, last: bool):
         def run(c, x, g, j, chunk, slot, wslot, part, buffers):
@@ -455,7 +485,7 @@ class _TableWork(SlotWork):
                 return (c, *self._outputs(x, buffers, y=y, **put))
             loss, head_vjp = jax.vjp(lambda o, y: self._head_loss(o, y, mb), self.outer, y)
             g_head, dy = head_vjp(self._varying((1.0 / self.total_tokens).astype(loss.dtype)))
-            c = {**c, "loss": c["loss"] + loss, "g_outer": self._acc(c["g_outer"], g_head)}
+            c = {**c, "loss": c["loss"] + loss, "g_outer": self._acc(c["g_outer"], self._head_params(g_head))}
             return (c, *self._outputs(x, buffers, dy=dy, **put))
         return run
 
@@ -478,13 +508,15 @@ class _TableWork(SlotWork):
                 g_w, dx = pullback(self._cotangents(c, g))
             if self.plan.split and not self.plan.gemms:  # W runs the pullback again for g_w (dead code here)
                 put["gs"] = g
+                g_w = None
             else:  # fused (interleaved): every weight gradient; gemms split: those no matmul reads (norm scales)
-                c = self._add_layers(c, chunk, g_w)
-            if not first:
-                return (c, *self._outputs(x, buffers, dx=dx, **put))
+                g_w = self._chunk_grads(g_w)
+            if self.embedding_outside:  # dx is the lookup's output gradient: `add_embedding_grads` takes it
+                return (c, *self._outputs(x, buffers, dx=dx, g_w=g_w, **put))  # (sent upstream, to no inbox)
             _, embed_vjp = jax.vjp(lambda o: self._embed(o, mb["inputs"]), self.outer)
             (g_embed,) = embed_vjp(dx)
-            return ({**c, "g_outer": self._acc(c["g_outer"], g_embed)}, *self._outputs(x, buffers, **put))
+            c = {**c, "g_outer": self._acc(c["g_outer"], self._head_params(g_embed))}
+            return (c, *self._outputs(x, buffers, g_w=g_w, **put))
         return run
 
     def _weights(self, c, x, g, j, chunk, slot, wslot, part, buffers):
@@ -495,7 +527,7 @@ class _TableWork(SlotWork):
         if not self.plan.gemms:
             pullback = self.residuals.rebuild(_load(buffers["stash"], slot), w)
             g_w, _ = pullback(self._cotangents(c, _load(buffers["gs"], wslot)))
-            return (self._add_layers(c, chunk, g_w), *self._outputs(x, buffers))
+            return (c, *self._outputs(x, buffers, g_w=self._chunk_grads(g_w)))
         held = {"inputs": _load(buffers["inputs"], wslot),
                 "dys": self.records.unpack(1, _load(buffers["stash"], wslot))}
         size = jax.tree.leaves(w)[0].shape[0] // self.plan.weight_parts  # layers of one part
@@ -509,7 +541,7 @@ class _TableWork(SlotWork):
             return self.split.weights(w, held["inputs"], x, mb["positions"], mb["segment_ids"], start)
         _, pullback = jax.vjp(outputs, w)
         (g_w,) = pullback(held["dys"])
-        return (self._add_layers(c, chunk, g_w, start), *self._outputs(x, buffers))
+        return (c, *self._outputs(x, buffers, g_w=self._chunk_grads(g_w, start)))
 
 
 def loss_and_grads(params, histories, batch, model, total_tokens, accum_steps):
@@ -525,6 +557,21 @@ def loss_and_grads(params, histories, batch, model, total_tokens, accum_steps):
 
 def _ring(p: int, step: int, wraps: bool) -> list[tuple[int, int]]:
     return [(s, (s + step) % p) for s in range(p) if wraps or 0 <= s + step < p]
+
+
+def _add_chunk(sums: dict, grads: dict, chunk) -> dict:
+    """`sums` [v, k, ...] with `grads` [k, ...] (`_TableWork._chunk_grads`) added to chunk `chunk`'s
+    gradients and maximised into its FP8 amaxes, in place (one chunk read and written)."""
+    def update(op):
+        def run(total, g):
+            start = (chunk,) + (0,) * (total.ndim - 1)
+            window = lax.dynamic_slice(total, start, (1, *total.shape[1:]))
+            return lax.dynamic_update_slice(total, op(window, g[None]), start)
+        return run
+    out = {"params": jax.tree.map(update(jnp.add), sums["params"], grads["params"])}
+    if FP8 in sums:
+        out[FP8] = jax.tree.map(update(jnp.maximum), sums[FP8], grads[FP8])
+    return out
 
 
 def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m, v, axes, units, specs,
@@ -545,15 +592,19 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     keeps = {name: bool(plan.program[:, :, field["keep_" + PUT_FIELD[name]]].any()) for name in PUT_FIELD}
 
     def tick(carry, program):
-        c, buffers, inbox_f, inbox_b, sent = carry
+        c, buffers, inbox_f, inbox_b, embedded, sent = carry
         if plan.latency:  # last tick's outputs, in flight while this tick's operation runs
             arriving = (lax.ppermute(sent[0], STAGE, forward_pairs), lax.ppermute(sent[1], STAGE, backward_pairs))
         row = lax.dynamic_index_in_dim(program, s, 0, keepdims=False)
         branch = row[field["branch"]]
         x = lax.dynamic_index_in_dim(inbox_f, row[field["read_f"]], 0, keepdims=False)
         g = lax.dynamic_index_in_dim(inbox_b, row[field["read_b"]], 0, keepdims=False)
-        c, y, dx, dy, put = lax.switch(branch, branches, c, x, g, row[field["micro"]], row[field["chunk"]],
-                                       row[field["stash"]], row[field["wstash"]], row[field["part"]], buffers)
+        sums = c.pop("g_layers")  # kept out of the switch (`_TableWork._chunk_grads`)
+        c, y, dx, dy, g_w, put = lax.switch(branch, branches, c, x, g, row[field["micro"]], row[field["chunk"]],
+                                            row[field["stash"]], row[field["wstash"]], row[field["part"]], buffers)
+        c = {**c, "g_layers": _add_chunk(sums, g_w, row[field["chunk"]])}
+        if work.embedding_outside:
+            embedded = work.add_embedding_grads(embedded, dx, row[field["micro"]], branch == BACKWARD_FIRST)
         for name, buf in buffers.items():
             slot, value = row[field["put_" + PUT_FIELD[name]]], put[name]
             if keeps[name]:  # the program writes some slot's value back: read it (one slot), not a slot more
@@ -567,13 +618,17 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
             sent = (y, dx)
         inbox_f = lax.dynamic_update_index_in_dim(inbox_f, arriving[0], row[field["recv_f"]], 0)
         inbox_b = lax.dynamic_update_index_in_dim(inbox_b, arriving[1], row[field["recv_b"]], 0)
-        return (c, buffers, inbox_f, inbox_b, sent), None
+        return (c, buffers, inbox_f, inbox_b, embedded, sent), None
 
     inbox_f, inbox_b = work.inboxes()
     sent = (inbox_f[0], inbox_b[0]) if plan.latency else ()
-    init = (work.initial_carry(), work.slot_buffers(), inbox_f, inbox_b, sent)
-    (c, *_), _ = lax.scan(tick, init, jnp.asarray(plan.program))
+    # the input embedding's float32 gradient sums, outside the switch (`_TableWork.add_embedding_grads`)
+    embedded = (lax.pcast(jnp.zeros(work.outer["embedding"].shape, jnp.float32), axes, to="varying")
+                if work.embedding_outside else ())
+    init = (work.initial_carry(), work.slot_buffers(), inbox_f, inbox_b, embedded, sent)
+    (c, _, _, _, embedded, _), _ = lax.scan(tick, init, jnp.asarray(plan.program))
+    g_outer = {**c["g_outer"], **({"embedding": embedded} if work.embedding_outside else {})}
     g_layers = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), c["g_layers"])
     g_layers = reduce_layer_grads(g_layers, specs, rest)
     stats = jax.tree.map(lambda a: pmean(lax.psum(a, STAGE), rest) / (units * m), c["stats"])
-    return lax.psum(c["loss"], axes), stats, lax.psum(c["g_outer"], axes), g_layers
+    return lax.psum(c["loss"], axes), stats, lax.psum(g_outer, axes), g_layers

@@ -198,6 +198,8 @@ def _activations(run: Step, remat: str, backend: Backend) -> list[Coll]:
             out.append(Coll("collective-permute", kv, {"sequence": n}, layers * hops * micro, "ring K/V"))
     if s["stage"] > 1:
         xm = x * run.grad_accum // run.microbatches
+        if m.sequence_parallel and s["tensor"] > 1:  # the activation leaves a stage split over `tensor` along its
+            xm //= s["tensor"]  # length (405B on TP 8, compiled for H100s: bf16[1,1024,16384] per device, 32 MiB)
         p = s["stage"]
         # 1F1B's transfers do not wrap around (the last stage sends nowhere): p - 1 of p devices send;
         # nor do zero_bubble's; interleaved_1f1b's do (stage p-1 feeds stage 0 its next chunk). The

@@ -21,7 +21,7 @@ import ml_collections
 
 from meshtrain import cli, config as config_lib, metrics
 from meshtrain.mesh import MESH_ORDER
-from meshtrain.parallel import cost
+from meshtrain.parallel import cost, schedules
 from meshtrain.plan import comm, memory
 from meshtrain.plan.hardware import Gpu
 from meshtrain.sharding_rules import ShardingRuleError
@@ -129,6 +129,17 @@ def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu,
                                           recompute=remat != "none", split_backward=run.split_backward)
         bubble = cost.step_time(run.pipeline_schedule, p, m, v, costs, run.weight_parts,
                                 overlap=run.overlap_transfers).seconds - compute
+        # the stage-to-stage permutes priced inside the loop: after each tick's (slot's) operation, or with
+        # `pipeline.overlap_transfers` beside the next one's, hidden where that lasts longer (the H100 compile
+        # of 405B in 2 interleaved chunks a stage has every permute with compute beside it: docs/405b.md)
+        permutes = sum(comm.attribute(c.kind, c.full_bytes, c.axes)["stage"] * c.count for c in colls
+                       if c.kind == "collective-permute" and "stage" in c.axes)
+        link = gpu.nvlink_bandwidth if "stage" in inside else gpu.network_bandwidth
+        one = permutes / link / (2 * run.pipeline_ticks)  # one permute: each tick (1F1B: each slot) sends two
+        per_tick = 2 * one if run.pipeline_schedule in schedules.TABLE_SCHEDULES else one
+        moved = cost.step_time(run.pipeline_schedule, p, m, v, dataclasses.replace(costs, transfer=per_tick),
+                               run.weight_parts, overlap=run.overlap_transfers).seconds
+        exposed["stage"] = moved - compute - bubble + exposed.get("stage", 0.0) - permutes / link
     step = compute + bubble + sum(exposed.values())
     fits = mem["total"] <= gpu.usable_bytes
     est = Estimate(config, run, remat, mem, per_axis, exposed, compute, bubble, step, tokens / step,

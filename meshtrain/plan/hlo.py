@@ -661,7 +661,7 @@ def _measured_kernel(target: str, rest: str, operand_shapes: list[str]) -> tuple
 
 
 def kernels(hlo: str, branch_weights: tuple[float, ...] | None = None, price=None,
-            attention_branch: str = "longest") -> list[Kernel]:
+            attention_branch: str = "longest", lockstep=None) -> list[Kernel]:
     """The kernels a GPU-compiled module launches (its optimized HLO, `compiled.as_text()`): each
     fusion, custom call and unfused instruction of the computations that run, with the bytes it reads
     and writes and its GEMM FLOPs, and how many times it runs per call: loop bodies times their trip
@@ -675,7 +675,14 @@ def kernels(hlo: str, branch_weights: tuple[float, ...] | None = None, price=Non
     a pipeline tick's switch (its stages' attention nested in their layer loops) keeps its longest. A fusion
     reads of a parameter only what its (dynamic-)slices take (a layer of a
     scanned stack), and updates an operand in place when its root is a dynamic-update-slice (writing
-    only the update)."""
+    only the update).
+
+    `lockstep` = (rows [n, p] of branch indices, branches): a pipeline's slot switch (a conditional of that
+    many branches) as its loop runs it, row by row (`Layout.lockstep_rows`: a slot or a tick, stage s
+    taking branch rows[i, s]), each row lasting as long as its slowest stage's branch (`price`): each such
+    conditional counts each branch for the share of rows it is the slowest in. Without it the longest
+    branch counts for every row, a backward in every tick of a table whose ticks alternate forwards and
+    backwards."""
     comps, entry = _computations(hlo)
     parsed = {name: [m for line in lines if (m := _INSTRUCTION.match(line))] for name, lines in comps.items()}
 
@@ -702,6 +709,10 @@ def kernels(hlo: str, branch_weights: tuple[float, ...] | None = None, price=Non
                 if branch_weights and len(branch_weights) == len(names):
                     for branch, weight in zip(names, branch_weights, strict=True):
                         out += walk(branch, factor * weight)
+                elif lockstep is not None and len(names) == lockstep[1]:
+                    cost = (lambda ks: price(ks)) if price else (lambda ks: sum(k.runs for k in ks))
+                    for index, weight in _slowest_shares(lockstep[0], [cost(walk(b, 1.0)) for b in names]).items():
+                        out += walk(names[index], factor * weight)
                 elif names:
                     walked = [walk(branch, factor) for branch in names]
                     cost = (lambda ks: price(ks)) if price else (lambda ks: sum(k.runs for k in ks))
@@ -713,6 +724,12 @@ def kernels(hlo: str, branch_weights: tuple[float, ...] | None = None, price=Non
         return out
 
     return walk(entry, 1.0)
+
+
+def _slowest_shares(rows, costs: list[float]) -> dict[int, float]:
+    """{branch: share of the rows in which it is the slowest stage's} (rows [n, p] of branch indices)."""
+    slowest = collections.Counter(max(row, key=lambda b: costs[b]) for row in rows.tolist())
+    return {int(b): n / len(rows) for b, n in slowest.items()}
 
 
 def _kernel(m, shapes: dict[str, str], parsed) -> Kernel | None:
@@ -800,8 +817,10 @@ def _float32_dots(parsed, name: str) -> bool:
 
 def _fusion_bytes(body, operand_bytes: list[int], out_bytes: int) -> int:
     """HBM bytes of one fusion launch: each parameter whole, or only what the (dynamic-)slices that are
-    its only users take, or nothing for the operand a root dynamic-update-slice updates in place; then
-    the result, or only the update written in place."""
+    its only users take, or nothing for the operand a root dynamic-update-slice or scatter updates in
+    place; then the result, or only the update written in place (a scatter: its updates read and the
+    rows they add to read and written, as XLA:GPU emits a scatter into its operand's buffer: a pipeline
+    tick's embedding-gradient rows, `pipeline_tables._TableWork.add_embedding_grads`)."""
     users: dict[str, list[tuple[str, int, str]]] = collections.defaultdict(list)
     shapes, params, root = {}, {}, None
     for m in body:
@@ -817,12 +836,14 @@ def _fusion_bytes(body, operand_bytes: list[int], out_bytes: int) -> int:
         uses = users.get(name, [])
         if uses and all(op in ("dynamic-slice", "slice") and i == 0 for op, i, _ in uses):
             total += sum(_nbytes(shape) for _, _, shape in uses)
-        elif uses and all(op == "dynamic-update-slice" and i == 0 for op, i, _ in uses):
+        elif uses and all(op in ("dynamic-update-slice", "scatter") and i == 0 for op, i, _ in uses):
             continue
         else:
             total += operand_bytes[index] if index < len(operand_bytes) else 0
     if root is not None and root.group(3) == "dynamic-update-slice":
         total += _nbytes(shapes.get(_operand_name(_top_level_args(root.group(4))[1]), ""))
+    elif root is not None and root.group(3) == "scatter":
+        total += 2 * _nbytes(shapes.get(_operand_name(_top_level_args(root.group(4))[2]), ""))
     else:
         total += out_bytes
     return total

@@ -343,7 +343,8 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
       the backward); with ZeRO-3 and fsdp two layers of gathered weights (the prefetch) and the
       head's full float32 gradient (kept until its reduce-scatter at the end of the backward);
     * pipelines: the stage's weights gathered once per step (ZeRO-3, compute dtype), float32
-      gradient accumulators of the whole stage and one micro-batch's stage gradient;
+      gradient accumulators of the whole stage and one micro-batch's stage gradient (slot tables: one
+      micro-batch's chunk gradient, the sums kept out of the tick's switch);
     * gradient accumulation: float32 accumulators and the micro-batch's gradients, and the
       embedding's float32 scatter-add target;
     * MoE: EXPERT_GRAD_COPIES of the experts' float32 gradients;
@@ -393,7 +394,14 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
     if autodiff_pipe and not m.fused_loss:
         loss += 4 * t * run.microbatches * m.vocab_size // s["tensor"]
     temporaries = max(_layer_workspace(run, t), loss)
-    if pipelined:
+    if pipelined and run.pipeline_schedule in schedules.TABLE_SCHEDULES:
+        # the slot-table loop sums its float32 gradients outside the tick's switch, one chunk's
+        # gradient at a time (`pipeline_tables._TableWork._chunk_grads`): the sums, and a chunk's gradient
+        # twice, as the branch computes it and in the switch's output (XLA lays the two out differently:
+        # 405B on 16 H100 stages in 2 chunks, 6 GiB each)
+        layer_weights = per_layer * layers
+        temporaries += 4 * whole + 2 * 4 * layer_weights // run.pipeline_repeats + (a * whole if zero3 else 0)
+    elif pipelined:
         temporaries += 2 * 4 * whole + (dtype_bytes(m.dtype) * whole if zero3 else 0)
     else:
         if run.zero_stage < 3:
