@@ -117,6 +117,8 @@ def test_readme_gpu_compiler_commands_run(tmp_path, command):
         pairs = {k: report["step"]["collectives"][k] for k in ("all-gather", "reduce-scatter", "collective-permute")}
         overlapped = sum(p["overlapped"] for p in pairs.values()) / sum(p["pairs"] for p in pairs.values())
         assert overlapped >= 0.8, pairs
+        # interleaved 1F1B with its transfers overlapped: every stage permute has compute beside it
+        assert pairs["collective-permute"]["overlapped"] == pairs["collective-permute"]["pairs"] > 0, pairs
 
 
 @pytest.mark.parametrize("mesh", TRIPLES + [dict.fromkeys(AXES, 2)],

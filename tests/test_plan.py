@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 from flax import linen as nn
 
@@ -245,6 +246,45 @@ def test_kernel_reader_takes_one_branch_of_a_conditional():
     assert names(hlo.kernels(text, price=lambda ks: sum(k.runs for k in ks if k.name == "c1"))) == ["c1"]
     weighted = {k.name: k.runs for k in hlo.kernels(text, branch_weights=(0.25, 0.75)) if k.name.startswith("c")}
     assert weighted == {"c1": 0.25, "c2": 0.75, "c3": 0.75}
+    # in lock-step (a pipeline loop's rows: the branch each of 3 stages takes): each row lasts as long as
+    # its slowest stage's branch, here `two` (two copies) wherever a stage takes it
+    rows = np.array([[0, 1, 0], [0, 0, 0], [1, 1, 0], [0, 0, 0]])
+    locked = {k.name: k.runs for k in hlo.kernels(text, price=lambda ks: sum(k.runs for k in ks), lockstep=(rows, 2))
+              if k.name.startswith("c")}
+    assert locked == {"c1": 0.5, "c2": 0.5, "c3": 0.5}
+    assert {k.name for k in hlo.kernels(text, lockstep=(rows, 3))} >= {"c2", "c3"}  # other switches: the longest
+
+
+def test_kernel_reader_prices_a_scatter_into_its_operand_in_place():
+    """A fused scatter whose operand is a parameter updates it in place (XLA:GPU's scatter into its
+    operand's buffer: the pipeline's embedding-gradient rows): its updates read and the rows they add to
+    read and written, not the whole operand."""
+    text = """HloModule s
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %z = f32[] add(%x, %y)
+}
+
+%fused_scatter (p0: f32[1000,64], p1: s32[16,1], p2: bf16[16,64]) -> f32[1000,64] {
+  %p0 = f32[1000,64]{1,0} parameter(0)
+  %p1 = s32[16,1]{1,0} parameter(1)
+  %p2 = bf16[16,64]{1,0} parameter(2)
+  %u = f32[16,64]{1,0} convert(%p2)
+  ROOT %s = f32[1000,64]{1,0} scatter(%p0, %p1, %u), update_window_dims={1}, inserted_window_dims={0}, \
+scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add
+}
+
+ENTRY %main (a: f32[1000,64], i: s32[16,1], g: bf16[16,64]) -> f32[1000,64] {
+  %a = f32[1000,64]{1,0} parameter(0)
+  %i = s32[16,1]{1,0} parameter(1)
+  %g = bf16[16,64]{1,0} parameter(2)
+  ROOT %rows = f32[1000,64]{1,0} fusion(%a, %i, %g), kind=kInput, calls=%fused_scatter
+}
+"""
+    (rows,) = hlo.kernels(text)
+    assert rows.bytes == 16 * 4 + 16 * 64 * 2 + 2 * 16 * 64 * 4  # indices, updates, the rows read and written
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess:

@@ -343,8 +343,9 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
       the backward); with ZeRO-3 and fsdp two layers of gathered weights (the prefetch) and the
       head's full float32 gradient (kept until its reduce-scatter at the end of the backward);
     * pipelines: the stage's weights gathered once per step (ZeRO-3, compute dtype), float32
-      gradient accumulators of the whole stage and one micro-batch's stage gradient (slot tables: one
-      micro-batch's chunk gradient, the sums kept out of the tick's switch);
+      gradient accumulators of the whole stage and one micro-batch's stage gradient (slot tables in several
+      chunks a stage: the sums kept out of the tick's switch, a chunk's gradient twice, the head's sums
+      twice);
     * gradient accumulation: float32 accumulators and the micro-batch's gradients, and the
       embedding's float32 scatter-add target;
     * MoE: EXPERT_GRAD_COPIES of the experts' float32 gradients;
@@ -394,13 +395,16 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
     if autodiff_pipe and not m.fused_loss:
         loss += 4 * t * run.microbatches * m.vocab_size // s["tensor"]
     temporaries = max(_layer_workspace(run, t), loss)
-    if pipelined and run.pipeline_schedule in schedules.TABLE_SCHEDULES:
-        # the slot-table loop sums its float32 gradients outside the tick's switch, one chunk's
-        # gradient at a time (`pipeline_tables._TableWork._chunk_grads`): the sums, and a chunk's gradient
-        # twice, as the branch computes it and in the switch's output (XLA lays the two out differently:
-        # 405B on 16 H100 stages in 2 chunks, 6 GiB each)
-        layer_weights = per_layer * layers
-        temporaries += 4 * whole + 2 * 4 * layer_weights // run.pipeline_repeats + (a * whole if zero3 else 0)
+    if pipelined and run.pipeline_schedule in schedules.TABLE_SCHEDULES and run.pipeline_repeats > 1:
+        # in several chunks a stage the slot-table loop sums its layers' float32 gradients outside the
+        # tick's switch, one chunk's gradient at a time (`pipeline_tables._TableWork.sums_outside`): the
+        # sums, the switch's output chunk gradient and the window of the sums it is added to; the head's
+        # sums go through the switch, which copies them (405B on 16 H100 stages in 2 chunks, compiled: 2
+        # chunks of 6 GiB; llama3_8b on 4 stages: the head's 2 GiB twice)
+        head = sum(local_size(leaf, compute) for leaf in table if not leaf.in_layers
+                   and not (leaf.path.endswith("embedding") and not m.tie_embeddings))
+        temporaries += (4 * whole + 2 * 4 * per_layer * layers // run.pipeline_repeats + 4 * head
+                        + (a * whole if zero3 else 0))
     elif pipelined:
         temporaries += 2 * 4 * whole + (dtype_bytes(m.dtype) * whole if zero3 else 0)
     else:
