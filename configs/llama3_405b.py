@@ -15,7 +15,7 @@ Where each number comes from ("The Llama 3 Herd of Models", 2024):
   1 per data-parallel rank, so 2,048 / 128 = 16 micro-batches per step.
 - schedule (Section 3.3.2): interleaved 1F1B, as the paper's; here in 4 chunks a stage with each
   transfer beside the next tick's compute (126 layers as 64 chunks: 1 + 62 x 2 + 1, so the first and
-  the last stage again hold 7). Modeled 27.1% MFU against 1F1B's 14.7% (docs/405b.md).
+  the last stage again hold 7). Modeled 26.6% MFU against 1F1B's 14.3% (docs/405b.md).
 - optimizer (Section 3.4.1): peak learning rate 8e-5, 8,000 warm-up steps, cosine decay to 8e-7 over
   1,200,000 steps.
 The data-parallel axis is `fsdp` (-1: 128 on 16,384 devices) with ZeRO-1 (optimizer state sharded),

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from meshtrain import compile_cache, config as config_lib
+from meshtrain.parallel import schedules
 from meshtrain.plan import hardware, hlo, verify
 
 # --target name -> the target description in meshtrain/targets/ (each file says where its numbers come from).
@@ -63,13 +64,13 @@ REFERENCE_MESHES: dict[str, tuple[str, int, dict]] = {
                                                                  "pipeline.microbatches": 8,
                                                                  "pipeline.split_backward": "pullback"}),
     # `pipeline.overlap_transfers`: every permute of the tick loop beside compute, at least 80% of the
-    # FSDP gathers and reduce-scatters (tests/test_gpu_aot.py asserts it). Plain 1F1B is docs/405b.md's
-    # 405B command's. Interleaved 1F1B (v=2, one layer a chunk) in its alternating ticks.
-    **{f"8b-stage4-fsdp2-{schedule}-m8-overlap": ("llama3_8b", 8, {
-        "model.n_layers": 8 if schedule == "interleaved_1f1b" else 4, "mesh.fsdp": 2, "mesh.stage": 4,
-        "train.batch_size": 16, "pipeline.schedule": schedule, "pipeline.microbatches": 8,
-        "pipeline.repeats": 2 if schedule == "interleaved_1f1b" else 1, "pipeline.overlap_transfers": True})
-       for schedule in ("1f1b", "interleaved_1f1b", "zero_bubble")},
+    # FSDP gathers and reduce-scatters (tests/test_gpu_aot.py asserts it); every schedule that can overlap,
+    # interleaved 1F1B (v=2, one layer a chunk) in its alternating ticks (docs/405b.md's 405B command's schedule).
+    **{f"8b-stage4-fsdp2-{name}-m8-overlap": ("llama3_8b", 8, {
+        "model.n_layers": 8 if entry.chunked else 4, "mesh.fsdp": 2, "mesh.stage": 4,
+        "train.batch_size": 16, "pipeline.schedule": name, "pipeline.microbatches": 8,
+        "pipeline.repeats": 2 if entry.chunked else 1, "pipeline.overlap_transfers": True})
+       for name, entry in schedules.REGISTRY.items() if entry.overlapping},
     "70b-fsdp16-tensor4": ("llama3_70b", 64, {"mesh.fsdp": 16, "mesh.tensor": 4, "train.batch_size": 16}),
     "mixtral-expert8-tensor8": ("mixtral_8x7b", 64, {"mesh.fsdp": 1, "mesh.expert": 8, "mesh.tensor": 8,
                                                      "train.batch_size": 8}),

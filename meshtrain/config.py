@@ -41,6 +41,8 @@ SCORES_DTYPES = ("float32", "compute")
 ROPE_SCALINGS = ("none", "linear", "llama3")
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # model.family: what `hf export` writes (mixtral with experts)
 CONTEXT_PARALLEL_IMPLS = ("ring", "ulysses")  # the implementations that split the sequence over `sequence`
+# `pipeline.schedule`'s choices: the names of `parallel.schedules.REGISTRY`, which defines each (the config
+# imports nothing of meshtrain; tests/test_schedules.py checks the two agree)
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble")
 BALANCE_SCOPES = ("batch", "sequence")
 MATMUL_PRECISIONS = ("bf16", "fp8")  # bf16: matmuls in model.dtype; fp8: e4m3 / e5m2 operands (fp8.py)

@@ -120,3 +120,14 @@ def test_bench_draws_every_schedule(tmp_path):
     assert {r["schedule"] for r in rows} == set(schedules.SCHEDULES)
     for name in schedules.SCHEDULES:
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_registry_defines_each_schedule_the_config_offers():
+    """`pipeline.schedule`'s choices are the registry's names; every derived list is read off it."""
+    from meshtrain import config as config_lib
+
+    assert config_lib.PIPELINE_SCHEDULES == tuple(schedules.REGISTRY)
+    assert set(schedules.TABLE_SCHEDULES) | {schedules.BASELINE} == set(schedules.SLOT_SCHEDULES)
+    for name, entry in schedules.REGISTRY.items():
+        assert entry.name == name and (name in schedules.SCHEDULES) == (entry.orders is not None)
+        assert entry.bubble(4, 8, 2) == schedules.formula(name, 4, 8, 2)

@@ -49,7 +49,7 @@ from meshtrain import compile_cache
 from meshtrain.parallel import schedules
 from meshtrain.plan import hlo
 
-SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble")
+SCHEDULES = tuple(schedules.REGISTRY)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,15 +71,17 @@ class BranchCosts:
 
     @classmethod
     def analytic(cls, forward: float, transfer: float = 0.0, recompute_share: float = 0.0,
-                 recompute: bool = True, split_backward: str = "gemms") -> BranchCosts:
+                 recompute: bool = True, split_backward: str = "gemms", accumulate: float = 0.0) -> BranchCosts:
         """From a forward's seconds: B = 2F (two matmuls per forward one), the input gradient F and W
         F (the weight GEMMs); the backwards also recompute `recompute_share` of the forward (remat
         `full`: 1; W reads recorded inputs and recomputes nothing); `recompute`: gpipe / circular
         recompute each stage from its input (any remat policy but `none`). `split_backward`
-        pullback: W runs the input-gradient chain again on its way to the weights, 2F + the recompute."""
+        pullback: W runs the input-gradient chain again on its way to the weights, 2F + the recompute.
+        `accumulate`: seconds to add a micro-batch's weight gradients into the stage's float32 sums (the
+        backward's, or under the split W's)."""
         r = recompute_share * forward
-        w = forward if split_backward == "gemms" else 2 * forward + r
-        return cls(forward, 2 * forward + r, forward + r, w, transfer, recompute)
+        w = (forward if split_backward == "gemms" else 2 * forward + r) + accumulate
+        return cls(forward, 2 * forward + r + accumulate, forward + r, w, transfer, recompute)
 
     def units(self) -> BranchCosts:
         """The same costs in units of the forward."""
@@ -362,14 +364,15 @@ def step_time(schedule: str, p: int, m: int, v: int, costs: BranchCosts, weight_
     1f1b and the slot tables): each transfer travels beside a slot of compute, which then lasts the
     longer of the two; 1f1b's ticks are a forward slot on every stage then a backward slot."""
     c = costs
-    v = v if schedule in ("circular", "interleaved_1f1b") else 1  # chunks per stage
-    if schedule in ("gpipe", "circular"):
+    entry = schedules.REGISTRY[schedule]
+    v = v if entry.chunked else 1  # chunks per stage
+    if entry.loop == schedules.AUTODIFF:
         ticks = v * m + p - 1
         backward = c.backward + (c.forward if c.recompute else 0.0)
         # every tick runs the stack on every stage (the bubble computes too), then one ppermute
         seconds = ticks * (c.forward / v + c.transfer) + ticks * (backward / v + c.transfer)
         return Execution(schedule, seconds, 2 * ticks, m * (c.forward + backward))
-    if schedule == "1f1b":
+    if entry.loop == schedules.SLOTS:
         # overlapped: a forward slot on every stage, then a backward slot, each beside a transfer;
         # plain: one slot of forwards and backwards, then one ppermute
         seconds = 0.0
@@ -446,7 +449,7 @@ def ideal(m: int, costs: BranchCosts) -> float:
 
 
 def ratios(p: int, m: int, v: int, costs: BranchCosts, weight_parts: int = 1) -> dict[str, float]:
-    """Each schedule's modeled step over 1f1b's."""
-    base = step_time("1f1b", p, m, v, costs).seconds
+    """Each schedule's modeled step over 1F1B's (`schedules.BASELINE`)."""
+    base = step_time(schedules.BASELINE, p, m, v, costs).seconds
     return {name: step_time(name, p, m, v, costs, weight_parts).seconds / base for name in SCHEDULES}
 

@@ -80,7 +80,7 @@ class Layout:
         slot-table loop of interleaved 1F1B and zero bubble (`pipeline_tables.loss_and_grads`), else
         `default` (autodiff, gpipe and circular included)."""
         pipe = self.pipeline
-        if pipe is not None and pipe.schedule == "1f1b":
+        if pipe is not None and pipe.slots:
             return pipeline_lib.loss_and_grads
         if pipe is not None and pipe.schedule in schedules.TABLE_SCHEDULES:
             return pipeline_tables.loss_and_grads
@@ -91,7 +91,7 @@ class Layout:
         tick; the switch's branches), how the kernel model prices the loop (`plan.hlo.kernels`), or None
         without a slot loop."""
         pipe = self.pipeline
-        if pipe is not None and pipe.schedule == "1f1b":
+        if pipe is not None and pipe.slots:
             return pipe.slot_rows(), pipeline_lib.SLOT_BRANCHES
         if pipe is not None and pipe.schedule in schedules.TABLE_SCHEDULES:
             plan = pipeline_tables.slot_plan(pipe.schedule, pipe.stages, pipe.microbatches, pipe.repeats,
@@ -103,7 +103,7 @@ class Layout:
         """The share of a step's slot calls that take each branch of the pipeline's `lax.switch` (how
         often each branch's collectives run: `plan.hlo.collectives`), or None without a slot loop."""
         pipe = self.pipeline
-        if pipe is not None and pipe.schedule == "1f1b":
+        if pipe is not None and pipe.slots:
             return pipe.slot_branch_share()
         if pipe is not None and pipe.schedule in schedules.TABLE_SCHEDULES:
             return pipeline_tables.branch_share(

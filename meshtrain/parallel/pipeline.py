@@ -84,9 +84,9 @@ STAGE, SEQUENCE, EXPERT = Axis.STAGE.value, Axis.SEQUENCE.value, Axis.EXPERT.val
 FP8 = fp8_lib.COLLECTION
 TABLE_SCHEDULES = schedules.TABLE_SCHEDULES  # run from their slot tables (`pipeline_tables`)
 SPLIT_BACKWARD = schedules.SPLIT_BACKWARD  # B and W separate operations (`pipeline.split_backward`)
-CHUNKED_SCHEDULES = ("circular", "interleaved_1f1b")  # v = pipeline.repeats chunks per stage
+CHUNKED_SCHEDULES = schedules.CHUNKED  # v = pipeline.repeats chunks per stage
 # `pipeline.overlap_transfers`: each tick's outputs travel while the next tick computes
-OVERLAPPING = ("1f1b", "interleaved_1f1b", "zero_bubble")
+OVERLAPPING = schedules.OVERLAPPING
 
 
 SPLIT_MODES = ("gemms", "pullback")  # `pipeline.split_backward`
@@ -128,7 +128,7 @@ class Pipeline:
         p, m, v = self.stages, self.microbatches, self.repeats
         if self.schedule in TABLE_SCHEDULES:
             return len(self._table)
-        if self.schedule == "1f1b" and self.overlap:  # stage s: forwards at ticks s + j, backwards 2p - 2 - s + j
+        if self.slots and self.overlap:  # stage s: forwards at ticks s + j, backwards 2p - 2 - s + j
             return m + 2 * p - 2
         return v * m + p - 1  # 1f1b: one forward slot and one backward slot per tick
 
@@ -150,7 +150,7 @@ class Pipeline:
         p, m, v = self.stages, self.microbatches, self.repeats
         if self.schedule in TABLE_SCHEDULES:
             return tuple(schedules.in_flight(self._table))
-        if self.schedule == "1f1b":
+        if self.slots:
             return tuple(min(m, (2 * (p - s) - 1) if self.overlap else p - s) for s in range(p))
         return (v * m,) * p
 
@@ -189,6 +189,11 @@ class Pipeline:
             per = "stage" if self.repeats == 1 else "chunk (virtual stage)"
             line += f", scanned units per {per} {list(self.units)} ({max(self.units)} rows each)"
         return line
+
+    @property
+    def slots(self) -> bool:
+        """1F1B's loop of forward and backward slots (`loss_and_grads`), not a table or an autodiff loop."""
+        return schedules.REGISTRY[self.schedule].loop == schedules.SLOTS
 
     @property
     def uneven(self) -> bool:
@@ -933,8 +938,8 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
         f"pipeline.schedule={pipe.schedule!r}): must be False")
     req(pipe.schedule in CHUNKED_SCHEDULES or v == 1, "pipeline.repeats", v,
         f"repeats > 1 needs pipeline.schedule in {CHUNKED_SCHEDULES} (got {pipe.schedule!r})")
-    req(pipe.schedule != "interleaved_1f1b" or pipe.microbatches % p == 0, "pipeline.microbatches",
-        pipe.microbatches, f"interleaved_1f1b runs micro-batches in groups of mesh.stage={p}: must be divisible by it")
+    req(not schedules.REGISTRY[pipe.schedule].grouped or pipe.microbatches % p == 0, "pipeline.microbatches",
+        pipe.microbatches, f"{pipe.schedule} runs micro-batches in groups of mesh.stage={p}: must be divisible by it")
     unit = config.model.moe_every if config.model.num_experts else 1  # the scanned unit: moe_every layers
     n_layers, given = config.model.n_layers, tuple(pipe.layers_per_stage)
     chunked = pipe.schedule in CHUNKED_SCHEDULES and v > 1
@@ -952,7 +957,7 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     units = stage_layers(n_layers // unit, p, tuple(n // unit for n in given), v if chunked else 1)
     if len(set(units)) > 1:
         chunk_units = max(units)
-        slots = pipe.schedule == "1f1b" or pipe.schedule in TABLE_SCHEDULES
+        slots = pipe.schedule in schedules.SLOT_SCHEDULES
         ring_heads = config.attention.impl == "ring" and sizes[SEQUENCE] > 1 and sizes["tensor"] > 1
         req(not (slots and ring_heads and config.remat.policy == "none"), "remat.policy", config.remat.policy,
             "uneven stages skip empty slots with a lax.cond, which JAX cannot differentiate when it saves ring "

@@ -37,15 +37,41 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-TABLE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")  # the trainer runs these from their tables
-# ... zero bubble with its B (input gradients) and W (weight GEMMs) as separate operations (`pipeline_tables`)
-SPLIT_BACKWARD = ("zero_bubble",)
-# ... interleaved 1F1B in alternating ticks (`alternating`): a forward tick, then a backward tick (B and
-# W in one operation), on every stage
-ALTERNATING = ("interleaved_1f1b",)
 F, B, W = "F", "B", "W"
+AUTODIFF, SLOTS, TABLE = "autodiff", "slots", "table"  # how the trainer runs a schedule (`Schedule.loop`)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """One pipeline schedule (`pipeline.schedule`): how the trainer runs it and the facts the runtime,
+    the validator, the planner and the cost model read. A new schedule is a `stage_orders` branch (its
+    per-stage operations) and one entry in `REGISTRY`; the table executor (`pipeline_tables`) runs it."""
+
+    name: str
+    # AUTODIFF: a tick loop JAX differentiates (`pipeline._ring_loop`); SLOTS: 1F1B's loop of forward and
+    # backward slots (`pipeline.loss_and_grads`); TABLE: its executed slot table (`pipeline_tables`)
+    loop: str
+    chunked: bool = False  # v = pipeline.repeats chunks a stage, chunk r of stage s the virtual stage r*p + s
+    overlapping: bool = False  # can send each tick's outputs while the next tick computes (overlap_transfers)
+    split_backward: bool = False  # B (input gradients) and W (weight gradients) separate operations
+    alternating: bool = False  # its ticks alternate: a forward on every stage, then a backward (`alternating`)
+    wraps: bool = False  # activations go from stage p-1 back to stage 0 (the next chunk or lap)
+    grouped: bool = False  # micro-batches run in groups of p: m must divide by p
+    # (p, m, v, latency) -> each stage's operations in order (`stage_orders`); None: no table (circular's
+    # only loop is its ring)
+    orders: Callable[[int, int, int, int], list[list[Op]]] | None = None
+
+    def bubble(self, p: int, m: int, v: int = 1) -> float:
+        """The bubble ratio, idle over busy time of a stage (module docstring)."""
+        if self.chunked:
+            return (p - 1) / (v * m)
+        if self.split_backward:
+            return (p - 1) / (3 * m)
+        return (p - 1) / m
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,27 +97,39 @@ def stage_orders(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 
     """Each stage's operations in the order it runs them; under the split backward each W as
     `weight_parts` consecutive operations. `latency`: ticks a result spends between stages (`simulate`);
     the warm-up forwards grow with it (a hop of 1 + latency ticks per stage)."""
-    if schedule not in SCHEDULES:
+    entry = REGISTRY.get(schedule)
+    if entry is None or entry.orders is None:
         raise ValueError(f"schedule {schedule!r}: expected one of {SCHEDULES}")
     if weight_parts > 1:
-        if schedule not in SPLIT_BACKWARD:
+        if not entry.split_backward:
             raise ValueError(f"weight_parts={weight_parts}: only {SPLIT_BACKWARD} run W on its own")
         return [[dataclasses.replace(op, part=i) for op in order
                  for i in (range(weight_parts) if op.kind == W else (0,))]
                 for order in stage_orders(schedule, p, m, v, latency=latency)]
-    if schedule != "interleaved_1f1b":
-        v = 1
-    if schedule == "gpipe":
-        return [_fused([Op(F, j) for j in range(m)] + [Op(B, j) for j in range(m)]) for _ in range(p)]
-    if schedule == "interleaved_1f1b":
-        if m % p:
-            raise ValueError(f"interleaved_1f1b needs micro-batches divisible by stages: m={m}, p={p}")
-        return [_fused(_one_f_one_b(_interleaved(p, m, v, forward=True), _interleaved(p, m, v, forward=False),
-                                    min(((p - s - 1) * 2 + (v - 1) * p) * (1 + latency), m * v))) for s in range(p)]
-    forwards = [Op(F, j) for j in range(m)]
-    backwards = [Op(B, j) for j in range(m)]
-    if schedule == "1f1b":
-        return [_fused(_one_f_one_b(forwards, backwards, min((p - s - 1) * (1 + latency), m))) for s in range(p)]
+    return entry.orders(p, m, v if entry.chunked else 1, latency)
+
+
+def _gpipe_orders(p: int, m: int, v: int, latency: int) -> list[list[Op]]:
+    """All forwards, then all backwards."""
+    return [_fused([Op(F, j) for j in range(m)] + [Op(B, j) for j in range(m)]) for _ in range(p)]
+
+
+def _one_f_one_b_orders(p: int, m: int, v: int, latency: int) -> list[list[Op]]:
+    """p - s - 1 warm-up forwards on stage s (a hop of 1 + latency ticks each), then one forward and one
+    backward alternately."""
+    forwards, backwards = [Op(F, j) for j in range(m)], [Op(B, j) for j in range(m)]
+    return [_fused(_one_f_one_b(forwards, backwards, min((p - s - 1) * (1 + latency), m))) for s in range(p)]
+
+
+def _interleaved_orders(p: int, m: int, v: int, latency: int) -> list[list[Op]]:
+    """Megatron's interleaved 1F1B (`_interleaved`): (p - s - 1)*2 + (v - 1)*p warm-up forwards."""
+    if m % p:
+        raise ValueError(f"interleaved_1f1b needs micro-batches divisible by stages: m={m}, p={p}")
+    return [_fused(_one_f_one_b(_interleaved(p, m, v, forward=True), _interleaved(p, m, v, forward=False),
+                                min(((p - s - 1) * 2 + (v - 1) * p) * (1 + latency), m * v))) for s in range(p)]
+
+
+def _zero_bubble_orders(p: int, m: int, v: int, latency: int) -> list[list[Op]]:
     return [_zero_bubble_order(p, m, s, latency) for s in range(p)]
 
 
@@ -132,6 +170,31 @@ def _zero_bubble_order(p: int, m: int, s: int, latency: int = 0) -> list[Op]:
             order.append(Op(W, next_w))
             next_w += 1
     return order + [Op(W, j) for j in range(next_w, m)]
+
+
+# The schedules, each defined once: every list of names below is read off it.
+REGISTRY = {s.name: s for s in (
+    Schedule("gpipe", AUTODIFF, orders=_gpipe_orders),
+    Schedule("circular", AUTODIFF, chunked=True, wraps=True),
+    Schedule("1f1b", SLOTS, overlapping=True, orders=_one_f_one_b_orders),
+    Schedule("interleaved_1f1b", TABLE, chunked=True, overlapping=True, alternating=True, wraps=True, grouped=True,
+             orders=_interleaved_orders),
+    Schedule("zero_bubble", TABLE, overlapping=True, split_backward=True, orders=_zero_bubble_orders),
+)}
+
+
+def _named(fact) -> tuple[str, ...]:
+    return tuple(name for name, schedule in REGISTRY.items() if fact(schedule))
+
+
+SCHEDULES = _named(lambda s: s.orders is not None)  # those with stage orders (`stage_orders`, `simulate`)
+TABLE_SCHEDULES = _named(lambda s: s.loop == TABLE)  # the trainer runs these from their tables
+SLOT_SCHEDULES = _named(lambda s: s.loop != AUTODIFF)  # a hand-written loop of slots (1F1B's or a table's)
+SPLIT_BACKWARD = _named(lambda s: s.split_backward)  # B and W as separate operations (`pipeline_tables`)
+ALTERNATING = _named(lambda s: s.alternating)  # forward ticks and backward ticks (`alternating`)
+CHUNKED = _named(lambda s: s.chunked)  # v = pipeline.repeats chunks a stage
+OVERLAPPING = _named(lambda s: s.overlapping)  # `pipeline.overlap_transfers`
+BASELINE = _named(lambda s: s.loop == SLOTS)[0]  # 1F1B: what the other schedules' steps are compared with
 
 
 def _ready(op: Op, s: int, p: int, v: int, done: dict, split: bool, now: int, latency: int = 0) -> bool:
@@ -215,7 +278,7 @@ def alternating(schedule: str, p: int, m: int, v: int = 1, latency: int = 0) -> 
     its neighbour's next tick of the same kind two ticks later, so a transfer sent while the next
     tick computes (`latency` 1, `pipeline.overlap_transfers`) arrives in time: the table is the same.
     Bubble, time-weighted (`bubble`: a forward tick lasts F, a backward tick B = 2F): (p - 1) / (v m)."""
-    v = v if schedule == "interleaved_1f1b" else 1
+    v = v if REGISTRY[schedule].chunked else 1
     orders = [[op for op in order if op.kind != W] for order in stage_orders(schedule, p, m, v)]
     return _run(orders, p, v, split=True, latency=latency, kinds=(F, B),
                 what=f"{schedule} p={p} m={m} v={v}: the alternating stage orders")
@@ -251,9 +314,9 @@ def simulate(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1,
     """The unit-time table: table[t][s] the operation stage s runs in tick t (None: idle). A W split
     in parts counts as done when its last part is. `latency`: ticks a result sent to a neighbour
     spends in flight beyond the next tick (1: sent while the next tick computes, read the tick after)."""
-    v = v if schedule == "interleaved_1f1b" else 1
+    v = v if REGISTRY[schedule].chunked else 1
     orders = stage_orders(schedule, p, m, v, weight_parts, latency)
-    return _run(orders, p, v, split=schedule == "zero_bubble", latency=latency, kinds=None,
+    return _run(orders, p, v, split=REGISTRY[schedule].split_backward, latency=latency, kinds=None,
                 what=f"{schedule} p={p} m={m} v={v}: the stage orders")
 
 
@@ -305,11 +368,7 @@ def bubble(table: list[list[Op | None]]) -> float:
 
 def formula(schedule: str, p: int, m: int, v: int = 1) -> float:
     """The schedule's bubble ratio (module docstring)."""
-    if schedule in ("interleaved_1f1b", "circular"):
-        return (p - 1) / (v * m)
-    if schedule == "zero_bubble":
-        return (p - 1) / (3 * m)
-    return (p - 1) / m
+    return REGISTRY[schedule].bubble(p, m, v)
 
 
 def in_flight(table: list[list[Op | None]]) -> list[int]:
@@ -331,7 +390,7 @@ def in_flight(table: list[list[Op | None]]) -> list[int]:
 def summary(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1, latency: int = 0) -> str:
     """One line for the run's start: ticks, bubble, in-flight activations per stage (the executed table)."""
     table = executed(schedule, p, m, v, weight_parts, latency)
-    return (f"{schedule}: p={p} m={m}" + (f" v={v}" if schedule == "interleaved_1f1b" else "")
+    return (f"{schedule}: p={p} m={m}" + (f" v={v}" if REGISTRY[schedule].chunked else "")
             + (f" W in {weight_parts} parts" if weight_parts > 1 else "")
             + f", {len(table)} ticks, bubble {bubble(table):.3f} of busy time, "
             f"in flight per stage {in_flight(table)}")

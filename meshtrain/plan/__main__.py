@@ -67,7 +67,7 @@ def candidates_table(ests: list[estimate_lib.Estimate]) -> str:
         mesh = ",".join(f"{a[:3]}{n}" for a, n in e.run.sizes.items() if n > 1) or "1"
         schedule = "-"
         if e.pipeline:
-            schedule = ("interleaved" if e.run.pipeline_schedule == "interleaved_1f1b" else e.run.pipeline_schedule) \
+            schedule = e.run.pipeline_schedule.removesuffix("_1f1b") \
                 + ("+overlap" if e.run.overlap_transfers else "")
         rows.append((str(i), mesh, str(e.run.zero_stage), e.remat, str(e.run.grad_accum), schedule,
                      _gib(e.memory["total"]), f"{e.step_seconds:.3f}", f"{e.mfu:.1%}", "yes" if e.fits else "no",

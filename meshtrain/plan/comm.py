@@ -45,7 +45,7 @@ from meshtrain.plan.memory import Step, dtype_bytes, local_size, param_table
 from meshtrain.sharding_rules import ZERO_AXES
 
 # schedules whose loop computes loss and gradients itself (no autodiff of the tick loop)
-SLOT_SCHEDULES = ("1f1b", *schedules.TABLE_SCHEDULES)
+SLOT_SCHEDULES = schedules.SLOT_SCHEDULES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +204,7 @@ def _activations(run: Step, remat: str, backend: Backend) -> list[Coll]:
         # 1F1B's transfers do not wrap around (the last stage sends nowhere): p - 1 of p devices send;
         # nor do zero_bubble's; interleaved_1f1b's do (stage p-1 feeds stage 0 its next chunk). The
         # slot-table loop moves an activation and a gradient each tick, 1F1B one per slot, two a tick.
-        wraps = run.pipeline_schedule in ("gpipe", "circular", "interleaved_1f1b")
+        wraps = schedules.REGISTRY[run.pipeline_schedule].wraps or run.pipeline_schedule not in SLOT_SCHEDULES
         share = 1.0 if wraps else (p - 1) / p
         out.append(Coll("collective-permute", xm * share, {"stage": p}, 2 * run.pipeline_ticks,
                         "pipeline activations"))

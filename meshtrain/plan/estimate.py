@@ -116,6 +116,18 @@ def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu,
     busy = metrics.flops_per_token(run.stored_model, run.seq_len) / per_token
     compute = hardware_flops * busy / n / (peak * efficiency)
     inside = in_node_axes(sizes, devices_per_node)
+    # every micro-batch adds its weight gradients into float32 sums (a pipeline stage's or the accumulation
+    # loop's): the sums and the gradient read, the sums written, at the HBM bandwidth. Memory-bound work
+    # beside the FLOPs: with micro-batches of a few hundred tokens it outlasts them (405B on 64 stages in
+    # 1,024 micro-batches: the H100 kernel model's step ten times the FLOPs alone)
+    micro = run.microbatches if sizes["stage"] > 1 else run.grad_accum
+    accumulate = 0.0
+    if micro > 1:
+        place = run.placement()["compute" if sizes["stage"] > 1 or run.zero_stage < 3 else "grads"]
+        summed = sum(memory.local_size(leaf, place) for leaf in memory.param_table(run.stored_model)
+                     if leaf.in_layers or sizes["stage"] == 1)
+        accumulate = 3 * 4 * summed / gpu.hbm_bandwidth
+    compute += micro * accumulate if micro > 1 else 0.0
     exposed = {}
     attention = 12.0 * run.model.n_layers * run.seq_len * run.model.n_heads * run.model.head_dim / per_token
     for axis, nbytes in per_axis.items():
@@ -125,8 +137,10 @@ def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu,
     bubble = 0.0
     if sizes["stage"] > 1:  # the loop as executed in lock-step (`parallel.cost`), not the table's formula
         p, m, v = sizes["stage"], run.microbatches, run.pipeline_repeats
-        costs = cost.BranchCosts.analytic(compute / (m * (3 + RECOMPUTE[remat])), recompute_share=RECOMPUTE[remat],
-                                          recompute=remat != "none", split_backward=run.split_backward)
+        flops = compute - m * accumulate
+        costs = cost.BranchCosts.analytic(flops / (m * (3 + RECOMPUTE[remat])), recompute_share=RECOMPUTE[remat],
+                                          recompute=remat != "none", split_backward=run.split_backward,
+                                          accumulate=accumulate)
         bubble = cost.step_time(run.pipeline_schedule, p, m, v, costs, run.weight_parts,
                                 overlap=run.overlap_transfers).seconds - compute
         # the stage-to-stage permutes priced inside the loop: after each tick's (slot's) operation, or with

@@ -28,6 +28,7 @@ import collections
 import dataclasses
 import math
 
+from meshtrain.parallel import schedules
 from meshtrain.plan.comm import SLOT_SCHEDULES, attribute
 from meshtrain.plan.memory import Step, dtype_bytes, local_size, param_table
 from meshtrain.sharding_rules import ZERO_AXES
@@ -59,6 +60,8 @@ class Ledger:
         self.step, self.remat, self.schedule, self.cpu = step, remat, schedule, cpu
         self.s = step.sizes
         self.terms: list[Term] = []
+        # 1F1B's loop of slots (`schedules.SLOTS`): the embedding and the head run on the first and last stage
+        self._slots = schedules.REGISTRY[schedule].loop == schedules.SLOTS
 
     def add(self, axis: str, kind: str, what: str, formula: str, nbytes: float) -> None:
         if nbytes > 0 and self.s.get(axis, 1) > 1:
@@ -91,7 +94,7 @@ class Ledger:
         place = st.placement()
         a, z = st.grad_accum, st.zero_stage
         # 1F1B keeps the embedding/norm/head on every stage: their gradients are summed over stage too
-        outer_over_stage = self.schedule == "1f1b" and s["stage"] > 1
+        outer_over_stage = self._slots and s["stage"] > 1
         grouped: dict[tuple, float] = collections.defaultdict(float)
         for leaf in param_table(st.stored_model):
             psi = local_size(leaf, place["compute"]) * 4
@@ -167,7 +170,7 @@ class Ledger:
             return
         a, layers, x = st.grad_accum, st.stored_model.n_layers // s["stage"], self._x()
         # the head: on every device, except under 1F1B where only the last stage runs it (1/p per device)
-        head, per = (1 / s["stage"], "/p") if self.schedule == "1f1b" and s["stage"] > 1 else (1, "")
+        head, per = (1 / s["stage"], "/p") if self._slots and s["stage"] > 1 else (1, "")
         count = a * (4 * layers + head)
         self.add("tensor", "minimum", "TP/SP activation reductions", f"A (4L+1{per}) 2(N_t-1)/N_t x",
                  count * 2 * _ring(nt) * x)
@@ -236,13 +239,14 @@ class Ledger:
         p = s["stage"]
         if p == 1:
             return
-        v = st.pipeline_repeats if self.schedule == "circular" else 1
+        entry = schedules.REGISTRY[self.schedule]
+        v = st.pipeline_repeats if entry.chunked and entry.loop == schedules.AUTODIFF else 1
         m = st.microbatches
         act = self._x() * st.grad_accum / m
         self.add("stage", "minimum", "activations and their gradients", "2 m (p v - 1)/p act",
                  2 * m * (p * v - 1) / p * act)
         ticks = v * m + p - 1
-        if self.schedule == "1f1b":
+        if self._slots:
             self.add("stage", "choice", "a permute every tick, idle warm-up/cool-down ticks included",
                      "2 (p-1) (p-1)/p act (one SPMD program: every device takes part in every tick)",
                      2 * (p - 1) * (p - 1) / p * act)

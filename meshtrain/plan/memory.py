@@ -152,13 +152,13 @@ class Step:
     def stored_model(self) -> ModelConfig:
         """The model as the state stores it: uneven pipeline stages add empty layer rows (each stage
         stores as many as the largest one runs; `parallel.pipeline.Pipeline.rows`)."""
-        from meshtrain.parallel.pipeline import CHUNKED_SCHEDULES, stage_layers
+        from meshtrain.parallel.pipeline import stage_layers
 
         p, m = self.sizes["stage"], self.model
         if p == 1:
             return m
         unit = m.moe_every if m.num_experts else 1
-        v = self.pipeline_repeats if self.pipeline_schedule in CHUNKED_SCHEDULES else 1
+        v = self.pipeline_repeats if schedules.REGISTRY[self.pipeline_schedule].chunked else 1
         units = stage_layers(m.n_layers // unit, p, tuple(n // unit for n in self.layers_per_stage), v)
         return dataclasses.replace(m, n_layers=p * v * max(units) * unit)
 
@@ -171,7 +171,7 @@ class Step:
             return 1
         if self.pipeline_schedule in schedules.TABLE_SCHEDULES:
             return len(self.pipeline_table)
-        if self.pipeline_schedule == "1f1b" and self.overlap_transfers:
+        if schedules.REGISTRY[self.pipeline_schedule].loop == schedules.SLOTS and self.overlap_transfers:
             return m + 2 * p - 2
         return v * m + p - 1
 
@@ -358,7 +358,7 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
     pipelined = p > 1
     layers = run.stored_model.n_layers // p  # the largest stage's layers
     t = run.micro_tokens // (run.microbatches if pipelined else 1)
-    autodiff_pipe = pipelined and run.pipeline_schedule in ("gpipe", "circular")
+    autodiff_pipe = pipelined and schedules.REGISTRY[run.pipeline_schedule].loop == schedules.AUTODIFF
     in_flight: float = 1
     if pipelined:
         in_flight = min(2 * p - 1 if run.overlap_transfers else p, run.microbatches)
