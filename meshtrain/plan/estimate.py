@@ -52,6 +52,9 @@ class Estimate:
     fits: bool
     usable_bytes: int
     limit: str = ""
+    # seconds a micro-batch's weight gradients take to add into the float32 sums (in `compute_seconds`,
+    # once per micro-batch)
+    accumulate_seconds: float = 0.0
 
     @functools.cached_property
     def config(self) -> ml_collections.ConfigDict:
@@ -159,6 +162,7 @@ def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu,
     est = Estimate(config, run, remat, mem, per_axis, exposed, compute, bubble, step, tokens / step,
                    model_flops / step / (n * peak), fits, gpu.usable_bytes)
     est.limit = binding_limit(est)
+    est.accumulate_seconds = accumulate
     return est
 
 
