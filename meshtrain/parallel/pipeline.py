@@ -29,7 +29,8 @@ model and a checkpoint one meaning whatever the schedule. Uneven stages (`Pipeli
 `pipeline.layers_per_stage` or `stage_layers`' default, which lightens the first and the last stage
 as Llama 3 405B's run did) store k = the largest stage's count rows per stage; the rows past a
 stage's count are empty slots (zeros) that its scan skips (`skipping`), and the canonical form drops
-them.
+them. With v chunks a stage the split is over the p*v chunks ("Interleaving stages": chunk r of stage s
+is the virtual stage r*p + s, stored at rows (s*v + r)*k), and the chunk a tick runs picks its count.
 
 Schedules (`config.pipeline.schedule`):
 
