@@ -279,7 +279,7 @@ def _precision_pair(name: str):
         reports[precision] = (compiled.as_text(), verify.compiled_memory(compiled), run)
     text, _, run = reports["fp8"]
     pipe = run.layout.pipeline
-    executed = hlo.gemms(text, executed=True, branch_weights=pipe.slot_branch_share() if pipe else None)
+    executed = hlo.gemms(text, executed=True, branch_weights=run.layout.branch_share())
     factory, _ = train_step.build(run)
     runs = sum(math.prod(h.shape[:-2]) for h in jax.tree.leaves(factory.abstract.fp8))  # sites x scanned units
     runs = runs // pipe.stages * pipe.microbatches if pipe else runs * run.config.train.grad_accum_steps
@@ -392,7 +392,8 @@ def test_stage_kernels_compiled_for_h100_compute_the_layers_matmuls():
     attention = 2 * 2 * heads * tokens * tokens * head
     assert gemm_flops("forward") == (layers // p) * (projections + attention)
     assert gemm_flops("weight_grad") == (layers // p) * projections
-    costs = cost.BranchCosts.from_gpu_compile(config, sizes, hardware.get_gpu("h100"), device)
+    gpu = hardware.get_gpu("h100")
+    costs = cost.BranchCosts.from_gpu_compile(config, sizes, gpu, device, module_seconds=hlo.module_seconds(gpu))
     assert 0 < costs.forward < costs.backward and costs.weight_grad < costs.backward
 
 
@@ -429,8 +430,10 @@ def test_schedules_priced_from_the_h100_compile_beat_1f1b():
     from meshtrain.plan import hardware
     from tests.test_pipeline_cost import _scaled_tiny, _sizes
 
-    costs = cost.BranchCosts.from_gpu_compile(_scaled_tiny(4, 16), _sizes(stage=4), hardware.get_gpu("h100"),
-                                              aot.target_devices("h100", 1)[0])
+    gpu = hardware.get_gpu("h100")
+    device = aot.target_devices("h100", 1)[0]
+    costs = cost.BranchCosts.from_gpu_compile(_scaled_tiny(4, 16), _sizes(stage=4), gpu, device,
+                                              module_seconds=hlo.module_seconds(gpu))
     parts = cost.weight_parts(costs, 2)
     base = cost.step_time("1f1b", 4, 16, 1, costs).seconds
     interleaved = cost.step_time("interleaved_1f1b", 4, 16, 2, costs).seconds / base

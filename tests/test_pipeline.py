@@ -24,7 +24,7 @@ from meshtrain import (
     train_step as train_step_lib,
 )
 from meshtrain.config import ModelConfig
-from meshtrain.parallel import layout as layout_lib, pipeline as pipeline_lib
+from meshtrain.parallel import layout as layout_lib, pipeline as pipeline_lib, schedules
 from meshtrain.sharding_rules import Rules
 from meshtrain.validate import validate
 from tests.hlo_utils import collectives_by_computation
@@ -143,18 +143,22 @@ def _tick_loops(hlo: str) -> list[tuple[int, list[tuple[str, int]]]]:
 
 @pytest.mark.parametrize("case", [c for c in CASES if "data" not in c[1]], ids=_ids)
 def test_tick_loop_trip_count_and_one_transfer_per_tick(case):
-    """Each tick loop runs `ticks` times and moves one micro-batch activation [b, T, D] per transfer:
-    one per tick for gpipe / circular, one per slot (two slots per tick) for 1f1b."""
+    """Each tick loop runs its ticks and moves one micro-batch activation [b, T, D] per transfer: one a
+    tick for gpipe / circular; 1f1b at most one a tick too (`SlotPlan.pairs`: neighbours in opposite
+    phases swap in one ppermute), in a loop of tick pairs."""
     schedule, mesh = case
     pipe, _, compiled = _pipelined(schedule, tuple(mesh.items()))
     activation = (8 // M) * SEQ * 64
     loops = _tick_loops(compiled.as_text())
-    # gpipe / circular: the forward loop and its autodiff transpose; 1f1b: one loop of slot pairs
+    # gpipe / circular: the forward loop and its autodiff transpose; 1f1b: one loop of tick pairs
     assert len(loops) == (1 if schedule == "1f1b" else 2), loops
-    per_tick = [("collective-permute", activation)] * (2 if schedule == "1f1b" else 1)
+    # 1f1b: a ppermute a tick where some stage sends (on 2 stages the odd ticks send nothing: stage 0 runs its
+    # backward, stage 1 its forward and loss)
+    sending = sum(bool(pairs) for pairs in pipe.plan.pairs) if schedule == "1f1b" else 1
+    per_step = [("collective-permute", activation)] * sending
     for trips, moved in loops:
-        assert trips == pipe.ticks
-        assert sorted(moved) == per_tick, moved
+        assert trips == (pipe.ticks // 2 if schedule == "1f1b" else pipe.ticks)
+        assert sorted(moved) == per_step, moved
 
 
 def _nbytes(tree) -> int:
@@ -212,11 +216,19 @@ def test_validation_names_the_key(overrides, key):
 
 
 def test_describe_reports_ticks_bubble_in_flight():
+    """1F1B's executed table: 2(m + p - 1) ticks, p - s micro-batches on stage s; in lock-step a tick that
+    mixes forwards and backwards lasts a backward (B = 2F), so its idle share exceeds the playbook's
+    (p-1)/m; with transfers behind compute its ticks alternate and it is the playbook's."""
     p, m = 4, 8
-    line = layout_lib.pipeline_plan(_config("1f1b", {"stage": p}, microbatches=m), _sizes(stage=p)).describe()
-    ticks = m + p - 1  # the playbook's 1F1B: the same bubble as all-forward-all-backward
-    assert line == (f"pipeline 1f1b: {p} stages x 1 repeats, {m} micro-batches, {ticks} ticks, "
-                    f"bubble {(p - 1) / ticks:.1%}, in flight per stage {[p - s for s in range(p)]}")
+    pipe = layout_lib.pipeline_plan(_config("1f1b", {"stage": p}, microbatches=m), _sizes(stage=p))
+    ratio = schedules.bubble(pipe._table)
+    ticks = 2 * (m + p - 1)
+    assert pipe.describe() == (f"pipeline 1f1b: {p} stages x 1 repeats, {m} micro-batches, {ticks} ticks, "
+                               f"bubble {ratio / (1 + ratio):.1%}, in flight per stage {[p - s for s in range(p)]}, "
+                               f"idle/busy {ratio:.3f}")
+    assert ratio > (p - 1) / m
+    overlapped = pipeline_lib.Pipeline("1f1b", p, m, overlap=True)
+    assert schedules.bubble(overlapped._table) == pytest.approx((p - 1) / m)
     circular = pipeline_lib.Pipeline("circular", 4, 8, 2)
     assert (circular.ticks, round(circular.bubble, 4)) == (19, round(3 / 19, 4))
     assert layout_lib.pipeline_plan(_config("gpipe", {}), _sizes()) is None
@@ -225,66 +237,55 @@ def test_describe_reports_ticks_bubble_in_flight():
                               "attention: xla (attention.impl='auto' on cpu)", run.layout.pipeline.describe()]
 
 
+def _done(table) -> dict:
+    """(kind F | B, stage, micro-batch) -> the tick it runs in."""
+    return {(op.kind, s, op.micro): t for t, row in enumerate(table) for s, op in enumerate(row) if op is not None}
+
+
 @pytest.mark.parametrize("p, m", [(2, 2), (2, 5), (3, 7), (4, 4), (4, 16)])
-def test_one_f_one_b_slots_respect_dependencies_and_hold_at_most_p(p, m):
-    """Replays the slot rule the loop runs: every dependency is one slot (one ppermute) away, each
-    stage does m forwards and m backwards within 2 slots per tick, and stage s never stashes more
-    than p - s micro-batches (<= p)."""
+def test_one_f_one_b_table_respects_dependencies_and_holds_at_most_p(p, m):
+    """1F1B's table (`schedules.executed`): every dependency is one tick (one ppermute) away, stage s
+    runs the forward of j in tick s + 2j and its backward in tick 2p - 1 - s + 2j, and never stashes
+    more than p - s micro-batches (<= p). Each tick's transfers fit one ppermute whose pairs follow the
+    tick's parity (`SlotPlan.pairs`: neighbours in opposite phases swap), exactly the pairs the work needs."""
     pipe = pipeline_lib.Pipeline("1f1b", p, m)
-    done = {}  # (op, stage, micro-batch) -> slot
-    for u in range(2 * pipe.ticks):
-        for s in range(p):
-            op, j = pipeline_lib.one_f_one_b_slot(p, s, u)
-            if 0 <= j < m:
-                done[op, s, j] = u
-    assert len(done) == 2 * p * m
+    done = _done(pipe._table)
+    assert len(done) == 2 * p * m and pipe.ticks == 2 * (m + p - 1)
     for s in range(p):
         for j in range(m):
-            if s > 0:  # the activation arrives from the previous stage's forward, one slot earlier
-                assert done[1, s, j] == done[1, s - 1, j] + 1
-            nxt = (1, s, j) if s == p - 1 else (2, s + 1, j)  # the gradient: loss or next stage's backward
-            assert done[2, s, j] == done[nxt] + 1
-    for s in range(p):
-        held = [sum(done[1, s, j] <= u < done[2, s, j] for j in range(m)) for u in range(2 * pipe.ticks)]
+            assert (done["F", s, j], done["B", s, j]) == (s + 2 * j, 2 * p - 1 - s + 2 * j)
+            if s > 0:  # the activation arrives from the previous stage's forward, one tick earlier
+                assert done["F", s, j] == done["F", s - 1, j] + 1
+            nxt = ("F", s, j) if s == p - 1 else ("B", s + 1, j)  # the gradient: loss or next stage's backward
+            assert done["B", s, j] == done[nxt] + 1
+        held = [sum(done["F", s, j] <= t < done["B", s, j] for j in range(m)) for t in range(pipe.ticks)]
         assert max(held) == pipe.in_flight()[s] <= p
-    # the neighbours a slot's ppermute connects are exactly the ones whose work depends on it
-    for u in range(2 * pipe.ticks):
-        pairs = set(pipeline_lib._slot_pairs(p, u % 2))
-        for (op, s, _), slot in done.items():
-            if slot == u and (op == 1 and s < p - 1):
-                assert (s, s + 1) in pairs
-            if slot == u and (op == 2 and s > 0):
-                assert (s, s - 1) in pairs
+    for t in range(pipe.ticks):
+        needed = {(s, s + 1) for (kind, s, _), u in done.items() if u == t and kind == "F" and s < p - 1}
+        needed |= {(s, s - 1) for (kind, s, _), u in done.items() if u == t and kind == "B" and s > 0}
+        assert needed <= set(pipe.plan.pairs[t % 2])
+    assert pipe.transfers == (pipe.ticks, 1)
 
 
 @pytest.mark.parametrize("p, m", [(2, 2), (2, 5), (3, 7), (4, 4), (4, 16)])
-def test_overlapped_one_f_one_b_reads_every_transfer_a_slot_after_it_leaves(p, m):
-    """`pipeline.overlap_transfers`: replays `one_f_one_b_overlapped`. Each tick is a forward slot on
-    every stage, then a backward slot; an activation leaves after the forward slot and is read at
-    the next tick's forward slot at the earliest, a gradient leaves at the start of the next tick and
-    is read by its backward slot: each has one slot of compute beside it. The last stage starts a
-    backward in the tick of its forward; stage s holds 2(p - s) - 1 micro-batches at most."""
+def test_overlapped_one_f_one_b_reads_every_transfer_a_tick_after_it_leaves(p, m):
+    """`pipeline.overlap_transfers`: ticks alternate, a forward on every stage, then a backward; every
+    result is read two ticks after the one that made it at the earliest (a tick of compute beside each
+    transfer); stage s holds 2(p - s) - 1 micro-batches at most, in 2(m + 2p - 2) ticks."""
     pipe = pipeline_lib.Pipeline("1f1b", p, m, overlap=True)
-    done = {}  # (op, stage, micro-batch) -> tick
-    for t in range(pipe.ticks):
-        for s in range(p):
-            for op, (branch, j) in zip((1, 2), pipeline_lib.one_f_one_b_overlapped(p, m, s, t), strict=True):
-                if branch:
-                    assert (op, s, j) not in done
-                    done[op, s, j] = t
-    assert len(done) == 2 * p * m
+    done = _done(pipe._table)
+    assert len(done) == 2 * p * m and pipe.ticks == 2 * (m + 2 * p - 2)
+    assert all(t % 2 == (kind == "B") for (kind, _, _), t in done.items())
     for s in range(p):
         for j in range(m):
             if s > 0:
-                assert done[1, s, j] >= done[1, s - 1, j] + 1
+                assert done["F", s, j] >= done["F", s - 1, j] + 2
             if s < p - 1:
-                assert done[2, s, j] >= done[2, s + 1, j] + 1
-            assert done[2, s, j] >= done[1, s, j]
-        held = [sum(done[1, s, j] <= t <= done[2, s, j] for j in range(m)) for t in range(pipe.ticks)]
+                assert done["B", s, j] >= done["B", s + 1, j] + 2
+            assert done["B", s, j] > done["F", s, j]
+        held = [sum(done["F", s, j] <= t <= done["B", s, j] for j in range(m)) for t in range(pipe.ticks)]
         assert max(held) == pipe.in_flight()[s] == min(m, 2 * (p - s) - 1)
-    assert pipe.ticks == m + 2 * p - 2
-    used = {b for s in range(p) for t in range(pipe.ticks) for b, _ in pipeline_lib.one_f_one_b_overlapped(p, m, s, t)}
-    assert pipeline_lib.one_f_one_b_branches_used(p, m, overlap=True) == used | {0}
+    assert pipe.transfers == (2 * pipe.ticks, 2)
 
 
 OVERLAP_MESHES = [((("stage", 4), ("data", 2)), 1), ((("stage", 2), ("fsdp", 2), ("tensor", 2)), 3)]
@@ -298,20 +299,26 @@ def test_overlapped_one_f_one_b_equals_single_device(mesh, zero):
 
 @pytest.mark.parametrize("p, m", [(2, 2), (2, 5), (3, 7), (4, 4)])
 def test_one_f_one_b_traces_only_the_branches_some_stage_takes(p, m):
-    """The slot switch keeps the branches some (stage, slot) takes; the rest are idle, not traced:
-    2 stages have no middle stage, so no middle forward (1) or backward (4)."""
-    taken = {int(pipeline_lib.one_f_one_b_branch(p, m, s, u)[0]) for s in range(p) for u in range(2 * (m + p - 1))}
-    assert pipeline_lib.one_f_one_b_branches_used(p, m) == taken | {0}
-    assert (1 in taken and 4 in taken) == (p > 2)
+    """The tick's switch keeps the branches some (stage, tick) takes; the rest are idle, not traced:
+    2 stages have no middle stage, so no middle forward (the last stage's backward is a middle one: it
+    starts from the loss gradient its forward left in its inbox)."""
+    from meshtrain.parallel import slot_program
+
+    taken = {int(b) for b in np.unique(pipeline_lib.Pipeline("1f1b", p, m).plan.program[:, :, 0])}
+    assert (slot_program.FORWARD in taken) == (p > 2)
+    assert {slot_program.FORWARD_FIRST, slot_program.FORWARD_LAST, slot_program.BACKWARD,
+            slot_program.BACKWARD_FIRST} <= taken
+    assert slot_program.WEIGHTS not in taken  # the whole backward is one operation
 
 
 def test_one_f_one_b_reduces_gradients_over_data_once():
     """The 1f1b loop is manual over the batch axes the parameters are replicated on: every collective
-    over `data` runs once per step (after the loop), none in the slots."""
+    over `data` runs once per step (after the loop), none in the ticks."""
+    from meshtrain.parallel import slot_program
     from meshtrain.plan import hlo
 
     pipe, mesh, compiled = _pipelined("1f1b", (("stage", 2), ("data", 2), ("tensor", 2)))
-    found = hlo.collectives(compiled.as_text(), mesh.size, pipe.slot_branch_share())
+    found = hlo.collectives(compiled.as_text(), mesh.size, slot_program.branch_share(pipe.plan))
     over_data = [c for c in found if c.kind != "collective-permute"  # the stage transfers name their pairs
                  and "data" in hlo.group_axes(c.groups[0], dict(mesh.shape))]
     assert over_data and all(c.count == 1 for c in over_data), over_data
@@ -339,10 +346,11 @@ def test_one_f_one_b_stash_keeps_activations_not_weights():
 def test_one_f_one_b_zero3_gathers_weights_once_and_equals_single_device():
     """ZeRO-3 under 1f1b: each stage's weights are gathered once per step and kept across its
     micro-batches (every all-gather over `fsdp` runs once); loss and gradients equal one device."""
+    from meshtrain.parallel import slot_program
     from meshtrain.plan import hlo
 
     pipe, mesh, compiled = _pipelined("1f1b", (("stage", 2), ("fsdp", 2), ("tensor", 2)), zero=3)
     _assert_equal_single_device(pipe, mesh, compiled)
-    found = hlo.collectives(compiled.as_text(), mesh.size, pipe.slot_branch_share())
+    found = hlo.collectives(compiled.as_text(), mesh.size, slot_program.branch_share(pipe.plan))
     gathers = [c for c in found if c.kind == "all-gather" and "fsdp" in hlo.group_axes(c.groups[0], dict(mesh.shape))]
     assert gathers and all(c.count == 1 for c in gathers), gathers

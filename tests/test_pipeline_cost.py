@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from meshtrain import config as config_lib
-from meshtrain.parallel import cost, layout, pipeline, pipeline_tables, schedules
+from meshtrain.parallel import cost, layout, pipeline, schedules, slot_program
 from meshtrain.plan import estimate, hardware
 from tests.utils import load_config_file
 
@@ -27,8 +27,8 @@ def _pipeline(schedule: str, p: int, m: int, v: int = 2) -> pipeline.Pipeline:
 
 @pytest.mark.parametrize("p,m", GRID)
 def test_with_every_operation_one_unit_the_model_counts_the_loops_ticks(p, m):
-    """F = B = W = 1 and free transfers: a step is as many units as the loop has ticks (1f1b: slots,
-    gpipe / circular: the forward loop and its transpose)."""
+    """F = B = W = 1 and free transfers: a step is as many units as the loop has ticks (gpipe / circular:
+    the forward loop and its transpose)."""
     unit = cost.BranchCosts(1.0, 1.0, 1.0, 1.0, recompute=False)
     for schedule in cost.SCHEDULES:
         pipe = _pipeline(schedule, p, m)
@@ -37,11 +37,9 @@ def test_with_every_operation_one_unit_the_model_counts_the_loops_ticks(p, m):
         assert executed.ticks == loop_ticks
         if schedule in ("gpipe", "circular"):
             assert executed.seconds == pytest.approx(2 * pipe.ticks / pipe.repeats)  # chunks cost 1/v
-        elif schedule in pipeline.TABLE_SCHEDULES:  # F, B and W each a tick's work; chunks cost 1/v
+        else:  # F, B and W each a tick's work; chunks cost 1/v
             busy = sum(any(op is not None for op in row) for row in pipe._table)
             assert executed.seconds == pytest.approx(busy / pipe.repeats)
-        else:
-            assert executed.seconds == pytest.approx(loop_ticks)
 
 
 @pytest.mark.parametrize("schedule", pipeline.TABLE_SCHEDULES)
@@ -51,23 +49,14 @@ def test_table_schedules_are_priced_by_the_program_the_loop_runs(schedule, p, m)
     the slowest branch any stage takes in it (idle, F, B, W), plus one transfer."""
     costs = cost.BranchCosts(1.0, 2.5, 1.3, 2.2, transfer=0.1)
     v = 2 if schedule == "interleaved_1f1b" else 1
-    plan = pipeline_tables.slot_plan(schedule, p, m, v)
+    plan = slot_program.slot_plan(schedule, p, m, v)
     backward = costs.input_grad if plan.split else costs.backward
-    price = {pipeline_tables.IDLE: 0.0, pipeline_tables.FORWARD: costs.forward,
-             pipeline_tables.FORWARD_FIRST: costs.forward, pipeline_tables.FORWARD_LAST: costs.forward,
-             pipeline_tables.BACKWARD: backward, pipeline_tables.BACKWARD_FIRST: backward,
-             pipeline_tables.WEIGHTS: costs.weight_grad}
+    price = {slot_program.IDLE: 0.0, slot_program.FORWARD: costs.forward,
+             slot_program.FORWARD_FIRST: costs.forward, slot_program.FORWARD_LAST: costs.forward,
+             slot_program.BACKWARD: backward, slot_program.BACKWARD_FIRST: backward,
+             slot_program.WEIGHTS: costs.weight_grad}
     expected = sum(max(price[int(b)] / v for b in row[:, 0]) + costs.transfer for row in plan.program)
     assert cost.step_time(schedule, p, m, v, costs).seconds == pytest.approx(expected)
-
-
-@pytest.mark.parametrize("p,m", GRID)
-def test_1f1b_is_priced_by_the_branch_each_stage_takes_in_each_slot(p, m):
-    costs = cost.BranchCosts(1.0, 2.5, 1.3, 2.2, transfer=0.1)
-    price = {0: 0.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 2.5, 5: 2.5, 6: 2.5}  # `one_f_one_b_branch` indices
-    expected = sum(max(price[int(pipeline.one_f_one_b_branch(p, m, s, u)[0])] for s in range(p)) + 0.1
-                   for u in range(2 * (m + p - 1)))
-    assert cost.step_time("1f1b", p, m, 1, costs).seconds == pytest.approx(expected)
 
 
 def _scaled_tiny(p: int, m: int, seq_len: int = 128):
@@ -168,17 +157,18 @@ def test_overlapped_transfers_are_hidden_while_a_slot_outlasts_them(schedule, p,
     v = 2 if schedule == "interleaved_1f1b" else 1  # chunks wrap from stage p-1 to stage 0
     free = cost.step_time(schedule, p, m, v, costs, overlap=True)
     hidden = cost.step_time(schedule, p, m, v, dataclasses.replace(costs, transfer=0.3), overlap=True)
-    loop = pipeline.Pipeline(schedule, p, m, v, overlap=True)  # the loop's trip count (1f1b: two slots a tick)
-    # slots in which no stage computes: 1f1b's 2(p - 1) (backward slots of the warm-up, forward slots of the
+    loop = pipeline.Pipeline(schedule, p, m, v, overlap=True)  # the loop's trip count
+    # ticks in which no stage computes: 1f1b's 2(p - 1) (backward ticks of the warm-up, forward ticks of the
     # cool-down); interleaved 1F1B's alternating table has backward ticks in the warm-up too
-    empty = 2 * (p - 1) if schedule == "1f1b" else sum(all(op is None for op in row) for row in loop._table)
+    empty = sum(all(op is None for op in row) for row in loop._table)
+    assert schedule != "1f1b" or empty == 2 * (p - 1)
     assert hidden.seconds == pytest.approx(free.seconds + 0.3 * empty)
     plain = cost.step_time(schedule, p, m, v, dataclasses.replace(costs, transfer=0.3))
     assert plain.seconds == pytest.approx(cost.step_time(schedule, p, m, v, costs).seconds + 0.3 * plain.ticks)
     # transfers longer than every slot: each slot lasts the transfer
     slow = cost.step_time(schedule, p, m, v, dataclasses.replace(costs, transfer=10.0), overlap=True)
     assert slow.seconds == pytest.approx(10.0 * slow.ticks)
-    assert free.ticks == (2 if schedule == "1f1b" else 1) * loop.ticks
+    assert free.ticks == loop.ticks
 
 
 def test_overlapped_1f1b_balances_its_slots(compiled_costs):

@@ -13,8 +13,8 @@ import re
 import pytest
 
 from meshtrain import config as config_lib
-from meshtrain.parallel import layout as layout_lib, pipeline as pipeline_lib, pipeline_tables, schedules
-from meshtrain.parallel.pipeline_tables import FIELDS, SlotPlan, slot_plan
+from meshtrain.parallel import layout as layout_lib, pipeline as pipeline_lib, schedules, slot_program
+from meshtrain.parallel.slot_program import FIELDS, SlotPlan, slot_plan
 from meshtrain.validate import validate
 from tests.test_pipeline import SEQ, _assert_equal_single_device, _config, _pipelined, _sizes, _temp_bytes
 
@@ -90,20 +90,20 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
         for s in range(p):
             row = plan.program[t, s]
             branch, j, c, slot, wslot = (int(row[f[k]]) for k in ("branch", "micro", "chunk", "stash", "wstash"))
-            if branch in (pipeline_tables.FORWARD, pipeline_tables.FORWARD_FIRST, pipeline_tables.FORWARD_LAST):
-                if branch != pipeline_tables.FORWARD_FIRST:
+            if branch in (slot_program.FORWARD, slot_program.FORWARD_FIRST, slot_program.FORWARD_LAST):
+                if branch != slot_program.FORWARD_FIRST:
                     assert inbox_f[s][row[f["read_f"]]] == ("act", s, j, c), (t, s)
                 assert stash[s][slot] is None, f"tick {t} stage {s}: residual slot {slot} still in use"
                 stash[s][slot] = (s, j, c)
                 if gemms:
                     assert weight[s][wslot] is None, f"tick {t} stage {s}: weight slot {wslot} still in use"
                     weight[s][wslot] = ("inputs", s, j, c)
-                if branch == pipeline_tables.FORWARD_LAST:
+                if branch == slot_program.FORWARD_LAST:
                     inbox_b[s][row[f["dy"]]] = ("grad", s, j, c)
                 else:
                     sent_f[s] = ("act", (s + 1) % p, j, c + (s == p - 1))
                 ran["F", s, j, c] = t
-            elif branch in (pipeline_tables.BACKWARD, pipeline_tables.BACKWARD_FIRST):
+            elif branch in (slot_program.BACKWARD, slot_program.BACKWARD_FIRST):
                 assert inbox_b[s][row[f["read_b"]]] == ("grad", s, j, c), (t, s)
                 assert stash[s][slot] == (s, j, c), (t, s)
                 if not pullback:  # the pullback split's W reads the residuals again
@@ -114,10 +114,10 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
                 if pullback:
                     assert weight[s][wslot] is None, f"tick {t} stage {s}: weight slot {wslot} still in use"
                     weight[s][wslot] = ("inputs and dy", s, j, c)
-                if branch == pipeline_tables.BACKWARD:
+                if branch == slot_program.BACKWARD:
                     sent_b[s] = ("grad", (s - 1) % p, j, c - (s == 0))
                 ran["B", s, j, c] = t
-            elif branch == pipeline_tables.WEIGHTS:
+            elif branch == slot_program.WEIGHTS:
                 if gemms:
                     assert weight[s][wslot] == ("inputs", s, j, c) and stash[s][wslot] == ("dy", s, j, c), (t, s)
                 else:
@@ -156,8 +156,8 @@ def _check_puts(plan: SlotPlan, t: int, s: int, branch: int, stash: list, weight
     """After stage s's operation at tick t: the tick writes each buffer's `put` into the program's slot,
     the operation's own where it fills the buffer, else one whose value nobody reads any more, or the
     slot's own value back (`keep_*`)."""
-    forward = branch in (pipeline_tables.FORWARD, pipeline_tables.FORWARD_FIRST, pipeline_tables.FORWARD_LAST)
-    backward = branch in (pipeline_tables.BACKWARD, pipeline_tables.BACKWARD_FIRST)
+    forward = branch in (slot_program.FORWARD, slot_program.FORWARD_FIRST, slot_program.FORWARD_LAST)
+    backward = branch in (slot_program.BACKWARD, slot_program.BACKWARD_FIRST)
     # gemms: the record (residuals, then dy) in "stash", the inputs in "inputs"; pullback: dy in "g"
     fills = {"stash": forward or gemms and backward, "inputs": forward, "g": backward}
     for name in ("stash", "inputs", "g"):

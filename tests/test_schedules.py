@@ -127,7 +127,8 @@ def test_the_registry_defines_each_schedule_the_config_offers():
     from meshtrain import config as config_lib
 
     assert config_lib.PIPELINE_SCHEDULES == tuple(schedules.REGISTRY)
-    assert set(schedules.TABLE_SCHEDULES) | {schedules.BASELINE} == set(schedules.SLOT_SCHEDULES)
+    assert schedules.BASELINE in schedules.TABLE_SCHEDULES
     for name, entry in schedules.REGISTRY.items():
         assert entry.name == name and (name in schedules.SCHEDULES) == (entry.orders is not None)
+        assert (name in schedules.TABLE_SCHEDULES) == (entry.table is not None)
         assert entry.bubble(4, 8, 2) == schedules.formula(name, 4, 8, 2)

@@ -98,11 +98,15 @@ def kernel_model(config, sizes, gpu, device, on_gpu: bool = False):
     extra is installed, else None."""
     from meshtrain import aot
     from meshtrain.parallel import cost
+    from meshtrain.plan import hlo
 
     if device.platform == "gpu":
-        return cost.BranchCosts.from_gpu_compile(config, sizes, gpu, device) if on_gpu else None
+        if not on_gpu:
+            return None
+        return cost.BranchCosts.from_gpu_compile(config, sizes, gpu, device, module_seconds=hlo.module_seconds(gpu))
     if aot.gpu_compiler_installed():
-        return cost.BranchCosts.from_gpu_compile(config, sizes, gpu, aot.target_devices("h100", 1)[0])
+        return cost.BranchCosts.from_gpu_compile(config, sizes, gpu, aot.target_devices("h100", 1)[0],
+                                                 module_seconds=hlo.module_seconds(gpu))
     return None
 
 

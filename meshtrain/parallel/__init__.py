@@ -4,10 +4,12 @@
                         region is manual over (accumulation, pipeline loop), whether Pallas kernels run
                         (regions then unchecked), the attention function, the data's token order; the
                         composition table of the regions is its docstring
-    pipeline.py         the pipeline over `stage`: gpipe / circular tick scan, 1F1B's slot loop, the stage
-                        function, stash and slot work shared with the tables
-    pipeline_tables.py  interleaved 1F1B and zero bubble run from their slot tables in one SPMD loop
-    schedules.py        the schedules as slot tables: simulate, alternating, check, bubble, in-flight micro-batches
+    pipeline.py         the pipeline over `stage`: gpipe / circular tick scan, the stage function, the
+                        residual stash, the `Pipeline` plan (ticks, table, in-flight, transfers)
+    pipeline_tables.py  the slot-table executor: 1F1B, interleaved 1F1B and zero bubble in one SPMD loop
+    slot_program.py     a slot table as the executor's static program (branches, buffer slots, transfers)
+    schedules.py        the schedule registry and its slot tables: simulate, alternating, check, bubble,
+                        in-flight micro-batches
     ring_attention.py   context parallelism over `sequence`: the ring (zig-zag, custom backward) and the
                         attention function the model calls
     ulysses.py          context parallelism by all-to-all (Ulysses), and a ring across its groups

@@ -39,6 +39,7 @@ import collections
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +48,6 @@ from jax.extend import core as jex_core
 
 from meshtrain import compile_cache
 from meshtrain.parallel import schedules
-from meshtrain.plan import hlo
 
 SCHEDULES = tuple(schedules.REGISTRY)
 
@@ -115,20 +115,18 @@ class BranchCosts:
 
     @classmethod
     def from_gpu_compile(cls, config: ml_collections.ConfigDict, sizes, gpu, device: jax.Device, *,
-                         times: hlo.KernelTimes | None = None, in_node: bool = True) -> BranchCosts:
+                         module_seconds: Callable[[str], float], in_node: bool = True) -> BranchCosts:
         """Each branch of one stage (`stage_branches`) compiled by XLA's GPU compiler for `device` and
-        priced kernel by kernel (`plan.hlo.kernels`, `plan.hlo.KernelTimes`): what the GPU launches,
-        fusion by fusion, loops by their trip counts, rather than the whole branch's FLOPs and
-        arguments. `device`: a GPU of this machine, or a target's without one
+        priced by `module_seconds`, the compiled module's text to its seconds (`plan.hlo.module_seconds`:
+        kernel by kernel, what the GPU launches, fusion by fusion, loops by their trip counts, rather than
+        the whole branch's FLOPs and arguments). `device`: a GPU of this machine, or a target's without one
         (`aot.target_devices(target, 1)[0]`, the `gpu` extra). Attention is the einsum one, as in
         `from_compiler` (a Pallas kernel is a custom call whose FLOPs the module's text does not give)."""
-        times = times or hlo.KERNEL_TIMES
         placed = jax.sharding.SingleDeviceSharding(device)
 
         def price(name, fn, args):
             lowered = jax.jit(fn, in_shardings=jax.tree.map(lambda _: placed, args)).lower(*args)
-            compiled = compile_cache.compile(lowered, [device])
-            return times.seconds(hlo.kernels(compiled.as_text(), price=lambda ks: times.seconds(ks, gpu)), gpu)
+            return module_seconds(compile_cache.compile(lowered, [device]).as_text())
 
         return cls._priced(config, sizes, gpu, device, price, in_node)
 
@@ -345,7 +343,7 @@ def _roofline(fn, args, gpu, flops: float) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Execution:
-    """A modeled step: its seconds, the ticks (slots for 1f1b) the loop runs, and the busy share."""
+    """A modeled step: its seconds, the ticks the loop runs, and the busy share."""
 
     schedule: str
     seconds: float
@@ -361,8 +359,8 @@ def step_time(schedule: str, p: int, m: int, v: int, costs: BranchCosts, weight_
               overlap: bool = False) -> Execution:
     """The pipeline part of a step as the lock-step loop runs it (module docstring); a split W run as
     `weight_parts` operations costs 1/weight_parts of W each. `overlap` (`pipeline.overlap_transfers`,
-    1f1b and the slot tables): each transfer travels beside a slot of compute, which then lasts the
-    longer of the two; 1f1b's ticks are a forward slot on every stage then a backward slot."""
+    the slot tables): each transfer travels beside a tick of compute, which then lasts the longer of
+    the two."""
     c = costs
     entry = schedules.REGISTRY[schedule]
     v = v if entry.chunked else 1  # chunks per stage
@@ -372,18 +370,6 @@ def step_time(schedule: str, p: int, m: int, v: int, costs: BranchCosts, weight_
         # every tick runs the stack on every stage (the bubble computes too), then one ppermute
         seconds = ticks * (c.forward / v + c.transfer) + ticks * (backward / v + c.transfer)
         return Execution(schedule, seconds, 2 * ticks, m * (c.forward + backward))
-    if entry.loop == schedules.SLOTS:
-        # overlapped: a forward slot on every stage, then a backward slot, each beside a transfer;
-        # plain: one slot of forwards and backwards, then one ppermute
-        seconds = 0.0
-        for (forwards, backwards), n in _one_f_one_b_slots(p, m, overlap):
-            if overlap:
-                seconds += n * (max(c.forward if forwards else 0.0, c.transfer)
-                                + max(c.backward if backwards else 0.0, c.transfer))
-            else:
-                seconds += n * (max(c.forward if forwards else 0.0, c.backward if backwards else 0.0) + c.transfer)
-        slots = 2 * (m + 2 * p - 2) if overlap else 2 * (m + p - 1)
-        return Execution(schedule, seconds, slots, m * (c.forward + c.backward))
     split = schedule in schedules.SPLIT_BACKWARD
     forward = c.forward_split if split else c.forward
     price = {schedules.F: forward / v, schedules.B: (c.input_grad if split else c.backward) / v,
@@ -401,25 +387,6 @@ def step_time(schedule: str, p: int, m: int, v: int, costs: BranchCosts, weight_
 # A tick's length depends only on which kinds of operation run in it: the loops' ticks grouped by
 # that, once per (schedule, p, m, ...), so pricing a schedule is a few sums (the planner's search
 # prices tens of thousands of candidates on the same few tables).
-@functools.lru_cache(maxsize=256)
-def _one_f_one_b_slots(p: int, m: int, overlap: bool) -> tuple[tuple[tuple[bool, bool], int], ...]:
-    """((any stage runs a forward, any a backward), how many ticks) over 1F1B's loop: plain, per slot
-    (`pipeline.one_f_one_b_slot`); overlapped, per tick of a forward and a backward slot."""
-    from meshtrain.parallel.pipeline import one_f_one_b_overlapped, one_f_one_b_slot
-
-    counts = collections.Counter()
-    if overlap:
-        for t in range(m + 2 * p - 2):
-            forward, backward = zip(*(one_f_one_b_overlapped(p, m, s, t) for s in range(p)), strict=True)
-            counts[(any(b for b, _ in forward), any(b for b, _ in backward))] += 1
-    else:
-        for u in range(2 * (m + p - 1)):
-            busy = [one_f_one_b_slot(p, s, u) for s in range(p)]
-            busy = [op for op, j in busy if 0 <= j < m]
-            counts[(1 in busy, any(op != 1 for op in busy))] += 1
-    return tuple(counts.items())
-
-
 @functools.lru_cache(maxsize=256)
 def _table_rows(schedule: str, p: int, m: int, v: int, weight_parts: int,
                 latency: int) -> tuple[tuple[frozenset, int], ...]:

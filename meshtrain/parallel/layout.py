@@ -40,7 +40,14 @@ import numpy as np
 from meshtrain import attention as attention_lib, config as config_lib
 from meshtrain.config import BATCH_AXES, CONTEXT_PARALLEL_IMPLS, Axis, require
 from meshtrain.pallas_kernels.flash_attention import MIN_BLOCK
-from meshtrain.parallel import pipeline as pipeline_lib, pipeline_tables, ring_attention, schedules, ulysses
+from meshtrain.parallel import (
+    pipeline as pipeline_lib,
+    pipeline_tables,
+    ring_attention,
+    schedules,
+    slot_program,
+    ulysses,
+)
 
 STAGE, SEQUENCE = Axis.STAGE.value, Axis.SEQUENCE.value
 GradsFn = Callable  # (params, histories, batch, model, total_tokens, accum_steps) -> (loss_sum, aux, grads, amaxes)
@@ -76,39 +83,27 @@ class Layout:
                    permutation=data_permutation(config, sizes))
 
     def grads_function(self, default: GradsFn) -> GradsFn:
-        """The step's loss-and-gradient function: 1F1B's own loop (`pipeline.loss_and_grads`), the
-        slot-table loop of interleaved 1F1B and zero bubble (`pipeline_tables.loss_and_grads`), else
-        `default` (autodiff, gpipe and circular included)."""
+        """The step's loss-and-gradient function: the slot-table loop of 1F1B, interleaved 1F1B and zero
+        bubble (`pipeline_tables.loss_and_grads`), else `default` (autodiff, gpipe and circular included)."""
         pipe = self.pipeline
-        if pipe is not None and pipe.slots:
-            return pipeline_lib.loss_and_grads
         if pipe is not None and pipe.schedule in schedules.TABLE_SCHEDULES:
             return pipeline_tables.loss_and_grads
         return default
 
     def lockstep_rows(self) -> tuple[np.ndarray, int] | None:
-        """(rows [n, p] of the pipeline switch's branch each stage takes, one row a 1F1B slot or a table
-        tick; the switch's branches), how the kernel model prices the loop (`plan.hlo.kernels`), or None
-        without a slot loop."""
+        """(rows [n, p] of the pipeline switch's branch each stage takes, one row a table tick; the switch's
+        branches), how the kernel model prices the loop (`plan.hlo.kernels`), or None without a slot loop."""
         pipe = self.pipeline
-        if pipe is not None and pipe.slots:
-            return pipe.slot_rows(), pipeline_lib.SLOT_BRANCHES
-        if pipe is not None and pipe.schedule in schedules.TABLE_SCHEDULES:
-            plan = pipeline_tables.slot_plan(pipe.schedule, pipe.stages, pipe.microbatches, pipe.repeats,
-                                             pipe.split_backward, pipe.weight_parts, int(pipe.overlap))
-            return plan.program[:, :, 0], pipeline_lib.SLOT_BRANCHES
+        if pipe is not None and pipe.plan is not None:
+            return pipe.plan.program[:, :, 0], pipeline_lib.SLOT_BRANCHES
         return None
 
     def branch_share(self) -> tuple[float, ...] | None:
         """The share of a step's slot calls that take each branch of the pipeline's `lax.switch` (how
         often each branch's collectives run: `plan.hlo.collectives`), or None without a slot loop."""
         pipe = self.pipeline
-        if pipe is not None and pipe.slots:
-            return pipe.slot_branch_share()
-        if pipe is not None and pipe.schedule in schedules.TABLE_SCHEDULES:
-            return pipeline_tables.branch_share(
-                pipeline_tables.slot_plan(pipe.schedule, pipe.stages, pipe.microbatches, pipe.repeats,
-                                          pipe.split_backward, pipe.weight_parts, int(pipe.overlap)))
+        if pipe is not None and pipe.plan is not None:
+            return slot_program.branch_share(pipe.plan)
         return None
 
 
@@ -126,13 +121,11 @@ def pipeline_plan(config: ml_collections.ConfigDict, sizes: Mapping[str, int], *
     if sizes[STAGE] <= 1:
         return None
     pipe = config.pipeline
-    repeats = pipe.repeats if pipe.schedule in pipeline_lib.CHUNKED_SCHEDULES else 1
     unit = config.model.moe_every if config.model.num_experts else 1  # layers per scanned unit
-    given = tuple(n // unit for n in pipe.layers_per_stage)
-    units = pipeline_lib.stage_layers(config.model.n_layers // unit, sizes[STAGE], given, repeats)
-    return pipeline_lib.Pipeline(pipe.schedule, sizes[STAGE], pipe.microbatches, repeats, pipeline_axes(sizes),
-                                 checked=not kernels, split_backward=pipe.split_backward,
-                                 weight_parts=pipe.weight_parts, units=units, overlap=pipe.overlap_transfers)
+    return pipeline_lib.Pipeline.of(pipe.schedule, sizes[STAGE], pipe.microbatches, pipe.repeats,
+                                    config.model.n_layers // unit, (n // unit for n in pipe.layers_per_stage),
+                                    axes=pipeline_axes(sizes), checked=not kernels, split_backward=pipe.split_backward,
+                                    weight_parts=pipe.weight_parts, overlap=pipe.overlap_transfers)
 
 
 def accumulation_axes(config: ml_collections.ConfigDict, sizes: Mapping[str, int]) -> tuple[str, ...]:

@@ -15,7 +15,7 @@ as they enter; the parts that need those axes manual run inside directly (region
 axis): ring attention per device over `sequence`, the MoE exchange over `expert` (expert weights
 enter split over it), the Pallas kernels per shard. MoE router statistics travel with the
 activations and come out averaged over the MoE units and micro-batches, as the losses use them.
-Inside a 1F1B slot (a `lax.switch` whose branch differs per stage) ring attention moves its
+Inside a slot-table tick (a `lax.switch` whose branch differs per stage) ring attention moves its
 blocks by all-gather and reduce-scatter: a collective-permute there would wait for every device.
 
 Layout. The scanned layer parameters [L, ...] are sharded over `stage` on their first
@@ -40,26 +40,22 @@ Schedules (`config.pipeline.schedule`):
 * circular ("Interleaving stages"): each device holds v = `pipeline.repeats` chunks;
   micro-batches go round the ring v times (stage p-1 feeds stage 0, which parks them
   until their next lap). Ticks v*m + p - 1, bubble (p-1)/(v*m+p-1), v times the transfers.
-* 1f1b ("One-forward-one-backward"): a hand-written loop of time slots, two per tick.
-  Stage s runs the forward of micro-batch j in slot s + 2j (a `jax.vjp` of the stage whose
-  residuals, the activations the remat policy keeps, are stashed) and its backward (the
-  pullback, from the stash) in slot 2p - 1 - s + 2j, so every
-  stage alternates forward and backward slots and neighbours always sit in opposite
-  phases: after each slot one `ppermute` swaps neighbours' outputs, an activation moving
-  forward and a gradient moving back one stage per slot. The last stage takes the loss as
-  it finishes a micro-batch and starts its backward in the next slot. A slot runs only its
-  own work (`lax.switch`; idle slots cost nothing). Stage s holds the activations of p - s
-  micro-batches at most, independent of m; ticks m + p - 1, bubble (p-1)/(m+p-1) as in
-  the playbook. With `pipeline.overlap_transfers` (`one_f_one_b_overlapped`) every tick is a
-  forward slot on all stages then a backward slot on all stages, and each transfer travels beside
-  the next slot's compute: m + 2p - 2 ticks, 2(p - s) - 1 micro-batches held on stage s.
-  It is a loss-and-gradient function, `loss_and_grads`, used by the train step instead
-  of autodiff; its forward-only pass (evaluation) is the gpipe loop. In lock-step SPMD a
-  slot lasts as long as the slowest stage's work in it: a backward (about 2 forwards, 3
-  under full remat) while the neighbours run forwards.
+* 1f1b ("One-forward-one-backward"), interleaved_1f1b and zero_bubble: one executor of slot
+  tables (`pipeline_tables`), a hand-written loss-and-gradient loop used by the train step instead
+  of autodiff; their forward-only pass (evaluation) is the gpipe loop. 1F1B's table
+  (`schedules.executed`): stage s runs the forward of micro-batch j in tick s + 2j (a `jax.vjp` of
+  the stage whose residuals, the activations the remat policy keeps, are stashed) and its backward
+  (the pullback, from the stash) in tick 2p - 1 - s + 2j, so neighbours always sit in opposite
+  phases and an activation moves forward and a gradient back one stage a tick. Stage s holds the
+  activations of p - s micro-batches at most, independent of m; 2(m + p - 1) ticks, bubble
+  (p-1)/(m+p-1) as in the playbook. With `pipeline.overlap_transfers` the ticks alternate (a
+  forward on every stage, then a backward) and each transfer travels beside the next tick's compute:
+  2(m + 2p - 2) ticks, 2(p - s) - 1 micro-batches held on stage s. In lock-step SPMD a tick lasts
+  as long as the slowest stage's work in it: a backward (about 2 forwards, 3 under full remat)
+  while the neighbours run forwards, unless the ticks alternate.
 
 Remat per stage per micro-batch (gpipe, circular): the backward recomputes a stage from its
-input. 1f1b keeps what the model's remat policy saves for its p in-flight micro-batches.
+input. The slot tables keep what the model's remat policy saves for their in-flight micro-batches.
 """
 
 from __future__ import annotations
@@ -78,8 +74,8 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain import config as config_lib, fp8 as fp8_lib, model as model_lib, moe as moe_lib
 from meshtrain.config import BATCH_AXES, Axis
-from meshtrain.parallel import ring_attention, schedules
-from meshtrain.sharding_rules import vary, varying
+from meshtrain.parallel import ring_attention, schedules, slot_program
+from meshtrain.sharding_rules import vary
 
 STAGE, SEQUENCE, EXPERT = Axis.STAGE.value, Axis.SEQUENCE.value, Axis.EXPERT.value
 FP8 = fp8_lib.COLLECTION
@@ -91,7 +87,7 @@ OVERLAPPING = schedules.OVERLAPPING
 
 
 SPLIT_MODES = ("gemms", "pullback")  # `pipeline.split_backward`
-SLOT_BRANCHES = 7  # the `lax.switch` of a 1F1B slot or a slot-table tick: idle, three forwards, three backwards
+SLOT_BRANCHES = 7  # a slot-table tick's `lax.switch` (`pipeline_tables`): idle, three forwards, two backwards, W
 
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
@@ -105,16 +101,27 @@ class Pipeline:
     # The loop's shard_map type-checks how values vary over its axes, except around Pallas kernels:
     # a pallas_call declares no variance, and in interpret mode (CPU) fails inside a checked region.
     checked: bool = True
-    split_backward: str = "gemms"  # slot tables' W (`pipeline_tables.SlotPlan.split_backward`)
+    split_backward: str = "gemms"  # slot tables' W (`slot_program.SlotPlan.split_backward`)
     weight_parts: int = 1  # split W as this many operations on slices of the chunk's layers
     # scanned units (layers, or MoE groups of model.moe_every) each chunk runs, in execution order: chunk
     # c = r*p + s is stage s's r-th chunk (the virtual stage c; v = 1: one chunk a stage); () = even.
     # Uneven chunks (`stage_layers`) store max(units) rows each; the rows past a chunk's count are
     # empty slots: zeros in the state, skipped by a `lax.cond` in the chunk's scan.
     units: tuple[int, ...] = ()
-    # 1f1b and the slot tables: each tick's outputs travel while the next tick computes (a hop of two
+    # the slot tables: each tick's outputs travel while the next tick computes (a hop of two
     # ticks, `pipeline.overlap_transfers`): deeper warm-up, more micro-batches in flight
     overlap: bool = False
+
+    @classmethod
+    def of(cls, schedule: str, stages: int, microbatches: int, repeats: int, n_units: int, given=(),
+           **fields) -> Pipeline:
+        """The schedule as configured (`pipeline.*`): `repeats` only where it is chunked, the `n_units`
+        scanned units split over its chunks by `stage_layers` (`given`: `pipeline.layers_per_stage` in
+        units). The runtime (`layout.pipeline_plan`) and the planner (`plan.memory.Step.pipeline`) both
+        build it here, so they read the same ticks, tables and in-flight counts."""
+        repeats = repeats if schedule in CHUNKED_SCHEDULES else 1
+        units = stage_layers(n_units, stages, tuple(given), repeats)
+        return cls(schedule, stages, microbatches, repeats, units=units, **fields)
 
     @functools.cached_property
     def _table(self):
@@ -122,23 +129,37 @@ class Pipeline:
         return schedules.executed(self.schedule, self.stages, self.microbatches, self.repeats, self.weight_parts,
                                   latency=int(self.overlap))
 
+    @functools.cached_property
+    def plan(self):
+        """The slot-table executor's program (`slot_program.SlotPlan`) of a table schedule, else None."""
+        if self.schedule not in TABLE_SCHEDULES:
+            return None
+        return slot_program.slot_plan(self.schedule, self.stages, self.microbatches, self.repeats,
+                                      self.split_backward, self.weight_parts, int(self.overlap))
+
+    @property
+    def transfers(self) -> tuple[int, int]:
+        """(stage-to-stage `ppermute`s a step, of them a tick): the autodiff ring one a tick forward and
+        one transposed; a slot table two a tick (activations on, gradients back) or one (`SlotPlan.pairs`)."""
+        if self.plan is None:
+            return 2 * self.ticks, 1
+        per_tick = 1 if self.plan.pairs is not None else 2
+        return per_tick * self.ticks, per_tick
+
     @property
     def ticks(self) -> int:
-        """Trip count of the tick loop (a slot table: one F, B or W per stage per tick; interleaved 1F1B's
-        ticks alternate forwards and backwards)."""
-        p, m, v = self.stages, self.microbatches, self.repeats
-        if self.schedule in TABLE_SCHEDULES:
-            return len(self._table)
-        if self.slots and self.overlap:  # stage s: forwards at ticks s + j, backwards 2p - 2 - s + j
-            return m + 2 * p - 2
-        return v * m + p - 1  # 1f1b: one forward slot and one backward slot per tick
+        """Trip count of the tick loop (a slot table: one F, B or W per stage per tick; 1F1B with transfers
+        behind compute and interleaved 1F1B alternate ticks of forwards and of backwards)."""
+        if self.plan is not None:
+            return self.plan.ticks
+        return self.repeats * self.microbatches + self.stages - 1
 
     @property
     def bubble(self) -> float:
-        """Idle fraction of the ticks, 1 - v*m/ticks: gpipe and 1f1b (p-1)/(m+p-1), circular
-        (p-1)/(v*m+p-1) (the playbook's (p-1)/(v*m) is relative to the ideal time). Slot tables:
-        the idle share of the stages' time (`schedules.bubble`: F, B and W one unit each; interleaved
-        1F1B's alternating ticks: F one, the whole backward two).
+        """Idle fraction of the ticks: gpipe (p-1)/(m+p-1), circular (p-1)/(v*m+p-1) (1 - v*m/ticks; the
+        playbook's (p-1)/(v*m) is relative to the ideal time). Slot tables: the idle share of the stages'
+        time (`schedules.bubble`: F, B and W one unit each; tables without W: F one, the whole backward two,
+        a tick as long as its longest operation).
         """
         if self.schedule in TABLE_SCHEDULES:
             ratio = schedules.bubble(self._table)
@@ -148,32 +169,9 @@ class Pipeline:
     def in_flight(self) -> tuple[int, ...]:
         """Per stage: micro-batch activations held for the backward at the peak (slot tables: chunk
         activations, each 1/v of a stage's layers)."""
-        p, m, v = self.stages, self.microbatches, self.repeats
         if self.schedule in TABLE_SCHEDULES:
             return tuple(schedules.in_flight(self._table))
-        if self.slots:
-            return tuple(min(m, (2 * (p - s) - 1) if self.overlap else p - s) for s in range(p))
-        return (v * m,) * p
-
-    def slot_branch_share(self) -> tuple[float, ...]:
-        """1f1b: the share of slot calls, averaged over stages, that take each `lax.switch` branch."""
-        counts = np.bincount(self.slot_rows().ravel(), minlength=SLOT_BRANCHES)
-        return tuple(float(c) for c in counts / counts.sum())
-
-    def slot_rows(self) -> np.ndarray:
-        """1f1b: [2 x ticks, p] the `lax.switch` branch (`one_f_one_b_branch`'s index) stage s takes in
-        each slot: plain, slot u; overlapped, a tick's forward switch then its backward switch."""
-        p, m = self.stages, self.microbatches
-        rows = np.zeros((2 * self.ticks, p), np.int32)
-        for u in range(2 * self.ticks):
-            for s in range(p):
-                if self.overlap:
-                    rows[u, s] = one_f_one_b_overlapped(p, m, s, u // 2)[u % 2][0]
-                else:
-                    op, j = one_f_one_b_slot(p, s, u)
-                    role = 1 if s == 0 else 2 if s == p - 1 else 0
-                    rows[u, s] = 1 + 3 * (op - 1) + role if 0 <= j < m else 0
-        return rows
+        return (self.repeats * self.microbatches,) * self.stages
 
     def describe(self) -> str:
         """One line for the start-of-run log: schedule, ticks, bubble, in-flight micro-batches per stage."""
@@ -190,11 +188,6 @@ class Pipeline:
             per = "stage" if self.repeats == 1 else "chunk (virtual stage)"
             line += f", scanned units per {per} {list(self.units)} ({max(self.units)} rows each)"
         return line
-
-    @property
-    def slots(self) -> bool:
-        """1F1B's loop of forward and backward slots (`loss_and_grads`), not a table or an autodiff loop."""
-        return schedules.REGISTRY[self.schedule].loop == schedules.SLOTS
 
     @property
     def uneven(self) -> bool:
@@ -241,7 +234,7 @@ class Pipeline:
         over `stage` (stats: each MoE layer's {balance, z, dropped} averaged over the MoE units and
         the micro-batches; {} for a dense model).
 
-        Differentiable (gpipe, circular); 1f1b uses this loop for its forward-only pass.
+        Differentiable (gpipe, circular); the slot tables use this loop for their forward-only pass.
         """
         rules = model.rules.with_manual(self.axes)
         stack = _chunk_function(stage_function(model.cfg, rules, model.attention_fn, self.counts))
@@ -298,7 +291,7 @@ def stage_function(cfg, rules, attention_fn, counts: tuple[tuple[int, ...], ...]
     the loop's `shard_map`, where `lax.axis_index('stage')` is the stage."""
     # Under remat `none` the block is wrapped in a remat that saves everything (`_stage_block`): nothing is
     # recomputed and the memory is that of no remat. Without one, jax 0.10's transpose of the layer scan
-    # inside 1F1B's and the slot tables' `jax.vjp` types an MoE layer's router-statistic cotangent as
+    # inside the slot tables' `jax.vjp` types an MoE layer's router-statistic cotangent as
     # varying over the batch axes and tracing fails.
     block = _stage_block(cfg, rules, attention_fn)
 
@@ -485,32 +478,15 @@ def _ring_loop(stack, layers, xs, positions, segment_ids, *, p, m, v, units, axe
 
 
 # ---------------------------------------------------------------------------------------------
-# 1F1B: loss and gradients in one hand-written tick loop.
+# The slot loops' shared frame: the stage's `shard_map`, its variables and its gradient reduction.
 # ---------------------------------------------------------------------------------------------
-
-
-def loss_and_grads(params, histories, batch, model, total_tokens, accum_steps):
-    """(loss_sum, aux, grads, amaxes) of the 1F1B schedule; the train step's drop-in for autodiff.
-
-    Same contract as the train step's one-pass gradient: the differentiated loss is
-    loss_sum / total_tokens plus the MoE losses in `aux`, each averaged over the MoE units and the
-    micro-batches as under gpipe (`moe.loss_terms`); under FP8, `amaxes` are the largest amaxes each
-    quantised matmul saw (the cotangents of its amax `histories`). The loop is manual over
-    `Pipeline.axes`: each device sums its own gradients over its micro-batches and the data-parallel
-    reduction runs once, after the loop (playbook, "Data Parallelism" with gradient accumulation),
-    not in every backward slot; under ZeRO-3 the weights are gathered once, when they enter the loop
-    (playbook, "ZeRO-3": a stage keeps its weights gathered across its micro-batches), not in every slot.
-    """
-    del accum_steps  # the validator requires train.grad_accum_steps == 1 with a pipeline
-    loop = _one_f_one_b_overlapped_loop if model.pipeline.overlap else _one_f_one_b_loop
-    return run_gradient_loop(loop, params, histories, batch, model, total_tokens)
 
 
 def run_gradient_loop(loop, params, histories, batch, model, total_tokens, **static):
     """`loop`(stack, stage model, layers, outer params, micro-batches, total_tokens, *, p, m, axes, units,
     specs, **static) -> (loss sum, MoE stats, outer grads, layer grads), run in the pipeline's
-    `shard_map`; returns the train step's (loss_sum, aux, grads, amaxes). Shared by 1F1B and the slot
-    tables. `layers` are the stage's variables (`stage_variables`: parameters, and under FP8 the amax
+    `shard_map`; returns the train step's (loss_sum, aux, grads, amaxes): the slot-table executor's
+    frame (`pipeline_tables`). `layers` are the stage's variables (`stage_variables`: parameters, and under FP8 the amax
     histories, float32); its gradients are their float32 gradient sums and largest amaxes."""
     pipe = model.pipeline
     inner = model.clone(rules=model.rules.with_manual(pipe.axes), pipeline=None,
@@ -550,80 +526,6 @@ def aux_cotangents(stats: dict, cfg, units: int, m: int) -> dict:
     `units` MoE units and the `m` micro-batches (`moe.loss_terms`), so each is a constant."""
     weights = {"balance": cfg.aux_loss_weight, "z": cfg.router_z_loss_weight}
     return {k: jnp.full(v.shape, weights.get(k, 0.0) / (units * m), v.dtype) for k, v in stats.items()}
-
-
-def one_f_one_b_slot(p: int, s, u):
-    """(op, micro-batch) of stage s in time slot u of the 1F1B schedule; op 0 idle, 1 forward, 2 backward.
-
-    Forward of j in slot s + 2j, backward of j in slot 2p - 1 - s + 2j: every stage alternates
-    forward and backward slots, a forward moves one stage per slot and so does a gradient, and
-    stage s holds the activations of micro-batches j .. j + p - 1 - s between a forward and its backward.
-    Works on Python ints and on traced values alike.
-    """
-    forward = (u - s) % 2 == 0
-    j_forward, j_backward = (u - s) // 2, (u - (2 * p - 1 - s)) // 2
-    if isinstance(forward, bool):
-        return (1, j_forward) if forward else (2, j_backward)
-    return jnp.where(forward, 1, 2), jnp.where(forward, j_forward, j_backward)
-
-
-def one_f_one_b_branches_used(p: int, m: int, overlap: bool = False) -> set[int]:
-    """The `one_f_one_b_branch` indices some stage takes in some slot (host ints)."""
-    used = {0}
-    if overlap:
-        return used | {branch for s in range(p) for t in range(m + 2 * p - 2)
-                       for branch, _ in one_f_one_b_overlapped(p, m, s, t)}
-    for s in range(p):
-        role = 1 if s == 0 else 2 if s == p - 1 else 0
-        for u in range(2 * (m + p - 1)):
-            op, j = one_f_one_b_slot(p, s, u)
-            if 0 <= j < m:
-                used.add(1 + 3 * (op - 1) + role)
-    return used
-
-
-def one_f_one_b_branch(p: int, m: int, s, u):
-    """(branch, micro-batch) of the slot's `lax.switch`: 0 idle; forward 1 on a middle stage, 2 on
-    stage 0 (embedding), 3 on stage p-1 (head and loss); backward 4, 5 (embedding), 6 likewise."""
-    op, j = one_f_one_b_slot(p, s, u)
-    role = jnp.where(s == 0, 1, jnp.where(s == p - 1, 2, 0))
-    return jnp.where((j >= 0) & (j < m), 1 + 3 * (op - 1) + role, 0), jnp.clip(j, 0, m - 1)
-
-
-def one_f_one_b_overlapped(p: int, m: int, s, t):
-    """((forward branch, micro-batch), (backward branch, micro-batch)) of stage s at tick t of 1F1B with
-    transfers behind compute (`pipeline.overlap_transfers`); branch indices as `one_f_one_b_branch`'s.
-
-    Every tick runs a forward slot on all stages, then a backward slot on all stages: stage s runs the
-    forward of j at tick s + j and its backward at tick 2p - 2 - s + j. An activation sent after a
-    forward slot travels during the backward slot and is read at the next tick; a gradient computed in
-    a backward slot is sent at the start of the next tick, travels during its forward slot and is read
-    by its backward slot. Each transfer has a slot of compute beside it; the price is a hop of two
-    slots per stage: 2p - 2 ticks of warm-up and cool-down (m + 2p - 2 ticks in all, each one forward
-    and one backward long) and 2(p - s) - 1 micro-batches in flight on stage s (1F1B: p - s).
-    Works on Python ints and on traced values alike."""
-    j_forward, j_backward = t - s, t - (2 * p - 2 - s)
-    if isinstance(s, int) and isinstance(t, int):
-        role = 1 if s == 0 else 2 if s == p - 1 else 0
-        return ((1 + role if 0 <= j_forward < m else 0, min(max(j_forward, 0), m - 1)),
-                (4 + role if 0 <= j_backward < m else 0, min(max(j_backward, 0), m - 1)))
-    role = jnp.where(s == 0, 1, jnp.where(s == p - 1, 2, 0))
-    return ((jnp.where((j_forward >= 0) & (j_forward < m), 1 + role, 0), jnp.clip(j_forward, 0, m - 1)),
-            (jnp.where((j_backward >= 0) & (j_backward < m), 4 + role, 0), jnp.clip(j_backward, 0, m - 1)))
-
-
-def _slot_pairs(p: int, parity: int) -> list[tuple[int, int]]:
-    """Who sends to whom after a slot of this parity: forward slots to s+1, backward slots to s-1.
-
-    Neighbours swap, so one `ppermute` carries both directions.
-    """
-    pairs = []
-    for s in range(p):
-        if (parity - s) % 2 == 0 and s + 1 < p:
-            pairs.append((s, s + 1))
-        elif (parity - s) % 2 == 1 and s >= 1:
-            pairs.append((s, s - 1))
-    return pairs
 
 
 class Residuals:
@@ -697,222 +599,12 @@ class Residuals:
         return self.rebuild([lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False) for buf in stash], w)
 
 
-class SlotWork:
-    """What a 1F1B slot can do on one stage, as `lax.switch` branches (`one_f_one_b_branch` order):
-    idle; a forward on a middle stage, on stage 0 (embedding first), on stage p-1 (head and loss
-    after); a backward likewise. Each takes (carry, inbox, micro-batch, stash) -> (carry, outbox, put).
-
-    The stash of vjp residuals (`stash_buffers`) stays out of the switch: a backward reads its slot, a
-    forward returns its residuals as `put`, which the loop writes after the switch (`store`). XLA gives a
-    conditional's results their own buffers, so a stash the branches returned was copied in every
-    branch, every slot (405B on 16 H100 stages: 4 GiB, 3.95 ms a slot). The carry holds the last
-    stage's head gradient `dy`, float32
-    gradient sums of the stage's layers (`g_layers`) and of the embedding / head (`g_outer`), the
-    summed loss and the summed MoE statistics of the stage's units; every entry differs per stage
-    and per data-parallel rank.
-    """
-
-    def __init__(self, stack, model, layers, outer, micro, total_tokens, *, p: int, m: int,
-                 manual: tuple[str, ...], units: int, stash_slots: int | None = None):
-        self.model, self.layers, self.outer, self.micro = model, layers, outer, micro
-        self.total_tokens, self.p, self.m, self.manual, self.units = total_tokens, p, m, manual, units
-        self.stash_slots = stash_slots or p  # micro-batch j's residuals in slot j % stash_slots
-        self.residuals = Residuals(stack, layers)
-
-    def _embed(self, o, tokens):
-        return self.model.apply({"params": o}, tokens, method="embed")
-
-    def _head_loss(self, o, y, mb):
-        return self.model.apply({"params": o}, y, mb, method="head_loss")
-
-    def _pick(self, i):
-        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 1, keepdims=False), self.micro)
-
-    def _varying(self, x, axes: tuple[str, ...] | None = None):
-        """`x` varying over `axes` (default: every manual axis): a carry entry, or a cotangent."""
-        return vary(x, self.manual if axes is None else axes)
-
-    @staticmethod
-    def _acc(sums, grads):
-        return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), sums, grads)
-
-    @classmethod
-    def _acc_layers(cls, sums, grads):
-        """Layer gradients summed, FP8 amaxes maximised (`_layer_sums`)."""
-        out = {"params": cls._acc(sums["params"], grads["params"])}
-        if FP8 in sums:
-            out[FP8] = jax.tree.map(jnp.maximum, sums[FP8], fp8_lib.from_grad(grads[FP8]))
-        return out
-
-    def _layer_sums(self) -> dict:
-        """Zeroed float32 gradient sums of the stage's layers and, under FP8, amaxes (-inf: none yet)."""
-        sums = {"params": jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), self.layers["params"])}
-        if FP8 in self.layers:
-            sums[FP8] = jax.tree.map(lambda a: jnp.full(a.shape, -jnp.inf, jnp.float32), self.layers[FP8])
-        return sums
-
-    def activation(self) -> jax.Array:
-        """Zeros shaped like one micro-batch's activation [b, T, D]."""
-        example = jax.eval_shape(self._embed, self.outer, self._pick(0)["inputs"])
-        return jnp.zeros(example.shape, example.dtype)
-
-    def initial_carry(self) -> dict:
-        act = self.activation()
-
-        def probe(x):  # the stage's MoE statistics, and over which axes they vary (their cotangents must)
-            (_, stats), _ = self.residuals.vjp(lax.pcast(x, self.manual, to="varying"), self._pick(0))
-            self._stats_vma = jax.tree.map(lambda a: tuple(sorted(varying(a))), stats)
-            return stats
-        stats = jax.eval_shape(probe, act)
-        zeros32 = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, jnp.float32))
-        carry = dict(dy=act, g_layers=self._layer_sums(), g_outer=zeros32(self.outer),
-                     loss=jnp.zeros((), jnp.float32), stats=zeros32(stats))
-        self._stash = self.residuals.stash(self.stash_slots + 1, lax.pcast(act, self.manual, to="varying"),
-                                           self._pick(0), self.manual)
-        return self._varying(carry)
-
-    def stash_buffers(self) -> list[jax.Array]:
-        """The zeroed stash (after `initial_carry`): `stash_slots` slots of residuals, micro-batch j's in
-        slot j % stash_slots, and a last slot that the slots without a forward write their zeros into."""
-        return self._stash
-
-    def store(self, stash: list[jax.Array], put: list[jax.Array], index, j) -> list[jax.Array]:
-        """The stash after a slot that took branch `index` on micro-batch j: its forward's residuals `put`
-        in j's slot, or (no forward) the zeros in the last slot."""
-        forward = (index >= 1) & (index <= 3)
-        slot = jnp.where(forward, j % self.stash_slots, self.stash_slots)
-        return [lax.dynamic_update_index_in_dim(buf, value, slot, 0) for buf, value in zip(stash, put, strict=True)]
-
-    def _nothing(self, stash: list[jax.Array]) -> list[jax.Array]:
-        return [self._varying(jnp.zeros(buf.shape[1:], buf.dtype)) for buf in stash]
-
-    def branches(self, used: set[int]) -> list:
-        """The `lax.switch` branches; those no stage ever takes (`used`: the schedule's) are idle, so
-        that they are neither traced nor compiled (a 2-stage pipeline has no middle stage)."""
-        every = [self._idle, self._forward(False, False), self._forward(True, False), self._forward(False, True),
-                 self._backward(False, False), self._backward(True, False), self._backward(False, True)]
-        return [branch if index in used else self._idle for index, branch in enumerate(every)]
-
-    def _idle(self, c, inbox, j, stash):
-        return c, jnp.zeros_like(inbox), self._nothing(stash)
-
-    def _forward(self, first: bool, last: bool):
-        def run(c, inbox, j, stash):
-            mb = self._pick(j)
-            x = self._embed(self.outer, mb["inputs"]) if first else inbox
-            (y, stats), stack_vjp = self.residuals.vjp(x, mb)
-            put = self.residuals.keep(stack_vjp)
-            c = {**c, "stats": self._acc(c["stats"], self._varying(stats))}
-            if not last:
-                return c, y, put
-            # the last stage takes the loss at once; its backward slot (the next one) starts from dy
-            loss, head_vjp = jax.vjp(lambda o, y: self._head_loss(o, y, mb), self.outer, y)
-            g_head, dy = head_vjp(self._varying((1.0 / self.total_tokens).astype(loss.dtype)))
-            c = {**c, "dy": dy, "loss": c["loss"] + loss, "g_outer": self._acc(c["g_outer"], g_head)}
-            return c, jnp.zeros_like(y), put
-        return run
-
-    def _backward(self, first: bool, last: bool):
-        def run(c, inbox, j, stash):
-            mb = self._pick(j)
-            g = c["dy"] if last else inbox
-            pullback = self.residuals.load(stash, j % self.stash_slots)
-            g_stats = {k: self._varying(g, self._stats_vma[k]) for k, g in
-                       aux_cotangents(c["stats"], self.model.cfg, self.units, self.m).items()}
-            g_layers, dx = pullback((g, g_stats))
-            c = {**c, "g_layers": self._acc_layers(c["g_layers"], g_layers)}
-            if not first:
-                return c, dx, self._nothing(stash)
-            _, embed_vjp = jax.vjp(lambda o: self._embed(o, mb["inputs"]), self.outer)
-            (g_embed,) = embed_vjp(dx)
-            return {**c, "g_outer": self._acc(c["g_outer"], g_embed)}, jnp.zeros_like(dx), self._nothing(stash)
-        return run
-
-
 def psum(x, axes):
     return lax.psum(x, axes) if axes else x
 
 
 def pmean(x, axes):
     return lax.pmean(x, axes) if axes else x
-
-
-def _one_f_one_b_loop(stack, model, layers, outer, micro, total_tokens, *, p, m, axes, units, specs):
-    """One stage's 1F1B ticks: two slots per tick, each a forward or a backward (`one_f_one_b_slot`).
-
-    A slot runs only its own work (`lax.switch` over `SlotWork.branches`), then one `ppermute`
-    hands each slot's output to its neighbour: activations forward, input gradients back. A forward
-    keeps what its backward needs (the stage's `jax.vjp` residuals: the activations the remat policy
-    saves) in a stash of p slots (stage s uses p - s of them); the backward runs from them without
-    a recompute. Returns (loss sum, MoE stats averaged over units and micro-batches, outer grads,
-    layer grads), each reduced over the data-parallel axes once.
-    """
-    s = lax.axis_index(STAGE)
-    rest = tuple(a for a in axes if a != STAGE)
-    # differentiate per stage and per data-parallel rank; reduce once at the end
-    outer = lax.pcast(outer, axes, to="varying")
-    layers = vary(layers, rest)
-    work = SlotWork(stack, model, layers, outer, micro, total_tokens, p=p, m=m, manual=axes, units=units)
-    branches = work.branches(one_f_one_b_branches_used(p, m))
-
-    def tick(carry, t):
-        c, stash, inbox = carry
-        for parity in (0, 1):  # slot u = 2t + parity; its senders and receivers are fixed by the parity
-            index, j = one_f_one_b_branch(p, m, s, 2 * t + parity)
-            c, out, put = lax.switch(index, branches, c, inbox, j, stash)
-            stash = work.store(stash, put, index, j)
-            inbox = lax.ppermute(out, STAGE, _slot_pairs(p, parity))
-        return (c, stash, inbox), None
-
-    inbox = lax.pcast(work.activation(), axes, to="varying")
-    c = work.initial_carry()
-    (c, _, _), _ = lax.scan(tick, (c, work.stash_buffers(), inbox), jnp.arange(m + p - 1))
-    return _loop_results(c, specs, axes, units, m)
-
-
-def _one_f_one_b_overlapped_loop(stack, model, layers, outer, micro, total_tokens, *, p, m, axes, units, specs):
-    """One stage's 1F1B ticks with every transfer beside a slot of compute (`one_f_one_b_overlapped`):
-
-        start sending the last tick's input gradient upstream  |  forward slot (`lax.switch`)
-        start sending this forward's activation downstream     |  backward slot (reads the gradient)
-
-    The gradient a backward slot computes stays in the carry and leaves at the start of the next
-    tick, so neither `ppermute` is read by the slot right after it. Same results as
-    `_one_f_one_b_loop`; residuals of 2(p - s) - 1 micro-batches on stage s."""
-    s = lax.axis_index(STAGE)
-    rest = tuple(a for a in axes if a != STAGE)
-    outer = lax.pcast(outer, axes, to="varying")
-    layers = vary(layers, rest)
-    work = SlotWork(stack, model, layers, outer, micro, total_tokens, p=p, m=m, manual=axes, units=units,
-                    stash_slots=min(m, 2 * p - 1))
-    branches = work.branches(one_f_one_b_branches_used(p, m, overlap=True))
-    downstream = [(i, i + 1) for i in range(p - 1)]
-    upstream = [(i, i - 1) for i in range(1, p)]
-
-    def tick(carry, t):
-        c, stash, activation, gradient_out = carry
-        gradient = lax.ppermute(gradient_out, STAGE, upstream)  # travels during the forward slot
-        (f_index, f_micro), (b_index, b_micro) = one_f_one_b_overlapped(p, m, s, t)
-        c, y, put = lax.switch(f_index, branches, c, activation, f_micro, stash)
-        stash = work.store(stash, put, f_index, f_micro)
-        activation = lax.ppermute(y, STAGE, downstream)  # travels during the backward slot
-        c, gradient_out, _ = lax.switch(b_index, branches, c, gradient, b_micro, stash)
-        return (c, stash, activation, gradient_out), None
-
-    act = lax.pcast(work.activation(), axes, to="varying")
-    c = work.initial_carry()
-    (c, _, _, _), _ = lax.scan(tick, (c, work.stash_buffers(), act, act), jnp.arange(m + 2 * p - 2))
-    return _loop_results(c, specs, axes, units, m)
-
-
-def _loop_results(c, specs, axes, units, m):
-    """(loss sum, MoE stats averaged over units and micro-batches, outer grads, layer grads) of a 1F1B
-    loop's final carry, each reduced over the data-parallel axes once."""
-    rest = tuple(a for a in axes if a != STAGE)
-    g_layers = reduce_layer_grads(c["g_layers"], specs, rest)
-    # every rank of a stage holds the same statistics (summed over the batch inside each layer)
-    stats = jax.tree.map(lambda a: pmean(lax.psum(a, STAGE), rest) / (units * m), c["stats"])
-    return lax.psum(c["loss"], axes), stats, lax.psum(c["g_outer"], axes), g_layers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -977,7 +669,7 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     units = stage_layers(n_layers // unit, p, tuple(n // unit for n in given), v if chunked else 1)
     if len(set(units)) > 1:
         chunk_units = max(units)
-        slots = pipe.schedule in schedules.SLOT_SCHEDULES
+        slots = pipe.schedule in TABLE_SCHEDULES
         ring_heads = config.attention.impl == "ring" and sizes[SEQUENCE] > 1 and sizes["tensor"] > 1
         req(not (slots and ring_heads and config.remat.policy == "none"), "remat.policy", config.remat.policy,
             "uneven stages skip empty slots with a lax.cond, which JAX cannot differentiate when it saves ring "

@@ -1,8 +1,9 @@
-"""Slot-table schedules in one SPMD loop: interleaved 1F1B and zero bubble (ZB-H1).
+"""The pipeline's slot-table executor: 1F1B, interleaved 1F1B and zero bubble (ZB-H1) in one SPMD loop.
 
-Playbook, "Interleaving stages" and "Zero Bubble and DualPipe". `schedules.executed` gives, per
-tick, the operation each stage runs: F (forward of a micro-batch through one of the stage's
-model chunks), B (its input gradient; interleaved 1F1B: its whole backward) and W (zero bubble:
+Playbook, "One-forward-one-backward", "Interleaving stages" and "Zero Bubble and DualPipe".
+`schedules.executed` gives, per tick, the operation each stage runs (each schedule's own table
+builder, `schedules.REGISTRY`): F (forward of a micro-batch through one of the stage's model
+chunks), B (its input gradient; 1F1B and interleaved 1F1B: its whole backward) and W (zero bubble:
 its weight gradient). This module turns that table
 into static integer programs (`SlotPlan`) and runs them in one `lax.scan` over ticks inside the
 pipeline's `shard_map`: at each tick every stage runs its own operation (`lax.switch`), then two
@@ -11,6 +12,9 @@ wrap-around p-1 -> 0 and back when a stage holds several chunks). Nothing in the
 data: which operation, which micro-batch and chunk, and which buffer slot every value is read from
 and written to are fixed by the table, so the loop is one program on every device.
 
+* 1f1b: stage s runs the forward of micro-batch j in tick s + 2j and its backward in tick
+  2p - 1 - s + 2j (neighbours in opposite phases); p - s micro-batches held on stage s. With
+  transfers behind compute its ticks alternate as interleaved 1F1B's do (v = 1).
 * interleaved_1f1b (Megatron's virtual stages): stage s holds v = `pipeline.repeats` chunks, chunk
   c being virtual stage c*p + s (the circular schedule's layout, so checkpoints move freely between
   them); micro-batches run in groups of p chunk by chunk. Bubble (p-1)/(v m) of the ideal time.
@@ -53,7 +57,6 @@ a stage the layers' sums are too, from the chunk gradient the operation returns 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -62,208 +65,18 @@ import numpy as np
 from jax import lax
 
 from meshtrain import fp8 as fp8_lib
-from meshtrain.parallel import schedules
 from meshtrain.parallel.pipeline import (
     FP8,
     STAGE,
     Residuals,
-    SlotWork,
     SplitStage,
     aux_cotangents,
     pmean,
     reduce_layer_grads,
     run_gradient_loop,
 )
+from meshtrain.parallel.slot_program import BACKWARD_FIRST, FIELDS, PUT_FIELD
 from meshtrain.sharding_rules import vary
-
-# branch indices of the tick's `lax.switch`
-IDLE, FORWARD, FORWARD_FIRST, FORWARD_LAST, BACKWARD, BACKWARD_FIRST, WEIGHTS = range(7)
-FIELDS = ("branch", "micro", "chunk", "stash", "wstash", "read_f", "read_b", "dy", "recv_f", "recv_b", "part",
-          "put_stash", "put_inputs", "put_g", "keep_stash", "keep_inputs", "keep_g")
-# the program fields with the slot a tick writes each slot buffer's `put` into, and whether it writes
-# back what the slot holds instead (`SlotPlan`)
-PUT_FIELD = {"stash": "stash", "inputs": "inputs", "gs": "g"}
-
-
-@dataclasses.dataclass(frozen=True)
-class SlotPlan:
-    """The static program of a slot table: `program[t, s]` holds, for stage s at tick t, the FIELDS:
-    the branch, micro-batch and chunk of its operation, the residual slot it writes (F) or reads
-    (B, W), the inbox slots its input activation (F) or output gradient (B) comes from, the gradient
-    inbox slot where the last stage's forward leaves its loss gradient, the inbox slots where the
-    activation and gradient arriving after the tick go, which slice of the chunk's layers a W part
-    computes, and the slots the tick writes into the residual, matmul-input and output-gradient
-    buffers after its switch (`put_*`: the operation's own slot where it fills the buffer, else a slot
-    holding nothing still to be read, or, `keep_*` set, where every slot does, the slot's own value
-    written back; `_put_slots`). An inbox slot index equal to the inbox size is its trash slot
-    (nothing arrives)."""
-
-    program: np.ndarray  # int32 [ticks, p, len(FIELDS)]
-    stash_slots: int  # vjp residuals, F to B (gemms: the records, residuals then output gradients, F to W)
-    weight_slots: int  # split: what W needs beyond the residuals (`split_backward`): the buffers' size
-    inbox_f_slots: int
-    inbox_b_slots: int
-    split: bool  # B and W are separate operations (`schedules.SPLIT_BACKWARD`)
-    wraps: bool  # activations go p-1 -> 0 (and gradients back) between chunks
-    # split: "gemms" (W: the weight GEMMs from the matmuls' inputs, F to W, and output gradients,
-    # B to W) or "pullback" (W: the stage's pullback again, from the residuals, kept until W, and the
-    # stage's output gradient, B to W)
-    split_backward: str = "gemms"
-    weight_parts: int = 1  # each W as this many operations, each on 1/weight_parts of the chunk's layers
-    # ticks an output spends between stages beyond the next (`pipeline.overlap_transfers`: 1, sent while
-    # the next tick computes, put in its inbox slot at that tick's end; `recv_*` name that tick's row)
-    latency: int = 0
-
-    @property
-    def gemms(self) -> bool:
-        return self.split and self.split_backward == "gemms"
-
-    @property
-    def ticks(self) -> int:
-        return self.program.shape[0]
-
-
-def _allocate(intervals: list[tuple[float, float, object]]) -> tuple[dict, int]:
-    """Slots for (write time, last read time, key) lifetimes on one stage: the lowest slot free at
-    the write (a slot read at time r is free for writes after r). Returns ({key: slot}, slots used)."""
-    slots, busy, used = {}, [], 0
-    for start, end, key in sorted(intervals, key=lambda x: x[0]):
-        busy = [(e, k) for e, k in busy if e >= start]
-        taken = {k for _, k in busy}
-        slot = next(i for i in range(len(taken) + 1) if i not in taken)
-        slots[key], used = slot, max(used, slot + 1)
-        busy.append((end, slot))
-    return slots, used
-
-
-def _put_slots(ticks: int, p: int, live: list[list[tuple[int, int, int]]]) -> tuple[np.ndarray, np.ndarray, int]:
-    """([ticks, p] the slot each tick writes a buffer's `put` into, [ticks, p] whether it writes back
-    the slot's own value instead, the buffer's size: its peak of values held at once).
-
-    `live[s]`: (write tick, last read tick, slot) of every value stage s keeps in the buffer, written
-    by the operation of its write tick, which fills that slot. Every other operation puts zeros into the
-    lowest slot whose value, if any, is not read after the tick (the switch reads before the tick
-    writes); where every slot holds a value still to be read (a stage idle at its peak), it writes
-    slot 0's value back: a slot read, instead of a slot more in the buffer."""
-    size = max([slot + 1 for intervals in live for _, _, slot in intervals], default=1)
-    slots, keep = np.zeros((ticks, p), np.int32), np.zeros((ticks, p), np.int32)
-    fills = {(start, s): slot for s in range(p) for start, _, slot in live[s]}
-    for s in range(p):
-        for t in range(ticks):
-            if (t, s) in fills:
-                slots[t, s] = fills[t, s]
-                continue
-            busy = {slot for start, end, slot in live[s] if start < t < end}
-            free = [k for k in range(size) if k not in busy]
-            slots[t, s], keep[t, s] = (free[0], 0) if free else (0, 1)
-    return slots, keep, size
-
-
-def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "gemms",
-              weight_parts: int = 1, latency: int = 0) -> SlotPlan:
-    """The executable program of `schedule`'s table (see `SlotPlan`). A W in parts keeps what it reads
-    until its last part (the table's later ticks overwrite the earlier in `when`)."""
-    table = schedules.executed(schedule, p, m, v, weight_parts, latency)
-    arrive = 0.5 + latency  # after the tick that sends (latency 1: at the end of the next one)
-    split = schedule in schedules.SPLIT_BACKWARD
-    when = {(op.kind, s, op.micro, op.chunk): t for t, row in enumerate(table) for s, op in enumerate(row) if op}
-    stash_iv = [[] for _ in range(p)]
-    weight_iv = [[] for _ in range(p)]
-    inbox_f_iv = [[] for _ in range(p)]
-    inbox_b_iv = [[] for _ in range(p)]
-    for (kind, s, j, c), t in when.items():
-        if kind == schedules.F:
-            # the residuals live until B (W under the split's pullback); the gemms split's inputs until W
-            last = schedules.W if split and split_backward == "pullback" else schedules.B
-            stash_iv[s].append((t, when[(last, s, j, c)], (s, j, c)))
-            if split and split_backward == "gemms":
-                weight_iv[s].append((t, when[(schedules.W, s, j, c)], (s, j, c)))
-            if s == p - 1 and c == v - 1:  # the loss gradient, left during the tick for this stage's B
-                inbox_b_iv[s].append((t + 0.25, when[(schedules.B, s, j, c)], (s, j, c)))
-            else:  # the activation arrives at the next stage after the tick
-                dst, dc = (s + 1, c) if s < p - 1 else (0, c + 1)
-                inbox_f_iv[dst].append((t + arrive, when[(schedules.F, dst, j, dc)], (dst, j, dc)))
-        elif kind == schedules.B and split and split_backward == "pullback":  # its output gradient, to W
-            weight_iv[s].append((t, when[(schedules.W, s, j, c)], (s, j, c)))
-        if kind == schedules.B and not (s == 0 and c == 0):
-            dst, dc = (s - 1, c) if s > 0 else (p - 1, c - 1)
-            inbox_b_iv[dst].append((t + arrive, when[(schedules.B, dst, j, dc)], (dst, j, dc)))
-    gemms = split and split_backward == "gemms"
-    stash, weight, inbox_f, inbox_b = ({}, {}, {}, {})
-    sizes = []
-    # gemms: one record a micro-batch, F to W (its residuals until B, its output gradients after): the
-    # records take the weight slots
-    records_iv = weight_iv if gemms else stash_iv
-    for intervals, slots in ((records_iv, stash), (weight_iv, weight), (inbox_f_iv, inbox_f), (inbox_b_iv, inbox_b)):
-        most = 0
-        for s in range(p):
-            got, used = _allocate(intervals[s])
-            slots.update(got)
-            most = max(most, used)
-        sizes.append(max(most, 1))
-    n_stash, n_weight, n_f, n_b = sizes
-    program = np.zeros((len(table), p, len(FIELDS)), np.int32)
-    program[:, :, FIELDS.index("recv_f")] = n_f
-    program[:, :, FIELDS.index("recv_b")] = n_b
-    program[:, :, FIELDS.index("dy")] = n_b
-    every = [(op.kind, s, op.micro, op.chunk, op.part, t)
-             for t, row in enumerate(table) for s, op in enumerate(row) if op]
-    for kind, s, j, c, part, t in every:
-        row = program[t, s]
-        key = (s, j, c)
-        row[FIELDS.index("part")] = part
-        first, last = s == 0 and c == 0, s == p - 1 and c == v - 1
-        if kind == schedules.F:
-            branch = FORWARD_FIRST if first else FORWARD_LAST if last else FORWARD
-            row[FIELDS.index("read_f")] = 0 if first else inbox_f[key]
-            if last:
-                row[FIELDS.index("dy")] = inbox_b[key]
-            else:
-                dst, dc = (s + 1, c) if s < p - 1 else (0, c + 1)
-                program[t + latency, dst, FIELDS.index("recv_f")] = inbox_f[(dst, j, dc)]
-        elif kind == schedules.B:
-            branch = BACKWARD_FIRST if first else BACKWARD
-            row[FIELDS.index("read_b")] = inbox_b[key]
-            if not first:
-                dst, dc = (s - 1, c) if s > 0 else (p - 1, c - 1)
-                program[t + latency, dst, FIELDS.index("recv_b")] = inbox_b[(dst, j, dc)]
-        else:
-            branch = WEIGHTS if split else IDLE  # fused schedules ran W inside B
-        row[FIELDS.index("branch")] = branch
-        row[FIELDS.index("micro")], row[FIELDS.index("chunk")] = j, c
-        row[FIELDS.index("stash")] = stash[key]
-        row[FIELDS.index("wstash")] = weight.get(key, 0)
-    # the residual (gemms: record), matmul-input (gemms) and output-gradient (pullback) buffers: what
-    # lives in which slot from its write (by the operation that fills it) to its last read
-
-    def slotted(intervals, slots):
-        return [[(start, end, slots[key]) for start, end, key in intervals[s]] for s in range(p)]
-    # gemms: the output gradients take the residuals' slot (the micro-batch's record), from B to W;
-    # pullback: weight_iv is B to W
-    g_iv = [[(when[(schedules.B, *key)], end, key) for _, end, key in weight_iv[s]] for s in range(p)]
-    if gemms:
-        records = [a + b for a, b in zip(slotted(stash_iv, stash), slotted(g_iv, weight), strict=True)]
-        live = {"stash": records, "inputs": slotted(weight_iv, weight), "g": [[]] * p}
-    else:
-        live = {"stash": slotted(stash_iv, stash), "inputs": [[]] * p,
-                "g": slotted(g_iv, weight) if split else [[]] * p}
-    n_stash = 0
-    for name in live:
-        slots, keep, size = _put_slots(len(table), p, live[name])
-        program[:, :, FIELDS.index(f"put_{name}")] = slots
-        program[:, :, FIELDS.index(f"keep_{name}")] = keep
-        if name == "stash":
-            n_stash = size
-        elif name == "inputs" and gemms or name == "g" and split:
-            n_weight = max(n_weight, size)
-    return SlotPlan(program, n_stash, n_weight, n_f, n_b, split, wraps=v > 1, split_backward=split_backward,
-                    weight_parts=weight_parts, latency=latency)
-
-
-def branch_share(plan: SlotPlan) -> tuple[float, ...]:
-    """The share of (tick, stage) pairs that take each branch (the HLO byte count's conditional weights)."""
-    counts = np.bincount(plan.program[:, :, 0].ravel(), minlength=7)
-    return tuple(float(c) for c in counts / counts.sum())
 
 
 class SplitResiduals(Residuals):
@@ -340,22 +153,25 @@ def _load(buffers, slot):
     return jax.tree.map(lambda buf: lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False), buffers)
 
 
-class _TableWork(SlotWork):
+class _TableWork:
     """The operations of a slot table on one stage, as `lax.switch` branches (the branch constants
     above). Each takes (carry, x_in, g_in, j, c, slot, weight slot, W part, buffers) -> (carry,
-    activation out, gradient out, dy, put).
+    activation out, gradient out, dy, chunk gradient, put).
 
     The carry holds float32 gradient sums of the stage's chunks (`g_layers` [v, k, ...]) and of the
-    embedding / head, the summed loss and MoE statistics. What lives from one operation to a later
-    one is kept in slot buffers outside the switch (`slot_buffers`): the vjp residuals (F to B) and,
-    split, the matmuls' inputs (F to W) and output gradients (B to W). A branch reads the slots it
-    needs from the buffers and returns what it fills as `put`, which the tick writes after the
-    switch: XLA copies a buffer that a branch updates whole, a slot written outside costs one slot."""
+    head (`g_outer`), the summed loss and MoE statistics; every entry differs per stage and per
+    data-parallel rank. What lives from one operation to a later one is kept in slot buffers outside
+    the switch (`slot_buffers`): the vjp residuals (F to B) and, split, the matmuls' inputs (F to W)
+    and output gradients (B to W). A branch reads the slots it needs from the buffers and returns what
+    it fills as `put`, which the tick writes after the switch: XLA copies a buffer that a branch updates
+    whole, a slot written outside costs one slot."""
 
     def __init__(self, stack, model, layers, outer, micro, total_tokens, *, p, m, v, manual, units, plan,
                  counts=None):
         chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers)
-        super().__init__(stack, model, chunks, outer, micro, total_tokens, p=p, m=m, manual=manual, units=units)
+        self.model, self.layers, self.outer, self.micro = model, chunks, outer, micro
+        self.total_tokens, self.p, self.m, self.manual, self.units = total_tokens, p, m, manual, units
+        self.residuals = Residuals(stack, chunks)
         self.plan, self.v = plan, v
         if plan.gemms:  # B computes input gradients only; W the weight GEMMs from what B and F kept
             self.split = SplitStage.build(model.cfg, model.rules, model.attention_fn, counts)
@@ -364,6 +180,43 @@ class _TableWork(SlotWork):
                                                               mb["segment_ids"]))
             probes = jax.tree.map(lambda a: self._varying(jnp.zeros(a.shape, a.dtype)), shapes)
             self.residuals = SplitResiduals(self.split, chunks, probes)
+
+    def _embed(self, o, tokens):
+        return self.model.apply({"params": o}, tokens, method="embed")
+
+    def _head_loss(self, o, y, mb):
+        return self.model.apply({"params": o}, y, mb, method="head_loss")
+
+    def _pick(self, i):
+        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 1, keepdims=False), self.micro)
+
+    def _varying(self, x, axes: tuple[str, ...] | None = None):
+        """`x` varying over `axes` (default: every manual axis): a carry entry, or a cotangent."""
+        return vary(x, self.manual if axes is None else axes)
+
+    @staticmethod
+    def _acc(sums, grads):
+        return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), sums, grads)
+
+    @classmethod
+    def _acc_layers(cls, sums, grads):
+        """Layer gradients summed, FP8 amaxes maximised (`_layer_sums`)."""
+        out = {"params": cls._acc(sums["params"], grads["params"])}
+        if FP8 in sums:
+            out[FP8] = jax.tree.map(jnp.maximum, sums[FP8], fp8_lib.from_grad(grads[FP8]))
+        return out
+
+    def _layer_sums(self) -> dict:
+        """Zeroed float32 gradient sums of the stage's layers and, under FP8, amaxes (-inf: none yet)."""
+        sums = {"params": jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), self.layers["params"])}
+        if FP8 in self.layers:
+            sums[FP8] = jax.tree.map(lambda a: jnp.full(a.shape, -jnp.inf, jnp.float32), self.layers[FP8])
+        return sums
+
+    def activation(self) -> jax.Array:
+        """Zeros shaped like one micro-batch's activation [b, T, D]."""
+        example = jax.eval_shape(self._embed, self.outer, self._pick(0)["inputs"])
+        return jnp.zeros(example.shape, example.dtype)
 
     def _chunk(self, c):
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, c, 0, keepdims=False), self.layers)
@@ -579,14 +432,19 @@ class _TableWork(SlotWork):
 
 
 def loss_and_grads(params, histories, batch, model, total_tokens, accum_steps):
-    """(loss_sum, aux, grads, amaxes) of a slot-table schedule; the train step's drop-in for autodiff
-    (the contract of `pipeline.loss_and_grads`)."""
+    """(loss_sum, aux, grads, amaxes) of a slot-table schedule; the train step's drop-in for autodiff.
+
+    The differentiated loss is loss_sum / total_tokens plus the MoE losses in `aux`, each averaged over
+    the MoE units and the micro-batches as under gpipe (`moe.loss_terms`); under FP8, `amaxes` are the
+    largest amaxes each quantised matmul saw (the cotangents of its amax `histories`). The loop is manual
+    over `Pipeline.axes`: each device sums its own gradients over its micro-batches and the data-parallel
+    reduction runs once, after the loop (playbook, "Data Parallelism" with gradient accumulation), not in
+    every backward; under ZeRO-3 the weights are gathered once, when they enter the loop (playbook,
+    "ZeRO-3": a stage keeps its weights gathered across its micro-batches)."""
     del accum_steps  # the validator requires train.grad_accum_steps == 1 with a pipeline
     pipe = model.pipeline
-    plan = slot_plan(pipe.schedule, pipe.stages, pipe.microbatches, pipe.repeats, pipe.split_backward,
-                     pipe.weight_parts, latency=int(pipe.overlap))
-    return run_gradient_loop(_table_loop, params, histories, batch, model, total_tokens, plan=plan, v=pipe.repeats,
-                             counts=pipe.counts)
+    return run_gradient_loop(_table_loop, params, histories, batch, model, total_tokens, plan=pipe.plan,
+                             v=pipe.repeats, counts=pipe.counts)
 
 
 def _ring(p: int, step: int, wraps: bool) -> list[tuple[int, int]]:
@@ -611,7 +469,8 @@ def _add_chunk(sums: dict, grads: dict, chunk) -> dict:
 def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m, v, axes, units, specs,
                 counts=None):
     """One stage's ticks of `plan`: its operation (`lax.switch`), then the activation one stage on and
-    the input gradient one stage back (`ppermute`), each put in its inbox slot. With `plan.latency` 1
+    the input gradient one stage back (`ppermute`; one for both where `plan.pairs`), each put in its
+    inbox slot. With `plan.latency` 1
     the outputs stay in the carry and leave at the start of the next tick, travelling while its
     operation runs (which reads nothing of them: the table was simulated with the latency)."""
     s = lax.axis_index(STAGE)
@@ -625,10 +484,24 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     field = {name: i for i, name in enumerate(FIELDS)}
     keeps = {name: bool(plan.program[:, :, field["keep_" + PUT_FIELD[name]]].any()) for name in PUT_FIELD}
 
-    def tick(carry, program):
+    def send(outputs, parity):
+        """What arrives after a tick of this parity (the one that computed `outputs`), (for the inbox of
+        activations, for the inbox of gradients): the program puts whatever arrives from a direction
+        nothing comes from into that inbox's trash slot."""
+        y, dx = outputs
+        if plan.pairs is None:
+            return lax.ppermute(y, STAGE, forward_pairs), lax.ppermute(dx, STAGE, backward_pairs)
+        if not plan.pairs[parity]:
+            return (jnp.zeros_like(y),) * 2
+        # one ppermute: each stage sends one way in the ticks of a parity (`SlotPlan.pairs`)
+        out = jnp.where(jnp.asarray(plan.forward[parity])[s], y, dx)
+        arrived = lax.ppermute(out, STAGE, list(plan.pairs[parity]))
+        return arrived, arrived
+
+    def tick(carry, program, parity):
         c, buffers, inbox_f, inbox_b, embedded, sent = carry
         if plan.latency:  # last tick's outputs, in flight while this tick's operation runs
-            arriving = (lax.ppermute(sent[0], STAGE, forward_pairs), lax.ppermute(sent[1], STAGE, backward_pairs))
+            arriving = send(sent, (parity - 1) % 2)
         row = lax.dynamic_index_in_dim(program, s, 0, keepdims=False)
         branch = row[field["branch"]]
         x = lax.dynamic_index_in_dim(inbox_f, row[field["read_f"]], 0, keepdims=False)
@@ -648,12 +521,19 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
             buffers = {**buffers, name: _store(buf, value, slot)}
         inbox_b = lax.dynamic_update_index_in_dim(inbox_b, dy, row[field["dy"]], 0)
         if not plan.latency:
-            arriving, sent = (lax.ppermute(y, STAGE, forward_pairs), lax.ppermute(dx, STAGE, backward_pairs)), ()
+            arriving, sent = send((y, dx), parity), ()
         else:
             sent = (y, dx)
         inbox_f = lax.dynamic_update_index_in_dim(inbox_f, arriving[0], row[field["recv_f"]], 0)
         inbox_b = lax.dynamic_update_index_in_dim(inbox_b, arriving[1], row[field["recv_b"]], 0)
-        return (c, buffers, inbox_f, inbox_b, embedded, sent), None
+        return c, buffers, inbox_f, inbox_b, embedded, sent
+
+    def ticks(carry, programs):  # two ticks a step where one ppermute's pairs follow the tick's parity
+        if plan.pairs is None:
+            return tick(carry, programs, 0), None
+        for parity in (0, 1):
+            carry = tick(carry, programs[parity], parity)
+        return carry, None
 
     inbox_f, inbox_b = work.inboxes()
     sent = (inbox_f[0], inbox_b[0]) if plan.latency else ()
@@ -661,7 +541,10 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     embedded = (lax.pcast(jnp.zeros(work.outer["embedding"].shape, jnp.float32), axes, to="varying")
                 if work.embedding_outside else ())
     init = (work.initial_carry(), work.slot_buffers(), inbox_f, inbox_b, embedded, sent)
-    (c, _, _, _, embedded, _), _ = lax.scan(tick, init, jnp.asarray(plan.program))
+    program = jnp.asarray(plan.program)
+    if plan.pairs is not None:
+        program = program.reshape(plan.ticks // 2, 2, *program.shape[1:])
+    (c, _, _, _, embedded, _), _ = lax.scan(ticks, init, program)
     g_outer = {**c["g_outer"], **({"embedding": embedded} if work.embedding_outside else {})}
     g_layers = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), c["g_layers"])
     g_layers = reduce_layer_grads(g_layers, specs, rest)

@@ -40,18 +40,19 @@ import functools
 from collections.abc import Callable
 
 F, B, W = "F", "B", "W"
-AUTODIFF, SLOTS, TABLE = "autodiff", "slots", "table"  # how the trainer runs a schedule (`Schedule.loop`)
+AUTODIFF, TABLE = "autodiff", "table"  # how the trainer runs a schedule (`Schedule.loop`)
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """One pipeline schedule (`pipeline.schedule`): how the trainer runs it and the facts the runtime,
     the validator, the planner and the cost model read. A new schedule is a `stage_orders` branch (its
-    per-stage operations) and one entry in `REGISTRY`; the table executor (`pipeline_tables`) runs it."""
+    per-stage operations), a table builder (the ticks the trainer runs them in) and one entry in `REGISTRY`;
+    the table executor (`pipeline_tables`) runs it."""
 
     name: str
-    # AUTODIFF: a tick loop JAX differentiates (`pipeline._ring_loop`); SLOTS: 1F1B's loop of forward and
-    # backward slots (`pipeline.loss_and_grads`); TABLE: its executed slot table (`pipeline_tables`)
+    # AUTODIFF: a tick loop JAX differentiates (`pipeline._ring_loop`); TABLE: its executed slot table
+    # (`executed`, run by `pipeline_tables`)
     loop: str
     chunked: bool = False  # v = pipeline.repeats chunks a stage, chunk r of stage s the virtual stage r*p + s
     overlapping: bool = False  # can send each tick's outputs while the next tick computes (overlap_transfers)
@@ -62,6 +63,9 @@ class Schedule:
     # (p, m, v, latency) -> each stage's operations in order (`stage_orders`); None: no table (circular's
     # only loop is its ring)
     orders: Callable[[int, int, int, int], list[list[Op]]] | None = None
+    # (p, m, v, weight_parts, latency) -> the table the trainer runs (`executed`); None: not run from a table
+    table: Callable[[int, int, int, int, int], list[list[Op | None]]] | None = None
+    baseline: bool = False  # what the other schedules' steps are compared with (`BASELINE`: 1F1B)
 
     def bubble(self, p: int, m: int, v: int = 1) -> float:
         """The bubble ratio, idle over busy time of a stage (module docstring)."""
@@ -172,14 +176,47 @@ def _zero_bubble_order(p: int, m: int, s: int, latency: int = 0) -> list[Op]:
     return order + [Op(W, j) for j in range(next_w, m)]
 
 
+def _one_f_one_b_table(p: int, m: int, v: int, weight_parts: int, latency: int) -> list[list[Op | None]]:
+    """1F1B's executed table. Plain (`latency` 0): stage s runs the forward of micro-batch j in tick
+    s + 2j and its whole backward in tick 2p - 1 - s + 2j, so neighbours always sit in opposite phases
+    (an activation moves one stage a tick, so does a gradient); stage s holds p - s micro-batches; 2(m + p
+    - 1) ticks. With transfers behind compute (`latency` 1): the orders with their warm-up doubled in
+    alternating ticks (`alternating`: a forward on every stage, then a backward), 2(m + 2p - 2) ticks,
+    2(p - s) - 1 micro-batches held on stage s."""
+    if latency:
+        orders = [[op for op in order if op.kind != W] for order in stage_orders("1f1b", p, m, latency=1)]
+        return _run(orders, p, 1, split=True, latency=latency, kinds=(F, B),
+                    what=f"1f1b p={p} m={m}: the alternating stage orders")
+    table: list[list[Op | None]] = [[None] * p for _ in range(2 * (m + p - 1))]
+    for s in range(p):
+        for j in range(m):
+            table[s + 2 * j][s] = Op(F, j)
+            table[2 * p - 1 - s + 2 * j][s] = Op(B, j)
+    return table
+
+
+def _alternating_table(schedule: str):
+    def build(p: int, m: int, v: int, weight_parts: int, latency: int) -> list[list[Op | None]]:
+        return alternating(schedule, p, m, v, latency)
+    return build
+
+
+def _zero_bubble_table(p: int, m: int, v: int, weight_parts: int, latency: int) -> list[list[Op | None]]:
+    """`aligned` with transfers behind compute, else `simulate`'s."""
+    if latency:
+        return aligned("zero_bubble", p, m, weight_parts, latency)
+    return simulate("zero_bubble", p, m, v, weight_parts, latency)
+
+
 # The schedules, each defined once: every list of names below is read off it.
 REGISTRY = {s.name: s for s in (
     Schedule("gpipe", AUTODIFF, orders=_gpipe_orders),
     Schedule("circular", AUTODIFF, chunked=True, wraps=True),
-    Schedule("1f1b", SLOTS, overlapping=True, orders=_one_f_one_b_orders),
+    Schedule("1f1b", TABLE, overlapping=True, orders=_one_f_one_b_orders, table=_one_f_one_b_table, baseline=True),
     Schedule("interleaved_1f1b", TABLE, chunked=True, overlapping=True, alternating=True, wraps=True, grouped=True,
-             orders=_interleaved_orders),
-    Schedule("zero_bubble", TABLE, overlapping=True, split_backward=True, orders=_zero_bubble_orders),
+             orders=_interleaved_orders, table=_alternating_table("interleaved_1f1b")),
+    Schedule("zero_bubble", TABLE, overlapping=True, split_backward=True, orders=_zero_bubble_orders,
+             table=_zero_bubble_table),
 )}
 
 
@@ -189,12 +226,11 @@ def _named(fact) -> tuple[str, ...]:
 
 SCHEDULES = _named(lambda s: s.orders is not None)  # those with stage orders (`stage_orders`, `simulate`)
 TABLE_SCHEDULES = _named(lambda s: s.loop == TABLE)  # the trainer runs these from their tables
-SLOT_SCHEDULES = _named(lambda s: s.loop != AUTODIFF)  # a hand-written loop of slots (1F1B's or a table's)
 SPLIT_BACKWARD = _named(lambda s: s.split_backward)  # B and W as separate operations (`pipeline_tables`)
 ALTERNATING = _named(lambda s: s.alternating)  # forward ticks and backward ticks (`alternating`)
 CHUNKED = _named(lambda s: s.chunked)  # v = pipeline.repeats chunks a stage
 OVERLAPPING = _named(lambda s: s.overlapping)  # `pipeline.overlap_transfers`
-BASELINE = _named(lambda s: s.loop == SLOTS)[0]  # 1F1B: what the other schedules' steps are compared with
+BASELINE = _named(lambda s: s.baseline)[0]  # 1F1B: what the other schedules' steps are compared with
 
 
 def _ready(op: Op, s: int, p: int, v: int, done: dict, split: bool, now: int, latency: int = 0) -> bool:
@@ -224,10 +260,10 @@ def _ready(op: Op, s: int, p: int, v: int, done: dict, split: bool, now: int, la
 @functools.lru_cache(maxsize=512)
 def executed(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1,
              latency: int = 0) -> tuple[tuple[Op | None, ...], ...]:
-    """The table the trainer runs (`pipeline_tables.slot_plan`): `alternating` for the ALTERNATING
-    schedules, `aligned` for zero_bubble with transfers behind compute (`latency` 1), `simulate`'s
-    otherwise. Built once per arguments (the planner prices thousands of layouts on a few tables):
-    read-only, rows of tuples."""
+    """The table the trainer runs (`slot_program.slot_plan`), from the schedule's own builder
+    (`Schedule.table`: 1F1B's slots, `alternating` for the ALTERNATING schedules, `aligned` for
+    zero_bubble with transfers behind compute, `simulate`'s otherwise, gpipe's too). Built once per arguments (the
+    planner prices thousands of layouts on a few tables): read-only, rows of tuples."""
     return tuple(tuple(row) for row in _executed(schedule, p, m, v, weight_parts, latency))
 
 
@@ -239,11 +275,12 @@ def executed_in_flight(schedule: str, p: int, m: int, v: int = 1, weight_parts: 
 
 
 def _executed(schedule: str, p: int, m: int, v: int, weight_parts: int, latency: int) -> list[list[Op | None]]:
-    if schedule in ALTERNATING:
-        return alternating(schedule, p, m, v, latency)
-    if schedule in SPLIT_BACKWARD and latency:
-        return aligned(schedule, p, m, weight_parts, latency)
-    return simulate(schedule, p, m, v, weight_parts, latency)
+    entry = REGISTRY.get(schedule)
+    if entry is None or entry.table is None and entry.orders is None:
+        raise ValueError(f"schedule {schedule!r}: expected one of {SCHEDULES}")
+    if entry.table is None:  # not run from a table (gpipe's autodiff loop): the unit-time one
+        return simulate(schedule, p, m, v, weight_parts, latency)
+    return entry.table(p, m, v if entry.chunked else 1, weight_parts, latency)
 
 
 def aligned(schedule: str, p: int, m: int, weight_parts: int = 1, latency: int = 1) -> list[list[Op | None]]:

@@ -44,8 +44,8 @@ from meshtrain.parallel import schedules
 from meshtrain.plan.memory import Step, dtype_bytes, local_size, param_table
 from meshtrain.sharding_rules import ZERO_AXES
 
-# schedules whose loop computes loss and gradients itself (no autodiff of the tick loop)
-SLOT_SCHEDULES = schedules.SLOT_SCHEDULES
+# schedules whose loop computes loss and gradients itself (the slot-table executor, no autodiff of a tick loop)
+SLOT_SCHEDULES = schedules.TABLE_SCHEDULES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,15 +102,15 @@ def _gradient_and_zero(run: Step, remat: str, backend: Backend) -> list[Coll]:
     per_micro = run.grad_accum if run.zero_stage >= 3 else 1  # ZeRO-3 has no manual accumulation loop
     out = []
     pipelined = s["stage"] > 1
-    one_f_one_b = pipelined and run.pipeline_schedule in SLOT_SCHEDULES
+    slot_table = pipelined and run.pipeline_schedule in SLOT_SCHEDULES
     for leaf in param_table(run.stored_model):
         runs = per_micro
         full = local_size(leaf, place["compute"]) * pb
         used = _spec_axes(leaf, place["compute"])
         reduce = {a: s[a] for a in batch_axes if a not in used}
-        if (pipelined and leaf.in_layers) or one_f_one_b:
+        if (pipelined and leaf.in_layers) or slot_table:
             # A pipeline's loop is manual over every batch axis and the weights enter it per device:
-            # each layer gradient is all-reduced once, as the loop's input is transposed. 1F1B's loop
+            # each layer gradient is all-reduced once, as the loop's input is transposed. The slot-table loop
             # also holds the embedding, final norm and head: theirs are reduced with `stage` (first and
             # last stage meet). Under ZeRO-3 the weights are gathered once, as they enter.
             axes = reduce if leaf.in_layers else {"stage": s["stage"], **reduce}
@@ -184,7 +184,7 @@ def _activations(run: Step, remat: str, backend: Backend) -> list[Coll]:
         # hop, merged), the backward ring's K/V (N-1) and its dK/dV, which travel one more hop home (N).
         # Under Ulysses the ring joins the groups: N of them, blocks U times longer over 1/U of the heads.
         if s["stage"] > 1 and run.pipeline_schedule in SLOT_SCHEDULES:
-            # inside 1F1B slots: one all-gather of the blocks forward, one backward (the recomputed
+            # inside slot-table ticks: one all-gather of the blocks forward, one backward (the recomputed
             # forward shares it), and one reduce-scatter of dK/dV, written by hand (under the split
             # backward in B: W runs no attention, or, as the pullback again, the backward's pair again)
             seq = {"sequence": n}
@@ -203,10 +203,11 @@ def _activations(run: Step, remat: str, backend: Backend) -> list[Coll]:
         p = s["stage"]
         # 1F1B's transfers do not wrap around (the last stage sends nowhere): p - 1 of p devices send;
         # nor do zero_bubble's; interleaved_1f1b's do (stage p-1 feeds stage 0 its next chunk). The
-        # slot-table loop moves an activation and a gradient each tick, 1F1B one per slot, two a tick.
+        # slot-table loop moves an activation and a gradient each tick, or one of them in one ppermute
+        # (`Pipeline.transfers`)
         wraps = schedules.REGISTRY[run.pipeline_schedule].wraps or run.pipeline_schedule not in SLOT_SCHEDULES
         share = 1.0 if wraps else (p - 1) / p
-        out.append(Coll("collective-permute", xm * share, {"stage": p}, 2 * run.pipeline_ticks,
+        out.append(Coll("collective-permute", xm * share, {"stage": p}, run.pipeline.transfers[0],
                         "pipeline activations"))
         if run.pipeline_schedule not in SLOT_SCHEDULES:  # the stack's output summed over `stage`, and its gradient
             out.append(Coll("all-reduce", x, {"stage": s["stage"]}, 2, "pipeline output"))

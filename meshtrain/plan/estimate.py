@@ -21,7 +21,7 @@ import ml_collections
 
 from meshtrain import cli, config as config_lib, metrics
 from meshtrain.mesh import MESH_ORDER
-from meshtrain.parallel import cost, schedules
+from meshtrain.parallel import cost
 from meshtrain.plan import comm, memory
 from meshtrain.plan.hardware import Gpu
 from meshtrain.sharding_rules import ShardingRuleError
@@ -152,8 +152,8 @@ def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu,
         permutes = sum(comm.attribute(c.kind, c.full_bytes, c.axes)["stage"] * c.count for c in colls
                        if c.kind == "collective-permute" and "stage" in c.axes)
         link = gpu.nvlink_bandwidth if "stage" in inside else gpu.network_bandwidth
-        one = permutes / link / (2 * run.pipeline_ticks)  # one permute: each tick (1F1B: each slot) sends two
-        per_tick = 2 * one if run.pipeline_schedule in schedules.TABLE_SCHEDULES else one
+        count, in_tick = run.pipeline.transfers  # the permutes of a step, of a tick
+        per_tick = permutes / link / count * in_tick
         moved = cost.step_time(run.pipeline_schedule, p, m, v, dataclasses.replace(costs, transfer=per_tick),
                                run.weight_parts, overlap=run.overlap_transfers).seconds
         exposed["stage"] = moved - compute - bubble + exposed.get("stage", 0.0) - permutes / link

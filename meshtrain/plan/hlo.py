@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import math
 import re
+from collections.abc import Callable
 
 import numpy as np
 
@@ -118,7 +119,7 @@ def _multiplicities(comps: dict[str, list[str]], entry: str,
 
     A conditional runs one branch per call, which the text cannot tell: each branch counts as
     running every call, unless `branch_weights` gives, for conditionals with that many branches,
-    the share of calls that take each branch (the 1F1B slot switch: `Pipeline.slot_branch_share`).
+    the share of calls that take each branch (a slot-table tick's switch: `Layout.branch_share`).
     """
     mult: dict[str, float] = collections.defaultdict(float)
     mult[entry] = 1
@@ -583,6 +584,12 @@ class KernelTimes:
 
 
 KERNEL_TIMES = KernelTimes()
+
+
+def module_seconds(gpu, times: KernelTimes = KERNEL_TIMES) -> Callable[[str], float]:
+    """A compiled module's text -> its seconds on `gpu`, kernel by kernel (`kernels`, `times`): what
+    `parallel.cost.BranchCosts.from_gpu_compile` prices each pipeline branch with."""
+    return lambda text: times.seconds(kernels(text, price=lambda ks: times.seconds(ks, gpu)), gpu)
 
 # A float32 GEMM runs as TF32 on Hopper (XLA:GPU's default precision; TF32's dense peak is half the
 # bf16 one): the share of the bf16 peak at which the two float32 GEMMs of the head's backward (the

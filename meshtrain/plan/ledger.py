@@ -60,8 +60,8 @@ class Ledger:
         self.step, self.remat, self.schedule, self.cpu = step, remat, schedule, cpu
         self.s = step.sizes
         self.terms: list[Term] = []
-        # 1F1B's loop of slots (`schedules.SLOTS`): the embedding and the head run on the first and last stage
-        self._slots = schedules.REGISTRY[schedule].loop == schedules.SLOTS
+        # the slot-table executor (`schedules.TABLE`): the embedding and the head run on the first and last stage
+        self._slots = schedules.REGISTRY[schedule].loop == schedules.TABLE
 
     def add(self, axis: str, kind: str, what: str, formula: str, nbytes: float) -> None:
         if nbytes > 0 and self.s.get(axis, 1) > 1:
@@ -93,7 +93,7 @@ class Ledger:
         st, s = self.step, self.s
         place = st.placement()
         a, z = st.grad_accum, st.zero_stage
-        # 1F1B keeps the embedding/norm/head on every stage: their gradients are summed over stage too
+        # the slot tables keep the embedding/norm/head on every stage: their gradients are summed over stage too
         outer_over_stage = self._slots and s["stage"] > 1
         grouped: dict[tuple, float] = collections.defaultdict(float)
         for leaf in param_table(st.stored_model):
@@ -145,10 +145,10 @@ class Ledger:
 
     def _reduction(self, axis: str, nbytes: float, what: str, formula: str) -> None:
         """A gradient reduction's share on `axis`: the playbook's minimum over the batch axes; over
-        `stage` (1F1B's embedding/norm/head, present on every stage) a choice of the schedule."""
+        `stage` (the slot tables' embedding/norm/head, present on every stage) a choice of the schedule."""
         if axis == "stage":
             self.add(axis, "choice", "embedding/norm/head gradients summed over stage",
-                     f"{formula} (1F1B keeps them on every stage; the hierarchical reduction crosses stage "
+                     f"{formula} (the slot tables keep them on every stage; the hierarchical reduction crosses stage "
                      "with the shard the batch axes inside it leave)", nbytes)
         else:
             self.add(axis, "minimum", what, formula, nbytes)
@@ -169,7 +169,7 @@ class Ledger:
         if nt == 1:
             return
         a, layers, x = st.grad_accum, st.stored_model.n_layers // s["stage"], self._x()
-        # the head: on every device, except under 1F1B where only the last stage runs it (1/p per device)
+        # the head: on every device, except under the slot tables, where only the last stage runs it (1/p per device)
         head, per = (1 / s["stage"], "/p") if self._slots and s["stage"] > 1 else (1, "")
         count = a * (4 * layers + head)
         self.add("tensor", "minimum", "TP/SP activation reductions", f"A (4L+1{per}) 2(N_t-1)/N_t x",
@@ -194,7 +194,7 @@ class Ledger:
         """Context parallelism (playbook, "Context Parallelism").
 
         Ring attention: K/V pass N-1 hops forward; backward K/V N-1 hops and dK/dV N hops (home).
-        Inside 1F1B slots the blocks move by all-gather and dK/dV by reduce-scatter (`ring_attention`'s
+        Inside slot-table ticks the blocks move by all-gather and dK/dV by reduce-scatter (`ring_attention`'s
         gathered transport): dK/dV cost N-1 blocks, and the backward's one gather serves the recomputed
         forward too (the compiler merges the two identical gathers). Remat re-runs the forward ring in
         the backward, except on a ring of two, whose backward hop is the forward's (merged).

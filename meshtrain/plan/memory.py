@@ -149,37 +149,29 @@ class Step:
                    config.pipeline.overlap_transfers)
 
     @functools.cached_property
+    def pipeline(self):
+        """The pipeline the runtime would run (`parallel.pipeline.Pipeline.of`, as `layout.pipeline_plan`
+        builds it), or None on one stage: its ticks, table, in-flight counts and transfers."""
+        from meshtrain.parallel.pipeline import Pipeline
+
+        m = self.model
+        if self.sizes["stage"] == 1:
+            return None
+        unit = m.moe_every if m.num_experts else 1
+        return Pipeline.of(self.pipeline_schedule, self.sizes["stage"], self.microbatches, self.pipeline_repeats,
+                           m.n_layers // unit, (n // unit for n in self.layers_per_stage),
+                           split_backward=self.split_backward, weight_parts=self.weight_parts,
+                           overlap=self.overlap_transfers)
+
+    @functools.cached_property
     def stored_model(self) -> ModelConfig:
         """The model as the state stores it: uneven pipeline stages add empty layer rows (each stage
         stores as many as the largest one runs; `parallel.pipeline.Pipeline.rows`)."""
-        from meshtrain.parallel.pipeline import stage_layers
-
-        p, m = self.sizes["stage"], self.model
-        if p == 1:
+        m = self.model
+        if self.pipeline is None:
             return m
         unit = m.moe_every if m.num_experts else 1
-        v = self.pipeline_repeats if schedules.REGISTRY[self.pipeline_schedule].chunked else 1
-        units = stage_layers(m.n_layers // unit, p, tuple(n // unit for n in self.layers_per_stage), v)
-        return dataclasses.replace(m, n_layers=p * v * max(units) * unit)
-
-    @property
-    def pipeline_ticks(self) -> int:
-        """Clock ticks of the pipeline loop (parallel/pipeline.py): m + p - 1 (v*m + p - 1 circular; 1f1b: two slots a
-        tick; interleaved_1f1b and zero_bubble: their executed table's ticks, `schedules.executed`)."""
-        p, m, v = self.sizes["stage"], self.microbatches, self.pipeline_repeats
-        if p == 1:
-            return 1
-        if self.pipeline_schedule in schedules.TABLE_SCHEDULES:
-            return len(self.pipeline_table)
-        if schedules.REGISTRY[self.pipeline_schedule].loop == schedules.SLOTS and self.overlap_transfers:
-            return m + 2 * p - 2
-        return v * m + p - 1
-
-    @property
-    def pipeline_table(self):
-        """The executed slot table of a table schedule (`schedules.executed`)."""
-        return schedules.executed(self.pipeline_schedule, self.sizes["stage"], self.microbatches,
-                                  self.pipeline_repeats, self.weight_parts, int(self.overlap_transfers))
+        return dataclasses.replace(m, n_layers=self.pipeline.rows(m.n_layers // unit) * unit)
 
     @functools.cached_property
     def rules(self) -> Rules:
@@ -360,31 +352,22 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
     t = run.micro_tokens // (run.microbatches if pipelined else 1)
     autodiff_pipe = pipelined and schedules.REGISTRY[run.pipeline_schedule].loop == schedules.AUTODIFF
     in_flight: float = 1
-    if pipelined:
-        in_flight = min(2 * p - 1 if run.overlap_transfers else p, run.microbatches)
-        if run.pipeline_schedule in schedules.TABLE_SCHEDULES:
-            in_flight = max(schedules.executed_in_flight(run.pipeline_schedule, run.sizes["stage"], run.microbatches,
-                                                         run.pipeline_repeats, run.weight_parts,
-                                                         int(run.overlap_transfers))) / run.pipeline_repeats
-        elif autodiff_pipe:  # the tick loop's autodiff keeps every micro-batch's stage input
-            in_flight = run.microbatches
+    if pipelined:  # chunk activations, each 1/v of the stage's layers (the autodiff ring: every micro-batch's input)
+        in_flight = max(run.pipeline.in_flight()) / run.pipeline.repeats
     saved = _saved_per_layer(run, remat, t)
     activations = int(saved * layers * in_flight)
     if pipelined and run.pipeline_schedule in schedules.SPLIT_BACKWARD and run.split_backward == "gemms":
         # a record a micro-batch chunk from its F to its W: its residuals until B, then its output
         # gradients in the same bytes, beside its matmuls' inputs; the table's peak of them and the slot
         # the tick writes after its switch (`pipeline_tables._TableWork`, `SlotUnion`; no trash slot:
-        # `pipeline_tables._put_slots`)
-        from meshtrain.parallel.pipeline_tables import slot_plan
-
-        slots = slot_plan(run.pipeline_schedule, p, run.microbatches, run.pipeline_repeats, run.split_backward,
-                          run.weight_parts, int(run.overlap_transfers)).weight_slots + 1
+        # `slot_program._put_slots`)
+        slots = run.pipeline.plan.weight_slots + 1
         inputs, grads = _split_per_layer(run, t)
         # `pipeline_tables.SlotUnion` shares buffers of one shape and dtype: under selective and full
         # remat the residuals kept are matmul outputs and the layer input, the output gradients' shapes;
         # under none they are not (every intermediate, q / k / v per head group), so both are held
         record = max(saved, grads) if remat in ("selective", "full") else saved + grads
-        activations = int((record + inputs) * layers * slots / run.pipeline_repeats)
+        activations = int((record + inputs) * layers * slots / run.pipeline.repeats)
 
     place = run.placement()
     compute, table = place["compute"], param_table(run.stored_model)
@@ -395,7 +378,7 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
     if autodiff_pipe and not m.fused_loss:
         loss += 4 * t * run.microbatches * m.vocab_size // s["tensor"]
     temporaries = max(_layer_workspace(run, t), loss)
-    if pipelined and run.pipeline_schedule in schedules.TABLE_SCHEDULES and run.pipeline_repeats > 1:
+    if pipelined and run.pipeline.plan is not None and run.pipeline.repeats > 1:
         # in several chunks a stage the slot-table loop sums its layers' float32 gradients outside the
         # tick's switch, one chunk's gradient at a time (`pipeline_tables._TableWork.sums_outside`): the
         # sums, the switch's output chunk gradient and the window of the sums it is added to; the head's
@@ -403,7 +386,7 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
         # chunks of 6 GiB; llama3_8b on 4 stages: the head's 2 GiB twice)
         head = sum(local_size(leaf, compute) for leaf in table if not leaf.in_layers
                    and not (leaf.path.endswith("embedding") and not m.tie_embeddings))
-        temporaries += (4 * whole + 2 * 4 * per_layer * layers // run.pipeline_repeats + 4 * head
+        temporaries += (4 * whole + 2 * 4 * per_layer * layers // run.pipeline.repeats + 4 * head
                         + (a * whole if zero3 else 0))
     elif pipelined:
         temporaries += 2 * 4 * whole + (dtype_bytes(m.dtype) * whole if zero3 else 0)
