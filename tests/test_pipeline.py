@@ -144,20 +144,20 @@ def _tick_loops(hlo: str) -> list[tuple[int, list[tuple[str, int]]]]:
 @pytest.mark.parametrize("case", [c for c in CASES if "data" not in c[1]], ids=_ids)
 def test_tick_loop_trip_count_and_one_transfer_per_tick(case):
     """Each tick loop runs its ticks and moves one micro-batch activation [b, T, D] per transfer: one a
-    tick for gpipe / circular; 1f1b at most one a tick too (`SlotPlan.pairs`: neighbours in opposite
-    phases swap in one ppermute), in a loop of tick pairs."""
+    tick for gpipe / circular; 1f1b one a tick too where neighbours in opposite phases swap in one
+    ppermute (`SlotPlan.pairs`, a loop of tick pairs), else (2 stages: the odd ticks send nothing) the
+    table executor's two a tick, activations on and gradients back."""
     schedule, mesh = case
     pipe, _, compiled = _pipelined(schedule, tuple(mesh.items()))
     activation = (8 // M) * SEQ * 64
     loops = _tick_loops(compiled.as_text())
-    # gpipe / circular: the forward loop and its autodiff transpose; 1f1b: one loop of tick pairs
+    # gpipe / circular: the forward loop and its autodiff transpose; 1f1b: one loop
     assert len(loops) == (1 if schedule == "1f1b" else 2), loops
-    # 1f1b: a ppermute a tick where some stage sends (on 2 stages the odd ticks send nothing: stage 0 runs its
-    # backward, stage 1 its forward and loss)
-    sending = sum(bool(pairs) for pairs in pipe.plan.pairs) if schedule == "1f1b" else 1
-    per_step = [("collective-permute", activation)] * sending
+    paired = schedule == "1f1b" and pipe.plan.pairs is not None
+    assert paired == (schedule == "1f1b" and pipe.stages > 2)
+    per_step = [("collective-permute", activation)] * (2 if schedule == "1f1b" else 1)
     for trips, moved in loops:
-        assert trips == (pipe.ticks // 2 if schedule == "1f1b" else pipe.ticks)
+        assert trips == (pipe.ticks // 2 if paired else pipe.ticks)
         assert sorted(moved) == per_step, moved
 
 
@@ -246,8 +246,9 @@ def _done(table) -> dict:
 def test_one_f_one_b_table_respects_dependencies_and_holds_at_most_p(p, m):
     """1F1B's table (`schedules.executed`): every dependency is one tick (one ppermute) away, stage s
     runs the forward of j in tick s + 2j and its backward in tick 2p - 1 - s + 2j, and never stashes
-    more than p - s micro-batches (<= p). Each tick's transfers fit one ppermute whose pairs follow the
-    tick's parity (`SlotPlan.pairs`: neighbours in opposite phases swap), exactly the pairs the work needs."""
+    more than p - s micro-batches (<= p). On more than 2 stages each tick's transfers fit one ppermute
+    whose pairs follow the tick's parity (`SlotPlan.pairs`: neighbours in opposite phases swap), exactly
+    the pairs the work needs."""
     pipe = pipeline_lib.Pipeline("1f1b", p, m)
     done = _done(pipe._table)
     assert len(done) == 2 * p * m and pipe.ticks == 2 * (m + p - 1)
@@ -260,6 +261,9 @@ def test_one_f_one_b_table_respects_dependencies_and_holds_at_most_p(p, m):
             assert done["B", s, j] == done[nxt] + 1
         held = [sum(done["F", s, j] <= t < done["B", s, j] for j in range(m)) for t in range(pipe.ticks)]
         assert max(held) == pipe.in_flight()[s] <= p
+    if p == 2:  # the odd ticks send nothing (stage 0 runs a backward, stage 1 a forward and the loss)
+        assert pipe.plan.pairs is None and pipe.transfers == (2 * pipe.ticks, 2)
+        return
     for t in range(pipe.ticks):
         needed = {(s, s + 1) for (kind, s, _), u in done.items() if u == t and kind == "F" and s < p - 1}
         needed |= {(s, s - 1) for (kind, s, _), u in done.items() if u == t and kind == "B" and s > 0}

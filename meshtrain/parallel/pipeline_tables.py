@@ -484,24 +484,21 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     field = {name: i for i, name in enumerate(FIELDS)}
     keeps = {name: bool(plan.program[:, :, field["keep_" + PUT_FIELD[name]]].any()) for name in PUT_FIELD}
 
-    def send(outputs, parity):
-        """What arrives after a tick of this parity (the one that computed `outputs`), (for the inbox of
-        activations, for the inbox of gradients): the program puts whatever arrives from a direction
-        nothing comes from into that inbox's trash slot."""
+    def send(outputs, row, parity):
+        """What arrives after a tick of this parity (the one that computed `outputs`, whose program row is
+        `row`), (for the inbox of activations, for the inbox of gradients): the program puts whatever
+        arrives from a direction nothing comes from into that inbox's trash slot."""
         y, dx = outputs
         if plan.pairs is None:
             return lax.ppermute(y, STAGE, forward_pairs), lax.ppermute(dx, STAGE, backward_pairs)
-        if not plan.pairs[parity]:
-            return (jnp.zeros_like(y),) * 2
         # one ppermute: each stage sends one way in the ticks of a parity (`SlotPlan.pairs`)
-        out = jnp.where(jnp.asarray(plan.forward[parity])[s], y, dx)
-        arrived = lax.ppermute(out, STAGE, list(plan.pairs[parity]))
+        arrived = lax.ppermute(jnp.where(row[field["send_forward"]] == 1, y, dx), STAGE, list(plan.pairs[parity]))
         return arrived, arrived
 
     def tick(carry, program, parity):
         c, buffers, inbox_f, inbox_b, embedded, sent = carry
-        if plan.latency:  # last tick's outputs, in flight while this tick's operation runs
-            arriving = send(sent, (parity - 1) % 2)
+        if plan.latency:  # last tick's outputs, in flight while this tick's operation runs (two a tick)
+            arriving = send(sent, None, None)
         row = lax.dynamic_index_in_dim(program, s, 0, keepdims=False)
         branch = row[field["branch"]]
         x = lax.dynamic_index_in_dim(inbox_f, row[field["read_f"]], 0, keepdims=False)
@@ -521,7 +518,7 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
             buffers = {**buffers, name: _store(buf, value, slot)}
         inbox_b = lax.dynamic_update_index_in_dim(inbox_b, dy, row[field["dy"]], 0)
         if not plan.latency:
-            arriving, sent = send((y, dx), parity), ()
+            arriving, sent = send((y, dx), row, parity), ()
         else:
             sent = (y, dx)
         inbox_f = lax.dynamic_update_index_in_dim(inbox_f, arriving[0], row[field["recv_f"]], 0)

@@ -19,7 +19,7 @@ from meshtrain.parallel import schedules
 # branch indices of the tick's `lax.switch`
 IDLE, FORWARD, FORWARD_FIRST, FORWARD_LAST, BACKWARD, BACKWARD_FIRST, WEIGHTS = range(7)
 FIELDS = ("branch", "micro", "chunk", "stash", "wstash", "read_f", "read_b", "dy", "recv_f", "recv_b", "part",
-          "put_stash", "put_inputs", "put_g", "keep_stash", "keep_inputs", "keep_g")
+          "put_stash", "put_inputs", "put_g", "keep_stash", "keep_inputs", "keep_g", "send_forward")
 # the program fields with the slot a tick writes each slot buffer's `put` into, and whether it writes
 # back what the slot holds instead (`SlotPlan`)
 PUT_FIELD = {"stash": "stash", "inputs": "inputs", "gs": "g"}
@@ -55,10 +55,9 @@ class SlotPlan:
     latency: int = 0
     # one `ppermute` a tick where the table allows and the transfers are not behind compute
     # (`_alternating_sends`): pairs[k] are the (source, destination) stages of the ticks t with t % 2 == k,
-    # each stage sending its activation (forward[k][s]) or its input gradient, two ticks a loop step;
-    # None: two a tick, the activations one stage on and the gradients one back
+    # each stage sending its activation (the program's `send_forward`) or its input gradient, two ticks a
+    # loop step; None: two a tick, the activations one stage on and the gradients one back
     pairs: tuple[tuple[tuple[int, int], ...], ...] | None = None
-    forward: tuple[tuple[bool, ...], ...] | None = None
 
     @property
     def gemms(self) -> bool:
@@ -204,8 +203,10 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
         elif name == "inputs" and gemms or name == "g" and split:
             n_weight = max(n_weight, size)
     pairs, forward = sends if sends is not None else (None, None)
+    if forward is not None:  # read at run time: a constant would let XLA drop one output per parity's switch
+        program[:, :, FIELDS.index("send_forward")] = [forward[t % 2] for t in range(len(table))]
     return SlotPlan(program, n_stash, n_weight, n_f, n_b, split, wraps=v > 1, split_backward=split_backward,
-                    weight_parts=weight_parts, latency=latency, pairs=pairs, forward=forward)
+                    weight_parts=weight_parts, latency=latency, pairs=pairs)
 
 
 def _alternating_sends(table, p: int, v: int):
@@ -231,8 +232,8 @@ def _alternating_sends(table, p: int, v: int):
                 continue
             if dest[t % 2].setdefault(s, send) != send:
                 return None
-    if any(len({to for to, _ in d.values()}) < len(d) for d in dest):
-        return None  # two sources into one stage
+    if any(len({to for to, _ in d.values()}) < len(d) or not d for d in dest):
+        return None  # two sources into one stage; or a parity that sends nothing (1F1B on 2 stages)
     pairs = tuple(tuple((s, to) for s, (to, _) in sorted(d.items())) for d in dest)
     forward = tuple(tuple(d.get(s, (0, False))[1] for s in range(p)) for d in dest)
     return pairs, forward
