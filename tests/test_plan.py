@@ -319,7 +319,8 @@ def test_search_llama3_8b_returns_only_fitting_meshes():
 def test_search_tries_each_pipeline_schedule_on_a_pipelined_mesh():
     """On stage 4 x fsdp 2 (llama3_8b, 8 devices) the search's candidates include every schedule of
     PIPELINE_CHOICES at each ZeRO stage and remat; priced by the lock-step model, the overlapped 1F1B
-    idles less than the plain loop and interleaved 1F1B (v=2) less than both, for more activation memory."""
+    idles less than the plain loop, interleaved 1F1B (v=2) less than both, for more activation memory,
+    and in 4 chunks less again."""
     config = load_config_file("llama3_8b")
     gpu = hardware.get_gpu("h100")
     found = {}
@@ -327,11 +328,13 @@ def test_search_tries_each_pipeline_schedule_on_a_pipelined_mesh():
         if sizes["stage"] == 4 and sizes["fsdp"] == 2 and c.train.zero_stage == 1 and c.remat.policy == "full":
             found[(c.pipeline.schedule, c.pipeline.repeats, c.pipeline.overlap_transfers)] = estimate.estimate(
                 c, sizes, gpu)
-    assert set(found) == set(estimate.PIPELINE_CHOICES)
-    plain, overlapped, interleaved = (found[k] for k in estimate.PIPELINE_CHOICES)
+    assert set(found) == set(estimate.PIPELINE_CHOICES) == {
+        ("1f1b", 1, False), ("1f1b", 1, True), ("interleaved_1f1b", 2, True), ("interleaved_1f1b", 4, True)}
+    plain, overlapped, interleaved = (found[k] for k in estimate.PIPELINE_CHOICES[:3])
     assert interleaved.bubble_seconds < overlapped.bubble_seconds < plain.bubble_seconds
     assert interleaved.memory["activations"] > plain.memory["activations"]
     assert "interleaved_1f1b v=2, transfers overlapped" in interleaved.pipeline
+    assert found[("interleaved_1f1b", 4, True)].bubble_seconds < interleaved.bubble_seconds
 
 
 def test_search_candidates_pass_every_layout_rule_and_a_bad_field_leaves_none():

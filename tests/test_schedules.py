@@ -132,3 +132,16 @@ def test_the_registry_defines_each_schedule_the_config_offers():
         assert entry.name == name and (name in schedules.SCHEDULES) == (entry.orders is not None)
         assert (name in schedules.TABLE_SCHEDULES) == (entry.table is not None)
         assert entry.bubble(4, 8, 2) == schedules.formula(name, 4, 8, 2)
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 5), (3, 7), (4, 8), (4, 16), (8, 8), (16, 16)])
+def test_one_f_one_b_overlapped_table_is_its_alternating_orders(p, m):
+    """1F1B's overlapped table, built in closed form, is what `alternating` makes of its orders with the
+    warm-up doubled (latency 1): interleaved 1F1B's table at v = 1 where p divides m; it passes `check`."""
+    table = [list(row) for row in schedules.executed("1f1b", p, m, latency=1)]
+    orders = [[op for op in order if op.kind != schedules.W]
+              for order in schedules.stage_orders("1f1b", p, m, latency=1)]
+    assert table == schedules._run(orders, p, 1, split=True, latency=1, kinds=(schedules.F, schedules.B), what="")
+    schedules.check(table, p, m, latency=1)
+    if m % p == 0:
+        assert table == [list(row) for row in schedules.executed("interleaved_1f1b", p, m, 1, latency=1)]

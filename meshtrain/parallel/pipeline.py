@@ -141,17 +141,19 @@ class Pipeline:
     def transfers(self) -> tuple[int, int]:
         """(stage-to-stage `ppermute`s a step, of them a tick): the autodiff ring one a tick forward and
         one transposed; a slot table two a tick (activations on, gradients back) or one (`SlotPlan.pairs`)."""
-        if self.plan is None:
+        if self.schedule not in TABLE_SCHEDULES:
             return 2 * self.ticks, 1
-        per_tick = 1 if self.plan.pairs is not None else 2
+        paired = not self.overlap and slot_program.parity_sends(self.schedule, self.stages, self.microbatches,
+                                                                  self.repeats, self.weight_parts) is not None
+        per_tick = 1 if paired else 2
         return per_tick * self.ticks, per_tick
 
     @property
     def ticks(self) -> int:
         """Trip count of the tick loop (a slot table: one F, B or W per stage per tick; 1F1B with transfers
         behind compute and interleaved 1F1B alternate ticks of forwards and of backwards)."""
-        if self.plan is not None:
-            return self.plan.ticks
+        if self.schedule in TABLE_SCHEDULES:
+            return len(self._table)
         return self.repeats * self.microbatches + self.stages - 1
 
     @property
@@ -170,7 +172,8 @@ class Pipeline:
         """Per stage: micro-batch activations held for the backward at the peak (slot tables: chunk
         activations, each 1/v of a stage's layers)."""
         if self.schedule in TABLE_SCHEDULES:
-            return tuple(schedules.in_flight(self._table))
+            return schedules.executed_in_flight(self.schedule, self.stages, self.microbatches, self.repeats,
+                                                self.weight_parts, int(self.overlap))
         return (self.repeats * self.microbatches,) * self.stages
 
     def describe(self) -> str:

@@ -129,8 +129,9 @@ def _interleaved_orders(p: int, m: int, v: int, latency: int) -> list[list[Op]]:
     """Megatron's interleaved 1F1B (`_interleaved`): (p - s - 1)*2 + (v - 1)*p warm-up forwards."""
     if m % p:
         raise ValueError(f"interleaved_1f1b needs micro-batches divisible by stages: m={m}, p={p}")
-    return [_fused(_one_f_one_b(_interleaved(p, m, v, forward=True), _interleaved(p, m, v, forward=False),
-                                min(((p - s - 1) * 2 + (v - 1) * p) * (1 + latency), m * v))) for s in range(p)]
+    forwards, backwards = _interleaved(p, m, v, forward=True), _interleaved(p, m, v, forward=False)
+    return [_fused(_one_f_one_b(forwards, backwards, min(((p - s - 1) * 2 + (v - 1) * p) * (1 + latency), m * v)))
+            for s in range(p)]
 
 
 def _zero_bubble_orders(p: int, m: int, v: int, latency: int) -> list[list[Op]]:
@@ -183,15 +184,17 @@ def _one_f_one_b_table(p: int, m: int, v: int, weight_parts: int, latency: int) 
     - 1) ticks. With transfers behind compute (`latency` 1): the orders with their warm-up doubled in
     alternating ticks (`alternating`: a forward on every stage, then a backward), 2(m + 2p - 2) ticks,
     2(p - s) - 1 micro-batches held on stage s."""
+    # the overlapped table in closed form: what `alternating` makes of the orders with latency 1
+    # (tests/test_schedules.py checks the two agree), without simulating every tick
     if latency:
-        orders = [[op for op in order if op.kind != W] for order in stage_orders("1f1b", p, m, latency=1)]
-        return _run(orders, p, 1, split=True, latency=latency, kinds=(F, B),
-                    what=f"1f1b p={p} m={m}: the alternating stage orders")
-    table: list[list[Op | None]] = [[None] * p for _ in range(2 * (m + p - 1))]
+        ticks, f0, b0, step = 2 * (m + 2 * p - 2), lambda s: 2 * s, lambda s: 2 * (2 * p - 2 - s) + 1, 2
+    else:
+        ticks, f0, b0, step = 2 * (m + p - 1), lambda s: s, lambda s: 2 * p - 1 - s, 2
+    table: list[list[Op | None]] = [[None] * p for _ in range(ticks)]
     for s in range(p):
         for j in range(m):
-            table[s + 2 * j][s] = Op(F, j)
-            table[2 * p - 1 - s + 2 * j][s] = Op(B, j)
+            table[f0(s) + step * j][s] = Op(F, j)
+            table[b0(s) + step * j][s] = Op(B, j)
     return table
 
 

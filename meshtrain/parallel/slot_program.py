@@ -11,6 +11,7 @@ without devices.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -54,7 +55,7 @@ class SlotPlan:
     # the next tick computes, put in its inbox slot at that tick's end; `recv_*` name that tick's row)
     latency: int = 0
     # one `ppermute` a tick where the table allows and the transfers are not behind compute
-    # (`_alternating_sends`): pairs[k] are the (source, destination) stages of the ticks t with t % 2 == k,
+    # (`parity_sends`): pairs[k] are the (source, destination) stages of the ticks t with t % 2 == k,
     # each stage sending its activation (the program's `send_forward`) or its input gradient, two ticks a
     # loop step; None: two a tick, the activations one stage on and the gradients one back
     pairs: tuple[tuple[tuple[int, int], ...], ...] | None = None
@@ -104,12 +105,14 @@ def _put_slots(ticks: int, p: int, live: list[list[tuple[int, int, int]]]) -> tu
     return slots, keep, size
 
 
+@functools.lru_cache(maxsize=256)
 def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "gemms",
               weight_parts: int = 1, latency: int = 0) -> SlotPlan:
     """The executable program of `schedule`'s table (see `SlotPlan`). A W in parts keeps what it reads
-    until its last part (the table's later ticks overwrite the earlier in `when`)."""
+    until its last part (the table's later ticks overwrite the earlier in `when`). Built once per
+    arguments (the planner's search asks for the same few thousands of times): its program is read-only."""
     table = schedules.executed(schedule, p, m, v, weight_parts, latency)
-    sends = None if latency else _alternating_sends(table, p, v)  # overlapped: the transfers hide anyway
+    sends = None if latency else parity_sends(schedule, p, m, v, weight_parts)  # overlapped: they hide anyway
     arrive = 0.5 + latency  # after the tick that sends (latency 1: at the end of the next one)
     split = schedule in schedules.SPLIT_BACKWARD
     when = {(op.kind, s, op.micro, op.chunk): t for t, row in enumerate(table) for s, op in enumerate(row) if op}
@@ -205,8 +208,15 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
     pairs, forward = sends if sends is not None else (None, None)
     if forward is not None:  # read at run time: a constant would let XLA drop one output per parity's switch
         program[:, :, FIELDS.index("send_forward")] = [forward[t % 2] for t in range(len(table))]
+    program.flags.writeable = False
     return SlotPlan(program, n_stash, n_weight, n_f, n_b, split, wraps=v > 1, split_backward=split_backward,
                     weight_parts=weight_parts, latency=latency, pairs=pairs)
+
+
+@functools.lru_cache(maxsize=512)
+def parity_sends(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1):
+    """`_alternating_sends` of the schedule's plain table (`schedules.executed`, latency 0), once per arguments."""
+    return _alternating_sends(schedules.executed(schedule, p, m, v, weight_parts, 0), p, v)
 
 
 def _alternating_sends(table, p: int, v: int):

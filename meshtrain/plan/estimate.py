@@ -21,7 +21,7 @@ import ml_collections
 
 from meshtrain import cli, config as config_lib, metrics
 from meshtrain.mesh import MESH_ORDER
-from meshtrain.parallel import cost
+from meshtrain.parallel import cost, schedules
 from meshtrain.plan import comm, memory
 from meshtrain.plan.hardware import Gpu
 from meshtrain.sharding_rules import ShardingRuleError
@@ -192,12 +192,27 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-# The schedules a search tries on a pipelined mesh: (pipeline.schedule, pipeline.repeats,
-# pipeline.overlap_transfers). The lock-step loops that hold flat activation memory: 1F1B, with and
-# without its transfers behind compute, and interleaved 1F1B in two chunks a stage, whose transfers are
-# behind compute anyway (docs/pipeline.md: modeled 0.69 of 1F1B's step; measured on an
-# H200, 0.65 to 0.76). Zero bubble is left out: measured, its split backward is slower than 1F1B.
-PIPELINE_CHOICES = (("1f1b", 1, False), ("1f1b", 1, True), ("interleaved_1f1b", 2, True))
+SEARCH_REPEATS = (2, 4)  # chunks a stage the search tries for a chunked schedule
+
+
+def _pipeline_choices() -> tuple[tuple[str, int, bool], ...]:
+    """The schedules a search tries on a pipelined mesh, (pipeline.schedule, pipeline.repeats,
+    pipeline.overlap_transfers), read off the registry: the slot tables, whose activation memory is
+    flat in m, with their fused backward (zero bubble's split one is left out: measured on an H200,
+    slower than 1F1B, docs/pipeline.md); each chunked one at SEARCH_REPEATS chunks a stage; with and
+    without the transfers behind compute, except where the two tables are one (the alternating tables:
+    the overlap hides the transfers for the same ticks and memory)."""
+    choices = []
+    for name, entry in schedules.REGISTRY.items():
+        if entry.loop != schedules.TABLE or entry.split_backward:
+            continue
+        overlaps = (True,) if entry.alternating else (False, True) if entry.overlapping else (False,)
+        choices += [(name, v, overlap) for v in (SEARCH_REPEATS if entry.chunked else (1,)) for overlap in overlaps]
+    return tuple(choices)
+
+
+# 1F1B with and without its transfers behind compute, interleaved 1F1B in 2 and 4 chunks a stage
+PIPELINE_CHOICES = _pipeline_choices()
 
 
 def candidate_configs(config: ml_collections.ConfigDict, num_devices: int, devices_per_node: int = 8):

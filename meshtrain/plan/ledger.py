@@ -246,10 +246,12 @@ class Ledger:
         self.add("stage", "minimum", "activations and their gradients", "2 m (p v - 1)/p act",
                  2 * m * (p * v - 1) / p * act)
         ticks = v * m + p - 1
-        if self._slots:
+        if self._slots:  # the slot-table executor's permutes (`Pipeline.transfers`): every tick, idle ones too
+            count = st.pipeline.transfers[0]
+            share = 1.0 if entry.wraps else (p - 1) / p
             self.add("stage", "choice", "a permute every tick, idle warm-up/cool-down ticks included",
-                     "2 (p-1) (p-1)/p act (one SPMD program: every device takes part in every tick)",
-                     2 * (p - 1) * (p - 1) / p * act)
+                     "T share act - minimum (T the loop's permutes: one or two a tick; one SPMD program: every "
+                     "device takes part in every tick)", max(0.0, count * share * act - 2 * m * (p * v - 1) / p * act))
         else:
             self.add("stage", "choice", "a permute every tick on every stage, the wrap-around included",
                      "2 (v m + p - 1) act - minimum (the ring-buffer loop)",

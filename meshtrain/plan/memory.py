@@ -378,7 +378,7 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
     if autodiff_pipe and not m.fused_loss:
         loss += 4 * t * run.microbatches * m.vocab_size // s["tensor"]
     temporaries = max(_layer_workspace(run, t), loss)
-    if pipelined and run.pipeline.plan is not None and run.pipeline.repeats > 1:
+    if pipelined and run.pipeline_schedule in schedules.TABLE_SCHEDULES and run.pipeline.repeats > 1:
         # in several chunks a stage the slot-table loop sums its layers' float32 gradients outside the
         # tick's switch, one chunk's gradient at a time (`pipeline_tables._TableWork.sums_outside`): the
         # sums, the switch's output chunk gradient and the window of the sums it is added to; the head's
