@@ -186,15 +186,16 @@ def _one_f_one_b_table(p: int, m: int, v: int, weight_parts: int, latency: int) 
     2(p - s) - 1 micro-batches held on stage s."""
     # the overlapped table in closed form: what `alternating` makes of the orders with latency 1
     # (tests/test_schedules.py checks the two agree), without simulating every tick
+    # stage s's first forward and first backward tick; each stage runs one of each every two ticks
     if latency:
-        ticks, f0, b0, step = 2 * (m + 2 * p - 2), lambda s: 2 * s, lambda s: 2 * (2 * p - 2 - s) + 1, 2
+        ticks, first_f, first_b = 2 * (m + 2 * p - 2), lambda s: 2 * s, lambda s: 2 * (2 * p - 2 - s) + 1
     else:
-        ticks, f0, b0, step = 2 * (m + p - 1), lambda s: s, lambda s: 2 * p - 1 - s, 2
+        ticks, first_f, first_b = 2 * (m + p - 1), lambda s: s, lambda s: 2 * p - 1 - s
     table: list[list[Op | None]] = [[None] * p for _ in range(ticks)]
     for s in range(p):
         for j in range(m):
-            table[f0(s) + step * j][s] = Op(F, j)
-            table[b0(s) + step * j][s] = Op(B, j)
+            table[first_f(s) + 2 * j][s] = Op(F, j)
+            table[first_b(s) + 2 * j][s] = Op(B, j)
     return table
 
 
