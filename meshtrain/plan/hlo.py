@@ -823,9 +823,9 @@ def _float32_dots(parsed, name: str) -> bool:
 
 
 def _fusion_bytes(body, operand_bytes: list[int], out_bytes: int) -> int:
-    """HBM bytes of one fusion launch: each parameter whole, or only what the (dynamic-)slices that are
-    its only users take, or nothing for the operand a root dynamic-update-slice or scatter updates in
-    place; then the result, or only the update written in place (a scatter: its updates read and the
+    """HBM bytes of one fusion launch: each parameter whole, or, where its only users are (dynamic-)slices
+    and the root dynamic-update-slice or scatter that updates it in place, only what the slices take;
+    then the result, or only the update written in place (a scatter: its updates read and the
     rows they add to read and written, as XLA:GPU emits a scatter into its operand's buffer: a pipeline
     tick's embedding-gradient rows, `pipeline_tables._TableWork.add_embedding_grads`)."""
     users: dict[str, list[tuple[str, int, str]]] = collections.defaultdict(list)
@@ -841,10 +841,11 @@ def _fusion_bytes(body, operand_bytes: list[int], out_bytes: int) -> int:
     total = 0
     for index, name in params.items():
         uses = users.get(name, [])
-        if uses and all(op in ("dynamic-slice", "slice") and i == 0 for op, i, _ in uses):
-            total += sum(_nbytes(shape) for _, _, shape in uses)
-        elif uses and all(op in ("dynamic-update-slice", "scatter") and i == 0 for op, i, _ in uses):
-            continue
+        if uses and all(op in ("dynamic-slice", "slice", "dynamic-update-slice", "scatter") and i == 0
+                        for op, i, _ in uses):
+            # read through its slices; updated in place (a window read, changed and written back, as
+            # `pipeline_tables._add_chunk` adds a chunk's gradients: the window, not the whole)
+            total += sum(_nbytes(shape) for op, _, shape in uses if op in ("dynamic-slice", "slice"))
         else:
             total += operand_bytes[index] if index < len(operand_bytes) else 0
     if root is not None and root.group(3) == "dynamic-update-slice":
