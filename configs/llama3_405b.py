@@ -50,9 +50,8 @@ def get_config():
     c.train.warmup_steps = 8000
     c.train.zero_stage = 1
     # XLA:GPU's scheduler budgets (80% of HBM - inputs and outputs) x 95% = 40.5 GiB for the step's temporaries
-    # and then starts fewer sequence-parallel gathers early: at that default, 135 of 198 had compute beside
-    # them; 400 lifts the budget: 198 of 198 then, 174 of 198 since the pipeline takes bf16 weights, the
-    # compiled peak 57.77 GiB (docs/405b.md).
+    # and then starts fewer sequence-parallel gathers early: at that default, 135 of 198 have compute beside
+    # them; 400 lifts the budget: 198 of 198, the compiled peak 56.04 GiB (56.77 at the default).
     c.train.xla_gpu_memory_limit_slop_factor = 400
     c.remat.policy = "full"
     c.pipeline.schedule = "interleaved_1f1b"
