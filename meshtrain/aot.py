@@ -152,7 +152,9 @@ class ProgramReport:
     kernels: dict[str, int]  # Pallas kernel name -> Triton calls in the module
     gemms: int
     fp8_gemms: int
-    collectives: dict[str, dict[str, int]]  # kind -> {"pairs", "overlapped"}
+    # kind -> {"pairs", "overlapped"}: instructions; {"runs", "overlapped_runs"}: as often as each runs a
+    # step (`plan.hlo.overlap_runs`, a pipeline's switch branches by their share of its ticks)
+    collectives: dict[str, dict[str, float]]
     cudnn_attention: dict[str, int] = dataclasses.field(default_factory=dict)  # cuDNN fused-attention target -> calls
     # the program's kernels one after another on one device, priced kernel by kernel (`hlo.KernelTimes`):
     # no communication; cuDNN's and the Pallas flash attention by their FLOPs at their measured efficiency
@@ -168,15 +170,18 @@ class ProgramReport:
 
     @classmethod
     def of(cls, compiled, seconds: float, gpu: hardware.Gpu | None = None, top: int = 8,
-           lockstep=None) -> ProgramReport:
-        """`lockstep`: the pipeline loop's rows of switch branches (`Layout.lockstep_rows`), how the
-        kernel model prices its ticks (`plan.hlo.kernels`)."""
+           lockstep=None, branch_weights=None) -> ProgramReport:
+        """`lockstep`: the pipeline loops' rows of switch branches (`Layout.lockstep_rows`), how the
+        kernel model prices its ticks (`plan.hlo.kernels`); `branch_weights`: their branches' shares
+        (`Layout.branch_share`), how often each branch's collectives run."""
         text = compiled.as_text()
         gemm = hlo.gemms(text)
-        by_kind: dict[str, dict[str, int]] = collections.defaultdict(lambda: {"pairs": 0, "overlapped": 0})
+        by_kind: dict[str, dict[str, float]] = collections.defaultdict(lambda: {"pairs": 0, "overlapped": 0})
         for pair in hlo.async_overlap(text):
             by_kind[pair.kind]["pairs"] += 1
             by_kind[pair.kind]["overlapped"] += pair.overlapped
+        for kind, (runs, overlapped) in hlo.overlap_runs(text, branch_weights).items():
+            by_kind[kind].update(runs=round(runs, 3), overlapped_runs=round(overlapped, 3))
         report = cls(seconds, verify.compiled_memory(compiled), dict(sorted(hlo.triton_kernels(text).items())),
                      gemm.total, gemm.fp8, dict(sorted(by_kind.items())),
                      dict(sorted(hlo.cudnn_attention_calls(text).items())),
@@ -289,9 +294,10 @@ def _modeled_lines(program: ProgramReport) -> str:
 def _collective_lines(program: ProgramReport) -> str:
     if not program.collectives:
         return "asynchronous collectives: none"
-    lines = ["asynchronous collectives   pairs  compute between start and done"]
+    lines = ["asynchronous collectives   pairs  compute between start and done   runs a step  of them beside compute"]
     for kind, row in program.collectives.items():
-        lines.append(f"  {kind:<23} {row['pairs']:>6}  {row['overlapped']:>6}")
+        lines.append(f"  {kind:<23} {row['pairs']:>6}  {row['overlapped']:>6}{'':>31}{row['runs']:>11.0f}"
+                     f"  {row['overlapped_runs']:>9.0f}")
     return "\n".join(lines)
 
 
@@ -343,7 +349,8 @@ def compile_report(config: ml_collections.ConfigDict, target: str, devices: int,
 
     compiled, run, seconds = compile_step(config, target, devices, devices_per_node)
     gpu = hardware.get_gpu(target)
-    step = ProgramReport.of(compiled, seconds, gpu, lockstep=run.layout.lockstep_rows())
+    step = ProgramReport.of(compiled, seconds, gpu, lockstep=run.layout.lockstep_rows(),
+                            branch_weights=run.layout.branch_share())
     del compiled
     planner = verify.model_memory(config, dict(run.sizes), verify.batch_bytes(run))
     report = Report(target, run.mesh.devices.flat[0].device_kind, devices, devices_per_node, dict(run.sizes),

@@ -113,9 +113,10 @@ def test_readme_gpu_compiler_commands_run(tmp_path, command):
                                                       "stage": 16}
         assert report["planner_over_compiler"] == pytest.approx(1, abs=0.10), report["planner_over_compiler"]
         # the sequence-parallel gathers and scatters and the stage permutes beside compute (the
-        # config's raised scheduler budget): at least 80% of the pairs
+        # config's raised scheduler budget): at least 80% of what a step runs (each pair as often as it
+        # runs: the pipeline's warm-up loop compiles the forward layers a second time)
         pairs = {k: report["step"]["collectives"][k] for k in ("all-gather", "reduce-scatter", "collective-permute")}
-        overlapped = sum(p["overlapped"] for p in pairs.values()) / sum(p["pairs"] for p in pairs.values())
+        overlapped = sum(p["overlapped_runs"] for p in pairs.values()) / sum(p["runs"] for p in pairs.values())
         assert overlapped >= 0.8, pairs
         # interleaved 1F1B with its transfers overlapped: every stage permute has compute beside it
         assert pairs["collective-permute"]["overlapped"] == pairs["collective-permute"]["pairs"] > 0, pairs

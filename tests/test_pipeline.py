@@ -151,13 +151,18 @@ def test_tick_loop_trip_count_and_one_transfer_per_tick(case):
     pipe, _, compiled = _pipelined(schedule, tuple(mesh.items()))
     activation = (8 // M) * SEQ * 64
     loops = _tick_loops(compiled.as_text())
-    # gpipe / circular: the forward loop and its autodiff transpose; 1f1b: one loop
-    assert len(loops) == (1 if schedule == "1f1b" else 2), loops
+    # gpipe / circular: the forward loop and its autodiff transpose; 1f1b: a loop per segment of its table
+    # (`SlotPlan.segments`: the forward warm-up's, then the rest)
     paired = schedule == "1f1b" and pipe.plan.pairs is not None
     assert paired == (schedule == "1f1b" and pipe.stages > 2)
+    if schedule == "1f1b":
+        step = 2 if paired else 1
+        assert [trips for trips, _ in loops] == [(b - a) // step for a, b, _ in pipe.plan.segments], loops
+        assert sum(trips for trips, _ in loops) * step == pipe.ticks
+    else:
+        assert [trips for trips, _ in loops] == [pipe.ticks] * 2, loops
     per_step = [("collective-permute", activation)] * (2 if schedule == "1f1b" else 1)
-    for trips, moved in loops:
-        assert trips == (pipe.ticks // 2 if paired else pipe.ticks)
+    for _, moved in loops:
         assert sorted(moved) == per_step, moved
 
 

@@ -204,6 +204,29 @@ def test_program_hands_every_operation_its_inputs(schedule, p, split_backward, p
     assert sizes[2 * p] == sizes[4 * p], sizes
 
 
+@pytest.mark.parametrize("schedule, v, latency", [("interleaved_1f1b", 2, 0), ("interleaved_1f1b", 4, 1),
+                                                   ("zero_bubble", 1, 0), ("1f1b", 1, 1)])
+@pytest.mark.parametrize("p", [2, 4, 16])
+def test_segments_cover_the_program_and_skip_no_gradient(schedule, v, latency, p):
+    """`SlotPlan.segments`: consecutive tick ranges, in order, covering the program (even ones where a loop
+    step is two ticks); with several chunks a stage the ranges outside the one of every backward and W
+    switch over the idle and forward branches only; with one chunk, one loop (its switch adds in place)."""
+    plan = slot_plan(schedule, p, 2 * p, v, "gemms", 1, latency)
+    segments = plan.segments
+    assert [a for a, _, _ in segments] == [0] + [b for _, b, _ in segments[:-1]]
+    assert segments[-1][1] == plan.ticks
+    if v == 1:
+        assert segments == ((0, plan.ticks, slot_program.BRANCHES),)
+        return
+    assert [n for _, _, n in segments].count(slot_program.BRANCHES) == 1
+    for a, b, n in segments:
+        assert plan.program[a:b, :, 0].max() < n  # every operation has its branch in the loop's switch
+        assert plan.pairs is None or a % 2 == b % 2 == 0
+    rows = slot_program.segment_rows(plan)
+    assert sum(r.shape[0] for r in rows.values()) == plan.ticks and set(rows) == {n for _, _, n in segments}
+    assert 0 < segments[0][1] < plan.ticks  # a warm-up of forwards only, without the gradient add
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_temp_memory_flat_as_microbatches_grow(schedule):
     """m = 2p -> 8p at p=2 (one row per micro-batch): the compiled temp memory grows by less than one

@@ -252,6 +252,9 @@ def test_kernel_reader_takes_one_branch_of_a_conditional():
     locked = {k.name: k.runs for k in hlo.kernels(text, price=lambda ks: sum(k.runs for k in ks), lockstep=(rows, 2))
               if k.name.startswith("c")}
     assert locked == {"c1": 0.5, "c2": 0.5, "c3": 0.5}
+    # rows per switch size (a pipeline run as a loop per segment, `slot_program.segment_rows`): the same
+    assert {k.name: k.runs for k in hlo.kernels(text, price=lambda ks: sum(k.runs for k in ks), lockstep={2: rows})
+            if k.name.startswith("c")} == locked
     assert {k.name for k in hlo.kernels(text, lockstep=(rows, 3))} >= {"c2", "c3"}  # other switches: the longest
 
 

@@ -90,17 +90,18 @@ class Layout:
             return pipeline_tables.loss_and_grads
         return default
 
-    def lockstep_rows(self) -> tuple[np.ndarray, int] | None:
-        """(rows [n, p] of the pipeline switch's branch each stage takes, one row a table tick; the switch's
-        branches), how the kernel model prices the loop (`plan.hlo.kernels`), or None without a slot loop."""
+    def lockstep_rows(self) -> dict[int, np.ndarray] | None:
+        """{switch size: rows [n, p] of the branch each stage takes, one row a table tick} of the pipeline's
+        loops (`slot_program.segment_rows`), how the kernel model prices them (`plan.hlo.kernels`), or None
+        without a slot loop."""
         pipe = self.pipeline
         if pipe is not None and pipe.plan is not None:
-            return pipe.plan.program[:, :, 0], pipeline_lib.SLOT_BRANCHES
+            return slot_program.segment_rows(pipe.plan)
         return None
 
-    def branch_share(self) -> tuple[float, ...] | None:
-        """The share of a step's slot calls that take each branch of the pipeline's `lax.switch` (how
-        often each branch's collectives run: `plan.hlo.collectives`), or None without a slot loop."""
+    def branch_share(self) -> dict[int, tuple[float, ...]] | None:
+        """{switch size: the share of its loops' calls that take each branch} of the pipeline's `lax.switch`
+        (how often each branch's collectives run: `plan.hlo.collectives`), or None without a slot loop."""
         pipe = self.pipeline
         if pipe is not None and pipe.plan is not None:
             return slot_program.branch_share(pipe.plan)

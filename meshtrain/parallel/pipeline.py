@@ -87,7 +87,6 @@ OVERLAPPING = schedules.OVERLAPPING
 
 
 SPLIT_MODES = ("gemms", "pullback")  # `pipeline.split_backward`
-SLOT_BRANCHES = 7  # a slot-table tick's `lax.switch` (`pipeline_tables`): idle, three forwards, two backwards, W
 
 @dataclasses.dataclass(frozen=True)
 class Pipeline:

@@ -472,7 +472,10 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     the input gradient one stage back (`ppermute`; one for both where `plan.pairs`), each put in its
     inbox slot. With `plan.latency` 1
     the outputs stay in the carry and leave at the start of the next tick, travelling while its
-    operation runs (which reads nothing of them: the table was simulated with the latency)."""
+    operation runs (which reads nothing of them: the table was simulated with the latency). The ticks
+    run as a loop per `SlotPlan.segments`: those before the first backward (and after the last) switch
+    over the forward branches only and add no gradients, which every tick of one loop would (the
+    gradient sums' window, the embedding's scatter: at 405B about 8 ms a tick)."""
     s = lax.axis_index(STAGE)
     rest = tuple(a for a in axes if a != STAGE)
     outer = lax.pcast(outer, axes, to="varying")
@@ -495,8 +498,9 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
         arrived = lax.ppermute(jnp.where(row[field["send_forward"]] == 1, y, dx), STAGE, list(plan.pairs[parity]))
         return arrived, arrived
 
-    def tick(carry, program, parity):
+    def tick(carry, program, parity, size):
         c, buffers, inbox_f, inbox_b, embedded, sent = carry
+        grads = size == len(branches)  # a backward or W may run: the gradients are added
         if plan.latency:  # last tick's outputs, in flight while this tick's operation runs (two a tick)
             arriving = send(sent, None, None)
         row = lax.dynamic_index_in_dim(program, s, 0, keepdims=False)
@@ -504,11 +508,12 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
         x = lax.dynamic_index_in_dim(inbox_f, row[field["read_f"]], 0, keepdims=False)
         g = lax.dynamic_index_in_dim(inbox_b, row[field["read_b"]], 0, keepdims=False)
         sums = c.pop("g_layers") if work.sums_outside else None  # (`_TableWork._chunk_grads`)
-        c, y, dx, dy, g_w, put = lax.switch(branch, branches, c, x, g, row[field["micro"]], row[field["chunk"]],
-                                            row[field["stash"]], row[field["wstash"]], row[field["part"]], buffers)
-        if work.sums_outside:
-            c = {**c, "g_layers": _add_chunk(sums, g_w, row[field["chunk"]])}
-        if work.embedding_outside:
+        c, y, dx, dy, g_w, put = lax.switch(branch, branches[:size], c, x, g, row[field["micro"]],
+                                            row[field["chunk"]], row[field["stash"]], row[field["wstash"]],
+                                            row[field["part"]], buffers)
+        if work.sums_outside:  # outside the backward's loop g_w is zeros, neither read nor computed
+            c = {**c, "g_layers": _add_chunk(sums, g_w, row[field["chunk"]]) if grads else sums}
+        if work.embedding_outside and grads:
             embedded = work.add_embedding_grads(embedded, dx, row[field["micro"]], branch == BACKWARD_FIRST)
         for name, buf in buffers.items():
             slot, value = row[field["put_" + PUT_FIELD[name]]], put[name]
@@ -525,11 +530,11 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
         inbox_b = lax.dynamic_update_index_in_dim(inbox_b, arriving[1], row[field["recv_b"]], 0)
         return c, buffers, inbox_f, inbox_b, embedded, sent
 
-    def ticks(carry, programs):  # two ticks a step where one ppermute's pairs follow the tick's parity
+    def ticks(carry, programs, size):  # two ticks a step where one ppermute's pairs follow the tick's parity
         if plan.pairs is None:
-            return tick(carry, programs, 0), None
+            return tick(carry, programs, 0, size), None
         for parity in (0, 1):
-            carry = tick(carry, programs[parity], parity)
+            carry = tick(carry, programs[parity], parity, size)
         return carry, None
 
     inbox_f, inbox_b = work.inboxes()
@@ -538,10 +543,13 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     embedded = (lax.pcast(jnp.zeros(work.outer["embedding"].shape, jnp.float32), axes, to="varying")
                 if work.embedding_outside else ())
     init = (work.initial_carry(), work.slot_buffers(), inbox_f, inbox_b, embedded, sent)
-    program = jnp.asarray(plan.program)
-    if plan.pairs is not None:
-        program = program.reshape(plan.ticks // 2, 2, *program.shape[1:])
-    (c, _, _, _, embedded, _), _ = lax.scan(ticks, init, program)
+    carry = init
+    for start, stop, size in plan.segments:  # a loop a segment, its switch of `size` branches
+        program = jnp.asarray(plan.program[start:stop])
+        if plan.pairs is not None:
+            program = program.reshape((stop - start) // 2, 2, *program.shape[1:])
+        carry, _ = lax.scan(functools.partial(ticks, size=size), carry, program)
+    c, _, _, _, embedded, _ = carry
     g_outer = {**c["g_outer"], **({"embedding": embedded} if work.embedding_outside else {})}
     g_layers = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), c["g_layers"])
     g_layers = reduce_layer_grads(g_layers, specs, rest)

@@ -19,6 +19,7 @@ from meshtrain.parallel import schedules
 
 # branch indices of the tick's `lax.switch`
 IDLE, FORWARD, FORWARD_FIRST, FORWARD_LAST, BACKWARD, BACKWARD_FIRST, WEIGHTS = range(7)
+BRANCHES = 7
 FIELDS = ("branch", "micro", "chunk", "stash", "wstash", "read_f", "read_b", "dy", "recv_f", "recv_b", "part",
           "put_stash", "put_inputs", "put_g", "keep_stash", "keep_inputs", "keep_g", "send_forward")
 # the program fields with the slot a tick writes each slot buffer's `put` into, and whether it writes
@@ -59,6 +60,7 @@ class SlotPlan:
     # each stage sending its activation (the program's `send_forward`) or its input gradient, two ticks a
     # loop step; None: two a tick, the activations one stage on and the gradients one back
     pairs: tuple[tuple[tuple[int, int], ...], ...] | None = None
+    chunks: int = 1  # v: chunks a stage
 
     @property
     def gemms(self) -> bool:
@@ -67,6 +69,31 @@ class SlotPlan:
     @property
     def ticks(self) -> int:
         return self.program.shape[0]
+
+    @functools.cached_property
+    def segments(self) -> tuple[tuple[int, int, int], ...]:
+        """(start, stop, branches) tick ranges covering the program in order, each run as its own loop
+        whose `lax.switch` has the first `branches` branches: all of them (BRANCHES) from the first tick
+        where a stage runs a backward or W to the last; before (a forward warm-up: 405B interleaved in 4
+        chunks on 16 stages, the first 127 of 284 ticks) and after, the idle one and the forwards
+        (BACKWARD of them), and no gradient is added. The kernel model tells the loops apart by their
+        switch's size (`segment_rows`). With `pairs` (two ticks a loop step) the ranges start and stop on
+        even ticks. One loop with one chunk a stage, whose switch adds the gradients in place (the
+        executor's `sums_outside`): nothing is added outside it to skip (a warm-up loop there lowers 1F1B's
+        temporaries, not zero bubble's: the tiny model overlapped, 86.4 -> 79.6 MiB against 86.6)."""
+        if self.chunks == 1:
+            return ((0, self.ticks, BRANCHES),)
+        branch = self.program[:, :, 0]
+        grads = (branch >= BACKWARD).any(axis=1)
+        if not grads.any():
+            first = last = self.ticks
+        else:
+            first, last = int(np.argmax(grads)), self.ticks - int(np.argmax(grads[::-1]))
+        if self.pairs is not None:
+            first, last = first - first % 2, min(self.ticks, last + last % 2)
+        cuts = (0, first, last, self.ticks)
+        return tuple((a, b, BRANCHES if a == first else BACKWARD)
+                     for a, b in zip(cuts, cuts[1:], strict=False) if b > a)
 
 
 def _allocate(intervals: list[tuple[float, float, object]]) -> tuple[dict, int]:
@@ -210,7 +237,7 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
         program[:, :, FIELDS.index("send_forward")] = [forward[t % 2] for t in range(len(table))]
     program.flags.writeable = False
     return SlotPlan(program, n_stash, n_weight, n_f, n_b, split, wraps=v > 1, split_backward=split_backward,
-                    weight_parts=weight_parts, latency=latency, pairs=pairs)
+                    weight_parts=weight_parts, latency=latency, pairs=pairs, chunks=v)
 
 
 @functools.lru_cache(maxsize=512)
@@ -249,7 +276,17 @@ def _alternating_sends(table, p: int, v: int):
     return pairs, forward
 
 
-def branch_share(plan: SlotPlan) -> tuple[float, ...]:
-    """The share of (tick, stage) pairs that take each branch (the HLO byte count's conditional weights)."""
-    counts = np.bincount(plan.program[:, :, 0].ravel(), minlength=7)
-    return tuple(float(c) for c in counts / counts.sum())
+def segment_rows(plan: SlotPlan) -> dict[int, np.ndarray]:
+    """{switch size: rows [n, p] of the branch each stage takes}: the ticks of the loops whose switch has
+    that many branches (`SlotPlan.segments`), in order."""
+    rows: dict[int, list[np.ndarray]] = {}
+    for start, stop, branches in plan.segments:
+        rows.setdefault(branches, []).append(plan.program[start:stop, :, 0])
+    return {n: np.concatenate(r) for n, r in rows.items()}
+
+
+def branch_share(plan: SlotPlan) -> dict[int, tuple[float, ...]]:
+    """{switch size: the share of its loops' (tick, stage) pairs that take each of its branches} (the HLO
+    byte count's conditional weights: `plan.hlo.collectives`)."""
+    return {n: tuple(float(c) for c in np.bincount(rows.ravel(), minlength=n) / rows.size)
+            for n, rows in segment_rows(plan).items()}

@@ -113,14 +113,27 @@ def _computations(hlo: str):
     return comps, entry
 
 
-def _multiplicities(comps: dict[str, list[str]], entry: str,
-                    branch_weights: tuple[float, ...] | None = None) -> dict[str, float]:
+def _by_size(weights) -> dict[int, object]:
+    """Per-switch-size conditional weights or lock-step rows, {branches: value}, from such a mapping, from
+    one tuple of weights (its length), or from one (rows, branches) pair; {} for None."""
+    if weights is None:
+        return {}
+    if isinstance(weights, dict):
+        return weights
+    if len(weights) == 2 and isinstance(weights[0], np.ndarray):
+        return {int(weights[1]): weights[0]}
+    return {len(weights): tuple(weights)}
+
+
+def _multiplicities(comps: dict[str, list[str]], entry: str, branch_weights=None) -> dict[str, float]:
     """How many times each computation runs per call of the entry (while bodies x trip count).
 
     A conditional runs one branch per call, which the text cannot tell: each branch counts as
     running every call, unless `branch_weights` gives, for conditionals with that many branches,
-    the share of calls that take each branch (a slot-table tick's switch: `Layout.branch_share`).
+    the share of calls that take each branch (a slot-table tick's switch: `Layout.branch_share`, one
+    tuple a switch size: `_by_size`).
     """
+    branch_weights = _by_size(branch_weights)
     mult: dict[str, float] = collections.defaultdict(float)
     mult[entry] = 1
     order, seen = [entry], {entry}
@@ -134,8 +147,7 @@ def _multiplicities(comps: dict[str, list[str]], entry: str,
             out += [(c, trip) for c in _CALLEE.findall(line) if c in comps]
             if b := _BRANCHES.search(line):
                 branches = [c.strip().lstrip("%") for c in b.group(1).split(",")]
-                weights = (branch_weights if branch_weights and len(branch_weights) == len(branches)
-                           else (1.0,) * len(branches))
+                weights = branch_weights.get(len(branches), (1.0,) * len(branches))
                 out += [(c, w) for c, w in zip(branches, weights, strict=True) if c in comps]
         edges[name] = out
     # computations form a DAG; visit callers before callees (Kahn order from the entry).
@@ -382,6 +394,21 @@ def async_overlap(hlo: str) -> list[AsyncPair]:
     return pairs
 
 
+def overlap_runs(hlo: str, branch_weights=None) -> dict[str, tuple[float, float]]:
+    """{kind: (runs, runs with compute beside)} of the module's asynchronous pairs (`async_overlap`),
+    each counted as often as it runs per call (`_multiplicities`: loop trips, conditional branches by
+    `branch_weights`): the overlap a step gets, where `async_overlap` counts instructions (a loop's
+    body compiled twice counts twice there, and its pairs that run once a tick count once)."""
+    comps, entry = _computations(hlo)
+    mult = _multiplicities(comps, entry, branch_weights)
+    out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    for pair in async_overlap(hlo):
+        runs = mult.get(pair.computation, 0.0)
+        out[pair.kind][0] += runs
+        out[pair.kind][1] += runs if pair.overlapped else 0.0
+    return {kind: (runs, overlapped) for kind, (runs, overlapped) in out.items()}
+
+
 def computing_call(line: str, computing) -> bool:
     """Whether a conditional / loop / call `line` runs a computation that holds compute."""
     for m in _CALLED.finditer(line):
@@ -449,7 +476,7 @@ def _element_type(shape: str) -> str:
     return m.group(1) if m else "?"
 
 
-def gemms(hlo: str, executed: bool = False, branch_weights: tuple[float, ...] | None = None) -> GemmCount:
+def gemms(hlo: str, executed: bool = False, branch_weights=None) -> GemmCount:
     """The GEMMs of a compiled GPU module: every `dot` left (each inside a Triton GEMM fusion after
     XLA:GPU's passes) and every cuBLAS(Lt) custom call, and which of them multiply FP8 operands.
     `executed`: each counted as often as it runs per call (loop bodies times their trip counts,
@@ -667,7 +694,7 @@ def _measured_kernel(target: str, rest: str, operand_shapes: list[str]) -> tuple
     return 0.0, 0.0
 
 
-def kernels(hlo: str, branch_weights: tuple[float, ...] | None = None, price=None,
+def kernels(hlo: str, branch_weights=None, price=None,
             attention_branch: str = "longest", lockstep=None) -> list[Kernel]:
     """The kernels a GPU-compiled module launches (its optimized HLO, `compiled.as_text()`): each
     fusion, custom call and unfused instruction of the computations that run, with the bytes it reads
@@ -684,14 +711,16 @@ def kernels(hlo: str, branch_weights: tuple[float, ...] | None = None, price=Non
     scanned stack), and updates an operand in place when its root is a dynamic-update-slice (writing
     only the update).
 
-    `lockstep` = (rows [n, p] of branch indices, branches): a pipeline's slot switch (a conditional of that
-    many branches) as its loop runs it, row by row (`Layout.lockstep_rows`: a slot or a tick, stage s
-    taking branch rows[i, s]), each row lasting as long as its slowest stage's branch (`price`): each such
-    conditional counts each branch for the share of rows it is the slowest in. Without it the longest
-    branch counts for every row, a backward in every tick of a table whose ticks alternate forwards and
-    backwards."""
+    `lockstep` = (rows [n, p] of branch indices, branches), or {branches: rows} for a pipeline run as
+    several loops whose switches differ in size (`slot_program.segment_rows`): a pipeline's slot switch
+    (a conditional of that many branches) as its loop runs it, row by row (`Layout.lockstep_rows`: a
+    tick, stage s taking branch rows[i, s]), each row lasting as long as its slowest stage's branch
+    (`price`): each such conditional counts each branch for the share of rows it is the slowest in.
+    Without it the longest branch counts for every row, a backward in every tick of a table whose ticks
+    alternate forwards and backwards."""
     comps, entry = _computations(hlo)
     parsed = {name: [m for line in lines if (m := _INSTRUCTION.match(line))] for name, lines in comps.items()}
+    branch_weights, lockstep = _by_size(branch_weights), _by_size(lockstep)
 
     @functools.cache
     def own(name: str) -> tuple[Kernel, ...]:  # the computation's own launches, once each
@@ -713,12 +742,13 @@ def kernels(hlo: str, branch_weights: tuple[float, ...] | None = None, price=Non
                 names = [n.strip().lstrip("%") for n in found.group(1).split(",")] if found else \
                     re.findall(r"\b(?:true|false)_computation=%?([\w.\-]+)", rest)
                 names = [n for n in names if n in parsed]
-                if branch_weights and len(branch_weights) == len(names):
-                    for branch, weight in zip(names, branch_weights, strict=True):
+                if len(names) in branch_weights:
+                    for branch, weight in zip(names, branch_weights[len(names)], strict=True):
                         out += walk(branch, factor * weight)
-                elif lockstep is not None and len(names) == lockstep[1]:
+                elif len(names) in lockstep:
                     cost = (lambda ks: price(ks)) if price else (lambda ks: sum(k.runs for k in ks))
-                    for index, weight in _slowest_shares(lockstep[0], [cost(walk(b, 1.0)) for b in names]).items():
+                    rows = lockstep[len(names)]
+                    for index, weight in _slowest_shares(rows, [cost(walk(b, 1.0)) for b in names]).items():
                         out += walk(names[index], factor * weight)
                 elif names:
                     walked = [walk(branch, factor) for branch in names]
