@@ -94,6 +94,24 @@ def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple[st
     return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.dtype(cfg.param_dtype))
 
 
+# Layer parameters the model reads only in the compute dtype (each cast where it is used): the attention
+# and MLP weights and biases, dense and expert. A caller may cast them once beforehand
+# (`in_compute_dtype`) for the same forward and the same gradients, rounded to the compute dtype as the
+# cast's own gradient leaves them. The norm scales and the MoE router are read in float32 and stay.
+COMPUTE_DTYPE_PARAMS = frozenset({"wq", "wk", "wv", "wo", "bq", "bk", "bv", "w_gate", "w_up", "w_down",
+                                  "shared_gate", "shared_up", "shared_down"})
+
+
+def in_compute_dtype(layer_params, dtype):
+    """`layer_params` (the scanned layers' parameter tree) with COMPUTE_DTYPE_PARAMS in `dtype`: what the
+    pipeline's slot-table executor slices a chunk from every tick (half the bytes of float32 in bf16, and
+    no cast per layer, per micro-batch), and what ZeRO-3 then gathers."""
+    def cast(path, leaf):
+        name = getattr(path[-1], "key", None)
+        return leaf.astype(dtype) if name in COMPUTE_DTYPE_PARAMS else leaf
+    return jax.tree_util.tree_map_with_path(cast, layer_params)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm over the last dimension, computed in float32. `names`: the scale's
     logical axis (the model dimension, or `head_dim` for Qwen3's per-head query / key norm, which

@@ -47,6 +47,32 @@ def test_packed_row_loss_equals_sum_of_documents():
     np.testing.assert_allclose(packed_loss, separate, rtol=1e-5)
 
 
+def test_layers_cast_beforehand_give_the_same_loss_and_gradients():
+    """`model.in_compute_dtype` (the pipeline executor's cast of the matmul weights, once a step): the
+    same bf16 forward and the same gradients, rounded as the cast inside the model rounds them; the norm
+    scales (and a router) stay float32."""
+    model, params, mesh = _model_and_params(**{"model.dtype": "bfloat16", "model.attention_bias": True})
+    cast = model_lib.in_compute_dtype(params["layers"], jnp.bfloat16)
+    kinds = {jax.tree_util.keystr(path): leaf.dtype for path, leaf in jax.tree_util.tree_leaves_with_path(cast)}
+    assert {k for k, d in kinds.items() if d == jnp.float32} == {k for k in kinds if "scale" in k}
+    assert any("bq" in k for k in kinds) and all(kinds[k] == jnp.bfloat16 for k in kinds if "scale" not in k)
+    rng = np.random.default_rng(0)
+    batch = {"inputs": jnp.asarray(rng.integers(3, 264, (2, 16)), jnp.int32),
+             "positions": jnp.tile(jnp.arange(16), (2, 1)), "segment_ids": jnp.ones((2, 16), jnp.int32),
+             "loss_mask": jnp.ones((2, 16), jnp.float32)}
+    batch["targets"] = jnp.roll(batch["inputs"], -1, axis=1)
+
+    def loss(layers, rest):
+        return model.apply({"params": {**rest, "layers": layers}}, batch, method=model.loss)[0]
+    rest = {k: v for k, v in params.items() if k != "layers"}
+    with jax.set_mesh(mesh):
+        value, grads = jax.jit(jax.value_and_grad(loss))(params["layers"], rest)
+        value_cast, grads_cast = jax.jit(jax.value_and_grad(loss))(cast, rest)
+    assert float(value) == float(value_cast)
+    for g, g_cast in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_cast), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(g_cast.astype(jnp.float32)))
+
+
 def test_tied_embeddings_have_no_head():
     model, params, _ = _model_and_params(**{"model.tie_embeddings": True})
     assert "head" not in params

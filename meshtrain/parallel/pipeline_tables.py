@@ -336,19 +336,21 @@ class _TableWork:
             c["g_layers"], new)}
 
     def _chunk_grads(self, grads=None, start=0):
-        """One chunk's [k, ...] float32 layer gradients (FP8: amaxes), what an operation adds to the chunk's
-        sums: `grads` [layers, ...] at layers start, start + 1, ..., zeros (amaxes -inf) elsewhere.
+        """One chunk's [k, ...] layer gradients in the weights' dtypes (FP8: float32 amaxes), what an
+        operation adds to the chunk's float32 sums: `grads` [layers, ...] at layers start, start + 1, ...,
+        zeros (amaxes -inf) elsewhere.
 
         The sums themselves stay out of the tick's `lax.switch` (`_table_loop` adds this after it): an
         operand a branch returns updated makes XLA copy it in every branch, the idle ones included, every
         tick (405B on 16 H100 stages in 2 chunks: 20 ms a tick of 14 modeled seconds a step, 3 s)."""
-        sums = jax.tree.map(lambda a: a[0], self._layer_sums())
+        sums = {"params": jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), self.layers["params"]),
+                **({FP8: jax.tree.map(lambda a: a[0], self._layer_sums()[FP8])} if FP8 in self.layers else {})}
         if grads is None:
             return sums
         grads = {"params": grads["params"], **({FP8: fp8_lib.from_grad(grads[FP8])} if FP8 in grads else {})}
 
         def place(zero, g):
-            g = g.astype(zero.dtype)
+            g = g.astype(zero.dtype)  # the weight's dtype: the compute dtype's gradients travel unwidened
             return g if g.shape == zero.shape else lax.dynamic_update_slice_in_dim(zero, g, start, 0)
         return jax.tree.map(place, sums, grads)
 
@@ -458,7 +460,7 @@ def _add_chunk(sums: dict, grads: dict, chunk) -> dict:
         def run(total, g):
             start = (chunk,) + (0,) * (total.ndim - 1)
             window = lax.dynamic_slice(total, start, (1, *total.shape[1:]))
-            return lax.dynamic_update_slice(total, op(window, g[None]), start)
+            return lax.dynamic_update_slice(total, op(window, g[None].astype(total.dtype)), start)
         return run
     out = {"params": jax.tree.map(update(jnp.add), sums["params"], grads["params"])}
     if FP8 in sums:

@@ -3,9 +3,9 @@
 Playbook, "Memory usage in Transformers" and "ZeRO: Memory usage revisited". The playbook's
 forms are reproduced exactly (`playbook_*` below); the planner itself counts meshtrain's own
 state, which differs in how bytes are spent but not in the total: meshtrain keeps float32
-parameters (the master weights, cast to bf16 inside each matmul, no stored bf16 copy), float32
-gradients and two float32 Adam moments, i.e. 4 + 4 + 8 = 16 bytes per parameter, the playbook's
-2 + 2 + 12 without fp32 gradient accumulation.
+parameters (the master weights, cast to bf16 inside each matmul; a pipeline in several chunks a
+stage casts its stage's once a step instead), float32 gradients and two float32 Adam moments, i.e.
+4 + 4 + 8 = 16 bytes per parameter, the playbook's 2 + 2 + 12 without fp32 gradient accumulation.
 
 Playbook arithmetic checked here (the tests pin every number):
 
