@@ -475,8 +475,9 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     inbox slot. With `plan.latency` 1
     the outputs stay in the carry and leave at the start of the next tick, travelling while its
     operation runs (which reads nothing of them: the table was simulated with the latency). The ticks
-    run as a loop per `SlotPlan.segments`: those before the first backward (and after the last) switch
-    over the forward branches only and add no gradients, which every tick of one loop would (the
+    run as a loop per `SlotPlan.segments`: those where no stage runs a backward or W (the warm-up, and
+    between the first and the last backward the ticks of the other parity, where a table alternates)
+    switch over the forward branches only and add no gradients, which every tick of one loop would (the
     gradient sums' window, the embedding's scatter: at 405B about 8 ms a tick)."""
     s = lax.axis_index(STAGE)
     rest = tuple(a for a in axes if a != STAGE)
@@ -532,10 +533,8 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
         inbox_b = lax.dynamic_update_index_in_dim(inbox_b, arriving[1], row[field["recv_b"]], 0)
         return c, buffers, inbox_f, inbox_b, embedded, sent
 
-    def ticks(carry, programs, size):  # two ticks a step where one ppermute's pairs follow the tick's parity
-        if plan.pairs is None:
-            return tick(carry, programs, 0, size), None
-        for parity in (0, 1):
+    def ticks(carry, programs, sizes):  # a loop step: one tick, or two from an even tick (parities 0, 1)
+        for parity, size in enumerate(sizes):
             carry = tick(carry, programs[parity], parity, size)
         return carry, None
 
@@ -546,11 +545,10 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
                 if work.embedding_outside else ())
     init = (work.initial_carry(), work.slot_buffers(), inbox_f, inbox_b, embedded, sent)
     carry = init
-    for start, stop, size in plan.segments:  # a loop a segment, its switch of `size` branches
+    for start, stop, sizes in plan.segments:  # a loop a segment, len(sizes) ticks a step
         program = jnp.asarray(plan.program[start:stop])
-        if plan.pairs is not None:
-            program = program.reshape((stop - start) // 2, 2, *program.shape[1:])
-        carry, _ = lax.scan(functools.partial(ticks, size=size), carry, program)
+        program = program.reshape((stop - start) // len(sizes), len(sizes), *program.shape[1:])
+        carry, _ = lax.scan(functools.partial(ticks, sizes=sizes), carry, program)
     c, _, _, _, embedded, _ = carry
     g_outer = {**c["g_outer"], **({"embedding": embedded} if work.embedding_outside else {})}
     g_layers = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), c["g_layers"])

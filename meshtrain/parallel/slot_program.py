@@ -71,29 +71,44 @@ class SlotPlan:
         return self.program.shape[0]
 
     @functools.cached_property
-    def segments(self) -> tuple[tuple[int, int, int], ...]:
-        """(start, stop, branches) tick ranges covering the program in order, each run as its own loop
-        whose `lax.switch` has the first `branches` branches: all of them (BRANCHES) from the first tick
-        where a stage runs a backward or W to the last; before (a forward warm-up: 405B interleaved in 4
-        chunks on 16 stages, the first 127 of 284 ticks) and after, the idle one and the forwards
-        (BACKWARD of them), and no gradient is added. The kernel model tells the loops apart by their
-        switch's size (`segment_rows`). With `pairs` (two ticks a loop step) the ranges start and stop on
-        even ticks. One loop with one chunk a stage, whose switch adds the gradients in place (the
-        executor's `sums_outside`): nothing is added outside it to skip (a warm-up loop there lowers 1F1B's
-        temporaries, not zero bubble's: the tiny model overlapped, 86.4 -> 79.6 MiB against 86.6)."""
+    def segments(self) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+        """(start, stop, sizes) tick ranges covering the program in order, each run as its own loop: a
+        loop step runs len(sizes) ticks, its j-th tick a `lax.switch` over the first sizes[j] branches.
+
+        All of them (BRANCHES) where a stage may run a backward or W, and only those ticks add the
+        gradients (the sums' window, the embedding's scatter); the idle one and the forwards (BACKWARD of
+        them) elsewhere, adding nothing:
+        * before the first backward and after the last (a forward warm-up: 405B interleaved in 4 chunks
+          on 16 stages, the first 127 of 284 ticks);
+        * between, in two ticks a step where every backward and W falls in ticks of one parity, as the
+          interleaved tables' lock-step ticks alternate (forwards in one, backwards in the next): the
+          other tick of each step (405B: 78 of the other 157 ticks).
+        With `pairs` (two ticks a loop step, one `ppermute` a parity) every range starts and stops on an
+        even tick and a step is always two ticks. The kernel model tells the switches apart by their size
+        (`segment_rows`). One loop with one chunk a stage, whose switch adds the gradients in place (the
+        executor's `sums_outside`): nothing is added outside it to skip (a warm-up loop there lowers
+        1F1B's temporaries, not zero bubble's: the tiny model overlapped, 86.4 -> 79.6 MiB against
+        86.6)."""
+        step = 1 if self.pairs is None else 2  # outside the range of gradients
         if self.chunks == 1:
-            return ((0, self.ticks, BRANCHES),)
-        branch = self.program[:, :, 0]
-        grads = (branch >= BACKWARD).any(axis=1)
+            return ((0, self.ticks, (BRANCHES,) * step),)
+        grads = (self.program[:, :, 0] >= BACKWARD).any(axis=1)
         if not grads.any():
-            first = last = self.ticks
-        else:
-            first, last = int(np.argmax(grads)), self.ticks - int(np.argmax(grads[::-1]))
-        if self.pairs is not None:
-            first, last = first - first % 2, min(self.ticks, last + last % 2)
-        cuts = (0, first, last, self.ticks)
-        return tuple((a, b, BRANCHES if a == first else BACKWARD)
-                     for a, b in zip(cuts, cuts[1:], strict=False) if b > a)
+            return ((0, self.ticks, (BACKWARD,) * step),)
+        first, last = int(np.argmax(grads)), self.ticks - int(np.argmax(grads[::-1]))
+        parities = {int(t) % 2 for t in np.flatnonzero(grads)}
+        inner = 2 if len(parities) == 1 and last - first > 1 else step
+        if inner == 2:  # from an even tick, in whole steps where the table has the ticks
+            first -= first % 2
+            last = min(self.ticks, last + (last - first) % 2)
+
+        def sizes(start: int, n: int) -> tuple[int, ...]:
+            return tuple(BRANCHES if len(parities) > 1 or (start + j) % 2 in parities else BACKWARD
+                         for j in range(n))
+        whole = first + (last - first) // inner * inner  # a last odd tick runs one a step
+        cuts = [(0, first, (BACKWARD,) * step), (first, whole, sizes(first, inner)),
+                (whole, last, sizes(whole, 1)), (last, self.ticks, (BACKWARD,) * step)]
+        return tuple(cut for cut in cuts if cut[1] > cut[0])
 
 
 def _allocate(intervals: list[tuple[float, float, object]]) -> tuple[dict, int]:
@@ -280,8 +295,9 @@ def segment_rows(plan: SlotPlan) -> dict[int, np.ndarray]:
     """{switch size: rows [n, p] of the branch each stage takes}: the ticks of the loops whose switch has
     that many branches (`SlotPlan.segments`), in order."""
     rows: dict[int, list[np.ndarray]] = {}
-    for start, stop, branches in plan.segments:
-        rows.setdefault(branches, []).append(plan.program[start:stop, :, 0])
+    for start, stop, sizes in plan.segments:
+        for j, branches in enumerate(sizes):
+            rows.setdefault(branches, []).append(plan.program[start + j:stop:len(sizes), :, 0])
     return {n: np.concatenate(r) for n, r in rows.items()}
 
 
