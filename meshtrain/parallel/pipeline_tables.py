@@ -75,7 +75,7 @@ from meshtrain.parallel.pipeline import (
     reduce_layer_grads,
     run_gradient_loop,
 )
-from meshtrain.parallel.slot_program import BACKWARD_FIRST, FIELDS, PUT_FIELD
+from meshtrain.parallel.slot_program import BACKWARD_FIRST, BRANCHES, FIELDS, FORWARD_LAST, PUT_FIELD
 from meshtrain.sharding_rules import vary
 
 
@@ -485,7 +485,6 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     layers = vary(layers, rest)
     work = _TableWork(stack, model, layers, outer, micro, total_tokens, p=p, m=m, v=v, manual=axes, units=units,
                       plan=plan, counts=counts)
-    branches = work.branches()
     forward_pairs, backward_pairs = _ring(p, 1, plan.wraps), _ring(p, -1, plan.wraps)
     field = {name: i for i, name in enumerate(FIELDS)}
     keeps = {name: bool(plan.program[:, :, field["keep_" + PUT_FIELD[name]]].any()) for name in PUT_FIELD}
@@ -501,9 +500,14 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
         arrived = lax.ppermute(jnp.where(row[field["send_forward"]] == 1, y, dx), STAGE, list(plan.pairs[parity]))
         return arrived, arrived
 
-    def tick(carry, program, parity, size):
+    def tick(carry, program, parity, size, used):
         c, buffers, inbox_f, inbox_b, embedded, sent = carry
-        grads = size == len(branches)  # a backward or W may run: the gradients are added
+        grads = size == BRANCHES  # a backward or W may run: the gradients are added
+        branches = work.branches(used)[:size]
+        # the head's (and an embedding's) float32 sums ride through the switch only where a branch adds to
+        # them: a branch passing them through copies them (405B in 8 chunks a stage: 2.1 GB a tick)
+        outer = not used & ({FORWARD_LAST} | ({BACKWARD_FIRST} if not work.embedding_outside else set()))
+        g_outer = c.pop("g_outer") if outer else None
         if plan.latency:  # last tick's outputs, in flight while this tick's operation runs (two a tick)
             arriving = send(sent, None, None)
         row = lax.dynamic_index_in_dim(program, s, 0, keepdims=False)
@@ -511,9 +515,11 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
         x = lax.dynamic_index_in_dim(inbox_f, row[field["read_f"]], 0, keepdims=False)
         g = lax.dynamic_index_in_dim(inbox_b, row[field["read_b"]], 0, keepdims=False)
         sums = c.pop("g_layers") if work.sums_outside else None  # (`_TableWork._chunk_grads`)
-        c, y, dx, dy, g_w, put = lax.switch(branch, branches[:size], c, x, g, row[field["micro"]],
+        c, y, dx, dy, g_w, put = lax.switch(branch, branches, c, x, g, row[field["micro"]],
                                             row[field["chunk"]], row[field["stash"]], row[field["wstash"]],
                                             row[field["part"]], buffers)
+        if outer:
+            c = {**c, "g_outer": g_outer}
         if work.sums_outside:  # outside the backward's loop g_w is zeros, neither read nor computed
             c = {**c, "g_layers": _add_chunk(sums, g_w, row[field["chunk"]]) if grads else sums}
         if work.embedding_outside and grads:
@@ -533,9 +539,9 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
         inbox_b = lax.dynamic_update_index_in_dim(inbox_b, arriving[1], row[field["recv_b"]], 0)
         return c, buffers, inbox_f, inbox_b, embedded, sent
 
-    def ticks(carry, programs, sizes):  # a loop step: one tick, or two from an even tick (parities 0, 1)
-        for parity, size in enumerate(sizes):
-            carry = tick(carry, programs[parity], parity, size)
+    def ticks(carry, programs, sizes, used):  # a loop step: one tick, or two from an even tick (parities 0, 1)
+        for parity, (size, ops) in enumerate(zip(sizes, used, strict=True)):
+            carry = tick(carry, programs[parity], parity, size, ops)
         return carry, None
 
     inbox_f, inbox_b = work.inboxes()
@@ -546,9 +552,12 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     init = (work.initial_carry(), work.slot_buffers(), inbox_f, inbox_b, embedded, sent)
     carry = init
     for start, stop, sizes in plan.segments:  # a loop a segment, len(sizes) ticks a step
+        # the operations each tick of a step runs somewhere (`_TableWork.branches`: the others idle)
+        used = tuple(frozenset(int(b) for b in np.unique(plan.program[start + j:stop:len(sizes), :, 0]))
+                     for j in range(len(sizes)))
         program = jnp.asarray(plan.program[start:stop])
         program = program.reshape((stop - start) // len(sizes), len(sizes), *program.shape[1:])
-        carry, _ = lax.scan(functools.partial(ticks, sizes=sizes), carry, program)
+        carry, _ = lax.scan(functools.partial(ticks, sizes=sizes, used=used), carry, program)
     c, _, _, _, embedded, _ = carry
     g_outer = {**c["g_outer"], **({"embedding": embedded} if work.embedding_outside else {})}
     g_layers = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), c["g_layers"])
