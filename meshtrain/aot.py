@@ -35,7 +35,7 @@ import ml_collections
 
 from meshtrain import compile_cache, config as config_lib
 from meshtrain.parallel import schedules
-from meshtrain.plan import hardware, hlo, verify
+from meshtrain.plan import estimate, hardware, hlo, verify
 
 # --target name -> the target description in meshtrain/targets/ (each file says where its numbers come from).
 # The names are the planner's GPUs (`plan.hardware.GPUS`), so a target's HBM and the planner's agree.
@@ -217,6 +217,9 @@ class Report:
     # step, at the target's peak (FP8-weighted under matmul_precision=fp8); None when not priced
     modeled_mfu: float | None = None
     modeled_mfu_one_document: float | None = None  # `modeled_mfu` of `ProgramReport.modeled_seconds_one_document`
+    # the planner's compute and pipeline bubble for the same step (`plan.estimate`: what the kernel model's
+    # step holds, no communication), seconds
+    planner_seconds: float | None = None
 
     @property
     def fits(self) -> bool:
@@ -226,6 +229,8 @@ class Report:
         out = dataclasses.asdict(self)
         out.update(aot=self.target, fits=self.fits,
                    planner_over_compiler=round(self.planner["peak"] / max(self.step.memory["peak"], 1), 4))
+        if self.planner_seconds and self.step.modeled_seconds:
+            out["planner_over_kernel_model"] = round(self.planner_seconds / self.step.modeled_seconds, 4)
         return out
 
     def table(self) -> str:
@@ -259,6 +264,9 @@ class Report:
                 lines.append(f"  {self.modeled_mfu_one_document:.1%} on rows of one document each "
                              f"({self.step.modeled_seconds_one_document:.4f} s: cuDNN's causal call; the figure above "
                              "prices the document-masked branch, which packed rows take)")
+        if self.planner_seconds and self.step.modeled_seconds:
+            lines.append(f"planner (`meshtrain.plan`): compute + pipeline bubble {self.planner_seconds:.4f} s, "
+                         f"{self.planner_seconds / self.step.modeled_seconds:.3f} of the kernel model's step")
         if self.sampling is not None:
             s = self.sampling
             lines.append(f"sampling program compiled in {s.compile_seconds:.1f} s{_cached(s)}: arguments "
@@ -353,9 +361,11 @@ def compile_report(config: ml_collections.ConfigDict, target: str, devices: int,
                             branch_weights=run.layout.branch_share())
     del compiled
     planner = verify.model_memory(config, dict(run.sizes), verify.batch_bytes(run))
+    planned = estimate.estimate(config, dict(run.sizes), gpu, devices_per_node)
     report = Report(target, run.mesh.devices.flat[0].device_kind, devices, devices_per_node, dict(run.sizes),
                     step, planner, gpu.usable_bytes, modeled_mfu=modeled_mfu(run, step, gpu),
-                    modeled_mfu_one_document=modeled_mfu(run, step, gpu, step.modeled_seconds_one_document))
+                    modeled_mfu_one_document=modeled_mfu(run, step, gpu, step.modeled_seconds_one_document),
+                    planner_seconds=planned.compute_seconds + planned.bubble_seconds)
     if sample is None:
         report.sampling_note = "not compiled (--sample=false)"
     elif run.sizes["stage"] > 1 or run.sizes["sequence"] > 1:

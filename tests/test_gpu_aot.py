@@ -112,6 +112,10 @@ def test_readme_gpu_compiler_commands_run(tmp_path, command):
         assert report["fits"] and report["sizes"] == {"data": 1, "fsdp": 128, "tensor": 8, "sequence": 1, "expert": 1,
                                                       "stage": 16}
         assert report["planner_over_compiler"] == pytest.approx(1, abs=0.10), report["planner_over_compiler"]
+        # the acceptance point: at least 40% modeled MFU (the kernel model's step), the planner's compute
+        # and bubble within 10% of it
+        assert report["modeled_mfu"] >= 0.40, report["modeled_mfu"]
+        assert report["planner_over_kernel_model"] == pytest.approx(1, abs=0.10), report["planner_over_kernel_model"]
         # the sequence-parallel gathers and scatters and the stage permutes beside compute (the
         # config's raised scheduler budget): at least 80% of what a step runs (each pair as often as it
         # runs: the pipeline's warm-up loop compiles the forward layers a second time)

@@ -290,33 +290,38 @@ ENTRY %main (a: f32[1000,64], i: s32[16,1], g: bf16[16,64]) -> f32[1000,64] {
     assert rows.bytes == 16 * 4 + 16 * 64 * 2 + 2 * 16 * 64 * 4  # indices, updates, the rows read and written
 
 
-def test_kernel_reader_prices_a_window_added_in_place():
+@pytest.mark.parametrize("view", [False, True], ids=["operand", "bitcast"])
+def test_kernel_reader_prices_a_window_added_in_place(view):
     """A fusion that reads a window of its operand, adds to it and writes it back (a pipeline tick adding
     a chunk's gradients to its sums, `pipeline_tables._add_chunk`) updates the operand in place: the
-    window read, the addend read, the window written, not the whole operand."""
-    text = """HloModule w
+    window read, the addend read, the window written, not the whole operand; also where the fusion
+    reads the operand through a bitcast (XLA gives the sums the layout of the weight gradient's GEMM:
+    f32[8,1,16384,6656]{2,1,0,3} seen as [6656,8,1,16384] for 405B in 8 chunks a stage)."""
+    sums = "%v" if view else "%p0"
+    text = f"""HloModule w
 
-%fused_window (p0: f32[4,2,64], p1: bf16[2,64], p2: s32[]) -> f32[4,2,64] {
-  %p0 = f32[4,2,64]{2,1,0} parameter(0)
+%fused_window (p0: f32[4,2,64], p1: bf16[2,64], p2: s32[]) -> f32[4,2,64] {{
+  %p0 = f32[4,2,64]{{2,1,0}} parameter(0)
+  %v = f32[4,2,64]{{2,1,0}} bitcast(%p0)
   %p2 = s32[] parameter(2)
   %zero = s32[] constant(0)
-  %old = f32[1,2,64]{2,1,0} dynamic-slice(%p0, %p2, %zero, %zero), dynamic_slice_sizes={1,2,64}
-  %p1 = bf16[2,64]{1,0} parameter(1)
-  %wide = f32[2,64]{1,0} convert(%p1)
-  %g = f32[1,2,64]{2,1,0} bitcast(%wide)
-  %new = f32[1,2,64]{2,1,0} add(%old, %g)
-  ROOT %out = f32[4,2,64]{2,1,0} dynamic-update-slice(%p0, %new, %p2, %zero, %zero)
-}
+  %old = f32[1,2,64]{{2,1,0}} dynamic-slice({sums}, %p2, %zero, %zero), dynamic_slice_sizes={{1,2,64}}
+  %p1 = bf16[2,64]{{1,0}} parameter(1)
+  %wide = f32[2,64]{{1,0}} convert(%p1)
+  %g = f32[1,2,64]{{2,1,0}} bitcast(%wide)
+  %new = f32[1,2,64]{{2,1,0}} add(%old, %g)
+  ROOT %out = f32[4,2,64]{{2,1,0}} dynamic-update-slice({sums}, %new, %p2, %zero, %zero)
+}}
 
-ENTRY %main (a: f32[4,2,64], g: bf16[2,64], c: s32[]) -> f32[4,2,64] {
-  %a = f32[4,2,64]{2,1,0} parameter(0)
-  %g = bf16[2,64]{1,0} parameter(1)
+ENTRY %main (a: f32[4,2,64], g: bf16[2,64], c: s32[]) -> f32[4,2,64] {{
+  %a = f32[4,2,64]{{2,1,0}} parameter(0)
+  %g = bf16[2,64]{{1,0}} parameter(1)
   %c = s32[] parameter(2)
-  ROOT %sums = f32[4,2,64]{2,1,0} fusion(%a, %g, %c), kind=kLoop, calls=%fused_window
-}
+  ROOT %sums = f32[4,2,64]{{2,1,0}} fusion(%a, %g, %c), kind=kLoop, calls=%fused_window
+}}
 """
-    (sums,) = hlo.kernels(text)
-    assert sums.bytes == 2 * 64 * 4 + 2 * 64 * 2 + 4 + 2 * 64 * 4  # window read, addend, index, window written
+    (added,) = hlo.kernels(text)
+    assert added.bytes == 2 * 64 * 4 + 2 * 64 * 2 + 4 + 2 * 64 * 4  # window read, addend, index, window written
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess:

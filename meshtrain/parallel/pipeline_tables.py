@@ -65,6 +65,7 @@ import numpy as np
 from jax import lax
 
 from meshtrain import fp8 as fp8_lib
+from meshtrain.parallel import slot_program
 from meshtrain.parallel.pipeline import (
     FP8,
     STAGE,
@@ -539,9 +540,14 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
         inbox_b = lax.dynamic_update_index_in_dim(inbox_b, arriving[1], row[field["recv_b"]], 0)
         return c, buffers, inbox_f, inbox_b, embedded, sent
 
-    def ticks(carry, programs, sizes, used):  # a loop step: one tick, or two from an even tick (parities 0, 1)
-        for parity, (size, ops) in enumerate(zip(sizes, used, strict=True)):
-            carry = tick(carry, programs[parity], parity, size, ops)
+    # the operations the switches of each size run somewhere (`_TableWork.branches`: the others idle); one
+    # set a size, so that every switch of a size has the same branches, which the kernel model and the
+    # collective counts price from the rows of that size (`slot_program.segment_rows`)
+    used = {size: frozenset(int(b) for b in np.unique(rows)) for size, rows in slot_program.segment_rows(plan).items()}
+
+    def ticks(carry, programs, sizes):  # a loop step: one tick, or two from an even tick (parities 0, 1)
+        for parity, size in enumerate(sizes):
+            carry = tick(carry, programs[parity], parity, size, used[size])
         return carry, None
 
     inbox_f, inbox_b = work.inboxes()
@@ -552,12 +558,9 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     init = (work.initial_carry(), work.slot_buffers(), inbox_f, inbox_b, embedded, sent)
     carry = init
     for start, stop, sizes in plan.segments:  # a loop a segment, len(sizes) ticks a step
-        # the operations each tick of a step runs somewhere (`_TableWork.branches`: the others idle)
-        used = tuple(frozenset(int(b) for b in np.unique(plan.program[start + j:stop:len(sizes), :, 0]))
-                     for j in range(len(sizes)))
         program = jnp.asarray(plan.program[start:stop])
         program = program.reshape((stop - start) // len(sizes), len(sizes), *program.shape[1:])
-        carry, _ = lax.scan(functools.partial(ticks, sizes=sizes, used=used), carry, program)
+        carry, _ = lax.scan(functools.partial(ticks, sizes=sizes), carry, program)
     c, _, _, _, embedded, _ = carry
     g_outer = {**c["g_outer"], **({"embedding": embedded} if work.embedding_outside else {})}
     g_layers = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), c["g_layers"])

@@ -853,24 +853,31 @@ def _float32_dots(parsed, name: str) -> bool:
 
 
 def _fusion_bytes(body, operand_bytes: list[int], out_bytes: int) -> int:
-    """HBM bytes of one fusion launch: each parameter whole, or, where its only users are (dynamic-)slices
-    and the root dynamic-update-slice or scatter that updates it in place, only what the slices take;
+    """HBM bytes of one fusion launch: each parameter whole, or, where its only users (seen through
+    bitcasts) are (dynamic-)slices and the root dynamic-update-slice or scatter that updates it in place,
+    only what the slices take;
     then the result, or only the update written in place (a scatter: its updates read and the
     rows they add to read and written, as XLA:GPU emits a scatter into its operand's buffer: a pipeline
     tick's embedding-gradient rows, `pipeline_tables._TableWork.add_embedding_grads`)."""
-    users: dict[str, list[tuple[str, int, str]]] = collections.defaultdict(list)
+    users: dict[str, list[tuple[str, int, str, str]]] = collections.defaultdict(list)
     shapes, params, root = {}, {}, None
     for m in body:
         shapes[m.group(1)] = m.group(2)
         if m.group(3) == "parameter":
             params[int(re.match(r"\s*(\d+)", m.group(4)).group(1))] = m.group(1)
         for i, arg in enumerate(_top_level_args(m.group(4))):
-            users[_operand_name(arg)].append((m.group(3), i, m.group(2)))
+            users[_operand_name(arg)].append((m.group(3), i, m.group(2), m.group(1)))
         if m.string.lstrip().startswith("ROOT"):
             root = m
+
+    def uses_of(name: str) -> list[tuple[str, int, str]]:  # through bitcasts (the same bytes, another shape)
+        out = []
+        for op, i, shape, user in users.get(name, []):
+            out += uses_of(user) if op == "bitcast" else [(op, i, shape)]
+        return out
     total = 0
     for index, name in params.items():
-        uses = users.get(name, [])
+        uses = uses_of(name)
         if uses and all(op in ("dynamic-slice", "slice", "dynamic-update-slice", "scatter") and i == 0
                         for op, i, _ in uses):
             # read through its slices; updated in place (a window read, changed and written back, as
