@@ -486,6 +486,16 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     layers = vary(layers, rest)
     work = _TableWork(stack, model, layers, outer, micro, total_tokens, p=p, m=m, v=v, manual=axes, units=units,
                       plan=plan, counts=counts)
+    # {switch size: (its branches, whether the outer sums stay out of it)}. Every switch of a size has the
+    # same branches, those its rows take somewhere (the others idle: `_TableWork.branches`), as the kernel
+    # model and the collective counts price a switch from the rows of its size (`slot_program.segment_rows`).
+    # The head's (and an embedding's) float32 sums ride through a switch only where a branch adds to them:
+    # a branch passing them through copies them (405B in 8 chunks a stage: 2.1 GB a tick).
+    adds_outer = {FORWARD_LAST} | (set() if work.embedding_outside else {BACKWARD_FIRST})
+    switches = {}
+    for size, rows in slot_program.segment_rows(plan).items():
+        used = {int(b) for b in np.unique(rows)}
+        switches[size] = (work.branches(used)[:size], not used & adds_outer)
     forward_pairs, backward_pairs = _ring(p, 1, plan.wraps), _ring(p, -1, plan.wraps)
     field = {name: i for i, name in enumerate(FIELDS)}
     keeps = {name: bool(plan.program[:, :, field["keep_" + PUT_FIELD[name]]].any()) for name in PUT_FIELD}
@@ -501,13 +511,10 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
         arrived = lax.ppermute(jnp.where(row[field["send_forward"]] == 1, y, dx), STAGE, list(plan.pairs[parity]))
         return arrived, arrived
 
-    def tick(carry, program, parity, size, used):
+    def tick(carry, program, parity, size):
         c, buffers, inbox_f, inbox_b, embedded, sent = carry
         grads = size == BRANCHES  # a backward or W may run: the gradients are added
-        branches = work.branches(used)[:size]
-        # the head's (and an embedding's) float32 sums ride through the switch only where a branch adds to
-        # them: a branch passing them through copies them (405B in 8 chunks a stage: 2.1 GB a tick)
-        outer = not used & ({FORWARD_LAST} | ({BACKWARD_FIRST} if not work.embedding_outside else set()))
+        branches, outer = switches[size]
         g_outer = c.pop("g_outer") if outer else None
         if plan.latency:  # last tick's outputs, in flight while this tick's operation runs (two a tick)
             arriving = send(sent, None, None)
@@ -540,14 +547,9 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
         inbox_b = lax.dynamic_update_index_in_dim(inbox_b, arriving[1], row[field["recv_b"]], 0)
         return c, buffers, inbox_f, inbox_b, embedded, sent
 
-    # the operations the switches of each size run somewhere (`_TableWork.branches`: the others idle); one
-    # set a size, so that every switch of a size has the same branches, which the kernel model and the
-    # collective counts price from the rows of that size (`slot_program.segment_rows`)
-    used = {size: frozenset(int(b) for b in np.unique(rows)) for size, rows in slot_program.segment_rows(plan).items()}
-
     def ticks(carry, programs, sizes):  # a loop step: one tick, or two from an even tick (parities 0, 1)
         for parity, size in enumerate(sizes):
-            carry = tick(carry, programs[parity], parity, size, used[size])
+            carry = tick(carry, programs[parity], parity, size)
         return carry, None
 
     inbox_f, inbox_b = work.inboxes()

@@ -82,7 +82,7 @@ class SlotPlan:
           on 16 stages, the first 127 of 284 ticks);
         * between, in two ticks a step where every backward and W falls in ticks of one parity, as the
           interleaved tables' lock-step ticks alternate (forwards in one, backwards in the next): the
-          other tick of each step (405B: 78 of the other 157 ticks).
+          other tick of each step (405B: 79 of the 158 ticks from tick 126).
         With `pairs` (two ticks a loop step, one `ppermute` a parity) every range starts and stops on an
         even tick and a step is always two ticks. The kernel model tells the switches apart by their size
         (`segment_rows`). One loop with one chunk a stage, whose switch adds the gradients in place (the

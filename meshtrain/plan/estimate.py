@@ -32,7 +32,7 @@ from meshtrain.validate import validate_layout
 # within 2% of a measured H200 step) makes of the compiled steps of the dense configs, 0.59 (the GPU
 # runbook's 1.5B on an H200) to 0.68 (llama3_8b on fsdp 8, batch 8): model FLOPs at 44.2% to 51.0% MFU
 # under full remat (docs/aot.md). The 405B config's step (pipeline ticks priced as the table runs them)
-# then models 6.53 s of compute and bubble against the kernel model's 6.65 s; at 0.5 it was 8.43 s.
+# then models 6.53 s of compute and bubble against the kernel model's 6.66 s; at 0.5 it was 8.43 s.
 EFFICIENCY = 0.65
 # axes whose transfers run behind compute: the data-parallel gradients and ZeRO gathers behind the layers'
 # matmuls; the ring's K/V blocks only behind the attention blocks they feed (its share of the FLOPs)
