@@ -16,12 +16,14 @@ Where each number comes from ("The Llama 3 Herd of Models", 2024):
 - schedule (Section 3.3.2): interleaved 1F1B, as the paper's; here in 8 chunks a stage with each
   transfer beside the next tick's compute (126 layers as 128 chunks of one, the first and the last
   empty, so the first and the last stage again hold 7). The H100 compile's step by the kernel model:
-  40.9% MFU, against 36.9% in 4 chunks and 16.9% under 1F1B (docs/405b.md).
+  41.5% MFU; under full remat 40.8%, and 36.5% in 4 chunks, 16.9% under 1F1B (docs/405b.md).
 - optimizer (Section 3.4.1): peak learning rate 8e-5, 8,000 warm-up steps, cosine decay to 8e-7 over
   1,200,000 steps.
 The data-parallel axis is `fsdp` (-1: 128 on 16,384 devices) with ZeRO-1 (optimizer state sharded),
-every layer recomputed in the backward (full remat), attention and the norms and loss in the Pallas
-kernels on GPU: what fits the H100's 80 GB (docs/405b.md).
+each layer's q, k, v, attention output and mid-layer residual kept for the backward, which reruns only
+the MLP's gate + up matmul (`remat.policy=attention`; `full` fits with 12.5 GiB more to spare, 0.7 points
+slower), attention and the norms and loss in the Pallas kernels on GPU: what fits the H100's 80 GB
+(docs/405b.md).
 """
 
 from meshtrain.config import default_config
@@ -51,10 +53,10 @@ def get_config():
     c.train.warmup_steps = 8000
     c.train.zero_stage = 1
     # XLA:GPU's scheduler budgets (80% of HBM - inputs and outputs) x 95% = 40.5 GiB for the step's temporaries
-    # and then starts fewer sequence-parallel gathers early: at that default, 634 of the 1,577 gathers a step
-    # runs have compute beside them; 400 lifts the budget: 1,449, at the same compiled peak (55.55 GiB).
+    # and then starts fewer sequence-parallel gathers early: at that default, 12 of the 1,449 gathers a step
+    # runs have compute beside them (37.6% MFU); 400 lifts the budget: 1,321 (41.5%), at 68.08 GiB against 67.85.
     c.train.xla_gpu_memory_limit_slop_factor = 400
-    c.remat.policy = "full"
+    c.remat.policy = "attention"
     c.pipeline.schedule = "interleaved_1f1b"
     c.pipeline.repeats = 8
     c.pipeline.overlap_transfers = True

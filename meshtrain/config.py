@@ -35,7 +35,7 @@ MESH_AXES: tuple[str, ...] = tuple(a.value for a in Axis)
 # mesh order; `sharding_rules.RULES["batch"]` maps the logical batch dimension to them.
 BATCH_AXES: tuple[str, ...] = (Axis.DATA.value, Axis.FSDP.value, Axis.EXPERT.value)
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "selective", "full", "offload")
+REMAT_POLICIES = ("none", "selective", "attention", "full", "offload")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas", "ring", "ulysses")
 SCORES_DTYPES = ("float32", "compute")
 ROPE_SCALINGS = ("none", "linear", "llama3")
@@ -193,7 +193,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.attention.ulysses_degree = 0
 
     c.remat = ml_collections.ConfigDict()
-    # recomputation in the backward: none, selective (keep matmul outputs), full, offload (to host memory)
+    # recomputation in the backward: none, selective (keep matmul outputs), attention (keep q, k, v, the
+    # attention's output and the mid-layer residual: rebuild the MLP's gate + up), full, offload (to host memory)
     c.remat.policy = "selective"
 
     c.train = ml_collections.ConfigDict()

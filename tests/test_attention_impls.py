@@ -70,11 +70,14 @@ def test_ulysses_validation_names_the_key(mesh, overrides, key):
         validate(config, int(np.prod(list(mesh.values()))))
 
 
-def test_pallas_kernels_train_like_xla(tiny_reference):
-    """attention.impl=pallas + fused RMSNorm + fused loss (interpret mode) == everything off."""
+@pytest.mark.parametrize("remat", ["selective", "attention"])
+def test_pallas_kernels_train_like_xla(tiny_reference, remat):
+    """attention.impl=pallas + fused RMSNorm + fused loss (interpret mode) == everything off; under
+    remat.policy=attention the flash kernel's output and log-sum-exp are the saved residuals."""
     batches, ref_losses, _ = tiny_reference
     config = tiny_config({"data": 2}, **{"attention.impl": "pallas", "model.fused_norm": True,
-                                         "model.fused_loss": True, "train.grad_accum_steps": 2})
+                                         "model.fused_loss": True, "train.grad_accum_steps": 2,
+                                         "remat.policy": remat})
     losses, _, _ = run_steps(config, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 

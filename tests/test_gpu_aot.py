@@ -199,6 +199,22 @@ def test_feature_compiles_for_h100(name):
         assert report.step.gemms > 0
 
 
+@pytest.mark.parametrize("impl", ["cudnn", "pallas"])
+def test_remat_attention_reruns_only_the_mlp_input_matmul(impl):
+    """remat.policy=attention compiled for H100s: the backward runs no attention forward again (cuDNN's
+    call or the Pallas flash kernel: as many as without remat, fewer than under `full`), and of the
+    layer's matmuls only gate + up again, where `full` reruns three (q, k, v; the output projection;
+    gate + up): a third of the GEMMs `full` adds to the program without remat."""
+    forward = {"cudnn": lambda r: r.step.cudnn_attention.get("__cudnn$fmhaSoftmax", 0),
+               "pallas": lambda r: r.step.kernels.get("flash_attention_forward", 0)}[impl]
+    reports = {policy: _compile(_bf16_composed({"fsdp": 8}, **{"attention.impl": impl, "remat.policy": policy}))
+               for policy in ("none", "attention", "full")}
+    calls = {policy: forward(r) for policy, r in reports.items()}
+    assert calls["attention"] == calls["none"] < calls["full"], calls
+    gemms = {policy: r.step.gemms for policy, r in reports.items()}
+    assert 3 * (gemms["attention"] - gemms["none"]) == gemms["full"] - gemms["none"] > 0, gemms
+
+
 def test_sampling_program_compiles_for_h100():
     config = _bf16_composed({"tensor": 2, "fsdp": 4})
     report = aot.compile_report(config, "h100", 8, sample=(16, 8))

@@ -46,7 +46,7 @@ def test_sharded_equals_single_device(tiny_reference, mesh, overrides):
     chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("policy", ["none", "full", "offload"])
+@pytest.mark.parametrize("policy", ["none", "attention", "full", "offload"])
 def test_remat_policies_equal(tiny_reference, policy):
     """Recomputation changes memory, never values (playbook, "Activation recomputation"): every
     step's loss (from the second on, after updates made with the policy's gradients) and the

@@ -92,8 +92,9 @@ def reference_10():
 CHUNKED_CASES = [
     pytest.param({"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2}, id="interleaved-v2"),
     pytest.param({"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 3}, id="interleaved-v3"),
-    pytest.param({"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2, "pipeline.overlap_transfers": True},
-                 id="interleaved-v2-overlap"),
+    # ... with remat.policy=attention: the chunks' named residuals in the slot tables' stash
+    pytest.param({"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2, "pipeline.overlap_transfers": True,
+                  "remat.policy": "attention"}, id="interleaved-v2-overlap-remat-attention"),
     pytest.param({"pipeline.schedule": "circular", "pipeline.repeats": 2}, id="circular-v2"),
     pytest.param({"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2,
                   "pipeline.layers_per_stage": (2, 1, 1, 1, 1, 1, 1, 2)}, id="interleaved-v2-given"),

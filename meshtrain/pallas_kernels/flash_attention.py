@@ -25,6 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -394,6 +395,7 @@ def _flash(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
 
 def _flash_fwd(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
     out, lse = _forward(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos)
+    out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
     return (out, lse), (q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse)
 
 

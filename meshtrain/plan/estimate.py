@@ -32,12 +32,32 @@ from meshtrain.validate import validate_layout
 # within 2% of a measured H200 step) makes of the compiled steps of the dense configs, 0.59 (the GPU
 # runbook's 1.5B on an H200) to 0.68 (llama3_8b on fsdp 8, batch 8): model FLOPs at 44.2% to 51.0% MFU
 # under full remat (docs/aot.md). The 405B config's step (pipeline ticks priced as the table runs them)
-# then models 6.53 s of compute and bubble against the kernel model's 6.66 s; at 0.5 it was 8.43 s.
+# under full remat then models 6.53 s of compute and bubble against the kernel model's 6.66 s; at 0.5 it was 8.43 s.
 EFFICIENCY = 0.65
 # axes whose transfers run behind compute: the data-parallel gradients and ZeRO gathers behind the layers'
 # matmuls; the ring's K/V blocks only behind the attention blocks they feed (its share of the FLOPs)
 OVERLAPPED = ("data", "fsdp", "sequence")
 RECOMPUTE = {"none": 0.0, "selective": 0.0, "offload": 0.0, "full": 1.0}  # extra forward passes
+
+
+def recompute_passes(model: config_lib.ModelConfig, seq_len: int, remat: str) -> float:
+    """Forward passes the backward runs again under `remat` (`RECOMPUTE`, in the units `EFFICIENCY` was
+    calibrated in: `full` is 1). `attention` rebuilds only the MLP's gate + up matmuls of what `full`
+    rebuilds (the q, k, v and output projections, the attention's forward, gate + up; the down projection's
+    output is read by nothing in the backward, so neither policy recomputes it): their share of those FLOPs.
+    Compiled for H100s, the kernel model's step is 6.2% shorter than under `full` for llama3_8b on fsdp 8 and
+    1.6% for the 405B config, whose kept values cost stash traffic (docs/405b.md); this prices 0.52 and 0.68
+    of `full`'s recomputation there (planner / kernel model 1.04 and 0.92)."""
+    if remat != "attention":
+        return RECOMPUTE[remat]
+    d, f = model.d_model, model.moe_mlp_dim or model.mlp_dim
+    moe_layers = model.n_layers // model.moe_every if model.num_experts else 0
+    per_moe = f * (model.experts_per_token + (1 if model.shared_expert else 0))
+    gate_up = 4 * d * ((model.n_layers - moe_layers) * model.mlp_dim + moe_layers * per_moe)
+    heads = model.n_heads * model.head_dim
+    projections = 2 * d * (heads + 2 * model.n_kv_heads * model.head_dim) + 2 * heads * d
+    attention = model.n_layers * (projections + 4 * seq_len * heads)
+    return gate_up / (gate_up + attention)
 
 
 @dataclasses.dataclass
@@ -117,7 +137,8 @@ def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu,
     tokens = run.batch_size * run.seq_len
     per_token = metrics.flops_per_token(run.model, run.seq_len)
     model_flops = per_token * tokens
-    hardware_flops = model_flops * (1 + RECOMPUTE[remat] / 3)  # a forward pass is 1/3 of fwd + bwd
+    passes = recompute_passes(run.model, run.seq_len, remat)
+    hardware_flops = model_flops * (1 + passes / 3)  # a forward pass is 1/3 of fwd + bwd
     # the FP8 share of the FLOPs at the FP8 peak (model.matmul_precision='fp8')
     peak = metrics.blended_peak(gpu.peak_flops, gpu.peak_fp8_flops, metrics.fp8_flops_per_token(run.model) / per_token)
     # a pipeline runs in lock-step: every tick lasts as long as the stage (chunk) with the most layers, so
@@ -147,7 +168,7 @@ def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu,
     if sizes["stage"] > 1:  # the loop as executed in lock-step (`parallel.cost`), not the table's formula
         p, m, v = sizes["stage"], run.microbatches, run.pipeline_repeats
         flops = compute - m * accumulate
-        costs = cost.BranchCosts.analytic(flops / (m * (3 + RECOMPUTE[remat])), recompute_share=RECOMPUTE[remat],
+        costs = cost.BranchCosts.analytic(flops / (m * (3 + passes)), recompute_share=passes,
                                           recompute=remat != "none", split_backward=run.split_backward,
                                           accumulate=accumulate)
         bubble = cost.step_time(run.pipeline_schedule, p, m, v, costs, run.weight_parts,
@@ -266,7 +287,7 @@ def _candidates(config: ml_collections.ConfigDict, num_devices: int, devices_per
             cli.apply_overrides(c, mesh_layout)
             fields_checked = False
             for zero, remat, accum, (schedule, repeats, overlap) in itertools.product(
-                    zeros, ("none", "selective", "full"), [1] if pipelined else _divisors(per_rank),
+                    zeros, ("none", "selective", "attention", "full"), [1] if pipelined else _divisors(per_rank),
                     PIPELINE_CHOICES if pipelined else [PIPELINE_CHOICES[0]]):
                 combination = {"train.zero_stage": zero, "remat.policy": remat, "train.grad_accum_steps": accum}
                 if pipelined:

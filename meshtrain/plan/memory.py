@@ -251,6 +251,9 @@ def _saved_per_layer(run: Step, remat: str, t: int) -> int:
     f = (m.moe_mlp_dim or m.mlp_dim) * (m.experts_per_token if m.num_experts else 1) // tp
     return {"none": a * t * (3 * d_res + qkv + m.n_heads * m.head_dim // tp + 3 * f + 2 * m.d_model),
             "selective": a * t * (d_res + qkv + 2 * m.d_model + 2 * f),
+            # the layer's input and its mid-layer residual, q, k, v, the attention's output (and its
+            # log-sum-exp: float32 a query head)
+            "attention": a * t * (2 * d_res + qkv + m.n_heads * m.head_dim // tp) + 4 * t * m.n_heads // tp,
             "full": a * t * d_res, "offload": a * t * d_res}[remat]
 
 
