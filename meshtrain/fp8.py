@@ -305,6 +305,27 @@ def einsum(module: nn.Module, name: str, eqn: str, x: jax.Array, w: jax.Array, l
 SPLIT_INPUTS = "split_inputs"  # mutable: each matmul records its input (the forward); given: W reads them
 SPLIT_PROBES = "split_probes"  # given: B's zeros added to each matmul's output (their cotangents are its dy)
 SPLIT_OUTPUTS = "split_outputs"  # mutable: each matmul records its output (W, and the probes' shapes)
+# given: zeros of each matmul input's shape, whose cotangent is the input itself (`tap`): B's pullback
+# returns the inputs W reads, from the forward it rebuilds under full remat, instead of F keeping them
+SPLIT_TAPS = "split_taps"
+
+
+@jax.custom_vjp
+def tap(x: jax.Array, t: jax.Array) -> jax.Array:
+    """x, unchanged; the cotangent of `t` (zeros of x's shape) is x: a pullback through it returns the
+    value x had in the forward it ran (or rebuilt) as t's gradient."""
+    return x
+
+
+def _tap_fwd(x, t):
+    return x, x
+
+
+def _tap_bwd(x, ct):
+    return ct, x
+
+
+tap.defvjp(_tap_fwd, _tap_bwd)
 
 
 def matmul(module: nn.Module, name: str, collective: Callable | None = None) -> Callable:
@@ -314,7 +335,8 @@ def matmul(module: nn.Module, name: str, collective: Callable | None = None) -> 
     Under the split backward it also plays its part in B and W (playbook, "Zero Bubble"): with
     `SPLIT_PROBES` given (B's forward) the weight is a constant, so the pullback computes input
     gradients only, and the probe added to the output receives the output gradient dy; with
-    `SPLIT_INPUTS` mutable the input is recorded for W; with `SPLIT_INPUTS` given (W) the matmul
+    `SPLIT_INPUTS` mutable the input is recorded for W (or, `SPLIT_TAPS` given, returned by B's
+    pullback as the taps' gradients); with `SPLIT_INPUTS` given (W) the matmul
     runs on the recorded input, so its weight gradient is the one GEMM x^T dy and nothing else of
     the layer is live.
 
@@ -331,6 +353,8 @@ def matmul(module: nn.Module, name: str, collective: Callable | None = None) -> 
             module.sow(SPLIT_INPUTS, name, x)
         elif module.has_variable(SPLIT_INPUTS, name):  # W
             x = module.get_variable(SPLIT_INPUTS, name)[0]
+        elif module.has_variable(SPLIT_TAPS, name):  # B's forward, the inputs from its pullback
+            x = tap(x, module.get_variable(SPLIT_TAPS, name)[0])
         if module.has_variable(SPLIT_PROBES, name):  # B's forward
             y = base(eqn, x, jax.lax.stop_gradient(w)) + module.get_variable(SPLIT_PROBES, name)[0]
         else:

@@ -147,7 +147,8 @@ CASES = [
     # test_pipeline / test_pipeline_tables: transfers beside the next tick's compute
     _case("pipeline", {"stage": 4, "data": 2}, **{"pipeline.schedule": "1f1b", "pipeline.overlap_transfers": True}),
     _case("pipeline", {"stage": 4, "fsdp": 2}, **{"pipeline.schedule": "zero_bubble", "train.zero_stage": 3,
-                                                  "pipeline.overlap_transfers": True, "pipeline.weight_parts": 2}),
+                                                  "pipeline.overlap_transfers": True, "pipeline.weight_parts": 2,
+                                                  "remat.policy": "full"}),
     # test_moe_train: expert parallelism alone, with data (the README's command), tensor, accumulation
     _case("moe", {"expert": 8}),
     _case("moe", {"expert": 4, "data": 2}),

@@ -157,6 +157,9 @@ FEATURES = {
     "interleaved-1f1b": ({"stage": 2, "fsdp": 4}, {"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2}),
     "zero-bubble": ({"stage": 2, "tensor": 2, "data": 2}, {"pipeline.schedule": "zero_bubble",
                                                            "pipeline.weight_parts": 2}),
+    # under full remat W's matmul inputs come from B's pullback (`SlotPlan.inputs_at_b`)
+    "zero-bubble-full-remat": ({"stage": 2, "tensor": 2, "data": 2}, {"pipeline.schedule": "zero_bubble",
+                                                                      "remat.policy": "full"}),
     # uneven chunks under interleaved 1F1B (10 layers on 4 stages in 2 chunks: 1 1 1 2 2 1 1 1), transfers
     # behind compute: the empty slots' lax.cond picked by the chunk a tick runs
     "uneven-interleaved": ({"stage": 4, "data": 2}, {"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2,

@@ -42,6 +42,10 @@ CASES = [
                  id="zero_bubble-pullback"),
     pytest.param({"stage": 4, "data": 2}, {"pipeline.schedule": "zero_bubble", "pipeline.weight_parts": 2},
                  id="zero_bubble-w2"),
+    # full remat: W's matmul inputs come from B's pullback (`SlotPlan.inputs_at_b`), in parts, overlapped
+    pytest.param({"stage": 4, "data": 2}, {"pipeline.schedule": "zero_bubble", "pipeline.weight_parts": 2,
+                                           "remat.policy": "full", "pipeline.overlap_transfers": True},
+                 id="zero_bubble-w2-full-remat-overlap"),
     pytest.param({"stage": 2, "data": 4},
                  {"pipeline.schedule": "interleaved_1f1b", "pipeline.layers_per_stage": (4, 2)},
                  id="interleaved-v1-4-2"),

@@ -88,6 +88,14 @@ OVERLAPPING = schedules.OVERLAPPING
 
 SPLIT_MODES = ("gemms", "pullback")  # `pipeline.split_backward`
 
+
+def inputs_at_b(split_backward: str, remat_policy: str) -> bool:
+    """Whether the gemms split takes W's matmul inputs from B (`Pipeline.inputs_at_b`): under full remat,
+    where B rebuilds the layers' forward anyway and F's stash holds only their inputs, so the records W
+    reads live from B to W instead of from F (llama3_8b on stage 4 x fsdp 2, zero bubble overlapped:
+    docs/pipeline.md)."""
+    return split_backward == "gemms" and remat_policy == "full"
+
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
     """A pipeline schedule: p stages, m micro-batches, v repeats (chunks per stage)."""
@@ -110,6 +118,9 @@ class Pipeline:
     # the slot tables: each tick's outputs travel while the next tick computes (a hop of two
     # ticks, `pipeline.overlap_transfers`): deeper warm-up, more micro-batches in flight
     overlap: bool = False
+    # split_backward gemms: W's matmul inputs from B's pullback, which rebuilds the forward under full
+    # remat (`slot_program.SlotPlan.inputs_at_b`; `inputs_at_b` below)
+    inputs_at_b: bool = False
 
     @classmethod
     def of(cls, schedule: str, stages: int, microbatches: int, repeats: int, n_units: int, given=(),
@@ -134,7 +145,7 @@ class Pipeline:
         if self.schedule not in TABLE_SCHEDULES:
             return None
         return slot_program.slot_plan(self.schedule, self.stages, self.microbatches, self.repeats,
-                                      self.split_backward, self.weight_parts, int(self.overlap))
+                                      self.split_backward, self.weight_parts, int(self.overlap), self.inputs_at_b)
 
     @property
     def transfers(self) -> tuple[int, int]:
@@ -353,9 +364,11 @@ def _stage_block(cfg, rules, attention_fn):
 class SplitStage:
     """A stage's chunk of layers run for the split backward (zero bubble; playbook, "Zero Bubble"):
 
-    * `forward(chunk, x, positions, segment_ids, probes) -> ((x, stats), recorded)`: the forward
-      whose vjp is B: every matmul's weight a constant, a zero probe added to its output (the
-      probes' cotangents are the matmuls' output gradients), its input recorded for W;
+    * `forward(chunk, x, positions, segment_ids, probes, taps=None) -> ((x, stats), recorded)`: the
+      forward whose vjp is B: every matmul's weight a constant, a zero probe added to its output (the
+      probes' cotangents are the matmuls' output gradients), its input recorded for W, or, with
+      `taps` (zeros shaped as the recorded inputs, `fp8.SPLIT_TAPS`), returned by the pullback as the
+      taps' cotangents (recorded None);
     * `weights(chunk, recorded, x, positions, segment_ids) -> outputs`: every matmul again on its
       recorded input (`x` only gives shapes): the pullback of these outputs at the output gradients
       is the weight gradients, one GEMM per matmul, nothing else of a layer live;
@@ -380,13 +393,17 @@ class SplitStage:
                 return lax.scan(body, init, xs)
             return lax.scan(skipping(body, counts, cfg), init, (xs, first + jnp.arange(leading(xs))))
 
-        def forward(chunk, x, positions, segment_ids, probes):
+        def forward(chunk, x, positions, segment_ids, probes, taps=None):
             def layer(x, scanned):
-                variables, probe = scanned
+                variables, probe, tap = scanned
+                if tap is not None:  # the inputs come back as the taps' gradients (B's pullback)
+                    y, stats = block.apply({**variables, probes_key: probe, fp8_lib.SPLIT_TAPS: tap}, x,
+                                           positions, segment_ids)
+                    return y, (stats, None)
                 (y, stats), recorded = block.apply({**variables, probes_key: probe}, x, positions, segment_ids,
                                                    mutable=[inputs])
                 return y, (stats, recorded[inputs])
-            x, (stats, recorded) = scan(layer, x, (chunk, probes))
+            x, (stats, recorded) = scan(layer, x, (chunk, probes, taps))
             return (x, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats or {})), recorded
 
         # W recomputes nothing: every matmul reads its recorded input, so attention's output is never

@@ -84,17 +84,19 @@ class SplitResiduals(Residuals):
     """B's vjp residuals under the split backward (`SplitStage.forward`: matmul weights constant,
     probes on the matmul outputs, inputs recorded for W)."""
 
-    def __init__(self, split: SplitStage, layers, probes):
+    def __init__(self, split: SplitStage, layers, probes, taps=None):
         super().__init__(None, layers)
-        self.split, self.probes = split, probes
+        self.split, self.probes, self.taps = split, probes, taps
 
     def vjp_recording(self, x, mb, w):
-        """((y, stats), pullback (w, x, probes), recorded matmul inputs)."""
-        def run(w, x, probes):
+        """((y, stats), pullback (w, x, probes[, taps]), recorded matmul inputs): with `taps` (W's inputs
+        from B) the pullback also returns the matmuls' inputs, and nothing is recorded (None)."""
+        def run(w, x, probes, *taps):
             if FP8 in w:
                 w = {**w, FP8: fp8_lib.for_grad(w[FP8])}
-            return self.split.forward(w, x, mb["positions"], mb["segment_ids"], probes)
-        return jax.vjp(run, w, x, self.probes, has_aux=True)
+            return self.split.forward(w, x, mb["positions"], mb["segment_ids"], probes, *taps)
+        taps = () if self.taps is None else (self.taps,)
+        return jax.vjp(run, w, x, self.probes, *taps, has_aux=True)
 
     def vjp(self, x, mb, w=None, chunk=0):
         del chunk  # the split backward runs one chunk a stage (`schedules.SPLIT_BACKWARD`)
@@ -102,8 +104,9 @@ class SplitResiduals(Residuals):
         return out, pullback
 
     def _constants(self, w) -> list:
-        # the probes are zeros, the same arrays in every slot: the remat keeps them as inputs, the stash does not
-        return super()._constants(w) + jax.tree.leaves(self.probes)
+        # the probes and taps are zeros, the same arrays in every slot: the remat keeps them as inputs, the
+        # stash does not
+        return super()._constants(w) + jax.tree.leaves(self.probes) + jax.tree.leaves(self.taps)
 
 
 class SlotUnion:
@@ -181,6 +184,11 @@ class _TableWork:
                                                               mb["segment_ids"]))
             probes = jax.tree.map(lambda a: self._varying(jnp.zeros(a.shape, a.dtype)), shapes)
             self.residuals = SplitResiduals(self.split, chunks, probes)
+            if plan.inputs_at_b:  # zeros shaped as the recorded inputs: their cotangents are the inputs
+                x = self._varying(act)
+                _, _, recorded = jax.eval_shape(lambda x: self.residuals.vjp_recording(x, mb, self._chunk(0)), x)
+                taps = jax.tree.map(lambda a: self._varying(jnp.zeros(a.shape, a.dtype)), recorded)
+                self.residuals = SplitResiduals(self.split, chunks, probes, taps)
 
     def _embed(self, o, tokens):
         return self.model.apply({"params": o}, tokens, method="embed")
@@ -263,7 +271,7 @@ class _TableWork:
         act = self.activation()
         chunk = jax.tree.map(lambda a: a[0], self.layers)
         x = lax.pcast(act, self.manual, to="varying")
-        if self.plan.gemms:  # a micro-batch's residuals (F to B), then its output gradients (B to W)
+        if self.plan.gemms and not self.plan.inputs_at_b:  # a record: residuals (F to B), output gradients (to W)
             residuals = self.residuals.structure(x, self._pick(0), self.manual, chunk)
             self.records = SlotUnion(residuals, self.residuals.probes)
             buffers = {"stash": self._varying(self.records.zeros(self.plan.stash_slots))}
@@ -273,10 +281,13 @@ class _TableWork:
             buffers["gs"] = lax.pcast(jnp.zeros((self.plan.weight_slots, *act.shape), act.dtype), self.manual,
                                       to="varying")
         elif self.plan.split:
-            _, _, recorded = jax.eval_shape(lambda x: self.residuals.vjp_recording(x, self._pick(0), chunk), x)
             slots = functools.partial(jax.tree.map,
                                       lambda a: jnp.zeros((self.plan.weight_slots, *a.shape), a.dtype))
-            buffers["inputs"] = self._varying(slots(recorded))
+            if self.plan.inputs_at_b:  # the matmuls' inputs and output gradients, B to W
+                buffers["inputs"] = self._varying(slots((self.residuals.taps, self.residuals.probes)))
+            else:
+                _, _, recorded = jax.eval_shape(lambda x: self.residuals.vjp_recording(x, self._pick(0), chunk), x)
+                buffers["inputs"] = self._varying(slots(recorded))
         return buffers
 
     def inboxes(self) -> tuple[jax.Array, jax.Array]:
@@ -361,12 +372,13 @@ class _TableWork:
             w = self._chunk(chunk)
             x_in = self._embed(self.outer, mb["inputs"]) if first else x
             put = {}
-            if self.plan.gemms:
+            records = self.plan.gemms and not self.plan.inputs_at_b  # the record: F's inputs, F to W
+            if records:
                 (y, stats), pullback, put["inputs"] = self.residuals.vjp_recording(x_in, mb, w)
             else:
                 (y, stats), pullback = self.residuals.vjp(x_in, mb, w, chunk)
             put["stash"] = self.residuals.keep(pullback, w)
-            if self.plan.gemms:
+            if records:
                 put["stash"] = self._varying(self.records.pack(0, put["stash"]))
             c = {**c, "stats": self._acc(c["stats"], self._varying(stats))}
             if not last:
@@ -387,11 +399,15 @@ class _TableWork:
             mb = self._pick(j)
             w = self._chunk(chunk)
             kept = _load(buffers["stash"], slot)
-            pullback = self.residuals.rebuild(self.records.unpack(0, kept) if self.plan.gemms else kept, w)
+            records = self.plan.gemms and not self.plan.inputs_at_b
+            pullback = self.residuals.rebuild(self.records.unpack(0, kept) if records else kept, w)
             put = {}
-            if self.plan.gemms:  # the matmuls' weight gradients come later (W), from their dy kept here
+            if records:  # the matmuls' weight gradients come later (W), from their dy kept here
                 g_w, dx, dys = pullback(self._cotangents(c, g))
                 put["stash"] = self._varying(self.records.pack(1, dys))  # in the record's slot, over the residuals
+            elif self.plan.gemms:  # ... and their inputs, from the forward the pullback rebuilt
+                g_w, dx, dys, inputs = pullback(self._cotangents(c, g))
+                put["inputs"] = self._varying((inputs, dys))
             else:
                 g_w, dx = pullback(self._cotangents(c, g))
             if self.plan.split and not self.plan.gemms:  # W runs the pullback again for g_w (dead code here)
@@ -417,8 +433,12 @@ class _TableWork:
             g_w, _ = pullback(self._cotangents(c, _load(buffers["gs"], wslot)))
             c, g_w = self._add_grads(c, chunk, g_w)
             return (c, *self._outputs(x, buffers, g_w=g_w))
-        held = {"inputs": _load(buffers["inputs"], wslot),
-                "dys": self.records.unpack(1, _load(buffers["stash"], wslot))}
+        if self.plan.inputs_at_b:
+            inputs, dys = _load(buffers["inputs"], wslot)
+            held = {"inputs": inputs, "dys": dys}
+        else:
+            held = {"inputs": _load(buffers["inputs"], wslot),
+                    "dys": self.records.unpack(1, _load(buffers["stash"], wslot))}
         size = jax.tree.leaves(w)[0].shape[0] // self.plan.weight_parts  # layers of one part
         start = part * size
         if self.plan.weight_parts > 1:  # every value here is [k layers, ...]: the part's window of them

@@ -61,6 +61,10 @@ class SlotPlan:
     # loop step; None: two a tick, the activations one stage on and the gradients one back
     pairs: tuple[tuple[tuple[int, int], ...], ...] | None = None
     chunks: int = 1  # v: chunks a stage
+    # gemms: W's matmul inputs come from B's pullback (`fp8.SPLIT_TAPS`: the forward B rebuilds under full
+    # remat) and stay with the output gradients from B to W in the weight slots; the stash holds the
+    # residuals from F to B only. Otherwise F records them, and each record lives from F to W.
+    inputs_at_b: bool = False
 
     @property
     def gemms(self) -> bool:
@@ -149,7 +153,7 @@ def _put_slots(ticks: int, p: int, live: list[list[tuple[int, int, int]]]) -> tu
 
 @functools.lru_cache(maxsize=256)
 def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "gemms",
-              weight_parts: int = 1, latency: int = 0) -> SlotPlan:
+              weight_parts: int = 1, latency: int = 0, inputs_at_b: bool = False) -> SlotPlan:
     """The executable program of `schedule`'s table (see `SlotPlan`). A W in parts keeps what it reads
     until its last part (the table's later ticks overwrite the earlier in `when`). Built once per
     arguments (the planner's search asks for the same few thousands of times): its program is read-only."""
@@ -157,6 +161,7 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
     sends = None if latency else parity_sends(schedule, p, m, v, weight_parts)  # overlapped: they hide anyway
     arrive = 0.5 + latency  # after the tick that sends (latency 1: at the end of the next one)
     split = schedule in schedules.SPLIT_BACKWARD
+    inputs_at_b = inputs_at_b and split and split_backward == "gemms"
     when = {(op.kind, s, op.micro, op.chunk): t for t, row in enumerate(table) for s, op in enumerate(row) if op}
     stash_iv = [[] for _ in range(p)]
     weight_iv = [[] for _ in range(p)]
@@ -167,19 +172,19 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
             # the residuals live until B (W under the split's pullback); the gemms split's inputs until W
             last = schedules.W if split and split_backward == "pullback" else schedules.B
             stash_iv[s].append((t, when[(last, s, j, c)], (s, j, c)))
-            if split and split_backward == "gemms":
+            if split and split_backward == "gemms" and not inputs_at_b:
                 weight_iv[s].append((t, when[(schedules.W, s, j, c)], (s, j, c)))
             if s == p - 1 and c == v - 1:  # the loss gradient, left during the tick for this stage's B
                 inbox_b_iv[s].append((t + 0.25, when[(schedules.B, s, j, c)], (s, j, c)))
             else:  # the activation arrives at the next stage after the tick
                 dst, dc = (s + 1, c) if s < p - 1 else (0, c + 1)
                 inbox_f_iv[dst].append((t + arrive, when[(schedules.F, dst, j, dc)], (dst, j, dc)))
-        elif kind == schedules.B and split and split_backward == "pullback":  # its output gradient, to W
+        elif kind == schedules.B and split and (split_backward == "pullback" or inputs_at_b):  # to W
             weight_iv[s].append((t, when[(schedules.W, s, j, c)], (s, j, c)))
         if kind == schedules.B and not (s == 0 and c == 0):
             dst, dc = (s - 1, c) if s > 0 else (p - 1, c - 1)
             inbox_b_iv[dst].append((t + arrive, when[(schedules.B, dst, j, dc)], (dst, j, dc)))
-    gemms = split and split_backward == "gemms"
+    gemms = split and split_backward == "gemms" and not inputs_at_b  # records F to W
     stash, weight, inbox_f, inbox_b = ({}, {}, {}, {})
     sizes = []
     # gemms: one record a micro-batch, F to W (its residuals until B, its output gradients after): the
@@ -235,6 +240,8 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
     if gemms:
         records = [a + b for a, b in zip(slotted(stash_iv, stash), slotted(g_iv, weight), strict=True)]
         live = {"stash": records, "inputs": slotted(weight_iv, weight), "g": [[]] * p}
+    elif inputs_at_b:  # the residuals F to B; the inputs and output gradients B to W
+        live = {"stash": slotted(stash_iv, stash), "inputs": slotted(g_iv, weight), "g": [[]] * p}
     else:
         live = {"stash": slotted(stash_iv, stash), "inputs": [[]] * p,
                 "g": slotted(g_iv, weight) if split else [[]] * p}
@@ -245,14 +252,14 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
         program[:, :, FIELDS.index(f"keep_{name}")] = keep
         if name == "stash":
             n_stash = size
-        elif name == "inputs" and gemms or name == "g" and split:
+        elif name == "inputs" and (gemms or inputs_at_b) or name == "g" and split:
             n_weight = max(n_weight, size)
     pairs, forward = sends if sends is not None else (None, None)
     if forward is not None:  # read at run time: a constant would let XLA drop one output per parity's switch
         program[:, :, FIELDS.index("send_forward")] = [forward[t % 2] for t in range(len(table))]
     program.flags.writeable = False
     return SlotPlan(program, n_stash, n_weight, n_f, n_b, split, wraps=v > 1, split_backward=split_backward,
-                    weight_parts=weight_parts, latency=latency, pairs=pairs, chunks=v)
+                    weight_parts=weight_parts, latency=latency, pairs=pairs, chunks=v, inputs_at_b=inputs_at_b)
 
 
 @functools.lru_cache(maxsize=512)

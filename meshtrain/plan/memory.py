@@ -152,7 +152,7 @@ class Step:
     def pipeline(self):
         """The pipeline the runtime would run (`parallel.pipeline.Pipeline.of`, as `layout.pipeline_plan`
         builds it), or None on one stage: its ticks, table, in-flight counts and transfers."""
-        from meshtrain.parallel.pipeline import Pipeline
+        from meshtrain.parallel.pipeline import Pipeline, inputs_at_b
 
         m = self.model
         if self.sizes["stage"] == 1:
@@ -161,7 +161,8 @@ class Step:
         return Pipeline.of(self.pipeline_schedule, self.sizes["stage"], self.microbatches, self.pipeline_repeats,
                            m.n_layers // unit, (n // unit for n in self.layers_per_stage),
                            split_backward=self.split_backward, weight_parts=self.weight_parts,
-                           overlap=self.overlap_transfers)
+                           overlap=self.overlap_transfers, inputs_at_b=inputs_at_b(self.split_backward,
+                                                                                   m.remat_policy))
 
     @functools.cached_property
     def stored_model(self) -> ModelConfig:
@@ -371,6 +372,9 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
         # under none they are not (every intermediate, q / k / v per head group), so both are held
         record = max(saved, grads) if remat in ("selective", "full") else saved + grads
         activations = int((record + inputs) * layers * slots / run.pipeline.repeats)
+        if run.pipeline.inputs_at_b:  # the residuals F to B; the inputs and output gradients B to W
+            stash = saved * run.pipeline.plan.stash_slots
+            activations = int((stash + (inputs + grads) * slots) * layers / run.pipeline.repeats)
 
     place = run.placement()
     compute, table = place["compute"], param_table(run.stored_model)
