@@ -96,6 +96,7 @@ def inputs_at_b(split_backward: str, remat_policy: str) -> bool:
     docs/pipeline.md)."""
     return split_backward == "gemms" and remat_policy == "full"
 
+
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
     """A pipeline schedule: p stages, m micro-batches, v repeats (chunks per stage)."""
