@@ -145,3 +145,38 @@ def test_one_f_one_b_overlapped_table_is_its_alternating_orders(p, m):
     schedules.check(table, p, m, latency=1)
     if m % p == 0:
         assert table == [list(row) for row in schedules.executed("interleaved_1f1b", p, m, 1, latency=1)]
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 16), (16, 16)])
+@pytest.mark.parametrize("parts", [1, 2])
+def test_zero_bubble_without_deferral_holds_one_record_in_the_same_aligned_ticks(p, m, parts):
+    """Where B hands W its inputs (`defers_w`: full remat, transfers behind compute) each W runs in the
+    first W tick after its B: the aligned table keeps its ticks and the forwards' in-flight peak, passes
+    `check`, and the slot plan holds one record where ZB-H1's deferral holds p of them."""
+    from meshtrain.parallel import slot_program
+
+    assert not schedules.defers_w(1, True) and schedules.defers_w(0, True) and schedules.defers_w(1, False)
+    deferred, prompt = (schedules.executed("zero_bubble", p, m, 1, parts, 1, defer) for defer in (True, False))
+    schedules.check([list(row) for row in prompt], p, m, split=True, latency=1)
+    assert len(prompt) == len(deferred)
+    assert max(schedules.in_flight(prompt)) == max(schedules.in_flight(deferred))
+    for s in range(p):  # nothing but F's between a B and its W's parts
+        ops = [row[s] for row in prompt if row[s] is not None]
+        for i, op in enumerate(ops):
+            if op.kind == schedules.B:
+                after = [o for o in ops[i + 1:] if o.kind != schedules.F][:parts]
+                assert [(o.kind, o.micro) for o in after] == [(schedules.W, op.micro)] * parts, (s, ops)
+    def records(table):  # the most B-to-W records a stage holds at once
+        peak = live = 0
+        for row in table:
+            for op in row:
+                if op is not None and op.kind == schedules.B:
+                    live += 1
+                elif op is not None and op.kind == schedules.W and op.part == parts - 1:
+                    live -= 1
+            peak = max(peak, live)
+        return peak
+
+    per_stage = [[[row[s]] for row in deferred] for s in range(p)]
+    assert max(records(rows) for rows in per_stage) == p
+    assert slot_program.slot_plan("zero_bubble", p, m, 1, "gemms", parts, 1, True).weight_slots == 1

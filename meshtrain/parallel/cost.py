@@ -356,11 +356,11 @@ class Execution:
 
 
 def step_time(schedule: str, p: int, m: int, v: int, costs: BranchCosts, weight_parts: int = 1,
-              overlap: bool = False) -> Execution:
+              overlap: bool = False, defer_w: bool = True) -> Execution:
     """The pipeline part of a step as the lock-step loop runs it (module docstring); a split W run as
     `weight_parts` operations costs 1/weight_parts of W each. `overlap` (`pipeline.overlap_transfers`,
     the slot tables): each transfer travels beside a tick of compute, which then lasts the longer of
-    the two."""
+    the two. `defer_w`: `schedules.defers_w` (`Pipeline.defers_w`)."""
     c = costs
     entry = schedules.REGISTRY[schedule]
     v = v if entry.chunked else 1  # chunks per stage
@@ -374,7 +374,7 @@ def step_time(schedule: str, p: int, m: int, v: int, costs: BranchCosts, weight_
     forward = c.forward_split if split else c.forward
     price = {schedules.F: forward / v, schedules.B: (c.input_grad if split else c.backward) / v,
              schedules.W: c.weight_grad / (v * weight_parts) if split else 0.0}  # fused tables' W ticks idle
-    rows = _table_rows(schedule, p, m, v, weight_parts if split else 1, int(overlap))
+    rows = _table_rows(schedule, p, m, v, weight_parts if split else 1, int(overlap), defer_w)
     if overlap:  # each tick's operation beside the transfer of the tick before's outputs
         seconds = sum(n * max([c.transfer] + [price[k] for k in kinds]) for kinds, n in rows)
     else:
@@ -389,9 +389,9 @@ def step_time(schedule: str, p: int, m: int, v: int, costs: BranchCosts, weight_
 # prices tens of thousands of candidates on the same few tables).
 @functools.lru_cache(maxsize=256)
 def _table_rows(schedule: str, p: int, m: int, v: int, weight_parts: int,
-                latency: int) -> tuple[tuple[frozenset, int], ...]:
+                latency: int, defer_w: bool) -> tuple[tuple[frozenset, int], ...]:
     """(the kinds of operation in a tick, how many ticks) over `schedules.executed`'s table."""
-    table = schedules.executed(schedule, p, m, v, weight_parts, latency)
+    table = schedules.executed(schedule, p, m, v, weight_parts, latency, defer_w)
     return tuple(collections.Counter(frozenset(op.kind for op in row if op is not None) for row in table).items())
 
 

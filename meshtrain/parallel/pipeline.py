@@ -134,11 +134,16 @@ class Pipeline:
         units = stage_layers(n_units, stages, tuple(given), repeats)
         return cls(schedule, stages, microbatches, repeats, units=units, **fields)
 
+    @property
+    def defers_w(self) -> bool:
+        """Whether a split schedule's W's are deferred past later B's (`schedules.defers_w`)."""
+        return schedules.defers_w(int(self.overlap), self.inputs_at_b)
+
     @functools.cached_property
     def _table(self):
         """The slot table a table schedule runs (`schedules.executed`)."""
         return schedules.executed(self.schedule, self.stages, self.microbatches, self.repeats, self.weight_parts,
-                                  latency=int(self.overlap))
+                                  int(self.overlap), self.defers_w)
 
     @functools.cached_property
     def plan(self):
@@ -184,7 +189,7 @@ class Pipeline:
         activations, each 1/v of a stage's layers)."""
         if self.schedule in TABLE_SCHEDULES:
             return schedules.executed_in_flight(self.schedule, self.stages, self.microbatches, self.repeats,
-                                                self.weight_parts, int(self.overlap))
+                                                self.weight_parts, int(self.overlap), self.defers_w)
         return (self.repeats * self.microbatches,) * self.stages
 
     def describe(self) -> str:
@@ -196,6 +201,8 @@ class Pipeline:
             line += f", idle/busy {schedules.bubble(self._table):.3f}"
         if self.weight_parts > 1:
             line += f", W in {self.weight_parts} parts"
+        if self.schedule in SPLIT_BACKWARD and not self.defers_w:
+            line += ", each W in the first W tick after its B"
         if self.overlap:
             line += ", transfers behind the next tick's compute"
         if self.uneven:

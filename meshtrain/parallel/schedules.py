@@ -28,7 +28,7 @@ Bubble ratios (idle time of a stage over its busy time, F = B = W = one unit):
 
 Activations held: a stage holds a micro-batch's activations from its F to its W. 1f1b holds at most
 p - s on stage s, zero_bubble at most p on every stage (1F1B's peak: ZB-H1's "same memory as
-1F1B"), interleaved_1f1b at
+1F1B"; without deferral, `defers_w`, each W right after its B: p - s, one B-to-W record), interleaved_1f1b at
 most (p - s - 1) * 2 + (v - 1) * p + 1 chunk activations, each 1/v of a stage's layers: about
 (1 + (p - 1)/(v p)) times 1F1B's, independent of m. `in_flight` counts them from the table.
 """
@@ -60,11 +60,12 @@ class Schedule:
     alternating: bool = False  # its ticks alternate: a forward on every stage, then a backward (`alternating`)
     wraps: bool = False  # activations go from stage p-1 back to stage 0 (the next chunk or lap)
     grouped: bool = False  # micro-batches run in groups of p: m must divide by p
-    # (p, m, v, latency) -> each stage's operations in order (`stage_orders`); None: no table (circular's
-    # only loop is its ring)
-    orders: Callable[[int, int, int, int], list[list[Op]]] | None = None
-    # (p, m, v, weight_parts, latency) -> the table the trainer runs (`executed`); None: not run from a table
-    table: Callable[[int, int, int, int, int], list[list[Op | None]]] | None = None
+    # (p, m, v, latency, defer_w) -> each stage's operations in order (`stage_orders`); None: no table
+    # (circular's only loop is its ring)
+    orders: Callable[[int, int, int, int, bool], list[list[Op]]] | None = None
+    # (p, m, v, weight_parts, latency, defer_w) -> the table the trainer runs (`executed`); None: not run
+    # from a table
+    table: Callable[[int, int, int, int, int, bool], list[list[Op | None]]] | None = None
     baseline: bool = False  # what the other schedules' steps are compared with (`BASELINE`: 1F1B)
 
     def bubble(self, p: int, m: int, v: int = 1) -> float:
@@ -97,10 +98,11 @@ def _fused(order: list[Op]) -> list[Op]:
 
 
 def stage_orders(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1,
-                 latency: int = 0) -> list[list[Op]]:
+                 latency: int = 0, defer_w: bool = True) -> list[list[Op]]:
     """Each stage's operations in the order it runs them; under the split backward each W as
     `weight_parts` consecutive operations. `latency`: ticks a result spends between stages (`simulate`);
-    the warm-up forwards grow with it (a hop of 1 + latency ticks per stage)."""
+    the warm-up forwards grow with it (a hop of 1 + latency ticks per stage). `defer_w` False: each W
+    right after its B in the stage's order (`defers_w`)."""
     entry = REGISTRY.get(schedule)
     if entry is None or entry.orders is None:
         raise ValueError(f"schedule {schedule!r}: expected one of {SCHEDULES}")
@@ -109,23 +111,23 @@ def stage_orders(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 
             raise ValueError(f"weight_parts={weight_parts}: only {SPLIT_BACKWARD} run W on its own")
         return [[dataclasses.replace(op, part=i) for op in order
                  for i in (range(weight_parts) if op.kind == W else (0,))]
-                for order in stage_orders(schedule, p, m, v, latency=latency)]
-    return entry.orders(p, m, v if entry.chunked else 1, latency)
+                for order in stage_orders(schedule, p, m, v, latency=latency, defer_w=defer_w)]
+    return entry.orders(p, m, v if entry.chunked else 1, latency, defer_w)
 
 
-def _gpipe_orders(p: int, m: int, v: int, latency: int) -> list[list[Op]]:
+def _gpipe_orders(p: int, m: int, v: int, latency: int, defer_w: bool) -> list[list[Op]]:
     """All forwards, then all backwards."""
     return [_fused([Op(F, j) for j in range(m)] + [Op(B, j) for j in range(m)]) for _ in range(p)]
 
 
-def _one_f_one_b_orders(p: int, m: int, v: int, latency: int) -> list[list[Op]]:
+def _one_f_one_b_orders(p: int, m: int, v: int, latency: int, defer_w: bool) -> list[list[Op]]:
     """p - s - 1 warm-up forwards on stage s (a hop of 1 + latency ticks each), then one forward and one
     backward alternately."""
     forwards, backwards = [Op(F, j) for j in range(m)], [Op(B, j) for j in range(m)]
     return [_fused(_one_f_one_b(forwards, backwards, min((p - s - 1) * (1 + latency), m))) for s in range(p)]
 
 
-def _interleaved_orders(p: int, m: int, v: int, latency: int) -> list[list[Op]]:
+def _interleaved_orders(p: int, m: int, v: int, latency: int, defer_w: bool) -> list[list[Op]]:
     """Megatron's interleaved 1F1B (`_interleaved`): (p - s - 1)*2 + (v - 1)*p warm-up forwards."""
     if m % p:
         raise ValueError(f"interleaved_1f1b needs micro-batches divisible by stages: m={m}, p={p}")
@@ -134,8 +136,8 @@ def _interleaved_orders(p: int, m: int, v: int, latency: int) -> list[list[Op]]:
             for s in range(p)]
 
 
-def _zero_bubble_orders(p: int, m: int, v: int, latency: int) -> list[list[Op]]:
-    return [_zero_bubble_order(p, m, s, latency) for s in range(p)]
+def _zero_bubble_orders(p: int, m: int, v: int, latency: int, defer_w: bool) -> list[list[Op]]:
+    return [_zero_bubble_order(p, m, s, latency, defer_w) for s in range(p)]
 
 
 def _interleaved(p: int, m: int, v: int, forward: bool) -> list[Op]:
@@ -156,12 +158,13 @@ def _one_f_one_b(forwards: list[Op], backwards: list[Op], warmup: int) -> list[O
     return order + rest_b
 
 
-def _zero_bubble_order(p: int, m: int, s: int, latency: int = 0) -> list[Op]:
+def _zero_bubble_order(p: int, m: int, s: int, latency: int = 0, defer_w: bool = True) -> list[Op]:
     """ZB-H1 (Qi et al. 2023): 1F1B's F / B order with each W split off and deferred: stage s runs
     its first s backwards without their W (B is on the critical path, W is not), then one W after
     each B, and the deferred W last, in the ticks where 1F1B would idle. A stage then holds at most
     p micro-batches' activations (1F1B's peak, on its stage 0). With `latency`, (1 + latency) times the
-    warm-up forwards."""
+    warm-up forwards. `defer_w` False: none deferred, each W right after its B (`defers_w`)."""
+    deferred = s if defer_w else 0
     warmup = min((p - s - 1) * (1 + latency), m)
     order = [Op(F, j) for j in range(warmup)]
     next_f, next_b, next_w = warmup, 0, 0
@@ -171,13 +174,14 @@ def _zero_bubble_order(p: int, m: int, s: int, latency: int = 0) -> list[Op]:
             next_f += 1
         order.append(Op(B, next_b))
         next_b += 1
-        if next_b > s or next_f == m:  # the first s W are deferred
+        if next_b > deferred or next_f == m:  # the first s W are deferred
             order.append(Op(W, next_w))
             next_w += 1
     return order + [Op(W, j) for j in range(next_w, m)]
 
 
-def _one_f_one_b_table(p: int, m: int, v: int, weight_parts: int, latency: int) -> list[list[Op | None]]:
+def _one_f_one_b_table(p: int, m: int, v: int, weight_parts: int, latency: int,
+                       defer_w: bool) -> list[list[Op | None]]:
     """1F1B's executed table. Plain (`latency` 0): stage s runs the forward of micro-batch j in tick
     s + 2j and its whole backward in tick 2p - 1 - s + 2j, so neighbours always sit in opposite phases
     (an activation moves one stage a tick, so does a gradient); stage s holds p - s micro-batches; 2(m + p
@@ -200,16 +204,17 @@ def _one_f_one_b_table(p: int, m: int, v: int, weight_parts: int, latency: int) 
 
 
 def _alternating_table(schedule: str):
-    def build(p: int, m: int, v: int, weight_parts: int, latency: int) -> list[list[Op | None]]:
+    def build(p: int, m: int, v: int, weight_parts: int, latency: int, defer_w: bool) -> list[list[Op | None]]:
         return alternating(schedule, p, m, v, latency)
     return build
 
 
-def _zero_bubble_table(p: int, m: int, v: int, weight_parts: int, latency: int) -> list[list[Op | None]]:
+def _zero_bubble_table(p: int, m: int, v: int, weight_parts: int, latency: int,
+                       defer_w: bool) -> list[list[Op | None]]:
     """`aligned` with transfers behind compute, else `simulate`'s."""
     if latency:
-        return aligned("zero_bubble", p, m, weight_parts, latency)
-    return simulate("zero_bubble", p, m, v, weight_parts, latency)
+        return aligned("zero_bubble", p, m, weight_parts, latency, defer_w)
+    return simulate("zero_bubble", p, m, v, weight_parts, latency, defer_w)
 
 
 # The schedules, each defined once: every list of names below is read off it.
@@ -261,33 +266,53 @@ def _ready(op: Op, s: int, p: int, v: int, done: dict, split: bool, now: int, la
     return done.get((B, s, op.micro, op.chunk), now) < now
 
 
+def defers_w(latency: int, inputs_at_b: bool) -> bool:
+    """Whether a split schedule defers W's past later B's (ZB-H1: s on stage s), or runs each W right
+    after its B (`stage_orders(..., defer_w=False)`).
+
+    Deferred, a W fills a tick where 1F1B would idle, but what it reads stays held: under F's records
+    (`pipeline.inputs_at_b` false) that is the residuals a stage keeps anyway, from F, and the most held
+    at once is stage 0's whichever the order (in one SPMD program every stage's buffers are the largest
+    stage's). Where B hands W the matmuls' inputs and output gradients (`inputs_at_b`: full remat), each
+    deferred W holds a record of its own, 1.14 GB a micro-batch at llama3_8b. In the aligned table
+    (transfers behind compute) W has ticks of its own, so running each W in the first W tick after its B
+    costs only W ticks: compiled for H100s, llama3_8b on stage 4 x fsdp 2, m 8, temporaries 25.04 ->
+    22.92 GiB and the kernel model's step 0.844 -> 0.804 s (one record slot instead of four); 405B over
+    16 stages 130.71 -> 73.04 GiB, 13.40 -> 13.20 s. The plain table's ticks each last their longest
+    operation, so there it would cost whole ticks (llama3_8b: 24.56 -> 20.46 GiB but 0.764 -> 0.817 s):
+    deferred."""
+    return not (latency and inputs_at_b)
+
+
 @functools.lru_cache(maxsize=512)
 def executed(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1,
-             latency: int = 0) -> tuple[tuple[Op | None, ...], ...]:
+             latency: int = 0, defer_w: bool = True) -> tuple[tuple[Op | None, ...], ...]:
     """The table the trainer runs (`slot_program.slot_plan`), from the schedule's own builder
     (`Schedule.table`: 1F1B's slots, `alternating` for the ALTERNATING schedules, `aligned` for
     zero_bubble with transfers behind compute, `simulate`'s otherwise, gpipe's too). Built once per arguments (the
-    planner prices thousands of layouts on a few tables): read-only, rows of tuples."""
-    return tuple(tuple(row) for row in _executed(schedule, p, m, v, weight_parts, latency))
+    planner prices thousands of layouts on a few tables): read-only, rows of tuples. `defer_w`: `defers_w`."""
+    return tuple(tuple(row) for row in _executed(schedule, p, m, v, weight_parts, latency, defer_w))
 
 
 @functools.lru_cache(maxsize=512)
 def executed_in_flight(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1,
-                       latency: int = 0) -> tuple[int, ...]:
+                       latency: int = 0, defer_w: bool = True) -> tuple[int, ...]:
     """`in_flight` of the `executed` table, once per arguments."""
-    return tuple(in_flight(executed(schedule, p, m, v, weight_parts, latency)))
+    return tuple(in_flight(executed(schedule, p, m, v, weight_parts, latency, defer_w)))
 
 
-def _executed(schedule: str, p: int, m: int, v: int, weight_parts: int, latency: int) -> list[list[Op | None]]:
+def _executed(schedule: str, p: int, m: int, v: int, weight_parts: int, latency: int,
+              defer_w: bool) -> list[list[Op | None]]:
     entry = REGISTRY.get(schedule)
     if entry is None or entry.table is None and entry.orders is None:
         raise ValueError(f"schedule {schedule!r}: expected one of {SCHEDULES}")
     if entry.table is None:  # not run from a table (gpipe's autodiff loop): the unit-time one
-        return simulate(schedule, p, m, v, weight_parts, latency)
-    return entry.table(p, m, v if entry.chunked else 1, weight_parts, latency)
+        return simulate(schedule, p, m, v, weight_parts, latency, defer_w)
+    return entry.table(p, m, v if entry.chunked else 1, weight_parts, latency, defer_w)
 
 
-def aligned(schedule: str, p: int, m: int, weight_parts: int = 1, latency: int = 1) -> list[list[Op | None]]:
+def aligned(schedule: str, p: int, m: int, weight_parts: int = 1, latency: int = 1,
+            defer_w: bool = True) -> list[list[Op | None]]:
     """Zero bubble's orders with the warm-up forwards doubled (`stage_orders(..., latency=1)`) in aligned
     ticks: the ticks take F, B and W in turn (W as `weight_parts` ticks of one part each), and each stage
     runs its next operation when it is of the tick's kind and ready.
@@ -301,7 +326,7 @@ def aligned(schedule: str, p: int, m: int, weight_parts: int = 1, latency: int =
     ticks later, so a transfer sent while the next tick computes (`latency` 1) arrives in time: the orders
     are those of latency 1 whatever `latency` is, and `latency` only sets what `check`-style readiness the
     run demands (0 and 1 give the same table)."""
-    orders = stage_orders(schedule, p, m, 1, weight_parts, latency=1)
+    orders = stage_orders(schedule, p, m, 1, weight_parts, latency=1, defer_w=defer_w)
     return _run(orders, p, 1, split=True, latency=latency, kinds=(F, B) + (W,) * weight_parts,
                 what=f"{schedule} p={p} m={m}: the aligned stage orders")
 
@@ -351,12 +376,12 @@ def _run(orders: list[list[Op]], p: int, v: int, split: bool, latency: int, kind
 
 
 def simulate(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1,
-             latency: int = 0) -> list[list[Op | None]]:
+             latency: int = 0, defer_w: bool = True) -> list[list[Op | None]]:
     """The unit-time table: table[t][s] the operation stage s runs in tick t (None: idle). A W split
     in parts counts as done when its last part is. `latency`: ticks a result sent to a neighbour
     spends in flight beyond the next tick (1: sent while the next tick computes, read the tick after)."""
     v = v if REGISTRY[schedule].chunked else 1
-    orders = stage_orders(schedule, p, m, v, weight_parts, latency)
+    orders = stage_orders(schedule, p, m, v, weight_parts, latency, defer_w)
     return _run(orders, p, v, split=REGISTRY[schedule].split_backward, latency=latency, kinds=None,
                 what=f"{schedule} p={p} m={m} v={v}: the stage orders")
 

@@ -157,11 +157,11 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
     """The executable program of `schedule`'s table (see `SlotPlan`). A W in parts keeps what it reads
     until its last part (the table's later ticks overwrite the earlier in `when`). Built once per
     arguments (the planner's search asks for the same few thousands of times): its program is read-only."""
-    table = schedules.executed(schedule, p, m, v, weight_parts, latency)
-    sends = None if latency else parity_sends(schedule, p, m, v, weight_parts)  # overlapped: they hide anyway
-    arrive = 0.5 + latency  # after the tick that sends (latency 1: at the end of the next one)
     split = schedule in schedules.SPLIT_BACKWARD
     inputs_at_b = inputs_at_b and split and split_backward == "gemms"
+    table = schedules.executed(schedule, p, m, v, weight_parts, latency, schedules.defers_w(latency, inputs_at_b))
+    sends = None if latency else parity_sends(schedule, p, m, v, weight_parts)  # overlapped: they hide anyway
+    arrive = 0.5 + latency  # after the tick that sends (latency 1: at the end of the next one)
     when = {(op.kind, s, op.micro, op.chunk): t for t, row in enumerate(table) for s, op in enumerate(row) if op}
     stash_iv = [[] for _ in range(p)]
     weight_iv = [[] for _ in range(p)]

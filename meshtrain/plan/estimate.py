@@ -172,7 +172,7 @@ def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu,
                                           recompute=remat != "none", split_backward=run.split_backward,
                                           accumulate=accumulate)
         bubble = cost.step_time(run.pipeline_schedule, p, m, v, costs, run.weight_parts,
-                                overlap=run.overlap_transfers).seconds - compute
+                                overlap=run.overlap_transfers, defer_w=run.pipeline.defers_w).seconds - compute
         # the stage-to-stage permutes priced inside the loop: after each tick's (slot's) operation, or with
         # `pipeline.overlap_transfers` beside the next one's, hidden where that lasts longer (the H100 compile
         # of 405B in 2 interleaved chunks a stage has every permute with compute beside it: docs/405b.md)
@@ -182,7 +182,8 @@ def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu,
         count, in_tick = run.pipeline.transfers  # the permutes of a step, of a tick
         per_tick = permutes / link / count * in_tick
         moved = cost.step_time(run.pipeline_schedule, p, m, v, dataclasses.replace(costs, transfer=per_tick),
-                               run.weight_parts, overlap=run.overlap_transfers).seconds
+                               run.weight_parts, overlap=run.overlap_transfers,
+                               defer_w=run.pipeline.defers_w).seconds
         exposed["stage"] = moved - compute - bubble + exposed.get("stage", 0.0) - permutes / link
     step = compute + bubble + sum(exposed.values())
     fits = mem["total"] <= gpu.usable_bytes
