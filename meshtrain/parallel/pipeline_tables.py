@@ -76,7 +76,7 @@ from meshtrain.parallel.pipeline import (
     reduce_layer_grads,
     run_gradient_loop,
 )
-from meshtrain.parallel.slot_program import BACKWARD_FIRST, BRANCHES, FIELDS, FORWARD_LAST, PUT_FIELD
+from meshtrain.parallel.slot_program import BACKWARD, BACKWARD_FIRST, BRANCHES, FIELDS, FORWARD_LAST, PUT_FIELD, WEIGHTS
 from meshtrain.sharding_rules import vary
 
 
@@ -147,6 +147,11 @@ class SlotUnion:
         """The tree `which` from one slot of every buffer (`pack`'s inverse)."""
         treedef, taken = self._layouts[which]
         return jax.tree.unflatten(treedef, [slot[i] for i in taken])
+
+
+# `SlotPlan.handoff`: the operand under which W's switch reads the record B's switch of the same loop
+# step returned (one slot, read-only: no switch returns a put for it)
+HANDED = "handed"
 
 
 def _store(buffers, values, slot):
@@ -283,7 +288,10 @@ class _TableWork:
         elif self.plan.split:
             slots = functools.partial(jax.tree.map,
                                       lambda a: jnp.zeros((self.plan.weight_slots, *a.shape), a.dtype))
-            if self.plan.inputs_at_b:  # the matmuls' inputs and output gradients, B to W
+            if self.plan.handoff:  # none kept: B's switch returns them and W's reads them (`SlotPlan.handoff`)
+                self.unslotted = self._varying(jax.tree.map(lambda a: jnp.zeros((0, *a.shape), a.dtype),
+                                                            (self.residuals.taps, self.residuals.probes)))
+            elif self.plan.inputs_at_b:  # the matmuls' inputs and output gradients, B to W
                 buffers["inputs"] = self._varying(slots((self.residuals.taps, self.residuals.probes)))
             else:
                 _, _, recorded = jax.eval_shape(lambda x: self.residuals.vjp_recording(x, self._pick(0), chunk), x)
@@ -311,7 +319,7 @@ class _TableWork:
         slots)."""
         zeros = jnp.zeros_like(like)
         put = {name: put.get(name, jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), buf))
-               for name, buf in buffers.items()}
+               for name, buf in buffers.items() if name != HANDED}
         if not self.sums_outside:
             g_w = ()
         elif g_w is None:
@@ -434,7 +442,7 @@ class _TableWork:
             c, g_w = self._add_grads(c, chunk, g_w)
             return (c, *self._outputs(x, buffers, g_w=g_w))
         if self.plan.inputs_at_b:
-            inputs, dys = _load(buffers["inputs"], wslot)
+            inputs, dys = _load(buffers[HANDED if self.plan.handoff else "inputs"], wslot)
             held = {"inputs": inputs, "dys": dys}
         else:
             held = {"inputs": _load(buffers["inputs"], wslot),
@@ -531,9 +539,9 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
         arrived = lax.ppermute(jnp.where(row[field["send_forward"]] == 1, y, dx), STAGE, list(plan.pairs[parity]))
         return arrived, arrived
 
-    def tick(carry, program, parity, size):
+    def tick(carry, program, parity, size, handed):
         c, buffers, inbox_f, inbox_b, embedded, sent = carry
-        grads = size == BRANCHES  # a backward or W may run: the gradients are added
+        grads = size > BACKWARD  # a backward or W may run: the gradients are added
         branches, outer = switches[size]
         g_outer = c.pop("g_outer") if outer else None
         if plan.latency:  # last tick's outputs, in flight while this tick's operation runs (two a tick)
@@ -543,9 +551,16 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
         x = lax.dynamic_index_in_dim(inbox_f, row[field["read_f"]], 0, keepdims=False)
         g = lax.dynamic_index_in_dim(inbox_b, row[field["read_b"]], 0, keepdims=False)
         sums = c.pop("g_layers") if work.sums_outside else None  # (`_TableWork._chunk_grads`)
+        operands = buffers
+        if plan.handoff and size == WEIGHTS:  # B's position: its put of the record is handed to the W ticks
+            operands = {**buffers, "inputs": work.unslotted}
+        elif plan.handoff and size == BRANCHES:
+            operands = {**buffers, HANDED: handed}
         c, y, dx, dy, g_w, put = lax.switch(branch, branches, c, x, g, row[field["micro"]],
                                             row[field["chunk"]], row[field["stash"]], row[field["wstash"]],
-                                            row[field["part"]], buffers)
+                                            row[field["part"]], operands)
+        if plan.handoff and size == WEIGHTS:
+            handed = jax.tree.map(lambda a: a[None], put.pop("inputs"))
         if outer:
             c = {**c, "g_outer": g_outer}
         if work.sums_outside:  # outside the backward's loop g_w is zeros, neither read nor computed
@@ -565,11 +580,12 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
             sent = (y, dx)
         inbox_f = lax.dynamic_update_index_in_dim(inbox_f, arriving[0], row[field["recv_f"]], 0)
         inbox_b = lax.dynamic_update_index_in_dim(inbox_b, arriving[1], row[field["recv_b"]], 0)
-        return c, buffers, inbox_f, inbox_b, embedded, sent
+        return (c, buffers, inbox_f, inbox_b, embedded, sent), handed
 
-    def ticks(carry, programs, sizes):  # a loop step: one tick, or two from an even tick (parities 0, 1)
+    def ticks(carry, programs, sizes):  # a loop step: one tick, two from an even tick (parities 0, 1), or
+        handed = None  # one round of F, B and W's parts (`SlotPlan.handoff`: B's record, to the W ticks)
         for parity, size in enumerate(sizes):
-            carry = tick(carry, programs[parity], parity, size)
+            carry, handed = tick(carry, programs[parity], parity, size, handed)
         return carry, None
 
     inbox_f, inbox_b = work.inboxes()

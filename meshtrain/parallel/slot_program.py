@@ -65,6 +65,12 @@ class SlotPlan:
     # remat) and stay with the output gradients from B to W in the weight slots; the stash holds the
     # residuals from F to B only. Otherwise F records them, and each record lives from F to W.
     inputs_at_b: bool = False
+    # inputs_at_b in an aligned table whose every W runs right after its B (`schedules.defers_w`): a loop
+    # step is one round of the table's tick kinds (F, B, W's parts), each tick a switch over the branches
+    # of its kind only, and B's switch hands its record straight to the W ticks of the same step. No
+    # weight slots are carried: a record held in the loop's state would be held twice, in its slot and
+    # in the put the switch returns (XLA gives a conditional's output a buffer of its own).
+    handoff: bool = False
 
     @property
     def gemms(self) -> bool:
@@ -94,6 +100,8 @@ class SlotPlan:
         1F1B's temporaries, not zero bubble's: the tiny model overlapped, 86.4 -> 79.6 MiB against
         86.6)."""
         step = 1 if self.pairs is None else 2  # outside the range of gradients
+        if self.handoff:  # forwards, backwards, then W's parts: each position its kind's branches
+            return ((0, self.ticks, (BACKWARD, WEIGHTS) + (BRANCHES,) * self.weight_parts),)
         if self.chunks == 1:
             return ((0, self.ticks, (BRANCHES,) * step),)
         grads = (self.program[:, :, 0] >= BACKWARD).any(axis=1)
@@ -160,6 +168,9 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
     split = schedule in schedules.SPLIT_BACKWARD
     inputs_at_b = inputs_at_b and split and split_backward == "gemms"
     table = schedules.executed(schedule, p, m, v, weight_parts, latency, schedules.defers_w(latency, inputs_at_b))
+    handoff = inputs_at_b and _hands_off(table, weight_parts)
+    if handoff:  # whole steps of the kinds' round: idle ticks at the end
+        table = table + ((None,) * p,) * (-len(table) % (2 + weight_parts))
     sends = None if latency else parity_sends(schedule, p, m, v, weight_parts)  # overlapped: they hide anyway
     arrive = 0.5 + latency  # after the tick that sends (latency 1: at the end of the next one)
     when = {(op.kind, s, op.micro, op.chunk): t for t, row in enumerate(table) for s, op in enumerate(row) if op}
@@ -259,7 +270,25 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
         program[:, :, FIELDS.index("send_forward")] = [forward[t % 2] for t in range(len(table))]
     program.flags.writeable = False
     return SlotPlan(program, n_stash, n_weight, n_f, n_b, split, wraps=v > 1, split_backward=split_backward,
-                    weight_parts=weight_parts, latency=latency, pairs=pairs, chunks=v, inputs_at_b=inputs_at_b)
+                    weight_parts=weight_parts, latency=latency, pairs=pairs, chunks=v, inputs_at_b=inputs_at_b,
+                    handoff=handoff)
+
+
+def _hands_off(table, weight_parts: int) -> bool:
+    """Whether every tick t of `table` runs only operations of kind (F, B, W, ...)[t % (2 + weight_parts)]
+    and every B's W parts run on its stage in the ticks right after it (`SlotPlan.handoff`)."""
+    kinds = (schedules.F, schedules.B) + (schedules.W,) * weight_parts
+    for t, row in enumerate(table):
+        for s, op in enumerate(row):
+            if op is None:
+                continue
+            if op.kind != kinds[t % len(kinds)]:
+                return False
+            if op.kind == schedules.B:
+                after = [table[t + i][s] if t + i < len(table) else None for i in range(1, weight_parts + 1)]
+                if after != [schedules.Op(schedules.W, op.micro, op.chunk, i) for i in range(weight_parts)]:
+                    return False
+    return True
 
 
 @functools.lru_cache(maxsize=512)

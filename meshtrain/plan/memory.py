@@ -161,8 +161,8 @@ class Step:
         return Pipeline.of(self.pipeline_schedule, self.sizes["stage"], self.microbatches, self.pipeline_repeats,
                            m.n_layers // unit, (n // unit for n in self.layers_per_stage),
                            split_backward=self.split_backward, weight_parts=self.weight_parts,
-                           overlap=self.overlap_transfers, inputs_at_b=inputs_at_b(self.split_backward,
-                                                                                   m.remat_policy))
+                           overlap=self.overlap_transfers,
+                           inputs_at_b=inputs_at_b(self.split_backward, m.remat_policy, self.overlap_transfers))
 
     @functools.cached_property
     def stored_model(self) -> ModelConfig:
@@ -365,7 +365,8 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
         # gradients in the same bytes, beside its matmuls' inputs; the table's peak of them and the slot
         # the tick writes after its switch (`pipeline_tables._TableWork`, `SlotUnion`; no trash slot:
         # `slot_program._put_slots`)
-        slots = run.pipeline.plan.weight_slots + 1
+        # (`SlotPlan.handoff`: B's switch hands its record to the W ticks of the same loop step, held once)
+        slots = 1 if run.pipeline.plan.handoff else run.pipeline.plan.weight_slots + 1
         inputs, grads = _split_per_layer(run, t)
         # `pipeline_tables.SlotUnion` shares buffers of one shape and dtype: under selective and full
         # remat the residuals kept are matmul outputs and the layer input, the output gradients' shapes;
