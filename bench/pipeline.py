@@ -199,7 +199,9 @@ def print_modeled(args, stages: list[int], ms: list[int]) -> None:
             for schedule, overlap in runs:
                 v = 2 if schedule in pipeline.CHUNKED_SCHEDULES else 1
                 parts = cost.weight_parts(costs, args.layers // (p * v)) if schedule in pipeline.SPLIT_BACKWARD else 1
-                e = cost.step_time(schedule, p, m, 2, costs, parts, overlap=overlap)
+                c = make_config(args, schedule, m, stages=p)  # the table the trainer runs (W deferred or not)
+                e = cost.step_time(schedule, p, m, 2, costs, parts, overlap=overlap,
+                                   defer_w=pipeline.defers_w(c.pipeline.split_backward, c.remat.policy, overlap))
                 name = schedule + ("+overlap" if overlap else "")
                 rows.append({"stages": p, "microbatches": m, "schedule": name, "weight_parts": parts,
                              "ticks": e.ticks, "seconds": e.seconds, "units": e.seconds / costs.forward,

@@ -76,8 +76,9 @@ def gpu_entry(device):
     return hardware.get_gpu(next((name for name in hardware.GPUS if name in kind), "h100"))
 
 
-def modeled_rows(costs, p: int, m: int, layers: int) -> dict[str, float]:
-    """{schedule (+overlap): modeled step / 1f1b's} for `costs` (interleaved v=2, W in balanced parts)."""
+def modeled_rows(costs, p: int, m: int, layers: int, config) -> dict[str, float]:
+    """{schedule (+overlap): modeled step / 1f1b's} for `costs` (interleaved v=2, W in balanced parts), each
+    table as the trainer runs it under `config`'s remat and split (W deferred or not)."""
     from meshtrain.parallel import cost, pipeline
 
     base = cost.step_time("1f1b", p, m, 1, costs).seconds
@@ -86,8 +87,9 @@ def modeled_rows(costs, p: int, m: int, layers: int) -> dict[str, float]:
         for overlap in (False, True) if name in pipeline.OVERLAPPING else (False,):
             v = 2 if name in pipeline.CHUNKED_SCHEDULES else 1
             parts = cost.weight_parts(costs, layers // (p * v)) if name in pipeline.SPLIT_BACKWARD else 1
-            out[name + ("+overlap" if overlap else "")] = cost.step_time(name, p, m, 2, costs, parts,
-                                                                         overlap=overlap).seconds / base
+            deferred = pipeline.defers_w(config.pipeline.split_backward, config.remat.policy, overlap)
+            out[name + ("+overlap" if overlap else "")] = cost.step_time(name, p, m, 2, costs, parts, overlap=overlap,
+                                                                         defer_w=deferred).seconds / base
     return out
 
 
@@ -168,7 +170,7 @@ def main() -> None:
             rows = {}
             models = {"roofline": roof, "kernels": kern, "measured": real}
             for m in (8, 16):
-                rows[m] = {name: modeled_rows(c, p, m, layers) for name, c in models.items() if c}
+                rows[m] = {name: modeled_rows(c, p, m, layers, config) for name, c in models.items() if c}
             print(f"{'schedule':24} " + " ".join(f"{f'm={m} {name[:4]}':>10}" for m in rows for name in rows[m]))
             for schedule in rows[8]["roofline"]:
                 print(f"{schedule:24} " + " ".join(f"{rows[m][name][schedule]:10.3f}"

@@ -103,6 +103,12 @@ def inputs_at_b(split_backward: str, remat_policy: str, overlap: bool) -> bool:
     return split_backward == "gemms" and (remat_policy == "full" or overlap)
 
 
+def defers_w(split_backward: str, remat_policy: str, overlap: bool) -> bool:
+    """Whether the table the trainer runs defers W's past later B's (`schedules.defers_w`), for the cost
+    model's callers (`parallel.cost.step_time`'s `defer_w`) that price a configuration without a `Pipeline`."""
+    return schedules.defers_w(int(overlap), inputs_at_b(split_backward, remat_policy, overlap))
+
+
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
     """A pipeline schedule: p stages, m micro-batches, v repeats (chunks per stage)."""
