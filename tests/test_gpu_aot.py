@@ -444,6 +444,32 @@ def test_zero_bubble_holds_at_most_one_stash_more_than_1f1b(overlap):
     assert temps["zero_bubble"] <= temps["1f1b"] + stash, (temps, stash)
 
 
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_zero_bubble_at_llama3_8b_holds_1f1b_memory_and_one_record(remat):
+    """Memory at real shapes (`aot.REFERENCE_MESHES` 8b-stage4-fsdp2-*-m8-overlap: llama3_8b, 4 layers on
+    stage 4 x fsdp 2, batch 16, m 8, transfers overlapped), compiled for H100: zero bubble's temporaries at
+    most 1F1B's plus one micro-batch's W record (its matmuls' inputs and output gradients, the planner's
+    `_split_per_layer`), which B's switch hands to the W ticks of its loop step (`SlotPlan.handoff`, each W
+    right after its B). Without remat, where a micro-batch's stash already holds those inputs, at most
+    1F1B's own."""
+    from meshtrain.plan import memory
+
+    temps = {}
+    for schedule in ("1f1b", "zero_bubble"):
+        config_name, devices, overrides = aot.REFERENCE_MESHES[f"8b-stage4-fsdp2-{schedule}-m8-overlap"]
+        config = apply_overrides(load_config_file(config_name), {**overrides, "remat.policy": remat})
+        compiled, run, _ = aot.compile_step(config, "h100", devices)
+        temps[schedule] = compiled.memory_analysis().temp_size_in_bytes
+    step = memory.Step.from_config(config, dict(run.sizes))  # zero bubble's
+    assert step.pipeline.plan.handoff and not step.pipeline.defers_w
+    inputs, grads = memory._split_per_layer(step, step.micro_tokens // step.microbatches)
+    record = (inputs + grads) * step.stored_model.n_layers // step.sizes["stage"]
+    print({name: round(t / 2**30, 2) for name, t in temps.items()}, "record GiB", round(record / 2**30, 2))
+    assert temps["zero_bubble"] <= temps["1f1b"] + record
+    if remat == "none":
+        assert temps["zero_bubble"] <= temps["1f1b"]
+
+
 def test_schedules_priced_from_the_h100_compile_beat_1f1b():
     """The acceptance point of the pipeline cost model (p=4, m=16, one 128-token row of the tiny config
     at d_model 512), each branch priced kernel by kernel from its H100 compile: interleaved 1F1B (v=2)
