@@ -149,6 +149,9 @@ CASES = [
     _case("pipeline", {"stage": 4, "fsdp": 2}, **{"pipeline.schedule": "zero_bubble", "train.zero_stage": 3,
                                                   "pipeline.overlap_transfers": True, "pipeline.weight_parts": 2,
                                                   "remat.policy": "full"}),
+    # ... under the default remat: W's inputs from B there too, handed over in the loop step
+    _case("pipeline", {"stage": 4, "data": 2}, **{"pipeline.schedule": "zero_bubble",
+                                                  "pipeline.overlap_transfers": True}),
     # test_moe_train: expert parallelism alone, with data (the README's command), tensor, accumulation
     _case("moe", {"expert": 8}),
     _case("moe", {"expert": 4, "data": 2}),

@@ -275,6 +275,9 @@ PIPELINES = [  # the stage loop under autodiff (laps, bubble ticks, layers store
     ("tiny", {"stage": 2, "data": 2, "fsdp": 2}, {"pipeline.schedule": "1f1b"}),
     ("tiny_moe", {"stage": 2, "expert": 2, "data": 2},
      {"pipeline.schedule": "zero_bubble", "model.moe_balance_scope": "sequence"}),
+    # transfers overlapped: W's inputs from B through the FP8 taps, B's record handed to W in the loop step
+    ("tiny", {"stage": 2, "data": 2, "tensor": 2},
+     {"pipeline.schedule": "zero_bubble", "pipeline.overlap_transfers": True}),
 ]
 PIPELINE_IDS = [f"{o['pipeline.schedule']}-" + "-".join(m) for _, m, o in PIPELINES]
 
