@@ -264,7 +264,9 @@ def default_config() -> ml_collections.ConfigDict:
     # 1f1b, interleaved_1f1b, zero_bubble: send each tick's activations and gradients while the next tick
     # computes (they are read a tick later), so no transfer waits on the critical path; the price is a hop of
     # two ticks per stage: a deeper warm-up, more micro-batches in flight (1f1b: 2(p - s) - 1 on stage s);
-    # interleaved_1f1b's ticks alternate forwards and backwards, its results are read two ticks on anyway: free
+    # interleaved_1f1b's ticks alternate forwards and backwards, its results are read two ticks on anyway: free;
+    # zero_bubble (gemms) then runs each W right after its B, handed B's record in the same loop step: 1F1B's
+    # temporaries within one record (docs/pipeline.md)
     c.pipeline.overlap_transfers = False
     # layers of each stage, first to last (sum model.n_layers; multiples of model.moe_every under MoE), for a
     # pipeline of uneven stages; with pipeline.repeats = v > 1 chunks a stage (interleaved_1f1b, circular), of
