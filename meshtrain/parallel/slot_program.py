@@ -168,7 +168,7 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
     split = schedule in schedules.SPLIT_BACKWARD
     inputs_at_b = inputs_at_b and split and split_backward == "gemms"
     table = schedules.executed(schedule, p, m, v, weight_parts, latency, schedules.defers_w(latency, inputs_at_b))
-    handoff = inputs_at_b and _hands_off(table, weight_parts)
+    handoff = inputs_at_b and latency > 0 and _hands_off(table, weight_parts)  # no `pairs` (two-tick steps)
     if handoff:  # whole steps of the kinds' round: idle ticks at the end
         table = table + ((None,) * p,) * (-len(table) % (2 + weight_parts))
     sends = None if latency else parity_sends(schedule, p, m, v, weight_parts)  # overlapped: they hide anyway
