@@ -131,8 +131,8 @@ class Pipeline:
     # the slot tables: each tick's outputs travel while the next tick computes (a hop of two
     # ticks, `pipeline.overlap_transfers`): deeper warm-up, more micro-batches in flight
     overlap: bool = False
-    # split_backward gemms: W's matmul inputs from B's pullback, which rebuilds the forward under full
-    # remat (`slot_program.SlotPlan.inputs_at_b`; `inputs_at_b` below)
+    # split_backward gemms: W's matmul inputs from B's pullback (full remat, or transfers overlapped:
+    # `slot_program.SlotPlan.inputs_at_b`; `inputs_at_b` above)
     inputs_at_b: bool = False
 
     @classmethod

@@ -23,12 +23,14 @@ and written to are fixed by the table, so the loop is one program on every devic
   (`schedules.alternating`): every stage runs a forward, then every stage a backward (input and weight
   gradients in one operation), so no tick waits for a backward beside forwards.
 * zero_bubble (ZB-H1): B sends the input gradient upstream at once and W, in ticks that would
-  otherwise idle, computes the weight gradient. Bubble (p-1)/(3m) of the ideal time, a third of
+  otherwise idle (overlapped: in the W tick right after its B, `schedules.defers_w`), computes the
+  weight gradient. Bubble (p-1)/(3m) of the ideal time, a third of
   1F1B's, with 1F1B's residuals (p micro-batches per stage at most).
 
 Zero bubble runs the split backward (`pipeline.SplitStage`, `schedules.SPLIT_BACKWARD`): F records every
-matmul's input; B is the pullback of a forward whose matmul weights are constants and whose matmul
-outputs carry zero probes, so it computes the input gradients only and the probes' cotangents are
+matmul's input (or B returns it: `pipeline.inputs_at_b`); B is the pullback of a forward whose matmul
+weights are constants and whose matmul outputs carry zero probes, so it computes the input gradients
+only and the probes' cotangents are
 the matmuls' output gradients; W is each matmul's weight GEMM x^T dy from what F and B kept. The
 price is memory: each chunk waiting for its W keeps its matmuls' inputs and output gradients. The
 output gradients take the buffers of the residuals B has consumed where their shapes match

@@ -28,7 +28,8 @@ Bubble ratios (idle time of a stage over its busy time, F = B = W = one unit):
 
 Activations held: a stage holds a micro-batch's activations from its F to its W. 1f1b holds at most
 p - s on stage s, zero_bubble at most p on every stage (1F1B's peak: ZB-H1's "same memory as
-1F1B"; without deferral, `defers_w`, each W right after its B: p - s, one B-to-W record), interleaved_1f1b at
+1F1B"; `defers_w` false, each W right after its B: one B-to-W record, and overlapped 2(p - s) - 1, the
+overlapped 1F1B's), interleaved_1f1b at
 most (p - s - 1) * 2 + (v - 1) * p + 1 chunk activations, each 1/v of a stage's layers: about
 (1 + (p - 1)/(v p)) times 1F1B's, independent of m. `in_flight` counts them from the table.
 """
@@ -273,7 +274,7 @@ def defers_w(latency: int, inputs_at_b: bool) -> bool:
     Deferred, a W fills a tick where 1F1B would idle, but what it reads stays held: under F's records
     (`pipeline.inputs_at_b` false) that is the residuals a stage keeps anyway, from F, and the most held
     at once is stage 0's whichever the order (in one SPMD program every stage's buffers are the largest
-    stage's). Where B hands W the matmuls' inputs and output gradients (`inputs_at_b`: full remat), each
+    stage's). Where B hands W the matmuls' inputs and output gradients (`inputs_at_b`), each
     deferred W holds a record of its own, 1.14 GB a micro-batch at llama3_8b. In the aligned table
     (transfers behind compute) W has ticks of its own, so running each W in the first W tick after its B
     costs only W ticks: compiled for H100s, llama3_8b on stage 4 x fsdp 2, m 8, temporaries 25.04 ->
@@ -322,7 +323,8 @@ def aligned(schedule: str, p: int, m: int, weight_parts: int = 1, latency: int =
     F, a B tick a B and a W tick a W, and every stage works in each (F + B + W a micro-batch, 1F1B's
     F + B). The doubled warm-up is what keeps every stage busy in them (the first backward reaches stage
     s three ticks a hop later than in `simulate`'s table); it holds what the overlapped loop holds anyway,
-    2p - 1 - s micro-batches on stage s. A result reaches its neighbour's next tick of the same kind three
+    2p - 1 - s micro-batches on stage s with ZB-H1's deferred W's, 2(p - s) - 1 without (`defers_w`).
+    A result reaches its neighbour's next tick of the same kind three
     ticks later, so a transfer sent while the next tick computes (`latency` 1) arrives in time: the orders
     are those of latency 1 whatever `latency` is, and `latency` only sets what `check`-style readiness the
     run demands (0 and 1 give the same table)."""

@@ -61,9 +61,10 @@ class SlotPlan:
     # loop step; None: two a tick, the activations one stage on and the gradients one back
     pairs: tuple[tuple[tuple[int, int], ...], ...] | None = None
     chunks: int = 1  # v: chunks a stage
-    # gemms: W's matmul inputs come from B's pullback (`fp8.SPLIT_TAPS`: the forward B rebuilds under full
-    # remat) and stay with the output gradients from B to W in the weight slots; the stash holds the
-    # residuals from F to B only. Otherwise F records them, and each record lives from F to W.
+    # gemms: W's matmul inputs come from B's pullback (`fp8.SPLIT_TAPS`; `pipeline.inputs_at_b`: full
+    # remat, or transfers overlapped) and stay with the output gradients from B to W, in the weight slots
+    # or handed over (`handoff`); the stash holds the residuals from F to B only. Otherwise F records
+    # them, and each record lives from F to W.
     inputs_at_b: bool = False
     # inputs_at_b in an aligned table whose every W runs right after its B (`schedules.defers_w`): a loop
     # step is one round of the table's tick kinds (F, B, W's parts), each tick a switch over the branches
@@ -85,9 +86,9 @@ class SlotPlan:
         """(start, stop, sizes) tick ranges covering the program in order, each run as its own loop: a
         loop step runs len(sizes) ticks, its j-th tick a `lax.switch` over the first sizes[j] branches.
 
-        All of them (BRANCHES) where a stage may run a backward or W, and only those ticks add the
-        gradients (the sums' window, the embedding's scatter); the idle one and the forwards (BACKWARD of
-        them) elsewhere, adding nothing:
+        All of them (BRANCHES) where a stage may run a backward or W, and only those ticks (and, under
+        `handoff`, the B ticks' WEIGHTS) add the gradients (the sums' window, the embedding's scatter); the
+        idle one and the forwards (BACKWARD of them) elsewhere, adding nothing:
         * before the first backward and after the last (a forward warm-up: 405B interleaved in 4 chunks
           on 16 stages, the first 127 of 284 ticks);
         * between, in two ticks a step where every backward and W falls in ticks of one parity, as the
