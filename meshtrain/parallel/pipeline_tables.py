@@ -30,8 +30,8 @@ and written to are fixed by the table, so the loop is one program on every devic
 Zero bubble runs the split backward (`pipeline.SplitStage`, `schedules.SPLIT_BACKWARD`): F records every
 matmul's input (or B returns it: `pipeline.inputs_at_b`); B is the pullback of a forward whose matmul
 weights are constants and whose matmul outputs carry zero probes, so it computes the input gradients
-only and the probes' cotangents are
-the matmuls' output gradients; W is each matmul's weight GEMM x^T dy from what F and B kept. The
+only and the probes' cotangents are the matmuls' output gradients; W is each matmul's weight GEMM
+x^T dy from what F and B kept. The
 price is memory: each chunk waiting for its W keeps its matmuls' inputs and output gradients. The
 output gradients take the buffers of the residuals B has consumed where their shapes match
 (`SlotUnion`: one record a chunk from F to W, its residuals until B, its output gradients after): under
