@@ -56,7 +56,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np  # noqa: E402
 
 from meshtrain import config as config_lib, train_step  # noqa: E402
-from meshtrain.parallel import cost, layout, pipeline  # noqa: E402
+from meshtrain.parallel import cost, layout, pipeline, schedules  # noqa: E402
 from meshtrain.plan import hardware, hlo  # noqa: E402
 from meshtrain.run import Run
 
@@ -145,7 +145,7 @@ def main() -> None:
             measured = 1 - m * slope / t
             costs = modeled_costs(args, m, args.stages, gpu)
             model = cost.step_time(schedule, args.stages, m, pipe.repeats, costs, pipe.weight_parts)
-            vs = model.seconds / cost.step_time("1f1b", args.stages, m, 1, costs).seconds
+            vs = model.seconds / cost.step_time(schedules.BASELINE, args.stages, m, 1, costs).seconds
             results.append({"schedule": schedule, "stages": args.stages, "microbatches": m, "ticks": pipe.ticks,
                             "step_s": t, "bubble_measured": measured, "bubble_formula": pipe.bubble,
                             "temp_bytes": temp, "modeled_units": model.seconds / costs.forward,
@@ -166,7 +166,7 @@ def modeled_costs(args, m: int, p: int, gpu) -> cost.BranchCosts:
     (compiled once per shape: every schedule's row reuses them)."""
     key = (m, p, args.rows, args.seq_len, args.d_model, args.layers, gpu.name, args.compiled)
     if key not in _COSTS:
-        config = make_config(args, "1f1b", m, stages=p)
+        config = make_config(args, schedules.BASELINE, m, stages=p)
         config.model.dtype = "bfloat16"
         sizes = {**{a: 1 for a in config_lib.MESH_AXES}, "stage": p}
         if args.compiled:
@@ -192,7 +192,7 @@ def print_modeled(args, stages: list[int], ms: list[int]) -> None:
     for p in stages:
         for m in ms:
             costs = modeled_costs(args, m, p, gpu)
-            base = cost.step_time("1f1b", p, m, 1, costs).seconds
+            base = cost.step_time(schedules.BASELINE, p, m, 1, costs).seconds
             names = args.schedules.split(",")
             # then the schedules that can send during the next tick (`pipeline.overlap_transfers`), as "+overlap"
             runs = [(n, False) for n in names] + [(n, True) for n in names if n in pipeline.OVERLAPPING]

@@ -69,10 +69,10 @@ def main() -> None:
         args.stages, args.microbatches = 2, "4,8"
     p, rows = args.stages, []
     for name in args.schedules.split(","):
-        v = args.repeats if name == "interleaved_1f1b" else 1
+        v = args.repeats if name in schedules.CHUNKED else 1
         for m in (int(x) for x in args.microbatches.split(",")):
             table = schedules.executed(name, p, m, v)
-            schedules.check(table, p, m, v, split=name == "zero_bubble")
+            schedules.check(table, p, m, v, split=name in schedules.SPLIT_BACKWARD)
             rows.append({"schedule": name, "p": p, "m": m, "v": v, "ticks": len(table),
                          "bubble": schedules.bubble(table), "formula": schedules.formula(name, p, m, v),
                          "in_flight": schedules.in_flight(table)})

@@ -44,6 +44,7 @@ CONTEXT_PARALLEL_IMPLS = ("ring", "ulysses")  # the implementations that split t
 # `pipeline.schedule`'s choices: the names of `parallel.schedules.REGISTRY`, which defines each (the config
 # imports nothing of meshtrain; tests/test_schedules.py checks the two agree)
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble")
+DEFAULT_SCHEDULE = PIPELINE_SCHEDULES[0]  # `pipeline.schedule`'s default
 BALANCE_SCOPES = ("batch", "sequence")
 MATMUL_PRECISIONS = ("bf16", "fp8")  # bf16: matmuls in model.dtype; fp8: e4m3 / e5m2 operands (fp8.py)
 
@@ -249,7 +250,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.checkpoint.trust_unverified = False
 
     c.pipeline = ml_collections.ConfigDict()
-    c.pipeline.schedule = "gpipe"  # gpipe, circular, 1f1b, interleaved_1f1b or zero_bubble (mesh.stage > 1)
+    c.pipeline.schedule = DEFAULT_SCHEDULE  # gpipe, circular, 1f1b, interleaved_1f1b or zero_bubble (mesh.stage > 1)
     c.pipeline.microbatches = 4  # micro-batches each step's batch is cut into on the pipeline
     c.pipeline.repeats = 1  # circular / interleaved_1f1b: layer chunks per stage (virtual stages)
     # zero_bubble's W: "gemms" (the weight GEMMs from each matmul's kept input and

@@ -208,3 +208,23 @@ def test_every_file_is_written_by_rename_or_appended_through_durable():
                 if any(c in mode for c in "wax+") and rel not in WRITES_IN_PLACE:
                     found.append(f"{rel}:{node.lineno} open(..., {mode!r})")
     assert found == [], found
+
+
+def test_schedule_names_appear_only_in_the_registry_and_as_config_values():
+    """One place defines each pipeline schedule (`parallel.schedules.REGISTRY`): outside it and the config's
+    list of choices, the package and the benchmarks name a schedule only as a value of `pipeline.schedule`
+    (a preset's {"pipeline.schedule": ...}), never to decide what a schedule does."""
+    from meshtrain.parallel import schedules
+
+    allowed = {PACKAGE / "parallel" / "schedules.py", PACKAGE / "config.py"}
+    found = []
+    for path in sorted([*PACKAGE.rglob("*.py"), *(ROOT / "bench").rglob("*.py")]):
+        if path in allowed:
+            continue
+        tree = ast.parse(path.read_text())
+        values = {id(v) for node in ast.walk(tree) if isinstance(node, ast.Dict)
+                  for k, v in zip(node.keys, node.values, strict=True)
+                  if isinstance(k, ast.Constant) and k.value == "pipeline.schedule"}
+        found += [f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and node.value in schedules.REGISTRY and id(node) not in values]
+    assert not found, found

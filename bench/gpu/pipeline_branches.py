@@ -35,7 +35,11 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "gpipe", "circular")
+from meshtrain.parallel import schedules  # noqa: E402  (no JAX: the registry is plain Python)
+
+# 1F1B, the baseline, first, then every other registered schedule
+SCHEDULES = (schedules.BASELINE, *(name for name in schedules.SCHEDULES if name != schedules.BASELINE))
+
 # (name, model overrides or a configs/ name, tokens a micro-batch, timed loop iterations, attention.impl, stages
 # (None: --stages))
 SHAPES = (("d512 x 128", {"d_model": 512, "n_layers": 8}, 128, 50, "xla", None),
@@ -64,7 +68,7 @@ def shape_config(model, tokens: int, p: int, m: int, impl: str = "xla"):
     c.model.dtype = "bfloat16"
     c.attention.impl = impl
     c.train.update(batch_size=m, seq_len=tokens)
-    c.pipeline.update(schedule="1f1b", microbatches=m)
+    c.pipeline.update(schedule=schedules.BASELINE, microbatches=m)
     return c
 
 
@@ -81,7 +85,7 @@ def modeled_rows(costs, p: int, m: int, layers: int, config) -> dict[str, float]
     table as the trainer runs it under `config`'s remat and split (W deferred or not)."""
     from meshtrain.parallel import cost, pipeline
 
-    base = cost.step_time("1f1b", p, m, 1, costs).seconds
+    base = cost.step_time(schedules.BASELINE, p, m, 1, costs).seconds
     out = {}
     for name in SCHEDULES:
         for overlap in (False, True) if name in pipeline.OVERLAPPING else (False,):

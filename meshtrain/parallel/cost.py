@@ -9,7 +9,7 @@ nothing hides it). With `pipeline.overlap_transfers` a transfer travels beside t
 compute and a slot lasts the longer of the two. This module prices that execution:
 
     costs = BranchCosts.from_compiler(config, sizes, gpu)     # XLA's cost analysis of each branch
-    modeled = step_time("zero_bubble", p=4, m=16, v=1, costs)  # seconds per step, as executed
+    modeled = step_time(schedule, p=4, m=16, v=1, costs)       # seconds per step, as executed
 
 Branches, per stage and micro-batch (a chunk of 1/v of the stage's layers under interleaving):
 

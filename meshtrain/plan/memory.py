@@ -31,7 +31,7 @@ import ml_collections
 import numpy as np
 
 from meshtrain import mesh as mesh_lib, model
-from meshtrain.config import ModelConfig
+from meshtrain.config import DEFAULT_SCHEDULE, ModelConfig
 from meshtrain.mesh import MESH_ORDER
 from meshtrain.parallel import schedules
 from meshtrain.sharding_rules import Rules
@@ -131,7 +131,7 @@ class Step:
     grad_accum: int
     microbatches: int = 1  # pipeline micro-batches
     pipeline_repeats: int = 1
-    pipeline_schedule: str = "gpipe"
+    pipeline_schedule: str = DEFAULT_SCHEDULE
     split_backward: str = "gemms"  # slot tables' W (`pipeline.split_backward`)
     weight_parts: int = 1  # split W as this many operations (`pipeline.weight_parts`)
     ulysses_degree: int = 0  # `attention.ulysses_degree` (0: all of mesh.sequence)
