@@ -75,11 +75,17 @@ def test_pullback_split_equals_single_device(case):
 
 def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
     """Runs the program on tags instead of arrays: every buffer slot holds the name of the value in
-    it, and each operation checks it reads the value it needs. Returns {(kind, s, j, c): tick}."""
+    it, and each operation checks it reads the value it needs. Returns {(kind, s, j, c): tick}.
+    `SlotPlan.inputs_at_b`: B's record (matmul inputs and output gradients) in a weight slot until W, or
+    under `SlotPlan.handoff` in no slot: W's parts then run in B's loop step (one round of tick kinds)."""
     f = {name: i for i, name in enumerate(FIELDS)}
     stash = [[None] * (plan.stash_slots) for _ in range(p)]  # vjp residuals, F to B (gemms: then dy, B to W)
     weight = [[None] * (plan.weight_slots) for _ in range(p)]  # gemms: matmul inputs (F to W); pullback: dy
-    gemms, pullback = plan.gemms, plan.split and not plan.gemms  # pullback: the stage's dy (B to W)
+    pullback = plan.split and not plan.gemms  # pullback: the stage's dy (B to W)
+    at_b = plan.gemms and plan.inputs_at_b  # B's record, B to W
+    gemms = plan.gemms and not at_b  # F's record, F to W
+    step = 2 + plan.weight_parts  # ticks of a loop step under the handoff
+    handed = [None] * p  # handoff: the record B's switch returned this loop step
     parts_run = {}  # (s, j, c) -> W parts run so far
     inbox_f = [[None] * (plan.inbox_f_slots + 1) for _ in range(p)]
     inbox_b = [[None] * (plan.inbox_b_slots + 1) for _ in range(p)]
@@ -111,15 +117,19 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
                 if gemms:  # the output gradients go over the residuals, in the micro-batch's record
                     assert slot == wslot and weight[s][wslot] == ("inputs", s, j, c), (t, s)
                     stash[s][slot] = ("dy", s, j, c)
-                if pullback:
+                if pullback or at_b and not plan.handoff:
                     assert weight[s][wslot] is None, f"tick {t} stage {s}: weight slot {wslot} still in use"
                     weight[s][wslot] = ("inputs and dy", s, j, c)
+                if plan.handoff:
+                    handed[s] = ("inputs and dy", s, j, c, t // step)
                 if branch == slot_program.BACKWARD:
                     sent_b[s] = ("grad", (s - 1) % p, j, c - (s == 0))
                 ran["B", s, j, c] = t
             elif branch == slot_program.WEIGHTS:
                 if gemms:
                     assert weight[s][wslot] == ("inputs", s, j, c) and stash[s][wslot] == ("dy", s, j, c), (t, s)
+                elif plan.handoff:  # in B's loop step, after it
+                    assert handed[s] == ("inputs and dy", s, j, c, t // step), (t, s, handed[s])
                 else:
                     assert weight[s][wslot] == ("inputs and dy", s, j, c), (t, s)
                 part = parts_run.get((s, j, c), 0)
@@ -128,7 +138,8 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
                 if part + 1 < plan.weight_parts:  # the last part frees what W reads
                     _check_puts(plan, t, s, branch, stash[s], weight[s], gemms, pullback)
                     continue
-                weight[s][wslot] = None
+                if not plan.handoff:
+                    weight[s][wslot] = None
                 if gemms:
                     stash[s][wslot] = None
                 if pullback:
@@ -158,10 +169,12 @@ def _check_puts(plan: SlotPlan, t: int, s: int, branch: int, stash: list, weight
     slot's own value back (`keep_*`)."""
     forward = branch in (slot_program.FORWARD, slot_program.FORWARD_FIRST, slot_program.FORWARD_LAST)
     backward = branch in (slot_program.BACKWARD, slot_program.BACKWARD_FIRST)
-    # gemms: the record (residuals, then dy) in "stash", the inputs in "inputs"; pullback: dy in "g"
-    fills = {"stash": forward or gemms and backward, "inputs": forward, "g": backward}
+    # gemms: the record (residuals, then dy) in "stash", the inputs in "inputs"; pullback: dy in "g";
+    # inputs_at_b: B's inputs and dy in "inputs" (not carried under the handoff)
+    at_b = plan.gemms and plan.inputs_at_b
+    fills = {"stash": forward or gemms and backward, "inputs": backward if at_b else forward, "g": backward}
     for name in ("stash", "inputs", "g"):
-        if name == "inputs" and not gemms or name == "g" and not pullback:
+        if name == "inputs" and not (gemms or at_b and not plan.handoff) or name == "g" and not pullback:
             continue
         k, keep = row_slot(plan, t, s, f"put_{name}"), row_slot(plan, t, s, f"keep_{name}")
         if fills[name]:
@@ -177,24 +190,28 @@ def row_slot(plan: SlotPlan, t: int, s: int, name: str) -> int:
 
 # zero bubble's splits; interleaved 1F1B's backward is one operation (alternating ticks)
 SPLITS = {"zero_bubble": (("gemms", 1), ("gemms", 3), ("pullback", 1)), "interleaved_1f1b": (("gemms", 1),)}
-PROGRAMS = [(schedule, *split, latency) for schedule in SCHEDULES for split in SPLITS[schedule]
+PROGRAMS = [(schedule, *split, latency, False) for schedule in SCHEDULES for split in SPLITS[schedule]
             for latency in ((0, 1) if schedule in pipeline_lib.OVERLAPPING and split[0] == "gemms" else (0,))]
+# W's inputs from B (`pipeline.inputs_at_b`): in weight slots (plain: deferred W's), or handed over
+PROGRAMS += [("zero_bubble", "gemms", parts, latency, True) for parts in (1, 3) for latency in (0, 1)]
 
 
-@pytest.mark.parametrize("schedule, split_backward, parts, latency", PROGRAMS)
+@pytest.mark.parametrize("schedule, split_backward, parts, latency, inputs_at_b", PROGRAMS)
 @pytest.mark.parametrize("p", [2, 4, 8])
-def test_program_hands_every_operation_its_inputs(schedule, p, split_backward, parts, latency):
+def test_program_hands_every_operation_its_inputs(schedule, p, split_backward, parts, latency, inputs_at_b):
     """Every F and B of every micro-batch and chunk runs once, on the table's tick, reading the
     activation / gradient it needs from the slot the program names, never overwriting a value still
     waiting; every W runs once (its parts in order, the last freeing what they read). Buffer sizes
     do not grow with m. Latency 1 (`pipeline.overlap_transfers`): what a tick sends
-    lands at the end of the next tick, and nothing reads it before."""
+    lands at the end of the next tick, and nothing reads it before. W's inputs from B with latency 1:
+    the handoff, each W's parts in its B's loop step."""
     v = 2 if schedule == "interleaved_1f1b" else 1
     sizes = {}
     for m in (p, 2 * p, 4 * p):
-        plan = slot_plan(schedule, p, m, v, split_backward, parts, latency)
+        plan = slot_plan(schedule, p, m, v, split_backward, parts, latency, inputs_at_b)
+        assert plan.handoff == (inputs_at_b and latency == 1)
         ran = _replay(plan, p, m, v)
-        table = schedules.executed(schedule, p, m, v, parts, latency)
+        table = schedules.executed(schedule, p, m, v, parts, latency, schedules.defers_w(latency, inputs_at_b))
         schedules.check(table, p, m, v, plan.split, latency)
         kinds = "FBW" if plan.split else "FB"
         want = {(op.kind, s, op.micro, op.chunk): t for t, row in enumerate(table) for s, op in enumerate(row)

@@ -179,9 +179,10 @@ class Pipeline:
     @property
     def ticks(self) -> int:
         """Trip count of the tick loop (a slot table: one F, B or W per stage per tick; 1F1B with transfers
-        behind compute and interleaved 1F1B alternate ticks of forwards and of backwards)."""
+        behind compute and interleaved 1F1B alternate ticks of forwards and of backwards; under
+        `SlotPlan.handoff` the table padded with idle ticks to whole rounds of its tick kinds)."""
         if self.schedule in TABLE_SCHEDULES:
-            return len(self._table)
+            return self.plan.ticks
         return self.repeats * self.microbatches + self.stages - 1
 
     @property

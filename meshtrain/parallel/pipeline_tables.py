@@ -521,11 +521,13 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     # model and the collective counts price a switch from the rows of its size (`slot_program.segment_rows`).
     # The head's (and an embedding's) float32 sums ride through a switch only where a branch adds to them:
     # a branch passing them through copies them (405B in 8 chunks a stage: 2.1 GB a tick).
+    # The embedding's sums (`add_embedding_grads`) take a scatter only after a switch that can run stage 0's
+    # first backward (under `SlotPlan.handoff` not the W ticks').
     adds_outer = {FORWARD_LAST} | (set() if work.embedding_outside else {BACKWARD_FIRST})
     switches = {}
     for size, rows in slot_program.segment_rows(plan).items():
         used = {int(b) for b in np.unique(rows)}
-        switches[size] = (work.branches(used)[:size], not used & adds_outer)
+        switches[size] = (work.branches(used)[:size], not used & adds_outer, BACKWARD_FIRST in used)
     forward_pairs, backward_pairs = _ring(p, 1, plan.wraps), _ring(p, -1, plan.wraps)
     field = {name: i for i, name in enumerate(FIELDS)}
     keeps = {name: bool(plan.program[:, :, field["keep_" + PUT_FIELD[name]]].any()) for name in PUT_FIELD}
@@ -544,7 +546,7 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     def tick(carry, program, parity, size, handed):
         c, buffers, inbox_f, inbox_b, embedded, sent = carry
         grads = size > BACKWARD  # a backward or W may run: the gradients are added
-        branches, outer = switches[size]
+        branches, outer, embeds = switches[size]
         g_outer = c.pop("g_outer") if outer else None
         if plan.latency:  # last tick's outputs, in flight while this tick's operation runs (two a tick)
             arriving = send(sent, None, None)
@@ -567,7 +569,7 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
             c = {**c, "g_outer": g_outer}
         if work.sums_outside:  # outside the backward's loop g_w is zeros, neither read nor computed
             c = {**c, "g_layers": _add_chunk(sums, g_w, row[field["chunk"]]) if grads else sums}
-        if work.embedding_outside and grads:
+        if work.embedding_outside and embeds:
             embedded = work.add_embedding_grads(embedded, dx, row[field["micro"]], branch == BACKWARD_FIRST)
         for name, buf in buffers.items():
             slot, value = row[field["put_" + PUT_FIELD[name]]], put[name]
