@@ -395,14 +395,6 @@ def _table_rows(schedule: str, p: int, m: int, v: int, weight_parts: int,
     return tuple(collections.Counter(frozenset(op.kind for op in row if op is not None) for row in table).items())
 
 
-def table(p: int, m: int, v: int, costs: BranchCosts, names=SCHEDULES, weight_parts: int = 1,
-          overlap: bool = False) -> list[Execution]:
-    """Each schedule's modeled step; `overlap` applies to those that can (`pipeline.OVERLAPPING`)."""
-    from meshtrain.parallel.pipeline import OVERLAPPING
-
-    return [step_time(name, p, m, v, costs, weight_parts, overlap and name in OVERLAPPING) for name in names]
-
-
 def weight_parts(costs: BranchCosts, units: int) -> int:
     """The W parts that balance a split schedule's ticks: W cut into the divisor of the chunk's `units`
     scanned units nearest W's cost over the longer of F and B (1 when W is no longer than them)."""

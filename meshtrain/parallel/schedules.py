@@ -455,9 +455,11 @@ def in_flight(table: list[list[Op | None]]) -> list[int]:
     return peak
 
 
-def summary(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1, latency: int = 0) -> str:
-    """One line for the run's start: ticks, bubble, in-flight activations per stage (the executed table)."""
-    table = executed(schedule, p, m, v, weight_parts, latency)
+def summary(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1, latency: int = 0,
+            defer_w: bool = True) -> str:
+    """One line for a drawn table: ticks, bubble, in-flight activations per stage (the executed table;
+    `defer_w`: `defers_w`)."""
+    table = executed(schedule, p, m, v, weight_parts, latency, defer_w)
     return (f"{schedule}: p={p} m={m}" + (f" v={v}" if REGISTRY[schedule].chunked else "")
             + (f" W in {weight_parts} parts" if weight_parts > 1 else "")
             + f", {len(table)} ticks, bubble {bubble(table):.3f} of busy time, "
