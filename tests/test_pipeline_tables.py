@@ -65,6 +65,51 @@ def test_overlapped_transfers_equal_single_device(case):
                                             **{"pipeline.overlap_transfers": True}))
 
 
+# remat `none`: a stage keeps every value its backward reads but dtype and layout copies (`model.copies_not_kept`)
+NONE = [("zero_bubble", {"stage": 4, "fsdp": 2}, 3, False),
+        ("zero_bubble", {"stage": 2, "data": 2, "tensor": 2}, 1, True),
+        ("interleaved_1f1b", {"stage": 4, "data": 2}, 1, False)]
+
+
+@pytest.mark.parametrize("case", NONE, ids=[_id(c[:3]) + ("-overlap" if c[3] else "") for c in NONE])
+def test_remat_none_equals_single_device(case):
+    """Remat `none` on the slot tables (fused and split backward, W's inputs from F and from B): loss and
+    gradients those of one device, with the weights' compute-dtype copies made again in the backward."""
+    schedule, mesh, zero, overlap = case
+    _assert_equal_single_device(*_pipelined(schedule, tuple(mesh.items()), zero=zero,
+                                            **{"remat.policy": "none", "pipeline.overlap_transfers": overlap}))
+
+
+@pytest.mark.parametrize("branch", ["forward", "split_forward"])
+def test_remat_none_stashes_no_copy_of_the_weights(branch):
+    """What a stage's forward keeps for its backward under remat `none` (a stash slot's residuals,
+    `cost.stage_branches`): no residual is a function of the weights alone (their compute-dtype copies,
+    the gate and up weights joined), each is held a micro-batch in flight; every one that changes with the
+    weights also changes with the input. Under `none` without `model.copies_not_kept` the joined and cast
+    weights are among them."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from meshtrain.parallel import cost
+
+    config = _config("1f1b", {"stage": 2}, **{"remat.policy": "none", "model.dtype": "bfloat16"})
+    sizes = {**{a: 1 for a in config_lib.MESH_AXES}, "stage": 2}
+    mesh, branches, _ = cost.stage_branches(config, sizes, jax.devices()[0])
+    fn, (w, x, pos) = branches[branch]
+    keys = iter(jax.random.split(jax.random.key(0), 64))
+
+    def filled(tree):
+        return jax.tree.map(lambda a: jax.random.normal(next(keys), a.shape, jnp.float32).astype(a.dtype), tree)
+    w0, w1, x0, x1 = filled(w), filled(w), filled(x), filled(x)
+    positions = jnp.broadcast_to(jnp.arange(pos.shape[1], dtype=jnp.int32), pos.shape)
+    with jax.set_mesh(mesh):
+        kept = [jax.tree.leaves(jax.jit(fn)(wi, xi, positions)[1]) for wi, xi in ((w0, x0), (w1, x0), (w0, x1))]
+    weights_only = [a.shape for a, by_w, by_x in zip(*kept, strict=True)
+                    if not np.array_equal(a, by_w) and np.array_equal(a, by_x)]
+    assert len(kept[0]) > 4 and not weights_only, weights_only
+
+
 @pytest.mark.parametrize("case", PULLBACK, ids=[_id(c) for c in PULLBACK])
 def test_pullback_split_equals_single_device(case):
     """`pipeline.split_backward=pullback`: W runs the stage's pullback again from the residuals."""

@@ -323,10 +323,10 @@ def stage_function(cfg, rules, attention_fn, counts: tuple[tuple[int, ...], ...]
     chunk r (the chunk index, traced or not; 0 with one chunk a stage); the rest are empty slots, skipped
     by a `lax.cond` (no compute; their stored weights are zeros and get zero gradients). Called inside
     the loop's `shard_map`, where `lax.axis_index('stage')` is the stage."""
-    # Under remat `none` the block is wrapped in a remat that saves everything (`_stage_block`): nothing is
-    # recomputed and the memory is that of no remat. Without one, jax 0.10's transpose of the layer scan
-    # inside the slot tables' `jax.vjp` types an MoE layer's router-statistic cotangent as
-    # varying over the batch axes and tracing fails.
+    # Under remat `none` the block is a remat too (`_stage_block`, keeping all but dtype and layout copies:
+    # `model.copies_not_kept`): kept, the weights' compute-dtype copies would be held a micro-batch in
+    # flight. Without one, jax 0.10's transpose of the layer scan inside the slot tables' `jax.vjp` also
+    # types an MoE layer's router-statistic cotangent as varying over the batch axes and tracing fails.
     block = _stage_block(cfg, rules, attention_fn)
 
     def stack(chunk, x, positions, segment_ids, index=0):
@@ -354,7 +354,7 @@ def skipping(layer, counts: tuple[tuple[int, ...], ...], cfg, chunk=0):
     cond returns every residual of its branch as an output, the unit's weights among them (a copy of
     the stage's weights per micro-batch in flight); under the checkpoint the weights stay inputs and
     the residuals are what the policy saves, as without the cond."""
-    policy = model_lib.REMAT_POLICIES.get(cfg.remat_policy, jax.checkpoint_policies.everything_saveable)
+    policy = model_lib.REMAT_POLICIES.get(cfg.remat_policy, _none_policy(cfg))
 
     def body(x, scanned):
         variables, j = scanned
@@ -372,12 +372,21 @@ def skipping(layer, counts: tuple[tuple[int, ...], ...], cfg, chunk=0):
     return body
 
 
+def _none_policy(cfg):
+    """A stage's remat policy under `none`: `model.copies_not_kept`. An MoE layer keeps all but its FP8
+    operands (`model.fp8_operands_not_kept`): there the copies' policy keeps the dispatch's padding mask as
+    a bool in the slot's forward but as its float32 broadcasts where the stash's structure is traced
+    (`Residuals.structure`), and the two must agree."""
+    return model_lib.fp8_operands_not_kept if cfg.num_experts else model_lib.copies_not_kept
+
+
 def _stage_block(cfg, rules, attention_fn):
-    """The stage's scanned unit (the model's block with its remat policy), unbound."""
-    block_class = model_lib.remat_block(cfg)
+    """The stage's scanned unit (the model's block with its remat policy; under `none`, remat keeping all
+    but dtype and layout copies: `model.copies_not_kept`), unbound."""
     if cfg.remat_policy == "none":
-        block_class = nn.remat(model_lib.scan_unit(cfg)[0], policy=jax.checkpoint_policies.everything_saveable,
-                               prevent_cse=False)
+        block_class = nn.remat(model_lib.scan_unit(cfg)[0], policy=_none_policy(cfg), prevent_cse=False)
+    else:
+        block_class = model_lib.remat_block(cfg)
     return block_class(cfg, rules, attention_fn, parent=None)
 
 
