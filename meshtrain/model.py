@@ -70,8 +70,7 @@ _COPIES = ("convert_element_type", "reshape", "concatenate", "stop_gradient")
 def copies_not_kept(prim, *avals, **params) -> bool:
     """A pipeline stage's policy under remat `none` (`parallel.pipeline`): every value the backward reads
     is kept but a dtype or layout copy (a cast, a reshape, a broadcast that only adds unit dimensions, a
-    concatenation), which the backward makes again from what it keeps. FP8 operands are made again too:
-    kept, they turned a step's loss into NaN on XLA:CPU (tests/test_fp8.py, 1F1B under `none`).
+    concatenation), which the backward makes again from what it keeps.
 
     Kept, the copies include the layer's weights in the compute dtype and the gate and up weights joined
     (`column_parallel_joined`): a copy of the stage's weights a micro-batch in flight. llama3_8b, stage 4 x
@@ -83,12 +82,6 @@ def copies_not_kept(prim, *avals, **params) -> bool:
     if prim.name == "broadcast_in_dim":  # a norm's scale made [1, 1, D] (a mask's broadcast is kept)
         return math.prod(params["shape"]) != math.prod(avals[0].shape)
     return prim.name not in _COPIES
-
-
-def fp8_operands_not_kept(prim, *_, **params) -> bool:
-    """An MoE pipeline stage's policy under remat `none` (`parallel.pipeline`): everything kept but the FP8
-    operands (as `copies_not_kept`)."""
-    return not (prim.name == "convert_element_type" and jnp.dtype(params["new_dtype"]).itemsize == 1)
 
 
 REMAT_POLICIES = {

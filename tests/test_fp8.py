@@ -272,10 +272,9 @@ PIPELINES = [  # the stage loop under autodiff (laps, bubble ticks, layers store
     # 1F1B's own loop, and the slot tables (B and W apart), beside data, fsdp (ZeRO-3), tensor and expert
     ("tiny", {"stage": 2, "fsdp": 2, "tensor": 2},
      {"pipeline.schedule": "circular", "pipeline.repeats": 2, "train.zero_stage": 3, **KERNELS}),
-    ("tiny", {"stage": 2, "data": 2, "fsdp": 2},  # remat none: the stage keeps its FP8 operands
-     {"pipeline.schedule": "1f1b", "remat.policy": "none"}),
-    ("tiny_moe", {"stage": 2, "expert": 2, "data": 2},  # under `none` too: the FP8 operands made again
-     {"pipeline.schedule": "zero_bubble", "model.moe_balance_scope": "sequence", "remat.policy": "none"}),
+    ("tiny", {"stage": 2, "data": 2, "fsdp": 2}, {"pipeline.schedule": "1f1b"}),
+    ("tiny_moe", {"stage": 2, "expert": 2, "data": 2},
+     {"pipeline.schedule": "zero_bubble", "model.moe_balance_scope": "sequence"}),
     # transfers overlapped: W's inputs from B through the FP8 taps, B's record handed to W in the loop step
     ("tiny", {"stage": 2, "data": 2, "tensor": 2},
      {"pipeline.schedule": "zero_bubble", "pipeline.overlap_transfers": True}),

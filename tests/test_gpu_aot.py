@@ -269,7 +269,8 @@ def test_llama3_8b_kernels_are_triton_calls():
 
 # FP8 on H100: the meshes of the FP8 equivalence tests' kinds (GSPMD fsdp, data-parallel accumulation
 # region, expert parallelism, 1F1B's loop) and llama3_8b's real widths. Remat `none` (`selective` for
-# the 8B: both save the matmul outputs), so each forward GEMM runs once.
+# the 8B and the pipeline, which refuses FP8 under `none`: both save the matmul outputs), so each forward
+# GEMM runs once.
 FP8_MESHES = {
     # the tiny models with cuDNN's attention, as the 8B runs it by default (auto at head_dim 128)
     "tiny-fsdp8": ("tiny", {"mesh.fsdp": 8, "remat.policy": "none", "attention.impl": "cudnn"}),
@@ -277,7 +278,7 @@ FP8_MESHES = {
     # 6 -> 7 all-reduces); the expert-split mesh is the one kept, for the set's time
     "tiny_moe-expert2": ("tiny_moe", {"mesh.data": 4, "mesh.expert": 2, "remat.policy": "none",
                                       "attention.impl": "cudnn"}),
-    "tiny-1f1b": ("tiny", {"mesh.data": 4, "mesh.stage": 2, "pipeline.schedule": "1f1b", "remat.policy": "none",
+    "tiny-1f1b": ("tiny", {"mesh.data": 4, "mesh.stage": 2, "pipeline.schedule": "1f1b", "remat.policy": "selective",
                            "model.n_layers": 2, "attention.impl": "cudnn"}),  # a layer a stage: 3/5 the compile
     "llama3_8b-2layers": ("llama3_8b", {"mesh.fsdp": 8, "train.batch_size": 8, "model.n_layers": 2,
                                         "remat.policy": "selective"}),

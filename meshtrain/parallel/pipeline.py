@@ -373,11 +373,11 @@ def skipping(layer, counts: tuple[tuple[int, ...], ...], cfg, chunk=0):
 
 
 def _none_policy(cfg):
-    """A stage's remat policy under `none`: `model.copies_not_kept`. An MoE layer keeps all but its FP8
-    operands (`model.fp8_operands_not_kept`): there the copies' policy keeps the dispatch's padding mask as
-    a bool in the slot's forward but as its float32 broadcasts where the stash's structure is traced
-    (`Residuals.structure`), and the two must agree."""
-    return model_lib.fp8_operands_not_kept if cfg.num_experts else model_lib.copies_not_kept
+    """A stage's remat policy under `none`: `model.copies_not_kept`. An MoE layer keeps everything: there the
+    copies' policy keeps the dispatch's padding mask as a bool in the slot's forward but as its float32
+    broadcasts where the stash's structure is traced (`Residuals.structure`), and the two must agree. (FP8
+    is refused under `none`: `validate_config`.)"""
+    return jax.checkpoint_policies.everything_saveable if cfg.num_experts else model_lib.copies_not_kept
 
 
 def _stage_block(cfg, rules, attention_fn):
@@ -724,6 +724,13 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     req(bool(given) or n_layers // unit >= p, "model.n_layers", n_layers,
         f"its {n_layers // unit} scanned units of {unit} layer(s) are fewer than mesh.stage={p}: every stage "
         "needs one (or give pipeline.layers_per_stage with empty stages)")
+    # A stage's remat that keeps the FP8 operands for the backward (everything but copies) makes JAX's
+    # partial evaluation of it compute the step's loss as NaN (a `reduce_precision` to e4m3 of an unclipped
+    # value, `fp8.scaled_dot` under `jax.checkpoint(..., policy=everything_saveable)`); one that makes them
+    # again keeps float32 copies of the weights instead, one a micro-batch in flight
+    req(not (config.model.matmul_precision == "fp8" and config.remat.policy == "none"), "remat.policy", "none",
+        "FP8 matmuls in a pipeline need a policy that recomputes their FP8 operands: 'selective', 'attention' "
+        "or 'full' (under 'none' the stage keeping them computes the loss as NaN)")
     units = stage_layers(n_layers // unit, p, tuple(n // unit for n in given), v if chunked else 1)
     if len(set(units)) > 1:
         chunk_units = max(units)
