@@ -194,8 +194,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.attention.ulysses_degree = 0
 
     c.remat = ml_collections.ConfigDict()
-    # recomputation in the backward: none (a pipeline stage still remakes its dtype and layout copies, its
-    # weights' bf16 copies among them), selective (keep matmul outputs), attention (keep q, k, v, the
+    # recomputation in the backward: none (a dense pipeline stage still remakes its dtype and layout copies,
+    # its weights' bf16 copies among them), selective (keep matmul outputs), attention (keep q, k, v, the
     # attention's output and the mid-layer residual: rebuild the MLP's gate + up), full, offload (to host memory)
     c.remat.policy = "selective"
 

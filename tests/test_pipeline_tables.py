@@ -66,18 +66,20 @@ def test_overlapped_transfers_equal_single_device(case):
 
 
 # remat `none`: a stage keeps every value its backward reads but dtype and layout copies (`model.copies_not_kept`)
-NONE = [("zero_bubble", {"stage": 4, "fsdp": 2}, 3, False),
-        ("zero_bubble", {"stage": 2, "data": 2, "tensor": 2}, 1, True),
-        ("interleaved_1f1b", {"stage": 4, "data": 2}, 1, False)]
+NONE = [("zero_bubble", {"stage": 4, "fsdp": 2}, 3, {}),
+        ("zero_bubble", {"stage": 2, "data": 2, "tensor": 2}, 1, {"pipeline.overlap_transfers": True}),
+        ("interleaved_1f1b", {"stage": 4, "data": 2}, 1, {}),
+        ("gpipe", {"stage": 4, "data": 2}, 1, {})]  # ring attention in the slots: tests/utils.COMPOSED_RIDERS
 
 
-@pytest.mark.parametrize("case", NONE, ids=[_id(c[:3]) + ("-overlap" if c[3] else "") for c in NONE])
+@pytest.mark.parametrize("case", NONE, ids=[_id(c[:3]) + "".join(f"-{v}" for v in c[3].values()) for c in NONE])
 def test_remat_none_equals_single_device(case):
-    """Remat `none` on the slot tables (fused and split backward, W's inputs from F and from B): loss and
-    gradients those of one device, with the weights' compute-dtype copies made again in the backward."""
-    schedule, mesh, zero, overlap = case
+    """Remat `none` on the slot tables (fused and split backward, W's inputs from F and from B) and in the
+    autodiff loop: loss and gradients those of one device, with the stages' dtype and layout copies made
+    again in the backward (`model.copies_not_kept`)."""
+    schedule, mesh, zero, overrides = case
     _assert_equal_single_device(*_pipelined(schedule, tuple(mesh.items()), zero=zero,
-                                            **{"remat.policy": "none", "pipeline.overlap_transfers": overlap}))
+                                            **{"remat.policy": "none", **overrides}))
 
 
 @pytest.mark.parametrize("branch", ["forward", "split_forward"])

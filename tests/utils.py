@@ -112,7 +112,9 @@ def composed_config(mesh: dict):
 
 # Features that ride along on one three-axis mesh each (tests/test_compose.py, test_default_dtype.py):
 # they change memory, never values, so the mesh still trains to the data=8 run's numbers.
-COMPOSED_RIDERS = {("data", "expert", "stage"): {"remat.policy": "none"}}
+# (Remat `none` on the pipelined ones: an MoE stage keeps everything, a dense one makes its copies again.)
+COMPOSED_RIDERS = {("data", "expert", "stage"): {"remat.policy": "none"},
+                   ("data", "sequence", "stage"): {"remat.policy": "none"}}
 
 
 def devices_for(config) -> list:

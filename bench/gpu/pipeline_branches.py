@@ -37,8 +37,9 @@ sys.path.insert(0, str(ROOT))
 
 from meshtrain.parallel import schedules  # noqa: E402  (no JAX: the registry is plain Python)
 
-# 1F1B, the baseline, first, then every other registered schedule
-SCHEDULES = (schedules.BASELINE, *(name for name in schedules.SCHEDULES if name != schedules.BASELINE))
+# 1F1B, the baseline, first, then every other registered schedule (circular too: the registry's, not
+# `schedules.SCHEDULES`, which holds those with stage orders)
+SCHEDULES = (schedules.BASELINE, *(name for name in schedules.REGISTRY if name != schedules.BASELINE))
 
 # (name, model overrides or a configs/ name, tokens a micro-batch, timed loop iterations, attention.impl, stages
 # (None: --stages))

@@ -96,10 +96,11 @@ def inputs_at_b(split_backward: str, remat_policy: str, overlap: bool) -> bool:
     * with transfers behind compute, under every policy: there each W runs right after its B
       (`schedules.defers_w`) and B's switch hands it the record in the same loop step
       (`slot_program.SlotPlan.handoff`), so a record is held only between them. Compiled for H100s,
-      llama3_8b on stage 4 x fsdp 2, m 8, zero bubble's temporaries against 1F1B's: none 34.71 / 35.03
+      llama3_8b on stage 4 x fsdp 2, m 8, zero bubble's temporaries against 1F1B's: none 31.43 / 31.84
       GiB, selective 24.85 / 24.95, attention 22.49 / 22.46, full 20.48 / 20.20 (docs/pipeline.md).
     Without overlap under the other policies, F's residuals hold the inputs anyway and W's deferred past
-    later B's would each hold a record more (llama3_8b, remat none, plain: 33.15 GiB from F, 36.38 from B)."""
+    later B's would each hold a record more (llama3_8b, remat none, plain, measured while a stage under
+    `none` still kept its weights' bf16 copies: 33.15 GiB from F, 36.38 from B)."""
     return split_backward == "gemms" and (remat_policy == "full" or overlap)
 
 
@@ -181,8 +182,8 @@ class Pipeline:
         """Trip count of the tick loop (a slot table: one F, B or W per stage per tick; 1F1B with transfers
         behind compute and interleaved 1F1B alternate ticks of forwards and of backwards; under
         `SlotPlan.handoff` the table padded with idle ticks to whole rounds of its tick kinds)."""
-        if self.schedule in TABLE_SCHEDULES:
-            return self.plan.ticks
+        if self.schedule in TABLE_SCHEDULES:  # the slot program only where it may pad (the planner asks often)
+            return self.plan.ticks if self.overlap and self.inputs_at_b else len(self._table)
         return self.repeats * self.microbatches + self.stages - 1
 
     @property
@@ -729,8 +730,8 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     # value, `fp8.scaled_dot` under `jax.checkpoint(..., policy=everything_saveable)`); one that makes them
     # again keeps float32 copies of the weights instead, one a micro-batch in flight
     req(not (config.model.matmul_precision == "fp8" and config.remat.policy == "none"), "remat.policy", "none",
-        "FP8 matmuls in a pipeline need a policy that recomputes their FP8 operands: 'selective', 'attention' "
-        "or 'full' (under 'none' the stage keeping them computes the loss as NaN)")
+        "FP8 matmuls in a pipeline need a policy that recomputes their FP8 operands: 'selective', 'attention', "
+        "'full' or 'offload' (under 'none' the stage keeping them computes the loss as NaN)")
     units = stage_layers(n_layers // unit, p, tuple(n // unit for n in given), v if chunked else 1)
     if len(set(units)) > 1:
         chunk_units = max(units)

@@ -516,7 +516,8 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     layers = vary(layers, rest)
     work = _TableWork(stack, model, layers, outer, micro, total_tokens, p=p, m=m, v=v, manual=axes, units=units,
                       plan=plan, counts=counts)
-    # {switch size: (its branches, whether the outer sums stay out of it)}. Every switch of a size has the
+    # {switch size: (its branches, whether the outer sums stay out of it, whether it can run stage 0's first
+    # backward: the embedding's scatter follows it)}. Every switch of a size has the
     # same branches, those its rows take somewhere (the others idle: `_TableWork.branches`), as the kernel
     # model and the collective counts price a switch from the rows of its size (`slot_program.segment_rows`).
     # The head's (and an embedding's) float32 sums ride through a switch only where a branch adds to them:

@@ -87,7 +87,8 @@ class SlotPlan:
         loop step runs len(sizes) ticks, its j-th tick a `lax.switch` over the first sizes[j] branches.
 
         All of them (BRANCHES) where a stage may run a backward or W, and only those ticks (and, under
-        `handoff`, the B ticks' WEIGHTS) add the gradients (the sums' window, the embedding's scatter); the
+        `handoff`, the B ticks' WEIGHTS) add the gradients (the sums' window; the embedding's scatter only
+        after a switch that can run stage 0's first backward: `pipeline_tables._table_loop`); the
         idle one and the forwards (BACKWARD of them) elsewhere, adding nothing:
         * before the first backward and after the last (a forward warm-up: 405B interleaved in 4 chunks
           on 16 stages, the first 127 of 284 ticks);
