@@ -144,7 +144,8 @@ def main() -> None:
         for m, pipe, t, temp in rows:
             measured = 1 - m * slope / t
             costs = modeled_costs(args, m, args.stages, gpu)
-            model = cost.step_time(schedule, args.stages, m, pipe.repeats, costs, pipe.weight_parts)
+            model = cost.step_time(schedule, args.stages, m, pipe.repeats, costs, pipe.weight_parts,
+                                   defer_w=pipe.defers_w, span=pipe.span)
             vs = model.seconds / cost.step_time(schedules.BASELINE, args.stages, m, 1, costs).seconds
             results.append({"schedule": schedule, "stages": args.stages, "microbatches": m, "ticks": pipe.ticks,
                             "step_s": t, "bubble_measured": measured, "bubble_formula": pipe.bubble,
@@ -198,20 +199,25 @@ def print_modeled(args, stages: list[int], ms: list[int]) -> None:
             runs = [(n, False) for n in names] + [(n, True) for n in names if n in pipeline.OVERLAPPING]
             for schedule, overlap in runs:
                 v = 2 if schedule in pipeline.CHUNKED_SCHEDULES else 1
-                parts = cost.weight_parts(costs, args.layers // (p * v)) if schedule in pipeline.SPLIT_BACKWARD else 1
                 c = make_config(args, schedule, m, stages=p)  # the table the trainer runs (W deferred or not)
+                split, policy = c.pipeline.split_backward, c.remat.policy
+                span = pipeline.w_span(schedule, split, policy, overlap, c.pipeline.weight_span)
+                parts = (cost.weight_parts(costs, args.layers // (p * v), span)
+                         if schedule in pipeline.SPLIT_BACKWARD else 1)
                 e = cost.step_time(schedule, p, m, 2, costs, parts, overlap=overlap,
-                                   defer_w=pipeline.defers_w(c.pipeline.split_backward, c.remat.policy, overlap))
+                                   defer_w=pipeline.defers_w(split, policy, overlap), span=span)
                 name = schedule + ("+overlap" if overlap else "")
                 rows.append({"stages": p, "microbatches": m, "schedule": name, "weight_parts": parts,
+                             "weight_span": span,
                              "ticks": e.ticks, "seconds": e.seconds, "units": e.seconds / costs.forward,
                              "vs_1f1b": e.seconds / base, "busy": e.efficiency})
                 print(f"{p:2d} {m:3d} {name:24} {parts:7d} {e.ticks:5d} {e.seconds * 1e3:8.3f} "
                       f"{e.seconds / costs.forward:7.1f} {e.seconds / base:8.3f} {e.efficiency:6.1%}")
     units = costs.units()
     print(f"branch costs (units of F): fused backward {units.backward:.2f}, split forward {units.forward_split:.2f}, "
-          f"input gradient {units.input_grad:.2f}, weight gradient {units.weight_grad:.2f}, "
-          f"transfer {units.transfer:.3f}")
+          f"input gradient {units.input_grad:.2f}, weight gradient {units.weight_grad:.2f}"
+          + (f" (over {units.weight_grad_span[0]} micro-batches {units.weight_grad_span[1]:.2f})"
+             if units.weight_grad_span else "") + f", transfer {units.transfer:.3f}")
     print(json.dumps({"bench": "pipeline_modeled", "gpu": gpu.name,
                       "priced": "kernels" if args.compiled else "roofline", "rows": rows,
                       "branch_units": dataclasses.asdict(units)}))

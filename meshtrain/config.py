@@ -263,6 +263,11 @@ def default_config() -> ml_collections.ConfigDict:
     # (W reads and writes the float32 gradient sums: about two forwards on micro-batches of a few hundred
     # tokens, one on thousands); `bench/pipeline.py --modeled` prints the count the cost model picks
     c.pipeline.weight_parts = 1
+    # zero_bubble (gemms) with overlap_transfers, where B hands W its records in the same loop step: each W
+    # computes the weight gradients of this many micro-batches, the B's of one round of the loop (F, B, F, B,
+    # then W's parts), reading and writing the float32 gradient sums once for them all; each record is held
+    # until its round's W. The other tables run each W on its own (this is not read there)
+    c.pipeline.weight_span = 2
     # 1f1b, interleaved_1f1b, zero_bubble: send each tick's activations and gradients while the next tick
     # computes (they are read a tick later), so no transfer waits on the critical path; the price is a hop of
     # two ticks per stage: a deeper warm-up, more micro-batches in flight (1f1b: 2(p - s) - 1 on stage s);
@@ -355,7 +360,8 @@ def _validate_positive(config) -> None:
     positive = ("model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
                 "model.head_dim", "model.mlp_dim", "train.batch_size", "train.seq_len",
                 "train.grad_accum_steps", "steps", "log_every", "checkpoint.keep",
-                "pipeline.microbatches", "pipeline.repeats", "pipeline.weight_parts", "model.fp8_history")
+                "pipeline.microbatches", "pipeline.repeats", "pipeline.weight_parts", "pipeline.weight_span",
+                "model.fp8_history")
     for key in positive:
         value = config
         for part in key.split("."):

@@ -188,6 +188,27 @@ def test_overlapped_1f1b_balances_its_slots(compiled_costs):
     assert zero_bubble.seconds < 0.90 * base.seconds
 
 
+def test_a_w_over_two_microbatches_reads_and_writes_the_sums_once(compiled_costs):
+    """`pipeline.weight_span` at the acceptance point (the compiler's costs, where W is bound by its float32
+    gradient sums): a W over two micro-batches' records costs more than one W and less than two, and the
+    overlapped zero bubble the trainer runs (a W over the two B's of each loop step) takes less than with
+    one W a micro-batch and than ZB-H1's W's deferred, each W in the parts that balance its ticks."""
+    config = _scaled_tiny(4, 16)
+    span = pipeline.w_span("zero_bubble", config.pipeline.split_backward, config.remat.policy, True,
+                           config.pipeline.weight_span)
+    assert span == 2 and compiled_costs.weight_grad_span[0] == span
+    assert compiled_costs.weight_grad < compiled_costs.weights_over(2) < 2 * compiled_costs.weight_grad
+    base = cost.step_time("1f1b", 4, 16, 1, compiled_costs).seconds
+
+    def zero_bubble(span, defer_w=False):
+        parts = cost.weight_parts(compiled_costs, 2, span)
+        return cost.step_time("zero_bubble", 4, 16, 1, compiled_costs, parts, overlap=True, defer_w=defer_w,
+                              span=span).seconds / base
+    steps = {"span 2": zero_bubble(2), "span 1": zero_bubble(1), "deferred": zero_bubble(1, defer_w=True)}
+    print({name: round(step, 3) for name, step in steps.items()})
+    assert steps["span 2"] < steps["deferred"] < steps["span 1"]
+
+
 def test_weight_parts_balance_w_against_f_and_b():
     """W cut into the divisor of the chunk's layers nearest W / max(F, B): none when W is no longer."""
     costs = cost.BranchCosts(1.0, 3.0, 1.0, 1.0)

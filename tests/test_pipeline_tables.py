@@ -65,6 +65,23 @@ def test_overlapped_transfers_equal_single_device(case):
                                             **{"pipeline.overlap_transfers": True}))
 
 
+# `pipeline.weight_span`: each W over the B's of its loop step (the overlapped zero bubble's default, 2, in the
+# cases above); one W a micro-batch; three, in parts (4 micro-batches: W's over 1, 2 and 3 of them)
+SPANS = [("zero_bubble", {"stage": 2, "data": 2, "tensor": 2}, 1, 1, 1, 4, 8),
+         ("zero_bubble", {"stage": 4, "fsdp": 2}, 3, 3, 2, 4, 8)]
+
+
+@pytest.mark.parametrize("case", SPANS, ids=[_id(c[:3]) + f"-span{c[3]}-parts{c[4]}-m{c[5]}" for c in SPANS])
+def test_weight_span_equals_single_device(case):
+    """`pipeline.weight_span`: with transfers behind compute each W computes the weight gradients of the
+    micro-batches whose B's ran in its loop step, from the records they handed it, and adds them to the
+    sums once; loss and gradients those of one device."""
+    schedule, mesh, zero, span, parts, m, batch = case
+    _assert_equal_single_device(*_pipelined(schedule, tuple(mesh.items()), microbatches=m, batch=batch, zero=zero,
+                                            **{"pipeline.overlap_transfers": True, "pipeline.weight_span": span,
+                                               "pipeline.weight_parts": parts}))
+
+
 # remat `none`: a stage keeps every value its backward reads but dtype and layout copies (`model.copies_not_kept`)
 NONE = [("zero_bubble", {"stage": 4, "fsdp": 2}, 3, {}),
         ("zero_bubble", {"stage": 2, "data": 2, "tensor": 2}, 1, {"pipeline.overlap_transfers": True}),
@@ -124,15 +141,16 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
     """Runs the program on tags instead of arrays: every buffer slot holds the name of the value in
     it, and each operation checks it reads the value it needs. Returns {(kind, s, j, c): tick}.
     `SlotPlan.inputs_at_b`: B's record (matmul inputs and output gradients) in a weight slot until W, or
-    under `SlotPlan.handoff` in no slot: W's parts then run in B's loop step (one round of tick kinds)."""
+    under `SlotPlan.handoff` in no slot: W's parts then run in B's loop step (one round of tick kinds), over
+    every record the step's B's handed (`SlotPlan.span`)."""
     f = {name: i for i, name in enumerate(FIELDS)}
     stash = [[None] * (plan.stash_slots) for _ in range(p)]  # vjp residuals, F to B (gemms: then dy, B to W)
     weight = [[None] * (plan.weight_slots) for _ in range(p)]  # gemms: matmul inputs (F to W); pullback: dy
     pullback = plan.split and not plan.gemms  # pullback: the stage's dy (B to W)
     at_b = plan.gemms and plan.inputs_at_b  # B's record, B to W
     gemms = plan.gemms and not at_b  # F's record, F to W
-    step = 2 + plan.weight_parts  # ticks of a loop step under the handoff
-    handed = [None] * p  # handoff: the record B's switch returned this loop step
+    step = 2 * plan.span + plan.weight_parts  # ticks of a loop step under the handoff
+    handed = [[] for _ in range(p)]  # handoff: the records B's switches returned this loop step
     parts_run = {}  # (s, j, c) -> W parts run so far
     inbox_f = [[None] * (plan.inbox_f_slots + 1) for _ in range(p)]
     inbox_b = [[None] * (plan.inbox_b_slots + 1) for _ in range(p)]
@@ -140,6 +158,8 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
     in_flight = []  # latency 1: what the last tick sent, travelling during this one
     for t in range(plan.ticks):
         sent_f, sent_b = [None] * p, [None] * p
+        if t % step == 0:  # a loop step hands nothing to the next
+            handed = [[] for _ in range(p)]
         for s in range(p):
             row = plan.program[t, s]
             branch, j, c, slot, wslot = (int(row[f[k]]) for k in ("branch", "micro", "chunk", "stash", "wstash"))
@@ -168,15 +188,16 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
                     assert weight[s][wslot] is None, f"tick {t} stage {s}: weight slot {wslot} still in use"
                     weight[s][wslot] = ("inputs and dy", s, j, c)
                 if plan.handoff:
-                    handed[s] = ("inputs and dy", s, j, c, t // step)
+                    handed[s].append(("inputs and dy", s, j, c, t // step))
                 if branch == slot_program.BACKWARD:
                     sent_b[s] = ("grad", (s - 1) % p, j, c - (s == 0))
                 ran["B", s, j, c] = t
             elif branch == slot_program.WEIGHTS:
                 if gemms:
                     assert weight[s][wslot] == ("inputs", s, j, c) and stash[s][wslot] == ("dy", s, j, c), (t, s)
-                elif plan.handoff:  # in B's loop step, after it
-                    assert handed[s] == ("inputs and dy", s, j, c, t // step), (t, s, handed[s])
+                elif plan.handoff:  # in B's loop step, after it, over every record its B's handed
+                    assert handed[s] and handed[s][0] == ("inputs and dy", s, j, c, t // step), (t, s, handed[s])
+                    assert len(handed[s]) <= plan.span
                 else:
                     assert weight[s][wslot] == ("inputs and dy", s, j, c), (t, s)
                 part = parts_run.get((s, j, c), 0)
@@ -192,7 +213,8 @@ def _replay(plan: SlotPlan, p: int, m: int, v: int) -> dict:
                 if pullback:
                     assert stash[s][slot] == (s, j, c), (t, s)
                     stash[s][slot] = None
-                ran["W", s, j, c] = t
+                for record in handed[s] if plan.handoff else [(None, s, j, c)]:
+                    ran["W", *record[1:4]] = t
             _check_puts(plan, t, s, branch, stash[s], weight[s], gemms, pullback)
         in_flight.append((sent_f, sent_b))
         if len(in_flight) <= plan.latency:
@@ -241,28 +263,34 @@ PROGRAMS = [(schedule, *split, latency, False) for schedule in SCHEDULES for spl
             for latency in ((0, 1) if schedule in pipeline_lib.OVERLAPPING and split[0] == "gemms" else (0,))]
 # W's inputs from B (`pipeline.inputs_at_b`): in weight slots (plain: deferred W's), or handed over
 PROGRAMS += [("zero_bubble", "gemms", parts, latency, True) for parts in (1, 3) for latency in (0, 1)]
+# handed over, each W over the B's of its loop step (`pipeline.weight_span`)
+PROGRAMS += [("zero_bubble", "gemms", parts, 1, True, span) for parts in (1, 3) for span in (2, 3)]
 
 
-@pytest.mark.parametrize("schedule, split_backward, parts, latency, inputs_at_b", PROGRAMS)
+@pytest.mark.parametrize("schedule, split_backward, parts, latency, inputs_at_b, span",
+                         [case + (1,) * (6 - len(case)) for case in PROGRAMS])
 @pytest.mark.parametrize("p", [2, 4, 8])
-def test_program_hands_every_operation_its_inputs(schedule, p, split_backward, parts, latency, inputs_at_b):
+def test_program_hands_every_operation_its_inputs(schedule, p, split_backward, parts, latency, inputs_at_b, span):
     """Every F and B of every micro-batch and chunk runs once, on the table's tick, reading the
     activation / gradient it needs from the slot the program names, never overwriting a value still
     waiting; every W runs once (its parts in order, the last freeing what they read). Buffer sizes
     do not grow with m. Latency 1 (`pipeline.overlap_transfers`): what a tick sends
     lands at the end of the next tick, and nothing reads it before. W's inputs from B with latency 1:
-    the handoff, each W's parts in its B's loop step."""
+    the handoff, each W's parts in its B's loop step (`span` > 1: over all of the step's B's). m odd too."""
     v = 2 if schedule == "interleaved_1f1b" else 1
     sizes = {}
-    for m in (p, 2 * p, 4 * p):
-        plan = slot_plan(schedule, p, m, v, split_backward, parts, latency, inputs_at_b)
-        assert plan.handoff == (inputs_at_b and latency == 1)
+    for m in (p, 2 * p, 4 * p) + ((2 * p + 1,) if span > 1 else ()):
+        plan = slot_plan(schedule, p, m, v, split_backward, parts, latency, inputs_at_b, span)
+        assert plan.handoff == (inputs_at_b and latency == 1) and plan.span == span
         ran = _replay(plan, p, m, v)
-        table = schedules.executed(schedule, p, m, v, parts, latency, schedules.defers_w(latency, inputs_at_b))
+        table = schedules.executed(schedule, p, m, v, parts, latency, schedules.defers_w(latency, inputs_at_b), span)
         schedules.check(table, p, m, v, plan.split, latency)
         kinds = "FBW" if plan.split else "FB"
-        want = {(op.kind, s, op.micro, op.chunk): t for t, row in enumerate(table) for s, op in enumerate(row)
-                if op is not None and op.kind in kinds and (op.kind != schedules.W or op.part == parts - 1)}
+        want = {(one.kind, s, one.micro, one.chunk): t for t, row in enumerate(table) for s, op in enumerate(row)
+                if op is not None and op.kind in kinds and (op.kind != schedules.W or op.part == parts - 1)
+                for one in op.covers()}
+        if span > 1 and m >= 2 * span:  # some W covers `span` micro-batches
+            assert max(op.span for row in table for op in row if op is not None) == span
         assert ran == want
         sizes[m] = (plan.stash_slots, plan.weight_slots, plan.inbox_f_slots, plan.inbox_b_slots)
     assert sizes[2 * p] == sizes[4 * p], sizes

@@ -83,7 +83,8 @@ def gpu_entry(device):
 
 def modeled_rows(costs, p: int, m: int, layers: int, config) -> dict[str, float]:
     """{schedule (+overlap): modeled step / 1f1b's} for `costs` (interleaved v=2, W in balanced parts), each
-    table as the trainer runs it under `config`'s remat and split (W deferred or not)."""
+    table as the trainer runs it under `config`'s remat and split (W deferred or not, over how many
+    micro-batches)."""
     from meshtrain.parallel import cost, pipeline
 
     base = cost.step_time(schedules.BASELINE, p, m, 1, costs).seconds
@@ -91,10 +92,12 @@ def modeled_rows(costs, p: int, m: int, layers: int, config) -> dict[str, float]
     for name in SCHEDULES:
         for overlap in (False, True) if name in pipeline.OVERLAPPING else (False,):
             v = 2 if name in pipeline.CHUNKED_SCHEDULES else 1
-            parts = cost.weight_parts(costs, layers // (p * v)) if name in pipeline.SPLIT_BACKWARD else 1
             deferred = pipeline.defers_w(config.pipeline.split_backward, config.remat.policy, overlap)
+            span = pipeline.w_span(name, config.pipeline.split_backward, config.remat.policy, overlap,
+                                   config.pipeline.weight_span)
+            parts = cost.weight_parts(costs, layers // (p * v), span) if name in pipeline.SPLIT_BACKWARD else 1
             out[name + ("+overlap" if overlap else "")] = cost.step_time(name, p, m, 2, costs, parts, overlap=overlap,
-                                                                         defer_w=deferred).seconds / base
+                                                                         defer_w=deferred, span=span).seconds / base
     return out
 
 

@@ -64,30 +64,47 @@ class BranchCosts:
     transfer: float = 0.0
     recompute: bool = True  # gpipe / circular recompute the stage's forward in their backward (remat per stage)
     split_forward: float | None = None  # F of the split backward (it also records the matmul inputs); None: `forward`
+    # (n, seconds of one W over n micro-batches' records, `pipeline.weight_span`: the sums read and written once)
+    weight_grad_span: tuple[int, float] | None = None
 
     @property
     def forward_split(self) -> float:
         return self.forward if self.split_forward is None else self.split_forward
 
+    def weights_over(self, span: int) -> float:
+        """Seconds of one W over `span` micro-batches (`pipeline.weight_span`)."""
+        if span == 1:
+            return self.weight_grad
+        if self.weight_grad_span is None or self.weight_grad_span[0] != span:
+            raise ValueError(f"no price for a W over {span} micro-batches (priced: {self.weight_grad_span}); "
+                             "price the branches of a config with that pipeline.weight_span")
+        return self.weight_grad_span[1]
+
     @classmethod
     def analytic(cls, forward: float, transfer: float = 0.0, recompute_share: float = 0.0,
-                 recompute: bool = True, split_backward: str = "gemms", accumulate: float = 0.0) -> BranchCosts:
+                 recompute: bool = True, split_backward: str = "gemms", accumulate: float = 0.0,
+                 weight_span: int = 1) -> BranchCosts:
         """From a forward's seconds: B = 2F (two matmuls per forward one), the input gradient F and W
         F (the weight GEMMs); the backwards also recompute `recompute_share` of the forward (remat
         `full`: 1; W reads recorded inputs and recomputes nothing); `recompute`: gpipe / circular
         recompute each stage from its input (any remat policy but `none`). `split_backward`
         pullback: W runs the input-gradient chain again on its way to the weights, 2F + the recompute.
         `accumulate`: seconds to add a micro-batch's weight gradients into the stage's float32 sums (the
-        backward's, or under the split W's)."""
+        backward's, or under the split W's). `weight_span`: a W over that many micro-batches adds to the
+        sums once (their GEMMs each)."""
         r = recompute_share * forward
         w = (forward if split_backward == "gemms" else 2 * forward + r) + accumulate
-        return cls(forward, 2 * forward + r + accumulate, forward + r, w, transfer, recompute)
+        spanned = (weight_span, weight_span * (w - accumulate) + accumulate) if weight_span > 1 else None
+        return cls(forward, 2 * forward + r + accumulate, forward + r, w, transfer, recompute,
+                   weight_grad_span=spanned)
 
     def units(self) -> BranchCosts:
         """The same costs in units of the forward."""
         f = self.forward
         return dataclasses.replace(self, forward=1.0, backward=self.backward / f, input_grad=self.input_grad / f,
                                    weight_grad=self.weight_grad / f, transfer=self.transfer / f,
+                                   weight_grad_span=None if self.weight_grad_span is None else
+                                   (self.weight_grad_span[0], self.weight_grad_span[1] / f),
                                    split_forward=None if self.split_forward is None else self.split_forward / f)
 
     @classmethod
@@ -153,8 +170,10 @@ class BranchCosts:
         with jax.set_mesh(mesh):
             seconds = {name: price(name, fn, args) for name, (fn, args) in branches.items()}
         link = gpu.nvlink_bandwidth if in_node else gpu.network_bandwidth
+        span = config.pipeline.weight_span
         return cls(seconds["forward"], seconds["backward"], seconds["input_grad"], seconds["weight_grad"],
-                   nbytes / link, recompute=config.remat.policy != "none", split_forward=seconds["split_forward"])
+                   nbytes / link, recompute=config.remat.policy != "none", split_forward=seconds["split_forward"],
+                   weight_grad_span=(span, seconds["weight_grad_span"]) if "weight_grad_span" in seconds else None)
 
 
 def stage_branches(config: ml_collections.ConfigDict, sizes, device: jax.Device, units: int | None = None,
@@ -170,7 +189,8 @@ def stage_branches(config: ml_collections.ConfigDict, sizes, device: jax.Device,
       gradients added to the float32 sums;
     * input_grad (the split's B): input gradients and the matmuls' output gradients, only the
       parameters no matmul reads summed;
-    * weight_grad (W): the weight GEMMs from the recorded inputs and output gradients, added to the sums.
+    * weight_grad (W): the weight GEMMs from the recorded inputs and output gradients, added to the sums;
+      weight_grad_span (`pipeline.weight_span` > 1): W over that many micro-batches' records, added once.
 
     Under `split_backward=pullback` the split's F is the plain forward, its B the pullback for the
     input gradient and its W the whole pullback again, for the weight gradients. Attention:
@@ -251,11 +271,19 @@ def stage_branches(config: ml_collections.ConfigDict, sizes, device: jax.Device,
             return _added(sums, produced)
 
         sums = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), w)
+        def weights_spanned(w, records, pos, sums):  # W over several micro-batches: the sums added once
+            grads = [jax.tree.leaves(weight_grad(w, recorded, dys, pos)) for recorded, dys in records]
+            produced = [sum(g) for g, kept_w in zip(zip(*grads, strict=True), from_w, strict=True) if kept_w]
+            return _added(sums, produced)
+
         branches = {"forward": (forward, (w, x, pos)),
                     "backward": (backward, (w, kept, x, pos, sums)),
                     "split_forward": (split_forward, (w, x, pos)),
                     "input_grad": (input_grad, (w, split_kept, x, pos, sums_b)),
                     "weight_grad": (weights, (w, recorded, dys, pos, sums_w))}
+        span = config.pipeline.weight_span
+        if span > 1 and config.pipeline.split_backward == "gemms":
+            branches["weight_grad_span"] = (weights_spanned, (w, [(recorded, dys)] * span, pos, sums_w))
         if config.pipeline.split_backward == "pullback":  # B and W: the stage's pullback, for dx, then for dw
             def pullback(w, kept, g, pos):
                 return residuals(w, g, pos, False).rebuild(kept, w)(cotangent(g))
@@ -356,11 +384,12 @@ class Execution:
 
 
 def step_time(schedule: str, p: int, m: int, v: int, costs: BranchCosts, weight_parts: int = 1,
-              overlap: bool = False, defer_w: bool = True) -> Execution:
+              overlap: bool = False, defer_w: bool = True, span: int = 1) -> Execution:
     """The pipeline part of a step as the lock-step loop runs it (module docstring); a split W run as
     `weight_parts` operations costs 1/weight_parts of W each. `overlap` (`pipeline.overlap_transfers`,
     the slot tables): each transfer travels beside a tick of compute, which then lasts the longer of
-    the two. `defer_w`: `schedules.defers_w` (`Pipeline.defers_w`)."""
+    the two. `defer_w`: `schedules.defers_w` (`Pipeline.defers_w`); `span`: `Pipeline.span`, a W over
+    that many micro-batches (`BranchCosts.weights_over`)."""
     c = costs
     entry = schedules.REGISTRY[schedule]
     v = v if entry.chunked else 1  # chunks per stage
@@ -372,33 +401,38 @@ def step_time(schedule: str, p: int, m: int, v: int, costs: BranchCosts, weight_
         return Execution(schedule, seconds, 2 * ticks, m * (c.forward + backward))
     split = schedule in schedules.SPLIT_BACKWARD
     forward = c.forward_split if split else c.forward
+    # a W tick of a loop whose W's cover `span` micro-batches runs the branch over that many records, zeros
+    # for a B tick that idled (`pipeline_tables._TableWork._weights`): priced as such whatever it covers
     price = {schedules.F: forward / v, schedules.B: (c.input_grad if split else c.backward) / v,
-             schedules.W: c.weight_grad / (v * weight_parts) if split else 0.0}  # fused tables' W ticks idle
-    rows = _table_rows(schedule, p, m, v, weight_parts if split else 1, int(overlap), defer_w)
+             schedules.W: c.weights_over(span) / (v * weight_parts) if split else 0.0}  # fused tables' W ticks idle
+    rows, w_ops = _table_rows(schedule, p, m, v, weight_parts if split else 1, int(overlap), defer_w, span)
     if overlap:  # each tick's operation beside the transfer of the tick before's outputs
         seconds = sum(n * max([c.transfer] + [price[k] for k in kinds]) for kinds, n in rows)
     else:
         seconds = sum(n * (max([0.0] + [price[k] for k in kinds]) + c.transfer) for kinds, n in rows)
     ticks = sum(n for _, n in rows)
-    per_micro = forward + (c.input_grad + c.weight_grad if split else c.backward)
-    return Execution(schedule, seconds, ticks, m * per_micro)
+    weights = w_ops * price[schedules.W] / p if split else 0.0  # a stage's W's, on average
+    return Execution(schedule, seconds, ticks, m * (forward + (c.input_grad if split else c.backward)) + weights)
 
 
 # A tick's length depends only on which kinds of operation run in it: the loops' ticks grouped by
 # that, once per (schedule, p, m, ...), so pricing a schedule is a few sums (the planner's search
 # prices tens of thousands of candidates on the same few tables).
 @functools.lru_cache(maxsize=256)
-def _table_rows(schedule: str, p: int, m: int, v: int, weight_parts: int,
-                latency: int, defer_w: bool) -> tuple[tuple[frozenset, int], ...]:
-    """(the kinds of operation in a tick, how many ticks) over `schedules.executed`'s table."""
-    table = schedules.executed(schedule, p, m, v, weight_parts, latency, defer_w)
-    return tuple(collections.Counter(frozenset(op.kind for op in row if op is not None) for row in table).items())
+def _table_rows(schedule: str, p: int, m: int, v: int, weight_parts: int, latency: int, defer_w: bool,
+                span: int = 1) -> tuple[tuple[tuple[frozenset, int], ...], int]:
+    """((the kinds of operation in a tick, how many ticks), the W operations of every stage) over
+    `schedules.executed`'s table."""
+    table = schedules.executed(schedule, p, m, v, weight_parts, latency, defer_w, span)
+    kinds = collections.Counter(frozenset(op.kind for op in row if op is not None) for row in table)
+    return tuple(kinds.items()), sum(op.kind == schedules.W for row in table for op in row if op is not None)
 
 
-def weight_parts(costs: BranchCosts, units: int) -> int:
-    """The W parts that balance a split schedule's ticks: W cut into the divisor of the chunk's `units`
-    scanned units nearest W's cost over the longer of F and B (1 when W is no longer than them)."""
-    ratio = costs.weight_grad / max(costs.forward_split, costs.input_grad)
+def weight_parts(costs: BranchCosts, units: int, span: int = 1) -> int:
+    """The W parts that balance a split schedule's ticks: W (over `span` micro-batches) cut into the divisor
+    of the chunk's `units` scanned units nearest W's cost over the longer of F and B (1 when W is no longer
+    than them)."""
+    ratio = costs.weights_over(span) / max(costs.forward_split, costs.input_grad)
     return min((n for n in range(1, units + 1) if units % n == 0), key=lambda n: (abs(n - ratio), n))
 
 

@@ -126,7 +126,8 @@ def pipeline_plan(config: ml_collections.ConfigDict, sizes: Mapping[str, int], *
     return pipeline_lib.Pipeline.of(pipe.schedule, sizes[STAGE], pipe.microbatches, pipe.repeats,
                                     config.model.n_layers // unit, (n // unit for n in pipe.layers_per_stage),
                                     axes=pipeline_axes(sizes), checked=not kernels, split_backward=pipe.split_backward,
-                                    weight_parts=pipe.weight_parts, overlap=pipe.overlap_transfers,
+                                    weight_parts=pipe.weight_parts, weight_span=pipe.weight_span,
+                                    overlap=pipe.overlap_transfers,
                                     inputs_at_b=pipeline_lib.inputs_at_b(pipe.split_backward, config.remat.policy,
                                                                          pipe.overlap_transfers))
 

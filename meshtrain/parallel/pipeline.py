@@ -110,6 +110,15 @@ def defers_w(split_backward: str, remat_policy: str, overlap: bool) -> bool:
     return schedules.defers_w(int(overlap), inputs_at_b(split_backward, remat_policy, overlap))
 
 
+def w_span(schedule: str, split_backward: str, remat_policy: str, overlap: bool, weight_span: int) -> int:
+    """Micro-batches one W covers (`Pipeline.span`), for the cost model's callers without a `Pipeline`:
+    `weight_span` where each W runs in its B's loop step, handed B's records (the split's gemms W with
+    transfers behind compute: `slot_program.SlotPlan.handoff`), else 1."""
+    hands = (schedule in SPLIT_BACKWARD and split_backward == "gemms"
+             and not defers_w(split_backward, remat_policy, overlap))
+    return weight_span if hands else 1
+
+
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
     """A pipeline schedule: p stages, m micro-batches, v repeats (chunks per stage)."""
@@ -135,6 +144,8 @@ class Pipeline:
     # split_backward gemms: W's matmul inputs from B's pullback (full remat, or transfers overlapped:
     # `slot_program.SlotPlan.inputs_at_b`; `inputs_at_b` above)
     inputs_at_b: bool = False
+    # `pipeline.weight_span`: micro-batches a W covers where B's switch hands W its record (`span`)
+    weight_span: int = 1
 
     @classmethod
     def of(cls, schedule: str, stages: int, microbatches: int, repeats: int, n_units: int, given=(),
@@ -152,11 +163,18 @@ class Pipeline:
         """Whether a split schedule's W's are deferred past later B's (`schedules.defers_w`)."""
         return schedules.defers_w(int(self.overlap), self.inputs_at_b)
 
+    @property
+    def span(self) -> int:
+        """Micro-batches one W covers: `weight_span` where each W runs in its B's loop step, handed B's
+        records (the split's gemms W, transfers behind compute: `slot_program.SlotPlan.handoff`), else 1."""
+        hands = self.schedule in SPLIT_BACKWARD and self.split_backward == "gemms" and not self.defers_w
+        return self.weight_span if hands else 1
+
     @functools.cached_property
     def _table(self):
         """The slot table a table schedule runs (`schedules.executed`)."""
         return schedules.executed(self.schedule, self.stages, self.microbatches, self.repeats, self.weight_parts,
-                                  int(self.overlap), self.defers_w)
+                                  int(self.overlap), self.defers_w, self.span)
 
     @functools.cached_property
     def plan(self):
@@ -164,7 +182,8 @@ class Pipeline:
         if self.schedule not in TABLE_SCHEDULES:
             return None
         return slot_program.slot_plan(self.schedule, self.stages, self.microbatches, self.repeats,
-                                      self.split_backward, self.weight_parts, int(self.overlap), self.inputs_at_b)
+                                      self.split_backward, self.weight_parts, int(self.overlap), self.inputs_at_b,
+                                      self.span)
 
     @property
     def transfers(self) -> tuple[int, int]:
@@ -203,7 +222,7 @@ class Pipeline:
         activations, each 1/v of a stage's layers)."""
         if self.schedule in TABLE_SCHEDULES:
             return schedules.executed_in_flight(self.schedule, self.stages, self.microbatches, self.repeats,
-                                                self.weight_parts, int(self.overlap), self.defers_w)
+                                                self.weight_parts, int(self.overlap), self.defers_w, self.span)
         return (self.repeats * self.microbatches,) * self.stages
 
     def describe(self) -> str:
@@ -216,7 +235,8 @@ class Pipeline:
         if self.weight_parts > 1:
             line += f", W in {self.weight_parts} parts"
         if self.schedule in SPLIT_BACKWARD and not self.defers_w:
-            line += ", each W in the first W tick after its B"
+            line += (f", each W over the {self.span} B's of a round, in its W ticks" if self.span > 1
+                     else ", each W in the first W tick after its B")
         if self.overlap:
             line += ", transfers behind the next tick's compute"
         if self.uneven:

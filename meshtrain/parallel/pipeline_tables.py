@@ -443,25 +443,36 @@ class _TableWork:
             g_w, _ = pullback(self._cotangents(c, _load(buffers["gs"], wslot)))
             c, g_w = self._add_grads(c, chunk, g_w)
             return (c, *self._outputs(x, buffers, g_w=g_w))
-        if self.plan.inputs_at_b:
-            inputs, dys = _load(buffers[HANDED if self.plan.handoff else "inputs"], wslot)
-            held = {"inputs": inputs, "dys": dys}
+        if self.plan.handoff:  # the records of the round's B's (`SlotPlan.span`), zeros where a B tick idled
+            records = [_load(record, 0) for record in buffers[HANDED]]
+            held = {"inputs": [inputs for inputs, _ in records], "dys": [dys for _, dys in records]}
+        elif self.plan.inputs_at_b:
+            inputs, dys = _load(buffers["inputs"], wslot)
+            held = {"inputs": [inputs], "dys": [dys]}
         else:
-            held = {"inputs": _load(buffers["inputs"], wslot),
-                    "dys": self.records.unpack(1, _load(buffers["stash"], wslot))}
+            held = {"inputs": [_load(buffers["inputs"], wslot)],
+                    "dys": [self.records.unpack(1, _load(buffers["stash"], wslot))]}
         size = jax.tree.leaves(w)[0].shape[0] // self.plan.weight_parts  # layers of one part
         start = part * size
         if self.plan.weight_parts > 1:  # every value here is [k layers, ...]: the part's window of them
             w, held = jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, start, size, 0), (w, held))
 
-        def outputs(w):
+        def outputs(w, inputs):
             if FP8 in w:
                 w = {**w, FP8: fp8_lib.for_grad(w[FP8])}
-            return self.split.weights(w, held["inputs"], x, mb["positions"], mb["segment_ids"], start)
-        _, pullback = jax.vjp(outputs, w)
-        (g_w,) = pullback(held["dys"])
+            return self.split.weights(w, inputs, x, mb["positions"], mb["segment_ids"], start)
+        g_w = None
+        for inputs, dys in zip(held["inputs"], held["dys"], strict=True):  # a micro-batch a record
+            _, pullback = jax.vjp(lambda w, inputs=inputs: outputs(w, inputs), w)
+            (g,) = pullback(dys)
+            g_w = g if g_w is None else _combined(g_w, g)
         c, g_w = self._add_grads(c, chunk, g_w, start)
         return (c, *self._outputs(x, buffers, g_w=g_w))
+
+
+def _combined(a: dict, b: dict) -> dict:
+    """Two micro-batches' chunk gradients as one: the weights' summed, FP8's amaxes maximised."""
+    return {key: jax.tree.map(jnp.maximum if key == FP8 else jnp.add, a[key], b[key]) for key in a}
 
 
 def loss_and_grads(params, histories, batch, model, total_tokens, accum_steps):
@@ -564,8 +575,8 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
         c, y, dx, dy, g_w, put = lax.switch(branch, branches, c, x, g, row[field["micro"]],
                                             row[field["chunk"]], row[field["stash"]], row[field["wstash"]],
                                             row[field["part"]], operands)
-        if plan.handoff and size == WEIGHTS:
-            handed = jax.tree.map(lambda a: a[None], put.pop("inputs"))
+        if plan.handoff and size == WEIGHTS:  # one record a B tick of the round (`SlotPlan.span`)
+            handed = (*(handed or ()), jax.tree.map(lambda a: a[None], put.pop("inputs")))
         if outer:
             c = {**c, "g_outer": g_outer}
         if work.sums_outside:  # outside the backward's loop g_w is zeros, neither read nor computed

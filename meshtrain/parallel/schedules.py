@@ -64,9 +64,9 @@ class Schedule:
     # (p, m, v, latency, defer_w) -> each stage's operations in order (`stage_orders`); None: no table
     # (circular's only loop is its ring)
     orders: Callable[[int, int, int, int, bool], list[list[Op]]] | None = None
-    # (p, m, v, weight_parts, latency, defer_w) -> the table the trainer runs (`executed`); None: not run
-    # from a table
-    table: Callable[[int, int, int, int, int, bool], list[list[Op | None]]] | None = None
+    # (p, m, v, weight_parts, latency, defer_w, span) -> the table the trainer runs (`executed`); None: not
+    # run from a table
+    table: Callable[[int, int, int, int, int, bool, int], list[list[Op | None]]] | None = None
     baseline: bool = False  # what the other schedules' steps are compared with (`BASELINE`: 1F1B)
 
     def bubble(self, p: int, m: int, v: int = 1) -> float:
@@ -86,6 +86,13 @@ class Op:
     micro: int
     chunk: int = 0
     part: int = 0  # W: which of the `weight_parts` slices of the chunk's layers
+    # W: how many micro-batches' weight gradients it computes, micro to micro + span - 1 (the B's of one
+    # loop step of an aligned table, `aligned`'s `span`)
+    span: int = 1
+
+    def covers(self) -> list[Op]:
+        """One operation a micro-batch: a W of several micro-batches as one W each."""
+        return [dataclasses.replace(self, micro=self.micro + i, span=1) for i in range(self.span)]
 
 
 def _fused(order: list[Op]) -> list[Op]:
@@ -182,7 +189,7 @@ def _zero_bubble_order(p: int, m: int, s: int, latency: int = 0, defer_w: bool =
 
 
 def _one_f_one_b_table(p: int, m: int, v: int, weight_parts: int, latency: int,
-                       defer_w: bool) -> list[list[Op | None]]:
+                       defer_w: bool, span: int = 1) -> list[list[Op | None]]:
     """1F1B's executed table. Plain (`latency` 0): stage s runs the forward of micro-batch j in tick
     s + 2j and its whole backward in tick 2p - 1 - s + 2j, so neighbours always sit in opposite phases
     (an activation moves one stage a tick, so does a gradient); stage s holds p - s micro-batches; 2(m + p
@@ -205,16 +212,17 @@ def _one_f_one_b_table(p: int, m: int, v: int, weight_parts: int, latency: int,
 
 
 def _alternating_table(schedule: str):
-    def build(p: int, m: int, v: int, weight_parts: int, latency: int, defer_w: bool) -> list[list[Op | None]]:
+    def build(p: int, m: int, v: int, weight_parts: int, latency: int, defer_w: bool,
+              span: int = 1) -> list[list[Op | None]]:
         return alternating(schedule, p, m, v, latency)
     return build
 
 
 def _zero_bubble_table(p: int, m: int, v: int, weight_parts: int, latency: int,
-                       defer_w: bool) -> list[list[Op | None]]:
+                       defer_w: bool, span: int = 1) -> list[list[Op | None]]:
     """`aligned` with transfers behind compute, else `simulate`'s."""
     if latency:
-        return aligned("zero_bubble", p, m, weight_parts, latency, defer_w)
+        return aligned("zero_bubble", p, m, weight_parts, latency, defer_w, span)
     return simulate("zero_bubble", p, m, v, weight_parts, latency, defer_w)
 
 
@@ -287,33 +295,34 @@ def defers_w(latency: int, inputs_at_b: bool) -> bool:
 
 @functools.lru_cache(maxsize=512)
 def executed(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1,
-             latency: int = 0, defer_w: bool = True) -> tuple[tuple[Op | None, ...], ...]:
+             latency: int = 0, defer_w: bool = True, span: int = 1) -> tuple[tuple[Op | None, ...], ...]:
     """The table the trainer runs (`slot_program.slot_plan`), from the schedule's own builder
     (`Schedule.table`: 1F1B's slots, `alternating` for the ALTERNATING schedules, `aligned` for
     zero_bubble with transfers behind compute, `simulate`'s otherwise, gpipe's too). Built once per arguments (the
-    planner prices thousands of layouts on a few tables): read-only, rows of tuples. `defer_w`: `defers_w`."""
-    return tuple(tuple(row) for row in _executed(schedule, p, m, v, weight_parts, latency, defer_w))
+    planner prices thousands of layouts on a few tables): read-only, rows of tuples. `defer_w`: `defers_w`;
+    `span`: the micro-batches a W covers (`aligned`; the others' tables take 1)."""
+    return tuple(tuple(row) for row in _executed(schedule, p, m, v, weight_parts, latency, defer_w, span))
 
 
 @functools.lru_cache(maxsize=512)
 def executed_in_flight(schedule: str, p: int, m: int, v: int = 1, weight_parts: int = 1,
-                       latency: int = 0, defer_w: bool = True) -> tuple[int, ...]:
+                       latency: int = 0, defer_w: bool = True, span: int = 1) -> tuple[int, ...]:
     """`in_flight` of the `executed` table, once per arguments."""
-    return tuple(in_flight(executed(schedule, p, m, v, weight_parts, latency, defer_w)))
+    return tuple(in_flight(executed(schedule, p, m, v, weight_parts, latency, defer_w, span)))
 
 
 def _executed(schedule: str, p: int, m: int, v: int, weight_parts: int, latency: int,
-              defer_w: bool) -> list[list[Op | None]]:
+              defer_w: bool, span: int = 1) -> list[list[Op | None]]:
     entry = REGISTRY.get(schedule)
     if entry is None or entry.table is None and entry.orders is None:
         raise ValueError(f"schedule {schedule!r}: expected one of {SCHEDULES}")
     if entry.table is None:  # not run from a table (gpipe's autodiff loop): the unit-time one
         return simulate(schedule, p, m, v, weight_parts, latency, defer_w)
-    return entry.table(p, m, v if entry.chunked else 1, weight_parts, latency, defer_w)
+    return entry.table(p, m, v if entry.chunked else 1, weight_parts, latency, defer_w, span)
 
 
 def aligned(schedule: str, p: int, m: int, weight_parts: int = 1, latency: int = 1,
-            defer_w: bool = True) -> list[list[Op | None]]:
+            defer_w: bool = True, span: int = 1) -> list[list[Op | None]]:
     """Zero bubble's orders with the warm-up forwards doubled (`stage_orders(..., latency=1)`) in aligned
     ticks: the ticks take F, B and W in turn (W as `weight_parts` ticks of one part each), and each stage
     runs its next operation when it is of the tick's kind and ready.
@@ -327,10 +336,29 @@ def aligned(schedule: str, p: int, m: int, weight_parts: int = 1, latency: int =
     A result reaches its neighbour's next tick of the same kind three
     ticks later, so a transfer sent while the next tick computes (`latency` 1) arrives in time: the orders
     are those of latency 1 whatever `latency` is, and `latency` only sets what `check`-style readiness the
-    run demands (0 and 1 give the same table)."""
-    orders = stage_orders(schedule, p, m, 1, weight_parts, latency=1, defer_w=defer_w)
-    return _run(orders, p, 1, split=True, latency=latency, kinds=(F, B) + (W,) * weight_parts,
-                what=f"{schedule} p={p} m={m}: the aligned stage orders")
+    run demands (0 and 1 give the same table).
+
+    `span` > 1 (`pipeline.weight_span`; W's not deferred): a round is `span` F and B ticks in turn, then
+    W's parts, and each stage's W covers the B's it ran in the round, up to `span` micro-batches in one
+    pass over the float32 gradient sums (an operation of `span` micro-batches: `Op.span`). The F and B
+    ticks are those of `span` 1 with the W ticks between them gone."""
+    if span == 1:
+        orders = stage_orders(schedule, p, m, 1, weight_parts, latency=1, defer_w=defer_w)
+        return _run(orders, p, 1, split=True, latency=latency, kinds=(F, B) + (W,) * weight_parts,
+                    what=f"{schedule} p={p} m={m}: the aligned stage orders")
+    if defer_w:
+        raise ValueError(f"{schedule}: a W of {span} micro-batches runs in the round of their B's, not deferred")
+    orders = [[op for op in order if op.kind != W] for order in stage_orders(schedule, p, m, 1, 1, latency=1)]
+    kinds = (F, B) * span + (W,) * weight_parts
+    table = _run(orders, p, 1, split=True, latency=latency, kinds=kinds,
+                 what=f"{schedule} p={p} m={m} span={span}: the aligned stage orders")
+    table += [[None] * p for _ in range(-len(table) % len(kinds))]  # whole rounds
+    for start in range(0, len(table), len(kinds)):
+        for s in range(p):
+            done = [op.micro for op in (table[start + i][s] for i in range(2 * span)) if op and op.kind == B]
+            for part in range(weight_parts if done else 0):
+                table[start + 2 * span + part][s] = Op(W, done[0], 0, part, len(done))
+    return table
 
 
 def alternating(schedule: str, p: int, m: int, v: int = 1, latency: int = 0) -> list[list[Op | None]]:
@@ -400,11 +428,12 @@ def check(table: list[list[Op | None]], p: int, m: int, v: int = 1, split: bool 
         for s, op in enumerate(row):
             if op is None:
                 continue
-            key = (op.kind, s, op.micro, op.chunk, op.part)
-            assert key not in seen, f"{key} runs twice (ticks {seen[key]} and {t})"
             earlier = {k[:4]: when for k, when in seen.items() if when < t and (k[0] != W or k[4] == parts - 1)}
-            assert _ready(op, s, p, v, earlier, split, t, latency), f"{key} at tick {t} runs before its inputs"
-            seen[key] = t
+            for one in op.covers():  # a W of several micro-batches: each of them
+                key = (one.kind, s, one.micro, one.chunk, one.part)
+                assert key not in seen, f"{key} runs twice (ticks {seen[key]} and {t})"
+                assert _ready(one, s, p, v, earlier, split, t, latency), f"{key} at tick {t} runs before its inputs"
+                seen[key] = t
     expected = {(k, s, j, c, i) for k in kinds for s in range(p) for j in range(m) for c in range(v)
                 for i in range(parts if k == W else 1)}
     missing, extra = sorted(expected - set(seen))[:4], sorted(set(seen) - expected)[:4]
@@ -451,7 +480,7 @@ def in_flight(table: list[list[Op | None]]) -> list[int]:
                 live[s] += 1
                 peak[s] = max(peak[s], live[s])
             elif op is not None and op.kind == release and op.part == last:
-                live[s] -= 1
+                live[s] -= op.span
     return peak
 
 

@@ -72,6 +72,9 @@ class SlotPlan:
     # weight slots are carried: a record held in the loop's state would be held twice, in its slot and
     # in the put the switch returns (XLA gives a conditional's output a buffer of its own).
     handoff: bool = False
+    # handoff: a loop step is `span` F and B ticks in turn, then W's parts, each W covering the step's B's
+    # (`schedules.aligned`): W's switch reads the `span` records B's switches hand it
+    span: int = 1
 
     @property
     def gemms(self) -> bool:
@@ -102,8 +105,8 @@ class SlotPlan:
         1F1B's temporaries, not zero bubble's: the tiny model overlapped, 86.4 -> 79.6 MiB against
         86.6)."""
         step = 1 if self.pairs is None else 2  # outside the range of gradients
-        if self.handoff:  # forwards, backwards, then W's parts: each position its kind's branches
-            return ((0, self.ticks, (BACKWARD, WEIGHTS) + (BRANCHES,) * self.weight_parts),)
+        if self.handoff:  # forwards and backwards in turn, then W's parts: each position its kind's branches
+            return ((0, self.ticks, (BACKWARD, WEIGHTS) * self.span + (BRANCHES,) * self.weight_parts),)
         if self.chunks == 1:
             return ((0, self.ticks, (BRANCHES,) * step),)
         grads = (self.program[:, :, 0] >= BACKWARD).any(axis=1)
@@ -163,19 +166,25 @@ def _put_slots(ticks: int, p: int, live: list[list[tuple[int, int, int]]]) -> tu
 
 @functools.lru_cache(maxsize=256)
 def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "gemms",
-              weight_parts: int = 1, latency: int = 0, inputs_at_b: bool = False) -> SlotPlan:
+              weight_parts: int = 1, latency: int = 0, inputs_at_b: bool = False, span: int = 1) -> SlotPlan:
     """The executable program of `schedule`'s table (see `SlotPlan`). A W in parts keeps what it reads
-    until its last part (the table's later ticks overwrite the earlier in `when`). Built once per
+    until its last part (the table's later ticks overwrite the earlier in `when`). `span`: the
+    micro-batches a W covers where B hands W its records (`SlotPlan.span`; 1 elsewhere). Built once per
     arguments (the planner's search asks for the same few thousands of times): its program is read-only."""
     split = schedule in schedules.SPLIT_BACKWARD
     inputs_at_b = inputs_at_b and split and split_backward == "gemms"
-    table = schedules.executed(schedule, p, m, v, weight_parts, latency, schedules.defers_w(latency, inputs_at_b))
-    handoff = inputs_at_b and latency > 0 and _hands_off(table, weight_parts)  # no `pairs` (two-tick steps)
+    defer_w = schedules.defers_w(latency, inputs_at_b)
+    span = 1 if defer_w else span
+    table = schedules.executed(schedule, p, m, v, weight_parts, latency, defer_w, span)
+    handoff = inputs_at_b and latency > 0 and _hands_off(table, weight_parts, span)  # no `pairs` (two-tick steps)
     if handoff:  # whole steps of the kinds' round: idle ticks at the end
-        table = table + ((None,) * p,) * (-len(table) % (2 + weight_parts))
+        table = table + ((None,) * p,) * (-len(table) % (2 * span + weight_parts))
+    elif span > 1:
+        raise ValueError(f"{schedule}: a W of {span} micro-batches needs B to hand it their records")
     sends = None if latency else parity_sends(schedule, p, m, v, weight_parts)  # overlapped: they hide anyway
     arrive = 0.5 + latency  # after the tick that sends (latency 1: at the end of the next one)
-    when = {(op.kind, s, op.micro, op.chunk): t for t, row in enumerate(table) for s, op in enumerate(row) if op}
+    when = {(one.kind, s, one.micro, one.chunk): t for t, row in enumerate(table) for s, op in enumerate(row) if op
+            for one in op.covers()}
     stash_iv = [[] for _ in range(p)]
     weight_iv = [[] for _ in range(p)]
     inbox_f_iv = [[] for _ in range(p)]
@@ -273,13 +282,14 @@ def slot_plan(schedule: str, p: int, m: int, v: int = 1, split_backward: str = "
     program.flags.writeable = False
     return SlotPlan(program, n_stash, n_weight, n_f, n_b, split, wraps=v > 1, split_backward=split_backward,
                     weight_parts=weight_parts, latency=latency, pairs=pairs, chunks=v, inputs_at_b=inputs_at_b,
-                    handoff=handoff)
+                    handoff=handoff, span=span if handoff else 1)
 
 
-def _hands_off(table, weight_parts: int) -> bool:
-    """Whether every tick t of `table` runs only operations of kind (F, B, W, ...)[t % (2 + weight_parts)]
-    and every B's W parts run on its stage in the ticks right after it (`SlotPlan.handoff`)."""
-    kinds = (schedules.F, schedules.B) + (schedules.W,) * weight_parts
+def _hands_off(table, weight_parts: int, span: int = 1) -> bool:
+    """Whether every tick t of `table` runs only operations of kind ((F, B) * span + (W,) * weight_parts)[t %
+    (2 span + weight_parts)] and every B's W parts run on its stage in the W ticks of the same round
+    (`SlotPlan.handoff`)."""
+    kinds = (schedules.F, schedules.B) * span + (schedules.W,) * weight_parts
     for t, row in enumerate(table):
         for s, op in enumerate(row):
             if op is None:
@@ -287,8 +297,10 @@ def _hands_off(table, weight_parts: int) -> bool:
             if op.kind != kinds[t % len(kinds)]:
                 return False
             if op.kind == schedules.B:
-                after = [table[t + i][s] if t + i < len(table) else None for i in range(1, weight_parts + 1)]
-                if after != [schedules.Op(schedules.W, op.micro, op.chunk, i) for i in range(weight_parts)]:
+                first_w = t - t % len(kinds) + 2 * span
+                ws = [table[first_w + i][s] if first_w + i < len(table) else None for i in range(weight_parts)]
+                if not all(w is not None and w.kind == schedules.W and w.part == i and w.chunk == op.chunk
+                           and w.micro <= op.micro < w.micro + w.span for i, w in enumerate(ws)):
                     return False
     return True
 

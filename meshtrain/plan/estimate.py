@@ -168,11 +168,16 @@ def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu,
     if sizes["stage"] > 1:  # the loop as executed in lock-step (`parallel.cost`), not the table's formula
         p, m, v = sizes["stage"], run.microbatches, run.pipeline_repeats
         flops = compute - m * accumulate
+        span = run.pipeline.span
         costs = cost.BranchCosts.analytic(flops / (m * (3 + passes)), recompute_share=passes,
                                           recompute=remat != "none", split_backward=run.split_backward,
-                                          accumulate=accumulate)
-        bubble = cost.step_time(run.pipeline_schedule, p, m, v, costs, run.weight_parts,
-                                overlap=run.overlap_transfers, defer_w=run.pipeline.defers_w).seconds - compute
+                                          accumulate=accumulate, weight_span=span)
+        executed = cost.step_time(run.pipeline_schedule, p, m, v, costs, run.weight_parts,
+                                  overlap=run.overlap_transfers, defer_w=run.pipeline.defers_w, span=span)
+        # a W over several micro-batches adds to the gradient sums once for them all
+        compute -= cost.step_time(run.pipeline_schedule, p, m, v, costs, run.weight_parts,
+                                  overlap=run.overlap_transfers, defer_w=run.pipeline.defers_w).work - executed.work
+        bubble = executed.seconds - compute
         # the stage-to-stage permutes priced inside the loop: after each tick's (slot's) operation, or with
         # `pipeline.overlap_transfers` beside the next one's, hidden where that lasts longer (the H100 compile
         # of 405B in 2 interleaved chunks a stage has every permute with compute beside it: docs/405b.md)
@@ -183,7 +188,7 @@ def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu,
         per_tick = permutes / link / count * in_tick
         moved = cost.step_time(run.pipeline_schedule, p, m, v, dataclasses.replace(costs, transfer=per_tick),
                                run.weight_parts, overlap=run.overlap_transfers,
-                               defer_w=run.pipeline.defers_w).seconds
+                               defer_w=run.pipeline.defers_w, span=span).seconds
         exposed["stage"] = moved - compute - bubble + exposed.get("stage", 0.0) - permutes / link
     step = compute + bubble + sum(exposed.values())
     fits = mem["total"] <= gpu.usable_bytes

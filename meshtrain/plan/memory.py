@@ -138,6 +138,7 @@ class Step:
     layers_per_stage: tuple[int, ...] = ()  # `pipeline.layers_per_stage` as given (() = the default split)
     scheduler_slop: int = mesh_lib.XLA_DEFAULT_SLOP  # `train.xla_gpu_memory_limit_slop_factor`
     overlap_transfers: bool = False  # `pipeline.overlap_transfers`
+    weight_span: int = 1  # `pipeline.weight_span`
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict, sizes: dict[str, int]) -> Step:
@@ -146,7 +147,7 @@ class Step:
                    config.pipeline.repeats, config.pipeline.schedule, config.pipeline.split_backward,
                    config.pipeline.weight_parts, config.attention.ulysses_degree,
                    tuple(config.pipeline.layers_per_stage), config.train.xla_gpu_memory_limit_slop_factor,
-                   config.pipeline.overlap_transfers)
+                   config.pipeline.overlap_transfers, config.pipeline.weight_span)
 
     @functools.cached_property
     def pipeline(self):
@@ -161,7 +162,7 @@ class Step:
         return Pipeline.of(self.pipeline_schedule, self.sizes["stage"], self.microbatches, self.pipeline_repeats,
                            m.n_layers // unit, (n // unit for n in self.layers_per_stage),
                            split_backward=self.split_backward, weight_parts=self.weight_parts,
-                           overlap=self.overlap_transfers,
+                           weight_span=self.weight_span, overlap=self.overlap_transfers,
                            inputs_at_b=inputs_at_b(self.split_backward, m.remat_policy, self.overlap_transfers))
 
     @functools.cached_property
@@ -365,8 +366,9 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
         # gradients in the same bytes, beside its matmuls' inputs; the table's peak of them and the slot
         # the tick writes after its switch (`pipeline_tables._TableWork`, `SlotUnion`; no trash slot:
         # `slot_program._put_slots`)
-        # (`SlotPlan.handoff`: B's switch hands its record to the W ticks of the same loop step, held once)
-        slots = 1 if run.pipeline.plan.handoff else run.pipeline.plan.weight_slots + 1
+        # (`SlotPlan.handoff`: B's switch hands its record to the W ticks of the same loop step, held once;
+        # a W over `span` micro-batches reads the records of the step's `span` B's)
+        slots = run.pipeline.plan.span if run.pipeline.plan.handoff else run.pipeline.plan.weight_slots + 1
         inputs, grads = _split_per_layer(run, t)
         # `pipeline_tables.SlotUnion` shares buffers of one shape and dtype: under selective and full
         # remat the residuals kept are matmul outputs and the layer input, the output gradients' shapes;
