@@ -20,7 +20,8 @@ Branches, per stage and micro-batch (a chunk of 1/v of the stage's layers under 
 * B split (zero_bubble): the pullback for the input gradient only (every matmul's
   weight a constant); W: each matmul's weight GEMM from its recorded input and output gradient
   (`pipeline.SplitStage`), added to the sums, run as `weight_parts` operations on slices of the
-  chunk's layers when W is the longest branch (`weight_parts` picks how many).
+  chunk's layers when W is the longest branch (`weight_parts` picks how many); overlapped, one W over
+  the `pipeline.weight_span` B's of its loop step (`BranchCosts.weights_over`: the sums added once).
 
 `BranchCosts.from_compiler` compiles each branch on one CPU device as the loops run it and prices
 it on a GPU by the roofline: the larger of XLA's FLOP count (one scanned unit's, times the stage's

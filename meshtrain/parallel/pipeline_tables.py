@@ -23,7 +23,8 @@ and written to are fixed by the table, so the loop is one program on every devic
   (`schedules.alternating`): every stage runs a forward, then every stage a backward (input and weight
   gradients in one operation), so no tick waits for a backward beside forwards.
 * zero_bubble (ZB-H1): B sends the input gradient upstream at once and W, in ticks that would
-  otherwise idle (overlapped: in the W tick right after its B, `schedules.defers_w`), computes the
+  otherwise idle (overlapped: in the W ticks of its B's loop step, over the step's B's, `schedules.defers_w`,
+  `pipeline.weight_span`), computes the
   weight gradient. Bubble (p-1)/(3m) of the ideal time, a third of
   1F1B's, with 1F1B's residuals (p micro-batches per stage at most).
 

@@ -6,7 +6,8 @@ Playbook, "Pipeline Parallelism": "GPipe", "One-forward-one-backward", "Interlea
 * F(j, c): the forward of micro-batch j through the stage's model chunk c (of v chunks; chunk c of
   stage s holds the layers of virtual stage c * p + s),
 * B(j, c): the input-gradient part of its backward (on the critical path: sent upstream at once),
-* W(j, c): the weight-gradient part (needed only by the optimizer step); under the split backward
+* W(j, c): the weight-gradient part (needed only by the optimizer step; in an aligned table it may
+  cover several micro-batches, the B's of its round: `aligned`'s `span`); under the split backward
   it may run as `weight_parts` operations W(j, c, part), each the weight GEMMs of 1/parts of the
   chunk's layers, so that a W tick is no longer than an F or B tick (`parallel/cost.py` picks the
   count from the compiler's branch costs: a W that reads and writes the float32 gradient sums costs
