@@ -145,7 +145,7 @@ def main() -> None:
             measured = 1 - m * slope / t
             costs = modeled_costs(args, m, args.stages, gpu)
             model = cost.step_time(schedule, args.stages, m, pipe.repeats, costs, pipe.weight_parts,
-                                   defer_w=pipe.defers_w, span=pipe.span)
+                                   overlap=pipe.overlap, defer_w=pipe.defers_w, span=pipe.span)
             vs = model.seconds / cost.step_time(schedules.BASELINE, args.stages, m, 1, costs).seconds
             results.append({"schedule": schedule, "stages": args.stages, "microbatches": m, "ticks": pipe.ticks,
                             "step_s": t, "bubble_measured": measured, "bubble_formula": pipe.bubble,

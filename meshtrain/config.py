@@ -266,7 +266,7 @@ def default_config() -> ml_collections.ConfigDict:
     # zero_bubble (gemms) with overlap_transfers, where B hands W its records in the same loop step: each W
     # computes the weight gradients of this many micro-batches, the B's of one round of the loop (F, B, F, B,
     # then W's parts), reading and writing the float32 gradient sums once for them all; each record is held
-    # until its round's W, one more than with 1 (llama3_8b on 4 stages: -0.4 to +1.3 GiB; 405B zero bubble
+    # until its round's W, one more than with 1 (llama3_8b on 4 stages: -0.5 to +1.3 GiB; 405B zero bubble
     # on 16 stages: 67.73 -> 83.97 GiB, over an H100: 1 holds the least). The other tables run each W on its
     # own (not read there)
     c.pipeline.weight_span = 2

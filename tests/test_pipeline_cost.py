@@ -178,7 +178,7 @@ def test_overlapped_1f1b_balances_its_slots(compiled_costs):
     parts = cost.weight_parts(compiled_costs, 2)
     base = cost.step_time("1f1b", 4, 16, 1, compiled_costs)
     one_f_one_b = cost.step_time("1f1b", 4, 16, 1, compiled_costs, overlap=True)
-    config = _scaled_tiny(4, 16)  # the table the trainer runs: overlapped, each W right after its B
+    config = _scaled_tiny(4, 16)  # overlapped, each W in its B's round (one micro-batch's: span 1)
     zero_bubble = cost.step_time("zero_bubble", 4, 16, 1, compiled_costs, parts, overlap=True,
                                  defer_w=pipeline.defers_w(config.pipeline.split_backward, config.remat.policy, True))
     print({"1f1b+overlap": round(one_f_one_b.seconds / base.seconds, 3),

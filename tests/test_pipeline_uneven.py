@@ -43,7 +43,7 @@ CASES = [
     pytest.param({"stage": 4, "data": 2}, {"pipeline.schedule": "zero_bubble", "pipeline.weight_parts": 2},
                  id="zero_bubble-w2"),
     # full remat: W's matmul inputs come from B's pullback (`SlotPlan.inputs_at_b`), in parts, overlapped: each
-    # W right after its B (`schedules.defers_w`)
+    # W in its B's loop step, over the step's B's (`schedules.defers_w`, `pipeline.weight_span`)
     pytest.param({"stage": 4, "data": 2}, {"pipeline.schedule": "zero_bubble", "pipeline.weight_parts": 2,
                                            "remat.policy": "full", "pipeline.overlap_transfers": True},
                  id="zero_bubble-w2-full-remat-overlap"),

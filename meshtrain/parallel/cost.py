@@ -91,11 +91,13 @@ class BranchCosts:
         recompute each stage from its input (any remat policy but `none`). `split_backward`
         pullback: W runs the input-gradient chain again on its way to the weights, 2F + the recompute.
         `accumulate`: seconds to add a micro-batch's weight gradients into the stage's float32 sums (the
-        backward's, or under the split W's). `weight_span`: a W over that many micro-batches adds to the
-        sums once (their GEMMs each)."""
+        backward's, or under the split W's: a read of the gradient, a read and a write of the sums).
+        `weight_span` (n): a W over n micro-batches runs their GEMMs each and adds their summed gradients
+        to the sums once: n + 2 passes over them against 3n for n adds (`pipeline_tables._combined`)."""
         r = recompute_share * forward
         w = (forward if split_backward == "gemms" else 2 * forward + r) + accumulate
-        spanned = (weight_span, weight_span * (w - accumulate) + accumulate) if weight_span > 1 else None
+        spanned = (weight_span, weight_span * (w - accumulate) + accumulate * (weight_span + 2) / 3) \
+            if weight_span > 1 else None
         return cls(forward, 2 * forward + r + accumulate, forward + r, w, transfer, recompute,
                    weight_grad_span=spanned)
 

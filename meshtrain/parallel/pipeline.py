@@ -93,7 +93,7 @@ def inputs_at_b(split_backward: str, remat_policy: str, overlap: bool) -> bool:
     """Whether the gemms split takes W's matmul inputs from B (`Pipeline.inputs_at_b`), so the records W
     reads live from B to W instead of from F:
     * under full remat, where B rebuilds the layers' forward anyway and F's stash holds only their inputs;
-    * with transfers behind compute, under every policy: there each W runs right after its B
+    * with transfers behind compute, under every policy: there each W runs in its B's round
       (`schedules.defers_w`) and B's switch hands it the record in the same loop step
       (`slot_program.SlotPlan.handoff`), so a record is held only until the step's W (which covers the
       step's `pipeline.weight_span` B's). Compiled for H100s, llama3_8b on stage 4 x fsdp 2, m 8, zero
@@ -202,8 +202,10 @@ class Pipeline:
         """Trip count of the tick loop (a slot table: one F, B or W per stage per tick; 1F1B with transfers
         behind compute and interleaved 1F1B alternate ticks of forwards and of backwards; under
         `SlotPlan.handoff` the table padded with idle ticks to whole rounds of its tick kinds)."""
-        if self.schedule in TABLE_SCHEDULES:  # the slot program only where it may pad (the planner asks often)
-            return self.plan.ticks if self.overlap and self.inputs_at_b else len(self._table)
+        if self.schedule in TABLE_SCHEDULES:  # the slot program only where it may pad (the planner asks often:
+            # 1F1B over 512 micro-batches builds its program in 40 s)
+            hands = self.schedule in SPLIT_BACKWARD and self.split_backward == "gemms" and not self.defers_w
+            return self.plan.ticks if hands else len(self._table)
         return self.repeats * self.microbatches + self.stages - 1
 
     @property

@@ -463,7 +463,8 @@ class _TableWork:
                 w = {**w, FP8: fp8_lib.for_grad(w[FP8])}
             return self.split.weights(w, inputs, x, mb["positions"], mb["segment_ids"], start)
         g_w = None
-        for inputs, dys in zip(held["inputs"], held["dys"], strict=True):  # a micro-batch a record
+        # a micro-batch a record; the positions are those of `j` for every one, which no weight GEMM reads
+        for inputs, dys in zip(held["inputs"], held["dys"], strict=True):
             _, pullback = jax.vjp(lambda w, inputs=inputs: outputs(w, inputs), w)
             (g,) = pullback(dys)
             g_w = g if g_w is None else _combined(g_w, g)
@@ -600,7 +601,7 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
         return (c, buffers, inbox_f, inbox_b, embedded, sent), handed
 
     def ticks(carry, programs, sizes):  # a loop step: one tick, two from an even tick (parities 0, 1), or
-        handed = None  # one round of F, B and W's parts (`SlotPlan.handoff`: B's record, to the W ticks)
+        handed = None  # `span` F and B ticks, then W's parts (`SlotPlan.handoff`: B's records, to the W ticks)
         for parity, size in enumerate(sizes):
             carry, handed = tick(carry, programs[parity], parity, size, handed)
         return carry, None

@@ -29,8 +29,8 @@ Bubble ratios (idle time of a stage over its busy time, F = B = W = one unit):
 
 Activations held: a stage holds a micro-batch's activations from its F to its W. 1f1b holds at most
 p - s on stage s, zero_bubble at most p on every stage (1F1B's peak: ZB-H1's "same memory as
-1F1B"; `defers_w` false, each W right after its B: one B-to-W record, and overlapped 2(p - s) - 1, the
-overlapped 1F1B's), interleaved_1f1b at
+1F1B"; `defers_w` false, each W in its B's round: one B-to-W record, and overlapped 2(p - s) - 1, the
+overlapped 1F1B's, to their B's, 2(p - s) to W with W's over two B's: `aligned`), interleaved_1f1b at
 most (p - s - 1) * 2 + (v - 1) * p + 1 chunk activations, each 1/v of a stage's layers: about
 (1 + (p - 1)/(v p)) times 1F1B's, independent of m. `in_flight` counts them from the table.
 """
@@ -221,7 +221,10 @@ def _alternating_table(schedule: str):
 
 def _zero_bubble_table(p: int, m: int, v: int, weight_parts: int, latency: int,
                        defer_w: bool, span: int = 1) -> list[list[Op | None]]:
-    """`aligned` with transfers behind compute, else `simulate`'s."""
+    """`aligned` with transfers behind compute, else `simulate`'s (each W its own micro-batch's)."""
+    if span > 1 and not latency:
+        raise ValueError(f"zero_bubble: a W over {span} micro-batches runs in aligned ticks (transfers behind "
+                         "compute) only")
     if latency:
         return aligned("zero_bubble", p, m, weight_parts, latency, defer_w, span)
     return simulate("zero_bubble", p, m, v, weight_parts, latency, defer_w)
@@ -333,7 +336,8 @@ def aligned(schedule: str, p: int, m: int, weight_parts: int = 1, latency: int =
     F, a B tick a B and a W tick a W, and every stage works in each (F + B + W a micro-batch, 1F1B's
     F + B). The doubled warm-up is what keeps every stage busy in them (the first backward reaches stage
     s three ticks a hop later than in `simulate`'s table); it holds what the overlapped loop holds anyway,
-    2p - 1 - s micro-batches on stage s with ZB-H1's deferred W's, 2(p - s) - 1 without (`defers_w`).
+    2p - 1 - s micro-batches on stage s with ZB-H1's deferred W's, 2(p - s) - 1 without (`defers_w`),
+    each until its B (until W, `in_flight`: one more with `span` 2).
     A result reaches its neighbour's next tick of the same kind three
     ticks later, so a transfer sent while the next tick computes (`latency` 1) arrives in time: the orders
     are those of latency 1 whatever `latency` is, and `latency` only sets what `check`-style readiness the

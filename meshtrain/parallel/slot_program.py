@@ -66,9 +66,9 @@ class SlotPlan:
     # or handed over (`handoff`); the stash holds the residuals from F to B only. Otherwise F records
     # them, and each record lives from F to W.
     inputs_at_b: bool = False
-    # inputs_at_b in an aligned table whose every W runs right after its B (`schedules.defers_w`): a loop
-    # step is one round of the table's tick kinds (F, B, W's parts), each tick a switch over the branches
-    # of its kind only, and B's switch hands its record straight to the W ticks of the same step. No
+    # inputs_at_b in an aligned table whose every W runs in its B's round (`schedules.defers_w`): a loop
+    # step is one round of the table's tick kinds (F, B, ..., W's parts: `span`), each tick a switch over the
+    # branches of its kind only, and B's switches hand their records straight to the W ticks of the step. No
     # weight slots are carried: a record held in the loop's state would be held twice, in its slot and
     # in the put the switch returns (XLA gives a conditional's output a buffer of its own).
     handoff: bool = False
