@@ -160,6 +160,7 @@ def main() -> None:
 
 
 _COSTS: dict[tuple, cost.BranchCosts] = {}
+SPAN = 2  # `pipeline.weight_span` the modeled table weighs against one W a micro-batch
 
 
 def modeled_costs(args, m: int, p: int, gpu) -> cost.BranchCosts:
@@ -169,6 +170,7 @@ def modeled_costs(args, m: int, p: int, gpu) -> cost.BranchCosts:
     if key not in _COSTS:
         config = make_config(args, schedules.BASELINE, m, stages=p)
         config.model.dtype = "bfloat16"
+        config.pipeline.weight_span = SPAN  # the W over two micro-batches priced too, for the split's pick
         sizes = {**{a: 1 for a in config_lib.MESH_AXES}, "stage": p}
         if args.compiled:
             from meshtrain import aot
@@ -183,13 +185,15 @@ def modeled_costs(args, m: int, p: int, gpu) -> cost.BranchCosts:
 
 def print_modeled(args, stages: list[int], ms: list[int]) -> None:
     """The modeled GPU step of every schedule for each (p, m): seconds, units of F, ratio to 1f1b. The
-    split schedules run W in the parts the model picks for their chunk's layers (`cost.weight_parts`)."""
+    split schedules run W in the parts the model picks for their chunk's layers (`cost.weight_parts`), and
+    where W's take B's records in their loop step (overlapped zero bubble) over one or two micro-batches,
+    whichever the model finds faster (`cost.fastest_split`; `pipeline.weight_span`)."""
     gpu, rows = hardware.get_gpu(args.gpu), []
     how = "kernel by kernel from its GPU compile" if args.compiled else "by the whole-branch roofline"
     print(f"modeled on {gpu.name} ({how}): micro-batch {args.rows} x {args.seq_len} tokens, d_model {args.d_model}, "
           f"{args.layers} layers, bf16, interleaved v=2")
-    print(f"{'p':>2} {'m':>3} {'schedule':24} {'W parts':>7} {'ticks':>5} {'step ms':>8} {'units':>7} "
-          f"{'vs 1f1b':>8} {'busy':>6}")
+    print(f"{'p':>2} {'m':>3} {'schedule':24} {'W parts':>7} {'W span':>6} {'ticks':>5} {'step ms':>8} "
+          f"{'units':>7} {'vs 1f1b':>8} {'busy':>6}")
     for p in stages:
         for m in ms:
             costs = modeled_costs(args, m, p, gpu)
@@ -201,17 +205,15 @@ def print_modeled(args, stages: list[int], ms: list[int]) -> None:
                 v = 2 if schedule in pipeline.CHUNKED_SCHEDULES else 1
                 c = make_config(args, schedule, m, stages=p)  # the table the trainer runs (W deferred or not)
                 split, policy = c.pipeline.split_backward, c.remat.policy
-                span = pipeline.w_span(schedule, split, policy, overlap, c.pipeline.weight_span)
-                parts = (cost.weight_parts(costs, args.layers // (p * v), span)
-                         if schedule in pipeline.SPLIT_BACKWARD else 1)
-                e = cost.step_time(schedule, p, m, 2, costs, parts, overlap=overlap,
-                                   defer_w=pipeline.defers_w(split, policy, overlap), span=span)
+                spans = tuple(sorted({1, pipeline.w_span(schedule, split, policy, overlap, SPAN)}))
+                span, parts, e = cost.fastest_split(schedule, p, m, 2, costs, args.layers // (p * v), overlap,
+                                                    pipeline.defers_w(split, policy, overlap), spans)
                 name = schedule + ("+overlap" if overlap else "")
                 rows.append({"stages": p, "microbatches": m, "schedule": name, "weight_parts": parts,
                              "weight_span": span,
                              "ticks": e.ticks, "seconds": e.seconds, "units": e.seconds / costs.forward,
                              "vs_1f1b": e.seconds / base, "busy": e.efficiency})
-                print(f"{p:2d} {m:3d} {name:24} {parts:7d} {e.ticks:5d} {e.seconds * 1e3:8.3f} "
+                print(f"{p:2d} {m:3d} {name:24} {parts:7d} {span:6d} {e.ticks:5d} {e.seconds * 1e3:8.3f} "
                       f"{e.seconds / costs.forward:7.1f} {e.seconds / base:8.3f} {e.efficiency:6.1%}")
     units = costs.units()
     print(f"branch costs (units of F): fused backward {units.backward:.2f}, split forward {units.forward_split:.2f}, "

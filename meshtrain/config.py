@@ -266,10 +266,11 @@ def default_config() -> ml_collections.ConfigDict:
     # zero_bubble (gemms) with overlap_transfers, where B hands W its records in the same loop step: each W
     # computes the weight gradients of this many micro-batches, the B's of one round of the loop (F, B, F, B,
     # then W's parts), reading and writing the float32 gradient sums once for them all; each record is held
-    # until its round's W, one more than with 1 (llama3_8b on 4 stages: -0.5 to +1.3 GiB; 405B zero bubble
-    # on 16 stages: 67.73 -> 83.97 GiB, over an H100: 1 holds the least). The other tables run each W on its
-    # own (not read there)
-    c.pipeline.weight_span = 2
+    # until its round's W, one more than with 1. 2 is faster where W is bound by those sums (micro-batches
+    # of a few hundred tokens) and costs a record (llama3_8b on 4 stages, jax 0.10.2: -0.5 to +1.3 GiB, 2%
+    # faster; jax 0.12: +1.5 GiB, 0.3%; 405B zero bubble on 16 stages: 67.73 -> 83.97 GiB, over an H100);
+    # `bench/pipeline.py --modeled` prints the span the model picks. The other tables run each W on its own
+    c.pipeline.weight_span = 1
     # 1f1b, interleaved_1f1b, zero_bubble: send each tick's activations and gradients while the next tick
     # computes (they are read a tick later), so no transfer waits on the critical path; the price is a hop of
     # two ticks per stage: a deeper warm-up, more micro-batches in flight (1f1b: 2(p - s) - 1 on stage s);

@@ -150,9 +150,13 @@ CASES = [
     _case("pipeline", {"stage": 4, "fsdp": 2}, **{"pipeline.schedule": "zero_bubble", "train.zero_stage": 3,
                                                   "pipeline.overlap_transfers": True, "pipeline.weight_parts": 2,
                                                   "remat.policy": "full"}),
-    # ... under the default remat: W's inputs from B there too, handed over in the loop step
+    # ... under the default remat: W's inputs from B there too, handed over in the loop step; and each W over
+    # the two B's of its loop step (test_pipeline_tables.test_weight_span_equals_single_device)
     _case("pipeline", {"stage": 4, "data": 2}, **{"pipeline.schedule": "zero_bubble",
                                                   "pipeline.overlap_transfers": True}),
+    _case("pipeline", {"stage": 2, "data": 2, "tensor": 2}, **{"pipeline.schedule": "zero_bubble",
+                                                               "pipeline.overlap_transfers": True,
+                                                               "pipeline.weight_span": 2}),
     # test_moe_train: expert parallelism alone, with data (the README's command), tensor, accumulation
     _case("moe", {"expert": 8}),
     _case("moe", {"expert": 4, "data": 2}),

@@ -429,7 +429,9 @@ def test_zero_bubble_holds_at_most_one_stash_more_than_1f1b(overlap):
     1F1B's (with the same `pipeline.overlap_transfers`) plus one micro-batch's stash, the residuals a
     stage keeps from F to B (`pipeline_tables.SlotUnion`: the output gradients take the residuals'
     bytes once B has read them). Overlapped, with one W a micro-batch (`pipeline.weight_span=1`, the
-    least memory); the default W over the two B's of a loop step holds at most one W record more."""
+    least memory, the default); a W over the two B's of a loop step (`weight_span=2`), which holds the first
+    B's record until the step's W, within that bound plus one W record (the matmuls' inputs and output
+    gradients)."""
     from meshtrain.parallel import cost
     from meshtrain.plan import memory
     from tests.test_pipeline_cost import _scaled_tiny, _sizes
@@ -450,7 +452,7 @@ def test_zero_bubble_holds_at_most_one_stash_more_than_1f1b(overlap):
           "record MiB", round(record / 2**20, 2))
     assert temps["zero_bubble", 1] <= temps["1f1b", 1] + stash, (temps, stash)
     if overlap:
-        assert temps["zero_bubble", 2] <= temps["zero_bubble", 1] + record, (temps, record)
+        assert temps["zero_bubble", 2] <= temps["1f1b", 1] + stash + record, (temps, stash, record)
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])
@@ -458,8 +460,9 @@ def test_zero_bubble_at_llama3_8b_holds_1f1b_memory_and_one_record(remat):
     """Memory at real shapes (`aot.REFERENCE_MESHES` 8b-stage4-fsdp2-*-m8-overlap: llama3_8b, 4 layers on
     stage 4 x fsdp 2, batch 16, m 8, transfers overlapped), compiled for H100: zero bubble's temporaries at
     most 1F1B's plus one micro-batch's W record (its matmuls' inputs and output gradients, the planner's
-    `_split_per_layer`). B's switches hand their records to the W ticks of their loop step
-    (`SlotPlan.handoff`), whose W covers the step's two B's (`pipeline.weight_span`)."""
+    `_split_per_layer`), which B's switch hands to the W ticks of its loop step (`SlotPlan.handoff`, each W
+    in its B's round). Without remat, where a micro-batch's stash already holds those inputs, at most
+    1F1B's own."""
     from meshtrain.plan import memory
 
     temps = {}
@@ -469,11 +472,13 @@ def test_zero_bubble_at_llama3_8b_holds_1f1b_memory_and_one_record(remat):
         compiled, run, _ = aot.compile_step(config, "h100", devices)
         temps[schedule] = compiled.memory_analysis().temp_size_in_bytes
     step = memory.Step.from_config(config, dict(run.sizes))  # zero bubble's
-    assert step.pipeline.plan.handoff and not step.pipeline.defers_w and step.pipeline.span == 2
+    assert step.pipeline.plan.handoff and not step.pipeline.defers_w
     inputs, grads = memory._split_per_layer(step, step.micro_tokens // step.microbatches)
     record = (inputs + grads) * step.stored_model.n_layers // step.sizes["stage"]
     print({name: round(t / 2**30, 2) for name, t in temps.items()}, "record GiB", round(record / 2**30, 2))
     assert temps["zero_bubble"] <= temps["1f1b"] + record
+    if remat == "none":
+        assert temps["zero_bubble"] <= temps["1f1b"]
 
 
 def test_schedules_priced_from_the_h100_compile_beat_1f1b():
@@ -495,7 +500,7 @@ def test_schedules_priced_from_the_h100_compile_beat_1f1b():
     interleaved = cost.step_time("interleaved_1f1b", 4, 16, 2, costs).seconds / base
     from meshtrain.parallel import pipeline as pipeline_lib
 
-    config = _scaled_tiny(4, 16)  # the table the trainer runs: overlapped, W's over their loop step's B's
+    config = _scaled_tiny(4, 16)  # the table the trainer runs: overlapped, each W in its B's round
     split, policy = config.pipeline.split_backward, config.remat.policy
     deferred = pipeline_lib.defers_w(split, policy, True)
     span = pipeline_lib.w_span("zero_bubble", split, policy, True, config.pipeline.weight_span)

@@ -73,8 +73,11 @@ def _scaled_tiny(p: int, m: int, seq_len: int = 128):
 
 @pytest.fixture(scope="module")
 def compiled_costs() -> cost.BranchCosts:
-    """One stage's branches at the acceptance point: p=4, m=16, one row of the tiny config's 128 tokens."""
-    return cost.BranchCosts.from_compiler(_scaled_tiny(4, 16), _sizes(stage=4), hardware.get_gpu("h100"))
+    """One stage's branches at the acceptance point: p=4, m=16, one row of the tiny config's 128 tokens (and
+    the W over two micro-batches, `pipeline.weight_span=2`)."""
+    config = _scaled_tiny(4, 16)
+    config.pipeline.weight_span = 2
+    return cost.BranchCosts.from_compiler(config, _sizes(stage=4), hardware.get_gpu("h100"))
 
 
 def test_the_compiler_prices_the_branches_as_implemented(compiled_costs):
@@ -192,8 +195,10 @@ def test_a_w_over_two_microbatches_reads_and_writes_the_sums_once(compiled_costs
     """`pipeline.weight_span` at the acceptance point (the compiler's costs, where W is bound by its float32
     gradient sums): a W over two micro-batches' records costs more than one W and less than two, and the
     overlapped zero bubble the trainer runs (a W over the two B's of each loop step) takes less than with
-    one W a micro-batch and than ZB-H1's W's deferred, each W in the parts that balance its ticks."""
+    one W a micro-batch and than ZB-H1's W's deferred, each W in the parts that balance its ticks; the
+    benchmark's pick (`cost.fastest_split`) is the span of two."""
     config = _scaled_tiny(4, 16)
+    config.pipeline.weight_span = 2
     span = pipeline.w_span("zero_bubble", config.pipeline.split_backward, config.remat.policy, True,
                            config.pipeline.weight_span)
     assert span == 2 and compiled_costs.weight_grad_span[0] == span
@@ -207,6 +212,8 @@ def test_a_w_over_two_microbatches_reads_and_writes_the_sums_once(compiled_costs
     steps = {"span 2": zero_bubble(2), "span 1": zero_bubble(1), "deferred": zero_bubble(1, defer_w=True)}
     print({name: round(step, 3) for name, step in steps.items()})
     assert steps["span 2"] < steps["deferred"] < steps["span 1"]
+    picked = cost.fastest_split("zero_bubble", 4, 16, 1, compiled_costs, 2, True, False, (1, 2))
+    assert picked[0] == 2 and picked[2].seconds / base == pytest.approx(steps["span 2"])
 
 
 def test_weight_parts_balance_w_against_f_and_b():

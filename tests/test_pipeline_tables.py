@@ -65,9 +65,9 @@ def test_overlapped_transfers_equal_single_device(case):
                                             **{"pipeline.overlap_transfers": True}))
 
 
-# `pipeline.weight_span`: each W over the B's of its loop step (the overlapped zero bubble's default, 2, in the
-# cases above); one W a micro-batch; three, in parts (4 micro-batches: W's over 1, 2 and 3 of them)
-SPANS = [("zero_bubble", {"stage": 2, "data": 2, "tensor": 2}, 1, 1, 1, 4, 8),
+# `pipeline.weight_span`: each W over the B's of its loop step (one W a micro-batch, the default, in the cases
+# above); two; three, in parts (4 micro-batches: W's over 1, 2 and 3 of them)
+SPANS = [("zero_bubble", {"stage": 2, "data": 2, "tensor": 2}, 1, 2, 1, 4, 8),
          ("zero_bubble", {"stage": 4, "fsdp": 2}, 3, 3, 2, 4, 8)]
 
 

@@ -69,7 +69,8 @@ def shape_config(model, tokens: int, p: int, m: int, impl: str = "xla"):
     c.model.dtype = "bfloat16"
     c.attention.impl = impl
     c.train.update(batch_size=m, seq_len=tokens)
-    c.pipeline.update(schedule=schedules.BASELINE, microbatches=m)
+    # weight_span 2: the W over two micro-batches' records priced too (`modeled_rows` weighs it)
+    c.pipeline.update(schedule=schedules.BASELINE, microbatches=m, weight_span=2)
     return c
 
 
@@ -83,8 +84,8 @@ def gpu_entry(device):
 
 def modeled_rows(costs, p: int, m: int, layers: int, config) -> dict[str, float]:
     """{schedule (+overlap): modeled step / 1f1b's} for `costs` (interleaved v=2, W in balanced parts), each
-    table as the trainer runs it under `config`'s remat and split (W deferred or not, over how many
-    micro-batches)."""
+    table as the trainer runs it under `config`'s remat and split (W deferred or not; overlapped zero bubble
+    over one or two micro-batches, whichever is faster where `costs` prices both: `cost.fastest_split`)."""
     from meshtrain.parallel import cost, pipeline
 
     base = cost.step_time(schedules.BASELINE, p, m, 1, costs).seconds
@@ -93,11 +94,10 @@ def modeled_rows(costs, p: int, m: int, layers: int, config) -> dict[str, float]
         for overlap in (False, True) if name in pipeline.OVERLAPPING else (False,):
             v = 2 if name in pipeline.CHUNKED_SCHEDULES else 1
             deferred = pipeline.defers_w(config.pipeline.split_backward, config.remat.policy, overlap)
-            span = pipeline.w_span(name, config.pipeline.split_backward, config.remat.policy, overlap,
-                                   config.pipeline.weight_span)
-            parts = cost.weight_parts(costs, layers // (p * v), span) if name in pipeline.SPLIT_BACKWARD else 1
-            out[name + ("+overlap" if overlap else "")] = cost.step_time(name, p, m, 2, costs, parts, overlap=overlap,
-                                                                         defer_w=deferred, span=span).seconds / base
+            spans = (1,) if costs.weight_grad_span is None else tuple(sorted({1, pipeline.w_span(
+                name, config.pipeline.split_backward, config.remat.policy, overlap, costs.weight_grad_span[0])}))
+            *_, executed = cost.fastest_split(name, p, m, 2, costs, layers // (p * v), overlap, deferred, spans)
+            out[name + ("+overlap" if overlap else "")] = executed.seconds / base
     return out
 
 

@@ -431,6 +431,21 @@ def _table_rows(schedule: str, p: int, m: int, v: int, weight_parts: int, latenc
     return tuple(kinds.items()), sum(op.kind == schedules.W for row in table for op in row if op is not None)
 
 
+def fastest_split(schedule: str, p: int, m: int, v: int, costs: BranchCosts, units: int, overlap: bool,
+                  defer_w: bool, spans: tuple[int, ...] = (1,)) -> tuple[int, int, Execution]:
+    """(span, W parts, its step) of the fastest of `spans` (each with the parts `weight_parts` picks for it)
+    for a split schedule; (1, 1, the step) for the others. A span over 1 runs only where W's take B's
+    records in their loop step (`pipeline.w_span`); `costs` must price it (`BranchCosts.weights_over`)."""
+    if schedule not in schedules.SPLIT_BACKWARD:
+        return 1, 1, step_time(schedule, p, m, v, costs, overlap=overlap, defer_w=defer_w)
+    runs = []
+    for span in spans:
+        parts = weight_parts(costs, units, span)
+        runs.append((span, parts, step_time(schedule, p, m, v, costs, parts, overlap=overlap, defer_w=defer_w,
+                                            span=span)))
+    return min(runs, key=lambda run: (run[2].seconds, run[0]))
+
+
 def weight_parts(costs: BranchCosts, units: int, span: int = 1) -> int:
     """The W parts that balance a split schedule's ticks: W (over `span` micro-batches) cut into the divisor
     of the chunk's `units` scanned units nearest W's cost over the longer of F and B (1 when W is no longer
