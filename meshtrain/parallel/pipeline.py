@@ -165,11 +165,15 @@ class Pipeline:
         return schedules.defers_w(int(self.overlap), self.inputs_at_b)
 
     @property
+    def hands_over(self) -> bool:
+        """Whether each W runs in its B's loop step, handed B's records (the split's gemms W, transfers
+        behind compute: `slot_program.SlotPlan.handoff`)."""
+        return self.schedule in SPLIT_BACKWARD and self.split_backward == "gemms" and not self.defers_w
+
+    @property
     def span(self) -> int:
-        """Micro-batches one W covers: `weight_span` where each W runs in its B's loop step, handed B's
-        records (the split's gemms W, transfers behind compute: `slot_program.SlotPlan.handoff`), else 1."""
-        hands = self.schedule in SPLIT_BACKWARD and self.split_backward == "gemms" and not self.defers_w
-        return self.weight_span if hands else 1
+        """Micro-batches one W covers: `weight_span` where W's are handed B's records (`hands_over`), else 1."""
+        return self.weight_span if self.hands_over else 1
 
     @functools.cached_property
     def _table(self):
@@ -204,8 +208,7 @@ class Pipeline:
         `SlotPlan.handoff` the table padded with idle ticks to whole rounds of its tick kinds)."""
         if self.schedule in TABLE_SCHEDULES:  # the slot program only where it may pad (the planner asks often:
             # 1F1B over 512 micro-batches builds its program in 40 s)
-            hands = self.schedule in SPLIT_BACKWARD and self.split_backward == "gemms" and not self.defers_w
-            return self.plan.ticks if hands else len(self._table)
+            return self.plan.ticks if self.hands_over else len(self._table)
         return self.repeats * self.microbatches + self.stages - 1
 
     @property
