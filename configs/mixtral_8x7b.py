@@ -26,6 +26,7 @@ def get_config():
     c.model.moe_every = 1
     c.model.moe_mlp_dim = 14336
     c.model.moe_dropless = True
+    c.model.moe_exchange_factor = 2.0  # a device takes up to twice its balanced load (the rest is dropped, counted)
     c.model.aux_loss_weight = 0.02
     c.model.router_z_loss_weight = 0.001
     c.train.seq_len = 4096

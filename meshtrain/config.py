@@ -93,6 +93,40 @@ def attention_impl(config: ml_collections.ConfigDict, platform: str) -> str:
     return "cudnn" if platform == "gpu" and serves else "xla"
 
 
+MOE_MATMULS = ("auto", "ragged_dot", "pallas")
+MOE_EXCHANGES = ("auto", "all_to_all", "ragged")
+
+
+def moe_matmul(config: ml_collections.ConfigDict, platform: str) -> str:
+    """`model.moe_matmul` as a step on `platform`'s devices runs it: 'auto' becomes 'pallas' (the grouped
+    matmul kernel, `pallas_kernels/grouped_matmul.py`) on a GPU where it serves (no FP8: the expert
+    matmuls' FP8 form is ragged_dot's; no pipeline stage: the MoE stage loop stays variance-checked,
+    which a `pallas_call` does not pass), else 'ragged_dot'."""
+    impl = config.model.moe_matmul
+    if impl != "auto":
+        return impl
+    serves = config.model.matmul_precision != "fp8" and int(config.mesh.stage) == 1
+    return "pallas" if platform == "gpu" and serves else "ragged_dot"
+
+
+def moe_exchange(config: ml_collections.ConfigDict, platform: str) -> str:
+    """`model.moe_exchange` as run: 'auto' becomes 'ragged' on a GPU (XLA:GPU's ragged all-to-all),
+    'all_to_all' elsewhere (XLA:CPU has no ragged all-to-all)."""
+    impl = config.model.moe_exchange
+    if impl != "auto":
+        return impl
+    return "ragged" if platform == "gpu" else "all_to_all"
+
+
+def moe_chunks(config: ml_collections.ConfigDict, platform: str) -> int:
+    """`model.moe_chunks` as run: 'auto' (0) is 2 under expert parallelism on a GPU (one chunk's exchange
+    beside the other's matmuls), else 1."""
+    chunks = int(config.model.moe_chunks)
+    if chunks:
+        return chunks
+    return 2 if platform == "gpu" and int(config.mesh.expert) != 1 else 1
+
+
 def default_config() -> ml_collections.ConfigDict:
     """Every key a run understands, with its default.
 
@@ -171,7 +205,19 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.moe_every = 1  # every this many layers is an MoE layer (divides n_layers)
     # tokens an expert takes per step, as a multiple of an even share (excess tokens are dropped)
     c.model.capacity_factor = 1.25
-    c.model.moe_dropless = False  # no capacity: every routed token is computed (ragged expert matmuls)
+    c.model.moe_dropless = False  # no capacity: every routed token is computed (grouped expert matmuls)
+    # dropless expert matmuls: auto (the Pallas grouped matmul on a GPU where it serves: no FP8, no pipeline
+    # stage; else ragged_dot), ragged_dot (jax.lax.ragged_dot), pallas (the grouped matmul kernel)
+    c.model.moe_matmul = "auto"
+    # dropless token exchange over mesh.expert: auto (ragged on a GPU, else all_to_all), ragged
+    # (jax.lax.ragged_all_to_all: each routed row once; GPU only), all_to_all (a buffer per destination)
+    c.model.moe_exchange = "auto"
+    # rows a device takes from the dropless exchange, as a multiple of its balanced load (tokens x k); rows
+    # past it are dropped and counted (moe_dropped_fraction); 0: the worst case, which never drops
+    c.model.moe_exchange_factor = 0.0
+    # slices of a device's tokens routed and exchanged one after another, so that one slice's exchange
+    # runs beside another's expert matmuls; 0: auto (2 under mesh.expert on a GPU, else 1)
+    c.model.moe_chunks = 0
     c.model.moe_mlp_dim = 0  # 0: same as mlp_dim
     c.model.shared_expert = False  # one expert every token also runs (DeepSeek-style)
     c.model.aux_loss_weight = 0.01  # weight of the load-balancing loss
@@ -351,7 +397,8 @@ def _validate_choices(config) -> None:
                          ("attention.scores_dtype", SCORES_DTYPES),
                          ("pipeline.schedule", PIPELINE_SCHEDULES), ("model.moe_balance_scope", BALANCE_SCOPES),
                          ("model.matmul_precision", MATMUL_PRECISIONS), ("model.rope_scaling", ROPE_SCALINGS),
-                         ("model.family", FAMILIES), ("data.on_bad_data", ("skip", "error"))):
+                         ("model.family", FAMILIES), ("data.on_bad_data", ("skip", "error")),
+                         ("model.moe_matmul", MOE_MATMULS), ("model.moe_exchange", MOE_EXCHANGES)):
         section, name = key.split(".")
         value = config[section][name]
         require(value in choices, key, value, f"must be one of {choices}")
@@ -371,7 +418,7 @@ def _validate_positive(config) -> None:
             value = value[part]
         require(isinstance(value, int) and value >= 1, key, value, "must be a positive integer")
     for key in ("eval_every", "eval_tasks_limit", "sample_every", "checkpoint.every", "cpu_devices",
-                "model.num_experts", "model.moe_mlp_dim", "model.sliding_window"):
+                "model.num_experts", "model.moe_mlp_dim", "model.sliding_window", "model.moe_chunks"):
         value = config
         for part in key.split("."):
             value = value[part]
@@ -501,6 +548,10 @@ class ModelConfig:
     moe_every: int = 1
     capacity_factor: float = 1.25
     moe_dropless: bool = False
+    moe_matmul: str = "ragged_dot"  # model.moe_matmul resolved (`moe_matmul`)
+    moe_exchange: str = "all_to_all"  # model.moe_exchange resolved (`moe_exchange`)
+    moe_exchange_factor: float = 0.0
+    moe_chunks: int = 1  # model.moe_chunks resolved (`moe_chunks`)
     moe_mlp_dim: int = 0
     shared_expert: bool = False
     aux_loss_weight: float = 0.01
@@ -523,5 +574,7 @@ class ModelConfig:
         resolved: `attention_impl`); the planner's default is the GPU it plans for."""
         fields = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in config.model.items() if k in fields}
+        values.update(moe_matmul=moe_matmul(config, platform), moe_exchange=moe_exchange(config, platform),
+                      moe_chunks=moe_chunks(config, platform))
         return cls(**values, remat_policy=config.remat.policy, attention_impl=attention_impl(config, platform),
                    attention_scores_dtype=config.attention.scores_dtype)

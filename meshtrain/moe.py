@@ -47,7 +47,7 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from meshtrain import fp8 as fp8_lib
+from meshtrain import fp8 as fp8_lib, moe_dropless as dropless
 from meshtrain.config import ConfigError, ModelConfig
 from meshtrain.sharding_rules import Rules, constrain
 
@@ -76,6 +76,12 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
                           f"must be >= 1 and divide model.n_layers={m.n_layers}")
     if not m.capacity_factor > 0:
         raise ConfigError("model.capacity_factor", m.capacity_factor, "must be > 0")
+    if not m.moe_exchange_factor >= 0:
+        raise ConfigError("model.moe_exchange_factor", m.moe_exchange_factor,
+                          "must be >= 0 (a multiple of a device's balanced load; 0: the worst case)")
+    if m.moe_matmul == "pallas" and m.matmul_precision == "fp8":
+        raise ConfigError("model.moe_matmul", m.moe_matmul, "the grouped matmul kernel runs in model.dtype: FP8 "
+                          "expert matmuls (model.matmul_precision='fp8') run through 'ragged_dot' (or 'auto')")
     width = expert_mlp_dim(ModelConfig.from_config(config))
     if width % sizes["tensor"]:
         raise ConfigError("model.moe_mlp_dim", m.moe_mlp_dim,
@@ -159,15 +165,6 @@ def _swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: ja
     return _expert_dot(down_dot, histories, 2, first_step)(nn.silu(gate) * up, w_down)
 
 
-def _swiglu_grouped(x: jax.Array, group_sizes: jax.Array, w_gate, w_up, w_down,
-                    histories: tuple[jax.Array, ...] = (), first_step: bool = False) -> jax.Array:
-    """Grouped SwiGLU: rows of x [M, D] sorted by expert, group_sizes [E_l]; rows past the groups give 0."""
-    ragged = fp8_lib.RAGGED_DOT  # jax.lax.ragged_dot, with an FP8 form
-    gate = _expert_dot(ragged, histories, 0, first_step)(x, w_gate, group_sizes)
-    up = _expert_dot(ragged, histories, 1, first_step)(x, w_up, group_sizes)
-    return _expert_dot(ragged, histories, 2, first_step)(nn.silu(gate) * up, w_down, group_sizes)
-
-
 def capacity_slots(experts: jax.Array, num_experts: int, cap: int, valid: jax.Array | None = None) -> jax.Array:
     """experts [b, T, k] -> slot [b, T, k] in [0, E*C]: e*C + position in e's queue, E*C if dropped.
 
@@ -212,49 +209,10 @@ def _capacity_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, cap
     return y, jnp.sum(((slot == slots) & valid[..., None]).astype(jnp.float32))
 
 
-def _dropless_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, axis, ep, histories=(), first_step=False):
-    """Sort by expert -> (exchange) -> grouped matmuls -> (exchange) -> unsort, combine. x [b, T, D]."""
-    b, t, d = x.shape
-    k = experts.shape[-1]
-    n, a = b * t, b * t * k
-    flat = experts.reshape(a)  # assignment i: token i // k
-    order = jnp.argsort(flat, stable=True)
-    tokens = x.reshape(n, d)[order // k]  # [A, D] sorted by expert
-    counts = jnp.sum(jax.nn.one_hot(flat, num_experts, dtype=jnp.int32), axis=0)  # [E]
-    if ep == 1:
-        out = _swiglu_grouped(tokens, counts, w_gate, w_up, w_down, histories, first_step)
-    else:
-        e_l = num_experts // ep
-        s = n * min(k, e_l)  # most assignments one device can send to another
-        dest = flat[order] // e_l
-        dest_counts = jnp.sum(counts.reshape(ep, e_l), axis=1)
-        send_slot = dest * s + jnp.arange(a) - (jnp.cumsum(dest_counts) - dest_counts)[dest]
-        send = jnp.zeros((ep * s, d), x.dtype).at[send_slot].set(tokens).reshape(ep, s, d)
-        recv = jax.lax.all_to_all(send, axis, split_axis=0, concat_axis=0, tiled=True)  # [ep(src), S, D]
-        recv = checkpoint_name(recv, EXCHANGE_NAMES[0])
-        all_counts = jax.lax.all_gather(counts, axis)  # [ep(src), E]
-        mine = jax.lax.dynamic_slice_in_dim(all_counts, jax.lax.axis_index(axis) * e_l, e_l, axis=1)
-        bounds = jnp.cumsum(mine, axis=1)  # [ep, E_l]
-        key = jnp.sum(jnp.arange(s)[None, :, None] >= bounds[:, None, :], axis=-1).reshape(ep * s)
-        regroup = jnp.argsort(key, stable=True)  # local expert 0..E_l-1, padding (E_l) last
-        grouped = _swiglu_grouped(recv.reshape(ep * s, d)[regroup], jnp.sum(mine, axis=0), w_gate, w_up, w_down,
-                                  histories, first_step)
-        back = grouped[_inverse(regroup)].reshape(ep, s, d)
-        ret = jax.lax.all_to_all(back, axis, split_axis=0, concat_axis=0, tiled=True)  # [ep(dest), S, D]
-        ret = checkpoint_name(ret, EXCHANGE_NAMES[1])
-        out = ret.reshape(ep * s, d)[send_slot]
-    per_choice = out[_inverse(order)].reshape(b, t, k, d)
-    return jnp.einsum("btkd,btk->btd", per_choice, weights.astype(x.dtype)), jnp.zeros((), jnp.float32)
-
-
-def _inverse(perm: jax.Array) -> jax.Array:
-    return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
-
-
 def moe_ffn(x: jax.Array, w_router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
             cfg: ModelConfig, axis: str | None = None, ep: int = 1, row_axes: tuple[str, ...] = (),
-            token_axes: tuple[str, ...] = (), valid: jax.Array | None = None,
-            histories: tuple[jax.Array, ...] = ()) -> tuple[jax.Array, dict[str, jax.Array]]:
+            token_axes: tuple[str, ...] = (), width_axes: tuple[str, ...] = (), valid: jax.Array | None = None,
+            histories: tuple[jax.Array, ...] = (), model_major: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The MoE feed-forward of one device's rows x [b, T, D] -> ([b, T, D], stats).
 
     Runs with this device's experts w_* [E_l, ...] and the exchange over `axis` (ep devices),
@@ -263,7 +221,9 @@ def moe_ffn(x: jax.Array, w_router: jax.Array, w_gate: jax.Array, w_up: jax.Arra
     statistics are summed over both, so they are those of the whole (micro-)batch. With no axes
     it is the whole single-device layer. `valid` [b, T] (bool; None: every token) marks the real
     tokens: padding takes no expert capacity (dropless: its output is weighted 0) and stays out of
-    the balance and z losses and the dropped fraction.
+    the balance and z losses and the dropped fraction. `width_axes`: the manual axes the experts'
+    width F is split over (each device holds its slice; the output's partial sums are added over them).
+    `model_major`: the weights come [D, E_l, F] each (`gathers_model_dim`).
     """
     dtype = jnp.dtype(cfg.dtype)
     valid = jnp.ones(x.shape[:2], bool) if valid is None else valid
@@ -272,12 +232,17 @@ def moe_ffn(x: jax.Array, w_router: jax.Array, w_gate: jax.Array, w_up: jax.Arra
     w = tuple(wi.astype(dtype) for wi in (w_gate, w_up, w_down))
     x = x.astype(dtype)
     if cfg.moe_dropless:
-        y, dropped = _dropless_ffn(x, weights, experts, *w, num_experts=cfg.num_experts, axis=axis, ep=ep,
-                                   histories=histories, first_step=cfg.fp8_first_step)
+        dot = dropless.GroupedDot(cfg.moe_matmul, histories=histories, first_step=cfg.fp8_first_step,
+                                  model_major=model_major)
+        y, dropped = dropless.dropless_ffn(x, weights, experts, *w, num_experts=cfg.num_experts, axis=axis, ep=ep,
+                                           dot=dot, exchange=cfg.moe_exchange, factor=cfg.moe_exchange_factor,
+                                           chunks=dropless.chunks_for(x.shape[0] * x.shape[1], cfg.moe_chunks))
     else:
         y, dropped = _capacity_ffn(x, weights, experts, *w, num_experts=cfg.num_experts,
                                    cap=capacity(cfg, x.shape[1]), axis=axis, ep=ep, valid=valid, histories=histories,
                                    first_step=cfg.fp8_first_step)
+    if width_axes:
+        y = jax.lax.psum(y, width_axes)
     return y, router_stats(logits, probs, experts, dropped, cfg.moe_balance_scope, row_axes, token_axes, valid)
 
 
@@ -318,8 +283,17 @@ def moe_reference(x: jax.Array, w_router, w_gate, w_up, w_down, k: int) -> jax.A
 # ---------------------------------------------------------------------------------------------
 
 
-def expert_parallel(cfg: ModelConfig, rules: Rules):
-    """moe_ffn on each device's rows: (x, router, w_gate, w_up, w_down) -> (y, stats).
+def gathers_model_dim(cfg: ModelConfig, rules: Rules) -> bool:
+    """Whether the grouped matmul kernel's region gathers the expert weights along their model dimension
+    D (ZeRO-3 shards it: `rules`' "embed" entry), so that they enter it D first (`grouped_matmul`'s
+    order "kgn" / "ngk"): an all-gather along the leading dimension is a copy of contiguous blocks,
+    along any other it leaves a transpose of every gathered weight to the kernel's row-major layout."""
+    kernel = cfg.num_experts and cfg.moe_dropless and cfg.moe_matmul == "pallas"
+    return bool(kernel and any(a not in rules.manual for a in rules.split_axes("embed")))
+
+
+def expert_parallel(cfg: ModelConfig, rules: Rules, model_major: bool = False):
+    """moe_ffn on each device's rows: (x, router, w_gate, w_up, w_down, valid, histories) -> (y, stats).
 
     The layer needs its batch axes (`rules`' "batch" entry: data, fsdp, expert) manual, so that
     each device routes its own rows and the tokens travel over `expert` with `all_to_all`. Inside
@@ -327,19 +301,39 @@ def expert_parallel(cfg: ModelConfig, rules: Rules):
     `shard_map` over the rest only, or none: regions compose by axis. A region manual over
     `sequence` (ring attention inside a pipeline stage) holds a slice of each row: the statistics
     are summed over it too.
+
+    The grouped matmul kernel (`model.moe_matmul='pallas'`) is a `pallas_call`, which the partitioner
+    cannot split: the region is then manual over every split axis (playbook, "Tensor Parallelism":
+    each `tensor` device runs its slice of every expert's width, the down projection's partial sums
+    added with one `psum`; each `sequence` device routes its own tokens), and unchecked.
     """
     batch_axes = rules.split_axes("batch")
-    token_axes = tuple(a for a in rules.split_axes("length") if a in rules.manual)
     axis = (rules.split_axes("act_expert") or (None,))[0]
+    kernel = cfg.moe_dropless and cfg.moe_matmul == "pallas"
+    width_axes = tuple(a for a in rules.split_axes("mlp") if a not in rules.manual) if kernel else ()
+    lengths = rules.split_axes("length")
+    token_axes = tuple(a for a in lengths if a in rules.manual or kernel)
     fn = functools.partial(moe_ffn, cfg=cfg, axis=axis, ep=rules.size(axis) if axis else 1, row_axes=batch_axes,
-                           token_axes=token_axes)
+                           token_axes=token_axes, width_axes=width_axes, model_major=model_major)
     todo = tuple(a for a in batch_axes if a not in rules.manual)
     fn = functools.partial(_with_valid, fn)
-    if not todo:
+    tokens = tuple(a for a in lengths if a not in rules.manual) if kernel else ()
+    if not (todo or tokens or width_axes):
         return fn
-    w_spec = P(axis) if axis in todo else P()
-    return jax.shard_map(fn, in_specs=(P(todo), P(), w_spec, w_spec, w_spec, P(todo), P()),
-                         out_specs=(P(todo), P()), axis_names=set(todo), check_vma=True)
+    if not kernel:
+        w_spec = P(axis) if axis in todo else P()
+        return jax.shard_map(fn, in_specs=(P(todo), P(), w_spec, w_spec, w_spec, P(todo), P()),
+                             out_specs=(P(todo), P()), axis_names=set(todo), check_vma=True)
+    rows = P(todo or None, tokens or None)
+    experts = axis if axis in todo else None
+    width = width_axes or None
+    if model_major:  # [D, E, F] each (`gathers_model_dim`)
+        w_specs = (P(None, experts, width),) * 3
+    else:
+        w_specs = (P(experts, None, width), P(experts, None, width), P(experts, width, None))
+    in_specs = (rows, P(), *w_specs, rows, P())
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=(rows, P()),
+                         axis_names=set(todo) | set(tokens) | set(width_axes), check_vma=False)
 
 
 def _with_valid(fn, x, router, w_gate, w_up, w_down, valid, histories=()):
@@ -372,7 +366,11 @@ class MoeMlp(nn.Module):
         # under FP8 one amax history per stacked expert weight (one scale for all its experts)
         histories = tuple(fp8_lib.history(self, f"expert_{n}", cfg.fp8_history)
                           for n in ("gate", "up", "down")) if cfg.matmul_precision == "fp8" else ()
-        y, stats = expert_parallel(cfg, self.rules)(x, router, w_gate, w_up, w_down, valid, histories)
+        w_gate, w_up, w_down = (w.astype(dtype) for w in (w_gate, w_up, w_down))  # gathered in dtype, not f32
+        model_major = gathers_model_dim(cfg, self.rules)
+        if model_major:  # [D, E, F]: as ZeRO-3 gathers them along D, read by the kernel without a transposed copy
+            w_gate, w_up, w_down = w_gate.transpose(1, 0, 2), w_up.transpose(1, 0, 2), w_down.transpose(2, 0, 1)
+        y, stats = expert_parallel(cfg, self.rules, model_major)(x, router, w_gate, w_up, w_down, valid, histories)
         if cfg.shared_expert:  # a dense SwiGLU every token goes through (DeepSeek-MoE)
             s_gate = self._param("shared_gate", (d, f), ("embed", "mlp")).astype(dtype)
             s_up = self._param("shared_up", (d, f), ("embed", "mlp")).astype(dtype)

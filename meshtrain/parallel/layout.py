@@ -75,6 +75,10 @@ class Layout:
         require(impl != "cudnn" or platform == "gpu", "attention.impl", impl,
                 f"cuDNN's fused attention runs on NVIDIA GPUs; this mesh's devices are {platform!r} "
                 "(attention.impl='auto' picks the einsum attention there)")
+        exchange = config_lib.moe_exchange(config, platform)
+        require(exchange != "ragged" or platform == "gpu" or not config.model.num_experts, "model.moe_exchange",
+                exchange, f"jax.lax.ragged_all_to_all runs on GPUs (XLA:CPU has none); this mesh's devices are "
+                f"{platform!r} ('auto' picks all_to_all there)")
         kernels = uses_kernels(config, sizes, platform)
         flash = ring_flash(config, sizes, platform)
         return cls(sizes=sizes, platform=platform, pipeline=pipeline_plan(config, sizes, kernels=kernels),
@@ -175,10 +179,12 @@ def ring_size(config: ml_collections.ConfigDict, sizes: Mapping[str, int]) -> in
 def uses_kernels(config: ml_collections.ConfigDict, sizes: Mapping[str, int], platform: str = "cpu") -> bool:
     """Whether the step runs kernels that declare no variance, whose manual regions then go unchecked:
     the Pallas kernels (flash attention, the fused RMSNorm or loss, ring attention's flash blocks on a
-    GPU: `ring_flash`) and cuDNN's attention calls (`attention.impl` cudnn, or auto on a GPU)."""
+    GPU: `ring_flash`), cuDNN's attention calls (`attention.impl` cudnn, or auto on a GPU) and the MoE's
+    grouped matmul kernel (`model.moe_matmul` pallas, or auto on a GPU)."""
     m = config.model
     impl = config_lib.attention_impl(config, platform)
-    named = impl in ("pallas", "cudnn") or m.fused_norm or m.fused_loss
+    grouped = bool(m.num_experts and m.moe_dropless and config_lib.moe_matmul(config, platform) == "pallas")
+    named = impl in ("pallas", "cudnn") or m.fused_norm or m.fused_loss or grouped
     return bool(named or ring_flash(config, sizes, platform))
 
 
@@ -216,6 +222,7 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     kernels = uses_kernels(config, sizes)  # ring attention keeps jnp blocks in MoE stages
     require(sizes[STAGE] == 1 or not (kernels and config.model.num_experts), "model.num_experts",
             config.model.num_experts,
-            "MoE layers and Pallas kernels (attention.impl='pallas', model.fused_*) cannot share a pipeline stage: "
+            "MoE layers and Pallas kernels (attention.impl='pallas', model.fused_*, model.moe_matmul='pallas') cannot "
+            "share a pipeline stage: "
             "the kernels need the stage loop unchecked (interpret-mode pallas_call rejects variance types) and the "
             "router statistics' gradients need it checked; drop one of them or use mesh.stage=1")

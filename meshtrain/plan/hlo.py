@@ -26,7 +26,7 @@ import numpy as np
 
 from meshtrain.plan.comm import attribute
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
 _DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
                 "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
 _ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
@@ -276,13 +276,27 @@ def collectives(hlo: str, num_partitions: int,
             if not m:
                 continue
             kind, shapes = m.group(2), m.group(1)
-            if m.group(3) and shapes.startswith("("):  # async start: ((operands), result[, ctx]); keep the result
+            if kind == "ragged-all-to-all":  # ((operand, output, offsets...), result): what it can move
+                shapes = _ragged_moved(shapes)
+            elif m.group(3) and shapes.startswith("("):  # async start: ((operands), result[, ctx]); keep the result
                 shapes = _async_result(shapes, kind)
             pairs = ()
             if kind == "collective-permute" and (p := _PAIRS.search(line)):
                 pairs = tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", p.group(1)))
             found.append(Collective(kind, _nbytes(shapes), _groups(line, num_partitions), mult[name], pairs))
     return found
+
+
+def _ragged_moved(shapes: str) -> str:
+    """The bytes a ragged all-to-all can move, from its start's `((operand, output, ...), result)`: at
+    most its operand (all a device can send) and at most its output (all it can receive), so on average
+    over the devices at most the smaller of the two; the rows it does move are known only at run time."""
+    arrays = _ARRAY.findall(shapes)
+    if len(arrays) < 2:
+        return shapes
+    sized = [(_DTYPE_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d), f"{t}[{dims}]")
+             for t, dims in arrays[:2]]
+    return min(sized)[1]
 
 
 def _async_result(shapes: str, kind: str) -> str:
@@ -654,6 +668,21 @@ MEASURED_EFFICIENCY: dict[str, tuple[float, float]] = {  # kernel -> (head_dim <
 }
 _PALLAS_FLASH = {"flash_attention_forward": 1.0, "flash_attention_dq": 1.5, "flash_attention_dkdv": 2.0}
 _PALLAS_LOSS = {"cross_entropy_forward": 2.0}  # x N·D·V
+# The MoE's grouped matmul kernels (`pallas_kernels.grouped_matmul`), priced by the rows their name says
+# they are expected to compute (the routed rows, each expert's rounded up to whole tiles: a kernel skips
+# the tiles no expert holds) at the share of the bf16 peak of their tiles. NOT measured on these kernels:
+# no GPU has run them here yet. The figures are what a Pallas-Triton grouped matmul of the same structure
+# (rows sorted by group, one group's weights a tile, float32 accumulation) reached on an H100 in public
+# autotuning records (tokamax's `data/autotuning/nvidia_h100_80gb_hbm3/pallas_triton_ragged_dot.json`):
+# 128 x 256 tiles with 8 warps, 1.48 ms for [8192, 4096] x [8, 4096, 14336] (Mixtral's expert, 0.656 of
+# the peak), its weight gradient 0.60 ([262144, 4096] x [262144, 1536]); 128 x 128 tiles with 4 warps, 0.42
+# to 0.43 forward at K 7168 and 0.47 to 0.51 for the weight gradient. `bench/gpu/moe_step.py` times the
+# kernels on a GPU; its figures are to replace these.
+GROUPED_EFFICIENCY: dict[tuple[str, int], float] = {  # (kernel, warps) -> share of the bf16 peak
+    ("grouped_matmul", 4): 0.42, ("grouped_matmul_dx", 4): 0.42, ("grouped_matmul_dw", 4): 0.50,
+    ("grouped_matmul", 8): 0.65, ("grouped_matmul_dx", 8): 0.65, ("grouped_matmul_dw", 8): 0.60,
+}
+_GROUPED = re.compile(r"^(grouped_matmul(?:_dx|_dw)?)_m(\d+)w(\d+)_rows(\d+)$")
 _FMHA_SHAPE = re.compile(r'"intermediate_tensor_shape"\s*:\s*\{[^}]*?"dimensions"\s*:\s*\[([^\]]*)\]')
 _MASK_TYPE = re.compile(r'"mask_type"\s*:\s*"(\w+)"')
 
@@ -692,6 +721,34 @@ def _measured_kernel(target: str, rest: str, operand_shapes: list[str]) -> tuple
             return 0.0, 0.0
         return _PALLAS_LOSS[name.group(1)] * h[0] * h[1] * w[1], MEASURED_EFFICIENCY[name.group(1)][0]
     return 0.0, 0.0
+
+
+def grouped_matmul_price(name: re.Match, operands: list[list[int]], result: list[int]) -> tuple[float, float]:
+    """(FLOPs, efficiency) of a grouped matmul kernel named as `_GROUPED` matches: 2 x rows x (the width
+    it contracts) x (the width it writes): x [M, K] -> [M, N] for the product and its input gradient
+    (operands: group, owned, x, w), x [M, K] and dy [M, N] for the weight gradient (first, count, size,
+    x, dy)."""
+    kernel, warps, rows = name.group(1), int(name.group(3)), int(name.group(4))
+    efficiency = GROUPED_EFFICIENCY.get((kernel, warps), GROUPED_EFFICIENCY[(kernel, 4)])
+    if kernel == "grouped_matmul_dw":
+        if len(operands) >= 5 and len(operands[3]) == 2 and len(operands[4]) == 2:
+            return 2.0 * rows * operands[3][1] * operands[4][1], efficiency
+    elif len(operands) >= 3 and len(operands[2]) == 2 and len(result) == 2:
+        return 2.0 * rows * operands[2][1] * result[1], efficiency
+    return 0.0, 0.0
+
+
+def _grouped_bytes(name: re.Match, operands: list[str], out_bytes: int) -> float:
+    """HBM bytes of a grouped matmul kernel: of its row operands only the expected rows (the tiles no
+    expert holds are skipped), its weights whole, its output whole (those tiles are written as zeros)."""
+    rows, total = int(name.group(4)), float(out_bytes)
+    for shape in operands:
+        dims = _dims(shape)
+        if len(dims) == 2:  # x [M, K] or dy [M, N]: the rows it reads
+            total += _nbytes(shape) * min(1.0, rows / max(dims[0], 1))
+        else:
+            total += _nbytes(shape)
+    return total
 
 
 def kernels(hlo: str, branch_weights=None, price=None,
@@ -798,7 +855,11 @@ def _kernel(m, shapes: dict[str, str], parsed) -> Kernel | None:
                 flops = 2.0 * math.prod(_dims(m.group(2))) * math.prod(lhs[d] for d in dims)
                 tf32 = _element_type(shapes.get(args[0], "")) == "f32"
         elif target:
-            flops, efficiency = _measured_kernel(target.group(1), rest, [shapes.get(a, "") for a in args])
+            operands = [shapes.get(a, "") for a in args]
+            flops, efficiency = _measured_kernel(target.group(1), rest, operands)
+            if (named := _KERNEL_NAME.search(rest)) and (grouped := _GROUPED.match(named.group(1))):
+                flops, efficiency = grouped_matmul_price(grouped, [_dims(o) for o in operands], _dims(m.group(2)))
+                moved = _grouped_bytes(grouped, operands, out_bytes)
     if opcode == "custom-call" and (t := _CUSTOM_TARGET.search(rest)):
         opcode = t.group(1)
     name = _KERNEL_NAME.search(rest)
