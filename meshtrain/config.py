@@ -464,8 +464,8 @@ def _validate_shapes(config, sizes: dict[str, int]) -> None:
     _divides("model.mlp_dim", m.mlp_dim, "the MLP width", sizes["tensor"], "mesh.tensor")
     _divides("model.vocab_size", m.vocab_size, "the vocabulary", sizes["tensor"], "mesh.tensor")
     if config.train.zero_stage > 0:  # ZeRO shards the `embed` dimension of parameter-sized state over both
-        _divides("model.d_model", m.d_model, "d_model (sharded by ZeRO)", sizes["sequence"] * sizes["fsdp"],
-                 "mesh.sequence*mesh.fsdp")
+        _divides("model.d_model", m.d_model, "d_model (sharded by ZeRO)",
+                 sizes["sequence"] * sizes["fsdp"] * sizes["expert"], "mesh.sequence*mesh.fsdp*mesh.expert")
     # model.n_layers over mesh.stage: any split (uneven stages: parallel/pipeline.py's rules)
     _divides("train.seq_len", t.seq_len, "the sequence length", sizes["sequence"], "mesh.sequence")
     if m.sequence_parallel:

@@ -285,11 +285,16 @@ def moe_reference(x: jax.Array, w_router, w_gate, w_up, w_down, k: int) -> jax.A
 
 def gathers_model_dim(cfg: ModelConfig, rules: Rules) -> bool:
     """Whether the grouped matmul kernel's region gathers the expert weights along their model dimension
-    D (ZeRO-3 shards it: `rules`' "embed" entry), so that they enter it D first (`grouped_matmul`'s
-    order "kgn" / "ngk"): an all-gather along the leading dimension is a copy of contiguous blocks,
-    along any other it leaves a transpose of every gathered weight to the kernel's row-major layout."""
-    kernel = cfg.num_experts and cfg.moe_dropless and cfg.moe_matmul == "pallas"
-    return bool(kernel and any(a not in rules.manual for a in rules.split_axes("embed")))
+    D (ZeRO-3 shards it, `rules`' "embed" entry, unless `expert` is the only such axis: the expert
+    dimension takes it), so that they enter it D first (`grouped_matmul`'s order "kgn" / "ngk"): an
+    all-gather along the leading dimension is a copy of contiguous blocks, along any other it leaves a
+    transpose of every gathered weight to the kernel's row-major layout."""
+    if not (cfg.num_experts and cfg.moe_dropless and cfg.moe_matmul == "pallas"):
+        return False
+    spec = rules.spec(("expert", "embed", "mlp"))
+    entry = spec[1] if len(spec) > 1 else None
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    return any(a not in rules.manual for a in axes)
 
 
 def expert_parallel(cfg: ModelConfig, rules: Rules, model_major: bool = False):

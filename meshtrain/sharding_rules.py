@@ -32,8 +32,11 @@ D, F, T, S, E, ST = (Axis.DATA.value, Axis.FSDP.value, Axis.TENSOR.value, Axis.S
                      Axis.EXPERT.value, Axis.STAGE.value)
 # The axes ZeRO shards parameter-sized state over (playbook, "ZeRO"; Megatron's distributed optimizer
 # shards over the data-parallel x context-parallel group): `sequence` first, so that a region manual
-# over `sequence` alone (ring or Ulysses attention under ZeRO-3) leaves the state its outer shards.
-ZERO_AXES: tuple[str, ...] = (S, F)
+# over `sequence` alone (ring or Ulysses attention under ZeRO-3) leaves the state its outer shards;
+# `expert`, which splits the batch outside the MoE layers, holds replicas of every other weight as
+# `fsdp` does (playbook, "Expert parallelism": EP combined with DP), so ZeRO shards them over it too;
+# an expert weight's model dimension skips it (its expert dimension already takes `expert`).
+ZERO_AXES: tuple[str, ...] = (S, F, E)
 
 # logical name -> mesh axes, one entry per name.
 RULES: dict[str, tuple[str, ...]] = {

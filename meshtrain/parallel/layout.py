@@ -40,6 +40,7 @@ import numpy as np
 from meshtrain import attention as attention_lib, config as config_lib
 from meshtrain.config import BATCH_AXES, CONTEXT_PARALLEL_IMPLS, Axis, require
 from meshtrain.pallas_kernels.flash_attention import MIN_BLOCK
+from meshtrain.sharding_rules import ZERO_AXES
 from meshtrain.parallel import (
     pipeline as pipeline_lib,
     pipeline_tables,
@@ -141,16 +142,17 @@ def accumulation_axes(config: ml_collections.ConfigDict, sizes: Mapping[str, int
 
     The split batch axes over which the parameters are replicated, so each device accumulates
     locally and the data-parallel reduction runs once per step, plus `sequence` under ring
-    attention (the ring then runs per device inside). Under ZeRO-3 `fsdp` stays automatic:
-    each micro-batch gathers its weights and reduce-scatters its gradient (gradient shards
-    accumulate; no full-size buffer). An MoE layer under ZeRO-3 with `fsdp` split would need its
-    own shard_map over `fsdp` nested in the loop, which jax 0.10 cannot differentiate: there the
-    loop stays automatic and reduces per micro-batch.
+    attention (the ring then runs per device inside). Under ZeRO-3 ZeRO's batch axes (`fsdp`,
+    `expert`: `sharding_rules.ZERO_AXES`) stay automatic: each micro-batch gathers its weights and
+    reduce-scatters its gradient (gradient shards accumulate; no full-size buffer). An MoE layer
+    under ZeRO-3 with one of them split would need its own shard_map over it nested in the loop,
+    which jax 0.10 cannot differentiate: there the loop stays automatic and reduces per micro-batch.
     """
     zero3 = config.train.zero_stage >= 3
-    if zero3 and config.model.num_experts and sizes["fsdp"] > 1:
+    sharded = tuple(a for a in BATCH_AXES if a in ZERO_AXES and sizes[a] > 1)
+    if zero3 and config.model.num_experts and sharded:
         return ()
-    axes = tuple(a for a in BATCH_AXES if sizes[a] > 1 and not (zero3 and a == "fsdp"))
+    axes = tuple(a for a in BATCH_AXES if sizes[a] > 1 and not (zero3 and a in sharded))
     context = config.attention.impl in CONTEXT_PARALLEL_IMPLS and sizes[SEQUENCE] > 1
     return axes + ((SEQUENCE,) if context else ())
 

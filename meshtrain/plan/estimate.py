@@ -273,7 +273,7 @@ def _candidates(config: ml_collections.ConfigDict, num_devices: int, devices_per
     for mesh in _factorizations(num_devices, axes):
         if mesh["tensor"] > devices_per_node:
             continue
-        zeros = (0, 1, 2, 3) if mesh["fsdp"] > 1 else (0,)
+        zeros = (0, 1, 2, 3) if mesh["fsdp"] * mesh.get("expert", 1) > 1 else (0,)
         dp = mesh["data"] * mesh["fsdp"] * mesh.get("expert", 1)
         if config.train.batch_size % dp:
             continue

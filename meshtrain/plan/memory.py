@@ -34,6 +34,7 @@ from meshtrain import mesh as mesh_lib, model
 from meshtrain.config import DEFAULT_SCHEDULE, ModelConfig
 from meshtrain.mesh import MESH_ORDER
 from meshtrain.parallel import schedules
+from meshtrain.sharding_rules import ZERO_AXES
 from meshtrain.sharding_rules import Rules
 
 GB = 10**9
@@ -383,7 +384,7 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
     compute, table = place["compute"], param_table(run.stored_model)
     whole = sum(local_size(leaf, compute) for leaf in table)  # the weights a device computes with
     per_layer = sum(local_size(leaf, compute) for leaf in table if leaf.in_layers) // layers
-    zero3 = run.zero_stage >= 3 and s["fsdp"] * s["sequence"] > 1  # ZeRO shards over both (ZERO_AXES)
+    zero3 = run.zero_stage >= 3 and math.prod(s[a] for a in ZERO_AXES) > 1  # ZeRO shards over them all
     loss = 0 if m.fused_loss else LOGIT_BYTES * t * m.vocab_size // s["tensor"]
     if autodiff_pipe and not m.fused_loss:
         loss += 4 * t * run.microbatches * m.vocab_size // s["tensor"]
@@ -410,7 +411,7 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
             # (the output projections) before the layer loop gathers them
             transposed = sum(local_size(leaf, place["params"]) for leaf in table if _minor_fsdp_split(leaf))
             temporaries += 2 * a * per_layer + 4 * head + 4 * transposed
-        elif run.zero_stage >= 1 and s["fsdp"] > 1:
+        elif run.zero_stage >= 1 and s["fsdp"] * s["expert"] > 1:
             head = sum(local_size(leaf, compute) for leaf in table if leaf.path.endswith("head"))
             temporaries += 4 * head
     if run.grad_accum > 1:
