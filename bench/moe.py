@@ -1,7 +1,9 @@
 """Mixture of experts: training tokens/s of the tiny MoE by expert-parallel degree, and the share of
-token-to-expert assignments dropped by the capacity limit.
+token-to-expert assignments dropped by the capacity limit; with `--modeled`, the real MoE shapes
+compiled for H100s and priced by the kernel model.
 
     python bench/moe.py [--steps 10] [--seq_len 128] [--batch_size 16] [--dtype float32]
+    python bench/moe.py --modeled [--quick]      # needs the `gpu` extra (XLA's GPU compiler)
 
 Playbook, "Expert parallelism". On 8 fake CPU devices the mesh is expert=e, data=8/e for
 e in {1, 2, 4, 8} (the experts split e ways, the batch 8 ways), with capacity dispatch
@@ -9,6 +11,11 @@ e in {1, 2, 4, 8} (the experts split e ways, the batch 8 ways), with capacity di
 figures show the cost of the exchange and of the dispatch bookkeeping, not a GPU speed-up.
 Then the dropped fraction (mean of the logged `moe_dropped_fraction` over the timed steps)
 for capacity_factor in {1.0, 1.25, 2.0}. Prints a table and one JSON line.
+
+`--modeled` (`bench/moe_modeled.py`): the step of today's fine-grained MoE shapes compiled for 8 (and 64)
+H100s without a GPU and priced kernel by kernel (`meshtrain.aot`), beside the planner's memory and step,
+the expert exchange's bytes and its overlap, read from the compiled step; exits 1 when a row misses its
+target.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import argparse
 import json
 import os
 import pathlib
+import runpy
 import sys
 import time
 
@@ -24,7 +32,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 
-jax.config.update("jax_num_cpu_devices", 8)
+if "--modeled" not in sys.argv:
+    jax.config.update("jax_num_cpu_devices", 8)
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -73,6 +82,10 @@ def measure(config, steps: int) -> dict:
 
 
 def main() -> None:
+    if "--modeled" in sys.argv:  # the GPU compiles: their own module (no fake CPU devices there)
+        sys.argv.remove("--modeled")
+        runpy.run_path(str(pathlib.Path(__file__).with_name("moe_modeled.py")), run_name="__main__")
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seq_len", type=int, default=128)

@@ -350,12 +350,15 @@ def modeled_mfu(run, step: ProgramReport, gpu: hardware.Gpu, seconds: float | No
 
 
 def compile_report(config: ml_collections.ConfigDict, target: str, devices: int, devices_per_node: int = 8,
-                   sample: tuple[int, int] | None = (128, 64)) -> Report:
+                   sample: tuple[int, int] | None = (128, 64), inspect=None) -> Report:
     """Compiles the configured step (and, with `sample` = (prompt length, new tokens), the sampling
-    program) for `devices` x `target` and reads what the modules hold."""
+    program) for `devices` x `target` and reads what the modules hold; `inspect(compiled, run)` is
+    called with the compiled step first (a benchmark's own reading of its text)."""
     from meshtrain import train_step
 
     compiled, run, seconds = compile_step(config, target, devices, devices_per_node)
+    if inspect is not None:
+        inspect(compiled, run)
     gpu = hardware.get_gpu(target)
     step = ProgramReport.of(compiled, seconds, gpu, lockstep=run.layout.lockstep_rows(),
                             branch_weights=run.layout.branch_share())

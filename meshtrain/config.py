@@ -552,6 +552,7 @@ class ModelConfig:
     moe_exchange: str = "all_to_all"  # model.moe_exchange resolved (`moe_exchange`)
     moe_exchange_factor: float = 0.0
     moe_chunks: int = 1  # model.moe_chunks resolved (`moe_chunks`)
+    zero_stage: int = 0  # train.zero_stage: from 3 on a layer's weights arrive split and are gathered where used
     moe_mlp_dim: int = 0
     shared_expert: bool = False
     aux_loss_weight: float = 0.01
@@ -576,5 +577,6 @@ class ModelConfig:
         values = {k: v for k, v in config.model.items() if k in fields}
         values.update(moe_matmul=moe_matmul(config, platform), moe_exchange=moe_exchange(config, platform),
                       moe_chunks=moe_chunks(config, platform))
+        values.update(zero_stage=int(config.train.zero_stage))
         return cls(**values, remat_policy=config.remat.policy, attention_impl=attention_impl(config, platform),
                    attention_scores_dtype=config.attention.scores_dtype)

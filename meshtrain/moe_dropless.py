@@ -39,10 +39,6 @@ from flax import linen as nn
 from meshtrain import fp8 as fp8_lib
 from meshtrain.pallas_kernels.grouped_matmul import GroupLayout, grouped_matmul
 
-# The grouped matmul's row tile (its block_m): each expert's rows start at a multiple of it. 64 rows
-# keep the padding (on average half a tile an expert) at 1/8 of the rows for 128 experts of 32,768
-# routed rows (Qwen3-30B-A3B's shapes on one device) while filling a Hopper warpgroup's 64-row MMA.
-KERNEL_TILE = 64
 MATMULS = ("ragged_dot", "pallas")
 EXCHANGES = ("all_to_all", "ragged")
 
@@ -239,7 +235,7 @@ def _inverse_map(target: jax.Array, size: int) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class GroupedDot:
     """How the grouped matmuls run: `jax.lax.ragged_dot` (groups back to back: tile 1; FP8 through
-    `fp8.scaled_dot` with `histories`) or the Pallas kernel (tile `KERNEL_TILE`), priced by the kernel
+    `fp8.scaled_dot` with `histories`) or the Pallas kernel (tile `kernel_tile`), priced by the kernel
     model at `expected` rows."""
 
     impl: str
@@ -248,9 +244,9 @@ class GroupedDot:
     first_step: bool = False
     model_major: bool = False  # the kernel's weights come [D, E, F] (`moe.gathers_model_dim`)
 
-    @property
-    def tile(self) -> int:
-        return KERNEL_TILE if self.impl == "pallas" else 1
+    def tile(self, routed: int, groups: int) -> int:
+        """The grouped layout's row tile: the kernel's (`kernel_tile`), or 1 (groups back to back)."""
+        return kernel_tile(routed, groups) if self.impl == "pallas" else 1
 
     def __call__(self, x: jax.Array, w: jax.Array, layout: GroupLayout, i: int) -> jax.Array:
         if self.impl == "pallas":
@@ -263,6 +259,15 @@ class GroupedDot:
     def swiglu(self, x: jax.Array, layout: GroupLayout, w_gate, w_up, w_down) -> jax.Array:
         hidden = nn.silu(self(x, w_gate, layout, 0)) * self(x, w_up, layout, 1)
         return self(hidden, w_down, layout, 2)
+
+
+def kernel_tile(routed: int, groups: int) -> int:
+    """The grouped matmul kernel's row tile (its block_m) for `routed` rows over `groups` experts: each
+    expert's rows start at a multiple of it, so it pads on average half a tile an expert. 128 rows (128 x
+    256 tiles, 8 warps: two Hopper warpgroups) unless that padding passes a quarter of the rows (128
+    experts of 32,768 routed rows, Qwen3-30B-A3B's shapes on one device: 25%), then 64 (64 x 128 tiles,
+    4 warps)."""
+    return 128 if groups * 64 <= routed // 4 else 64
 
 
 def expected_rows(routed: int, groups: int, tile: int, rows: int) -> int:
@@ -309,7 +314,7 @@ def _chunk(x, weights, experts, w_gate, w_up, w_down, *, num_experts, axis, ep, 
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # sorted row -> assignment
     counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     if ep == 1:
-        tile = dot.tile
+        tile = dot.tile(routed, num_experts)
         layout = GroupLayout.pack(counts, tile, GroupLayout.capacity(routed, num_experts, tile))
         expert_of = flat[order]
         rank = jnp.arange(routed, dtype=jnp.int32) - _exclusive_cumsum(counts)[expert_of]
@@ -326,14 +331,14 @@ def _chunk(x, weights, experts, w_gate, w_up, w_down, *, num_experts, axis, ep, 
     sent = _gather_tokens(x, order // k, row)  # [routed, D] sorted by expert
     worst = ep * n * min(k, e_l)
     plan = ExchangePlan.of(jax.lax.all_gather(counts, axis), jax.lax.axis_index(axis),
-                           receive_capacity(routed, ep, worst, factor), dot.tile)
+                           receive_capacity(routed, ep, worst, factor), dot.tile(routed, e_l))
     layout = plan.layout()
     chunk = n * min(k, e_l)  # the most rows one device sends another
     if exchange == "ragged":
         grouped = _ragged(sent, plan.rows, plan.dispatch(), axis)
     else:
         grouped = _send_dense(sent, plan, chunk, axis)
-    dot = dataclasses.replace(dot, expected=expected_rows(routed, e_l, dot.tile, plan.rows))
+    dot = dataclasses.replace(dot, expected=expected_rows(routed, e_l, plan.tile, plan.rows))
     out = dot.swiglu(grouped, layout, w_gate, w_up, w_down)
     if exchange == "ragged":
         home = _ragged(out, routed, plan.back(), axis)

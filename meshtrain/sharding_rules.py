@@ -38,6 +38,10 @@ D, F, T, S, E, ST = (Axis.DATA.value, Axis.FSDP.value, Axis.TENSOR.value, Axis.S
 # an expert weight's model dimension skips it (its expert dimension already takes `expert`).
 ZERO_AXES: tuple[str, ...] = (S, F, E)
 
+# The logical name whose split is ZeRO's: `Rules.without_fsdp` leaves it whole (the other names keep
+# their axes: an expert weight's `expert` split, the batch's).
+ZERO_NAME = "embed"
+
 # logical name -> mesh axes, one entry per name.
 RULES: dict[str, tuple[str, ...]] = {
     # activations (compute mapping)
@@ -109,7 +113,9 @@ class Rules:
             return ()
         if name not in RULES:
             raise ShardingRuleError(f"unknown logical axis name {name!r}; known: {sorted(RULES)}")
-        return tuple(a for a in RULES[name] if self.shard_fsdp or a not in ZERO_AXES)
+        if name == ZERO_NAME and not self.shard_fsdp:
+            return ()
+        return RULES[name]
 
     def spec(self, names: tuple[str | None, ...], shape: tuple[int, ...] | None = None,
              what: str = "array") -> P:

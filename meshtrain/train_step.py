@@ -100,6 +100,9 @@ class StateFactory:
         self.specs = self._specs(self.boxed)
         self.shardings = named(mesh, self.specs)
         self.grad_specs = _boxed_specs(self.boxed.params, placement.grads)
+        self.zero_shards = jax.tree.map(ZeroShard.of, self.grad_specs,
+                                        _boxed_specs(self.boxed.params, placement.grads.without_fsdp()),
+                                        is_leaf=lambda x: isinstance(x, P))
         self.abstract = _placed(nn.unbox(self.boxed), self.shardings)
         # Checkpoints and exports hold the layers in execution order, `canonical`: the same shapes, except
         # that uneven stages' empty rows are gone; a layer dimension `stage` no longer divides moves the
@@ -307,17 +310,32 @@ def _axes_of(entry) -> tuple[str, ...]:
     return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
 
 
-def _zero_dim(spec: P, axes: tuple[str, ...]) -> tuple[int | None, tuple[str, ...]]:
-    """(dimension, the ZeRO axes among `axes` that split it, in the spec's order): where a gradient that
-    rests sharded over ZeRO's axes (`sharding_rules.ZERO_AXES`) is reduce-scattered; (None, ()) if none."""
-    for dim, entry in enumerate(spec):
-        found = tuple(a for a in _axes_of(entry) if a in ZERO_AXES and a in axes)
-        if found:
-            return dim, found
-    return None, ()
+@dataclasses.dataclass(frozen=True)
+class ZeroShard:
+    """Where a gradient rests split by ZeRO (`sharding_rules.ZERO_AXES`): the dimension and the axes its
+    storage spec (`Placement.grads`) splits it on beyond its compute spec (ZeRO off). An expert weight's
+    `expert` split is its compute sharding, not ZeRO's, though `expert` is one of ZeRO's axes. A pytree
+    leaf (no children)."""
+
+    dim: int | None
+    axes: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, storage: P, compute: P) -> ZeroShard:
+        for dim, entry in enumerate(storage):
+            computed = set(_axes_of(compute[dim])) if dim < len(compute) else set()
+            found = tuple(a for a in _axes_of(entry) if a in ZERO_AXES and a not in computed)
+            if found:
+                return cls(dim, found)
+        return cls(None)
+
+    def within(self, axes: tuple[str, ...]) -> tuple[int | None, tuple[str, ...]]:
+        """(dimension, the shard's axes among `axes`), or (None, ()) when none of them splits it."""
+        found = tuple(a for a in self.axes if a in axes)
+        return (self.dim, found) if found else (None, ())
 
 
-def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, manual_axes, grad_specs,
+def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, manual_axes, grad_specs, zero_shards,
                          checked: bool = True, histories=None):
     """Gradient accumulation (playbook "Gradient accumulation" + "Interplay with gradient accumulation").
 
@@ -342,32 +360,33 @@ def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, man
     split = ("expert",) if "expert" in manual_axes else ()  # expert weights enter split: the exchange runs inside
     is_spec = functools.partial(jax.tree.map, is_leaf=lambda x: isinstance(x, P))
 
-    def entering(spec: P) -> P:
-        return P(*[e if e in split else None for e in spec])
+    def entering(spec: P, shard: ZeroShard) -> P:
+        return P(*[e if e in split and not (d == shard.dim and e in shard.axes) else None
+                   for d, e in enumerate(spec)])
 
     def local(params, histories, micro_batches, total_tokens):
         params, histories = vary((params, histories), manual_axes)  # each device differentiates its own copy
         loss_sum, aux, grads, amaxes = _accumulate_local(params, histories, micro_batches, inner, total_tokens,
                                                          accum_steps, manual_axes)
 
-        def reduce(g, spec):
-            split_on = {a for entry in spec for a in _axes_of(entry)}
-            over = tuple(a for a in manual_axes if a not in split_on)  # not over the axes the weight is split on
-            dim, zero = _zero_dim(spec, manual_axes)
+        def reduce(g, spec, shard):
+            dim, zero = shard.within(manual_axes)
+            split_on = {a for entry in spec for a in _axes_of(entry)} - set(zero)
+            over = tuple(a for a in manual_axes if a not in split_on and a not in zero)  # not the weight's split
             if dim is not None:  # the shard first: the other axes then move 1/(its ZeRO axes) of it
                 g = jax.lax.psum_scatter(g, zero, scatter_dimension=dim, tiled=True)
             return jax.lax.psum(g, over) if over else g
-        grads = is_spec(reduce, grads, grad_specs)
+        grads = is_spec(reduce, grads, grad_specs, zero_shards)
         amaxes = jax.tree.map(lambda a: jax.lax.pmax(a, manual_axes), amaxes)  # each device saw its part: global
         return (jax.lax.psum(loss_sum, manual_axes), jax.tree.map(lambda a: jax.lax.pmean(a, manual_axes), aux),
                 grads, amaxes)
 
-    def leaving(spec: P) -> P:
-        dim, zero = _zero_dim(spec, manual_axes)
+    def leaving(spec: P, shard: ZeroShard) -> P:
+        dim, zero = shard.within(manual_axes)
         return P(*[(zero if d == dim else (e if e in split else None)) for d, e in enumerate(spec)])
 
-    grad_out_specs = is_spec(leaving, grad_specs)
-    param_in_specs = is_spec(entering, grad_specs)
+    grad_out_specs = is_spec(leaving, grad_specs, zero_shards)
+    param_in_specs = is_spec(entering, grad_specs, zero_shards)
     rows = tuple(a for a in manual_axes if a != "sequence")
     length = ("sequence",) if "sequence" in manual_axes else ()
     batch_in = jax.tree.map(lambda _: P(None, rows or None, length or None), micro_batches)
@@ -378,8 +397,8 @@ def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, man
 
 
 def step_gradients(state: TrainState, batch: dict[str, jax.Array], total_tokens: jax.Array, *,
-                   model: model_lib.Transformer, grad_specs, accum_steps: int, manual_axes: tuple[str, ...],
-                   grads_fn: Callable = grads_one_pass, checked: bool = True):
+                   model: model_lib.Transformer, grad_specs, zero_shards, accum_steps: int,
+                   manual_axes: tuple[str, ...], grads_fn: Callable = grads_one_pass, checked: bool = True):
     """(loss_sum, aux, grads, amaxes) of one optimizer step's batch, the gradients in their step
     sharding (`grad_specs`). One micro-batch still goes through the manual loop (its hand-written,
     once-per-step reduction) unless a pipeline's stage loop, itself manual over the batch axes,
@@ -389,12 +408,13 @@ def step_gradients(state: TrainState, batch: dict[str, jax.Array], total_tokens:
     else:
         loss_sum, aux, grads, amaxes = accumulate_gradients(
             state.params, batch, model=model, total_tokens=total_tokens, accum_steps=accum_steps,
-            manual_axes=manual_axes, grad_specs=grad_specs, checked=checked, histories=state.fp8)
+            manual_axes=manual_axes, grad_specs=grad_specs, zero_shards=zero_shards, checked=checked,
+            histories=state.fp8)
     return loss_sum, aux, jax.tree.map(jax.lax.with_sharding_constraint, grads, grad_specs), amaxes
 
 
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_lib.Transformer,
-               tx: optax.GradientTransformation, schedule: optax.Schedule, grad_specs,
+               tx: optax.GradientTransformation, schedule: optax.Schedule, grad_specs, zero_shards,
                accum_steps: int, manual_axes: tuple[str, ...], grad_clip: float = 0.0,
                grads_fn: Callable = grads_one_pass, checked: bool = True) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step over the global batch [B, T]; returns the new state and scalar metrics.
@@ -405,6 +425,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_l
     """
     total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
     loss_sum, aux, grads, amaxes = step_gradients(state, batch, total_tokens, model=model, grad_specs=grad_specs,
+                                                  zero_shards=zero_shards,
                                                   accum_steps=accum_steps, manual_axes=manual_axes,
                                                   grads_fn=grads_fn, checked=checked)
     # Computed once (logged, checked, and the clipping's norm), in float32 whatever the parameters'
@@ -438,7 +459,8 @@ def jit_train_step(factory: StateFactory, schedule: optax.Schedule, batch_shardi
                    checked: bool = True, model: model_lib.Transformer | None = None) -> Callable:
     """The step jitted once: explicit in/out shardings, the state donated. `model`: the factory's by default."""
     step = functools.partial(train_step, model=model or factory.model, tx=factory.tx, schedule=schedule,
-                             grad_specs=factory.grad_specs, accum_steps=accum_steps, manual_axes=manual_axes,
+                             grad_specs=factory.grad_specs, zero_shards=factory.zero_shards, accum_steps=accum_steps,
+                             manual_axes=manual_axes,
                              grad_clip=grad_clip, grads_fn=grads_fn, checked=checked)
     replicated = NamedSharding(factory.mesh, P())
     return jax.jit(step, in_shardings=(factory.shardings, batch_sharding),

@@ -239,7 +239,7 @@ def _one_step_grads(name: str, mesh_key: tuple, overrides: tuple = ()):
     def step(state, batch):
         tokens = jnp.maximum(batch["loss_mask"].sum(), 1.0)
         loss_sum, _, grads, amaxes = train_step.step_gradients(
-            state, batch, tokens, model=factory.model, grad_specs=factory.grad_specs,
+            state, batch, tokens, model=factory.model, grad_specs=factory.grad_specs, zero_shards=factory.zero_shards,
             accum_steps=config.train.grad_accum_steps, manual_axes=run.layout.accumulation_axes,
             grads_fn=run.layout.grads_function(train_step.grads_one_pass), checked=not run.layout.kernels)
         return loss_sum, state.replace(params=grads, fp8=fp8.from_grad(amaxes))

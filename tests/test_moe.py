@@ -84,12 +84,20 @@ def _masked_reference(params, x, keep):
     return out
 
 
-@pytest.mark.parametrize("dropless", [False, True], ids=["capacity", "dropless"])
-@pytest.mark.parametrize("sizes", MESHES, ids=lambda s: "x".join(f"{a}{n}" for a, n in s.items()) or "1dev")
-def test_layer_equals_per_token_reference(sizes, dropless):
+# the dispatches: capacity; dropless with ragged_dot; dropless with the grouped matmul kernel (interpret mode
+# on the CPU, its region manual over every axis), whole or in two chunks of each device's tokens
+DISPATCHES = {"capacity": {}, "dropless": dict(moe_dropless=True),
+              "dropless-kernel": dict(moe_dropless=True, moe_matmul="pallas"),
+              "dropless-kernel-chunks2": dict(moe_dropless=True, moe_matmul="pallas", moe_chunks=2)}
+
+
+@pytest.mark.parametrize("dispatch", list(DISPATCHES))
+@pytest.mark.parametrize("sizes", MESHES + [{"fsdp": 2, "expert": 2, "tensor": 2}],
+                         ids=lambda s: "x".join(f"{a}{n}" for a, n in s.items()) or "1dev")
+def test_layer_equals_per_token_reference(sizes, dispatch):
     params, x, cot = _inputs()
     y_ref, g_ref = _reference_vjp(params, x, cot)
-    y, stats, grads = _layer_vjp(dataclasses.replace(CFG, moe_dropless=dropless), sizes, params, x, cot)
+    y, stats, grads = _layer_vjp(dataclasses.replace(CFG, **DISPATCHES[dispatch]), sizes, params, x, cot)
     np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
     for name in params:
         np.testing.assert_allclose(grads[0][name], g_ref[0][name], atol=1e-5, rtol=1e-5, err_msg=name)
@@ -130,6 +138,113 @@ def test_skewed_router_drops_under_capacity_and_not_dropless():
     np.testing.assert_allclose(grads[1], g_ref[1], atol=1e-5, rtol=1e-5)
     for name in params:
         np.testing.assert_allclose(grads[0][name], g_ref[0][name], atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+def _accepted(experts: np.ndarray, groups: int, ep: int, num_experts: int, capacity: int) -> np.ndarray:
+    """keep [B, T, k]: which assignments the dropless exchange delivers, by its rule written out: rows
+    [B] lie one a device, `groups` data groups of `ep` expert-axis devices (row r: group r // ep, device
+    r % ep); a device takes up to `capacity` rows, its experts in order, each expert's rows source by
+    source, each source's in its own order (token, then choice)."""
+    b, t, k = experts.shape
+    keep = np.zeros(experts.shape, bool)
+    e_l = num_experts // ep
+    for g in range(groups):
+        for j in range(ep):
+            taken = 0
+            for e in range(j * e_l, (j + 1) * e_l):
+                for s in range(ep):
+                    row = g * ep + s
+                    for tok, choice in zip(*np.nonzero(experts[row] == e), strict=True):
+                        if taken < capacity:
+                            keep[row, tok, choice] = True
+                            taken += 1
+    return keep
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["ragged_dot", "kernel"])
+def test_exchange_capacity_drops_past_it_and_counts_them(kernel):
+    """Every token prefers experts 0 and 1, which live on the first device of each expert group: with
+    the exchange's capacity at 1.5x the balanced load that device drops what passes it (its experts in
+    order, sources in order), the output is the per-token reference without those choices and the
+    dropped fraction counts them; with the worst case (factor 0) nothing is dropped."""
+    params, x, cot = _inputs(2)
+    x = x.at[..., 0].set(5.0)
+    params["router"] = params["router"].at[0, :2].set(10.0).at[0, 2:].set(-10.0)
+    _, _, _, experts = moe.route(x, params["router"], K)
+    sizes = {"data": 2, "expert": 4}
+    routed = (B // 8) * T * K
+    cfg = dataclasses.replace(CFG, moe_dropless=True, moe_exchange_factor=1.5,
+                              moe_matmul="pallas" if kernel else "ragged_dot")
+    keep = _accepted(np.asarray(experts), 2, 4, E, math.ceil(1.5 * routed))
+    assert 0.3 < 1 - keep.mean() < 0.9  # this routing overflows the first device
+    y_ref, g_ref = _reference_vjp(params, x, cot, jnp.asarray(keep, jnp.float32))
+    y, stats, grads = _layer_vjp(cfg, sizes, params, x, cot)
+    np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(grads[1], g_ref[1], atol=1e-5, rtol=1e-5)
+    for name in ("w_gate", "w_up", "w_down"):
+        np.testing.assert_allclose(grads[0][name], g_ref[0][name], atol=1e-5, rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(float(stats["dropped"]), float(1 - keep.mean()), rtol=1e-6)
+    _, stats, _ = _layer_vjp(dataclasses.replace(cfg, moe_exchange_factor=0.0), sizes, params, x, cot)
+    assert float(stats["dropped"]) == 0.0
+
+
+def _simulate_ragged_all_to_all(operands, outputs, tables):
+    """`jax.lax.ragged_all_to_all` over a list of devices, as its documentation spells it out: sender
+    s's slice i goes to device i // (K / n), at the offset s names for it there, `recv_sizes` rows."""
+    n = len(operands)
+    per = len(tables[0][0]) // n
+    results = [np.array(o) for o in outputs]
+    for s, (in_off, send, out_off, _) in enumerate(tables):
+        for i in range(len(in_off)):
+            j, slot = divmod(i, per)
+            assert send[i] == tables[j][3][s * per + slot]  # send sizes == all_to_all(recv sizes)
+            results[j][out_off[i]:out_off[i] + send[i]] = operands[s][in_off[i]:in_off[i] + send[i]]
+    return results
+
+
+@pytest.mark.parametrize("capacity", [10**6, 40], ids=["worst-case", "overflowing"])
+def test_ragged_exchange_tables_deliver_the_accepted_rows(capacity):
+    """The tables `ExchangePlan` gives `jax.lax.ragged_all_to_all` (the GPU exchange, which XLA:CPU cannot
+    run), replayed as its documentation defines the collective: every accepted row lands in its
+    expert's group of the receiver's grouped layout (sources in order, padding between groups to whole
+    tiles), and the return trip brings each one back to its sorted place at the sender, dropped rows 0."""
+    from meshtrain import moe_dropless
+
+    ep, e, tile = 4, 8, 4
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 9, size=(ep, e)).astype(np.int32)
+    counts[:, 0] += 12  # expert 0 (device 0) is popular
+    capacity = min(capacity, int(counts.sum()))
+    plans = [moe_dropless.ExchangePlan.of(jnp.asarray(counts), jnp.int32(me), capacity, tile) for me in range(ep)]
+    # each sender's rows sorted by expert, named (source, expert, rank) by a unique number
+    sent = [np.concatenate([[1000 * s + 100 * x + r + 1 for r in range(counts[s, x])] for x in range(e)])
+            .astype(np.float32) for s in range(ep)]
+    grouped = _simulate_ragged_all_to_all(sent, [np.zeros(plans[0].rows, np.float32)] * ep,
+                                          [[np.asarray(a) for a in p.dispatch()] for p in plans])
+    e_l = e // ep
+    for j in range(ep):
+        taken, start, layout = 0, 0, plans[j].layout()
+        for slot in range(e_l):
+            x = j * e_l + slot
+            want = []
+            for s in range(ep):
+                rows = [1000 * s + 100 * x + r + 1 for r in range(counts[s, x])]
+                room = max(0, min(len(rows), capacity - taken))
+                want += rows[:room]
+                taken += room
+            assert int(layout.starts[slot]) == start and int(layout.sizes[slot]) == len(want)
+            np.testing.assert_array_equal(grouped[j][start:start + len(want)], want)
+            start += -(-len(want) // tile) * tile
+        assert not np.any(grouped[j][start:])  # nothing past the groups
+    home = _simulate_ragged_all_to_all(grouped, [np.zeros(len(r), np.float32) for r in sent],
+                                       [[np.asarray(a) for a in p.back()] for p in plans])
+    for s in range(ep):
+        delivered = np.isin(sent[s], np.concatenate(grouped))
+        np.testing.assert_array_equal(home[s], np.where(delivered, sent[s], 0))
+        assert float(plans[s].dropped()) == float((~delivered).sum())
+    overflows = bool((counts.sum(0).reshape(ep, e_l).sum(1) > capacity).any())  # some device is sent more
+    assert overflows == (capacity == 40)
+    assert overflows == any(float(p.dropped()) > 0 for p in plans)
 
 
 def test_capacity_slots_hand_made():

@@ -131,15 +131,17 @@ def test_forward_has_two_all_to_all_per_moe_layer():
     assert sum(c.count for c, axes in found if c.kind == "all-to-all") == 2 * cfg.n_layers // cfg.moe_every
 
 
-def test_expert_weights_are_not_all_reduced_over_expert():
-    """Everything all-reduced over `expert` is the gradient of the replicated (non-expert) parameters,
-    plus a few scalars: the expert weights' gradients stay on their devices."""
+def test_expert_weights_are_not_reduced_over_expert():
+    """Everything reduced over `expert` is the gradient of the other (non-expert) parameters, plus a few
+    scalars: the expert weights' gradients stay on their devices. ZeRO (stage 1 here) shards the other
+    parameters' state over `expert` too, so theirs is reduce-scattered over it (counted by its input)."""
     sizes = {"expert": 8}
     found, _ = _collectives(_run(_key(sizes))[2], sizes)
     cfg = ModelConfig.from_config(_config(sizes))
     expert_params = (cfg.n_layers // cfg.moe_every) * 3 * cfg.num_experts * cfg.d_model * moe.expert_mlp_dim(cfg)
     replicated_bytes = 4 * (model_lib.num_params(cfg) - expert_params)
-    reduced = sum(c.result_bytes * c.count for c, axes in found if c.kind == "all-reduce" and "expert" in axes)
+    reduced = sum(c.result_bytes * c.count * (len(c.groups[0]) if c.kind == "reduce-scatter" else 1)
+                  for c, axes in found if c.kind in ("all-reduce", "reduce-scatter") and "expert" in axes)
     one_expert_weight = 4 * cfg.d_model * moe.expert_mlp_dim(cfg)
     assert replicated_bytes <= reduced < replicated_bytes + min(1024, one_expert_weight)
 

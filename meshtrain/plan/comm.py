@@ -118,7 +118,8 @@ def _gradient_and_zero(run: Step, remat: str, backend: Backend) -> list[Coll]:
                 out.append(Coll("all-reduce", full, axes, 1, f"grad {leaf.path}"))
             reduce = {}
             runs = 1
-        # ZeRO's axes (`sharding_rules.ZERO_AXES`: sequence and fsdp) that this leaf's state is split on
+        # ZeRO's axes (`sharding_rules.ZERO_AXES`: sequence, fsdp, expert) that this leaf's state is split on
+        # beyond its compute sharding (an expert weight's `expert` split is not ZeRO's)
         zero = {a: s[a] for a in ZERO_AXES if a in reduce and a in _spec_axes(leaf, place["grads"])}
         by_hand = run.zero_stage < 3  # the accumulation loop's psum_scatter; ZeRO-3's comes from the partitioner
         if zero:
@@ -128,7 +129,7 @@ def _gradient_and_zero(run: Step, remat: str, backend: Backend) -> list[Coll]:
                 out.append(Coll("all-reduce", full / math.prod(zero.values()), rest, runs, f"grad {leaf.path}"))
         elif reduce:
             out.append(Coll("all-reduce", full, reduce, runs, f"grad {leaf.path}"))
-        gathered = {a: s[a] for a in ZERO_AXES if s[a] > 1}
+        gathered = {a: s[a] for a in ZERO_AXES if s[a] > 1 and a not in used}
         if gathered and run.zero_stage in (1, 2) and set(gathered) & _spec_axes(leaf, place["optimizer"]):
             axes = {a: n for a, n in gathered.items() if a in _spec_axes(leaf, place["optimizer"])}
             out.append(Coll("all-gather", full, axes, 1, f"updated {leaf.path}"))
