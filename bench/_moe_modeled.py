@@ -91,12 +91,13 @@ def main() -> None:
     for name in names:
         config_name, devices, overrides = ROWS[name]
         config = cli.apply_overrides(cli.load_config_file(str(ROOT / "configs" / f"{config_name}.py")), overrides)
-        seen = {}
+        seen: dict = {}
         report = aot.compile_report(config, args.target, devices, sample=None,
-                                    inspect=lambda compiled, run: seen.update(exchange(compiled, run)))
+                                    inspect=lambda compiled, run, seen=seen: seen.update(exchange(compiled, run)))
         peak, planned = report.step.memory["peak"], report.planner["peak"]
         moe = bool(config.model.num_experts)
-        row = {"row": name, "devices": devices, "sizes": report.sizes, "modeled_step_s": round(report.step.modeled_seconds, 5),
+        row = {"row": name, "devices": devices, "sizes": report.sizes,
+               "modeled_step_s": round(report.step.modeled_seconds, 5),
                "modeled_mfu": round(report.modeled_mfu, 4), "modeled_mfu_one_document":
                round(report.modeled_mfu_one_document, 4), "peak_bytes": peak, "planner_peak_bytes": planned,
                "planner_over_compiler": round(planned / peak, 4),

@@ -286,9 +286,10 @@ def moe_reference(x: jax.Array, w_router, w_gate, w_up, w_down, k: int) -> jax.A
 def gathers_model_dim(cfg: ModelConfig, rules: Rules) -> bool:
     """Whether the grouped matmul kernel's region gathers the expert weights along their model dimension
     D (ZeRO-3 shards it, `rules`' "embed" entry, unless `expert` is the only such axis: the expert
-    dimension takes it; below ZeRO-3 the weights rest whole), so that they enter it D first (`grouped_matmul`'s order "kgn" / "ngk"): an
-    all-gather along the leading dimension is a copy of contiguous blocks, along any other it leaves a
-    transpose of every gathered weight to the kernel's row-major layout."""
+    dimension takes it; below ZeRO-3 the weights rest whole), so that they enter it D first
+    (`grouped_matmul`'s order "kgn" / "ngk"): an all-gather along the leading dimension is a copy of
+    contiguous blocks, along any other it leaves a transpose of every gathered weight to the kernel's
+    row-major layout."""
     if not (cfg.num_experts and cfg.moe_dropless and cfg.moe_matmul == "pallas" and cfg.zero_stage >= 3):
         return False
     spec = rules.spec(("expert", "embed", "mlp"))

@@ -40,7 +40,6 @@ import numpy as np
 from meshtrain import attention as attention_lib, config as config_lib
 from meshtrain.config import BATCH_AXES, CONTEXT_PARALLEL_IMPLS, Axis, require
 from meshtrain.pallas_kernels.flash_attention import MIN_BLOCK
-from meshtrain.sharding_rules import ZERO_AXES
 from meshtrain.parallel import (
     pipeline as pipeline_lib,
     pipeline_tables,
@@ -49,6 +48,7 @@ from meshtrain.parallel import (
     slot_program,
     ulysses,
 )
+from meshtrain.sharding_rules import ZERO_AXES
 
 STAGE, SEQUENCE = Axis.STAGE.value, Axis.SEQUENCE.value
 GradsFn = Callable  # (params, histories, batch, model, total_tokens, accum_steps) -> (loss_sum, aux, grads, amaxes)

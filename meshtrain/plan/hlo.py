@@ -676,8 +676,8 @@ _PALLAS_LOSS = {"cross_entropy_forward": 2.0}  # x N·D·V
 # autotuning records (tokamax's `data/autotuning/nvidia_h100_80gb_hbm3/pallas_triton_ragged_dot.json`):
 # 128 x 256 tiles with 8 warps, 1.48 ms for [8192, 4096] x [8, 4096, 14336] (Mixtral's expert, 0.656 of
 # the peak), its weight gradient 0.557 at Qwen3-30B-A3B's expert ([131072, 2048] x [131072, 768]); 128 x
-# 128 tiles with 4 warps, 0.42 to 0.43 forward at K 7168 and 0.47 to 0.51 for the weight gradient. `bench/gpu/moe_step.py` times the
-# kernels on a GPU; its figures are to replace these.
+# 128 tiles with 4 warps, 0.42 to 0.43 forward at K 7168 and 0.47 to 0.51 for the weight gradient.
+# `bench/gpu/moe_step.py` times the kernels on a GPU; its figures are to replace these.
 GROUPED_EFFICIENCY: dict[tuple[str, int], float] = {  # (kernel, warps) -> share of the bf16 peak
     ("grouped_matmul", 4): 0.42, ("grouped_matmul_dx", 4): 0.42, ("grouped_matmul_dw", 4): 0.50,
     ("grouped_matmul", 8): 0.65, ("grouped_matmul_dx", 8): 0.65, ("grouped_matmul_dw", 8): 0.56,

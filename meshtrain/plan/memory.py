@@ -34,8 +34,7 @@ from meshtrain import mesh as mesh_lib, model
 from meshtrain.config import DEFAULT_SCHEDULE, ModelConfig
 from meshtrain.mesh import MESH_ORDER
 from meshtrain.parallel import schedules
-from meshtrain.sharding_rules import ZERO_AXES
-from meshtrain.sharding_rules import Rules
+from meshtrain.sharding_rules import ZERO_AXES, Rules
 
 GB = 10**9
 
