@@ -12,7 +12,7 @@ figures show the cost of the exchange and of the dispatch bookkeeping, not a GPU
 Then the dropped fraction (mean of the logged `moe_dropped_fraction` over the timed steps)
 for capacity_factor in {1.0, 1.25, 2.0}. Prints a table and one JSON line.
 
-`--modeled` (`bench/moe_modeled.py`): the step of today's fine-grained MoE shapes compiled for 8 (and 64)
+`--modeled` (`bench/_moe_modeled.py`): the step of today's fine-grained MoE shapes compiled for 8 (and 64)
 H100s without a GPU and priced kernel by kernel (`meshtrain.aot`), beside the planner's memory and step,
 the expert exchange's bytes and its overlap, read from the compiled step; exits 1 when a row misses its
 target.
@@ -84,7 +84,7 @@ def measure(config, steps: int) -> dict:
 def main() -> None:
     if "--modeled" in sys.argv:  # the GPU compiles: their own module (no fake CPU devices there)
         sys.argv.remove("--modeled")
-        runpy.run_path(str(pathlib.Path(__file__).with_name("moe_modeled.py")), run_name="__main__")
+        runpy.run_path(str(pathlib.Path(__file__).with_name("_moe_modeled.py")), run_name="__main__")
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)

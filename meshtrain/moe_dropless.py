@@ -196,8 +196,12 @@ class ExchangePlan:
 
 
 def _ragged(x: jax.Array, rows: int, tables: tuple[jax.Array, ...], axis: str) -> jax.Array:
-    out = jnp.zeros((rows, x.shape[1]), x.dtype)
-    return jax.lax.ragged_all_to_all(x, out, *tables, axis_name=axis)
+    """`jax.lax.ragged_all_to_all` of x's slices into `rows` rows. The rows no slice writes keep what the
+    buffer held, which nothing reads (the grouped matmuls mask the rows no expert owns, the combine the
+    rows of dropped choices), so the buffer is made from x's own first row: a constant one XLA would
+    hoist out of the layer loop and keep, one a layer, for the whole step."""
+    blank = jnp.broadcast_to(jax.lax.stop_gradient(x[:1]) * 0, (rows, x.shape[1]))
+    return jax.lax.ragged_all_to_all(x, blank, *tables, axis_name=axis)
 
 
 def _send_dense(sent: jax.Array, plan: ExchangePlan, chunk: int, axis: str) -> jax.Array:
@@ -342,6 +346,12 @@ def _chunk(x, weights, experts, w_gate, w_up, w_down, *, num_experts, axis, ep, 
     out = dot.swiglu(grouped, layout, w_gate, w_up, w_down)
     if exchange == "ragged":
         home = _ragged(out, routed, plan.back(), axis)
+        # rows of dropped choices stay as the buffer held them: the combine leaves them out
+        expert_of = flat[order]
+        rank = jnp.arange(routed, dtype=jnp.int32) - plan.sent_from[plan.me][expert_of]
+        delivered = rank < plan.accepted[plan.me][expert_of]  # [routed], sorted order
+        row = jnp.where(delivered[row], row, -1)
+        order = jnp.where(delivered, order, -1)
     else:
         home = _return_dense(out, plan, chunk, routed, flat[order], axis)
     return _combine(home, row, weights, order), plan.dropped()

@@ -33,6 +33,8 @@ from jax.experimental.pallas import triton as plgpu
 from meshtrain.pallas_kernels._common import dot_precision, is_power_of_two, resolve_interpret
 
 MIN_BLOCK = 16  # tl.dot's smallest tile
+# shared memory for a kernel's pipelined loads: an H100's 227 KiB a block less room for the epilogue
+SHARED_MEMORY = 192 * 1024
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
@@ -74,6 +76,13 @@ class GroupedBlockSizes:
             if not is_power_of_two(value) or value < MIN_BLOCK:
                 raise ValueError(f"{name}={value} must be a power of two >= {MIN_BLOCK} "
                                  "(Triton tiles are powers of two and tl.dot needs 16)")
+
+    def params(self, tile_bytes: int) -> plgpu.CompilerParams:
+        """Triton's launch parameters for a kernel whose loop loads `tile_bytes` a step: `num_stages`
+        steps in flight, fewer where they would pass the shared memory a Hopper SM gives a block
+        (`SHARED_MEMORY`)."""
+        stages = max(1, min(self.num_stages, SHARED_MEMORY // max(tile_bytes, 1)))
+        return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=stages)
 
     def fit(self, dim: int, name: str) -> int:
         """The block of dimension `dim` (`block_n` or `block_k`), halved until it divides `dim`."""
@@ -215,7 +224,7 @@ def _matmul(x: jax.Array, w: jax.Array, layout: GroupLayout, blocks: GroupedBloc
         in_specs=[scalar, scalar, pl.BlockSpec((bm, c), lambda t, j: (t, 0)), pl.no_block_spec],
         out_specs=pl.BlockSpec((bm, bn), lambda t, j: (t, j)),
         out_shape=jax.ShapeDtypeStruct((m, out_dim), x.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+        compiler_params=blocks.params((bm + bn) * bc * x.dtype.itemsize),
         interpret=interpret,
         name=name,
     )(group, owned, x, w)
@@ -235,7 +244,7 @@ def _weight_grad(x: jax.Array, dy: jax.Array, w_shape: tuple[int, ...], layout: 
         in_specs=[scalar, scalar, scalar, pl.no_block_spec, pl.no_block_spec],
         out_specs=pl.BlockSpec(tuple(block[a] for a in order), lambda e, i, j: _weight_index(order, e, i, j)),
         out_shape=jax.ShapeDtypeStruct(w_shape, x.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+        compiler_params=blocks.params(bm * (bk + bn) * x.dtype.itemsize),
         interpret=interpret,
         name=name,
     )(layout.starts // bm, (layout.sizes + bm - 1) // bm, layout.sizes, x, dy)

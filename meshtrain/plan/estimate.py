@@ -60,6 +60,90 @@ def recompute_passes(model: config_lib.ModelConfig, seq_len: int, remat: str) ->
     return gate_up / (gate_up + attention)
 
 
+def moe_compute(run: memory.Step, gpu: Gpu, passes: float) -> tuple[float, float]:
+    """(hardware FLOPs, seconds) per device and step of the MoE layers' expert matmuls, priced as they run
+    (playbook, "Expert parallelism"): dropless through the grouped matmul kernel (`model.moe_matmul`
+    pallas), each chunk's routed rows at the balanced load padded to whole tiles (`memory.moe_rows`), each
+    kernel at its share of the peak (`plan.hlo.GROUPED_EFFICIENCY`); capacity dispatch as XLA GEMMs over
+    every expert's capacity slots (`capacity_factor` x the routed rows). Three matmuls, forward (and its
+    recomputation) and both gradients; beside them the rows' elementwise passes (`MOE_LAYOUT_PASSES`) and
+    each pass's copy of the layer's expert weights, at the HBM bandwidth. (0, 0) for a dense model and for
+    `jax.lax.ragged_dot`, which XLA:GPU runs as dense work over every expert: priced with the rest."""
+    from meshtrain.plan import hlo
+
+    m = run.model
+    grouped = m.moe_dropless and m.moe_matmul == "pallas"
+    if not m.num_experts or (m.moe_dropless and not grouped):
+        return 0.0, 0.0
+    f = (m.moe_mlp_dim or m.mlp_dim) // run.sizes["tensor"]
+    if grouped:
+        rows = memory.moe_rows(run)
+        computed, held = rows.expected * rows.chunks, rows.grouped * rows.chunks
+        warps = 8 if rows.tile >= 128 else 4
+        share = {kind: hlo.GROUPED_EFFICIENCY[(kind, warps)]
+                 for kind in ("grouped_matmul", "grouped_matmul_dx", "grouped_matmul_dw")}
+    else:  # every expert's C slots a row, filled or not
+        computed = held = math.ceil(run.micro_tokens * m.experts_per_token * m.capacity_factor)
+        share = dict.fromkeys(("grouped_matmul", "grouped_matmul_dx", "grouped_matmul_dw"),
+                              hlo.KERNEL_TIMES.flop_efficiency)
+    layers = m.n_layers // m.moe_every
+    one = 2.0 * computed * m.d_model * f  # one matmul over a micro-batch's rows on one device
+    work = 3 * one * ((1 + passes) / share["grouped_matmul"] + 1 / share["grouped_matmul_dx"]
+                      + 1 / share["grouped_matmul_dw"])
+    a = memory.dtype_bytes(m.dtype)
+    layout = MOE_LAYOUT_PASSES * held * (m.d_model + f) * a * (2 + passes)
+    # each pass reads the layer's expert weights into a buffer of their own (a custom call's operand):
+    # converted from the stored dtype and sliced out of the layer stack, or, gathered by ZeRO-3 along
+    # their model dimension, only the local shard converted
+    weights = 3 * m.num_experts // run.sizes["expert"] * m.d_model * f
+    split = run.sizes["fsdp"] * run.sizes["sequence"]
+    per_weight = WEIGHT_CONVERT_BYTES / split if run.zero_stage >= 3 and split > 1 else WEIGHT_CONVERT_BYTES + 2 * a
+    copies = weights * per_weight * (2 + passes) if grouped else 0.0
+    seconds = layers * run.grad_accum * work / gpu.peak_flops
+    seconds += layers * (run.grad_accum * layout + copies) / (gpu.hbm_bandwidth * HBM_EFFICIENCY)
+    return layers * run.grad_accum * one * (3 * (1 + passes) + 6), seconds
+
+
+def moe_rest_seconds(run: memory.Step, gpu: Gpu, passes: float, peak: float) -> float:
+    """Seconds per device and step of an MoE step's work beside its grouped expert matmuls (`moe_compute`),
+    by its parts, as the kernel model prices them: the other matmuls at the GEMMs' share of the peak, the
+    attention's FLOPs at the attention kernels', the optimizer's pass over its state and the loss's over
+    the logits at the HBM bandwidth. (A dense step keeps `EFFICIENCY`, calibrated on dense steps as a
+    whole: their MLP GEMMs dominate; an MoE step's rest runs at a lower share of the peak.)"""
+    from meshtrain.plan import hlo
+
+    m = run.model
+    n = math.prod(run.sizes.values())
+    tokens = run.batch_size * run.seq_len
+    attention = 12.0 * m.n_layers * run.seq_len * m.n_heads * m.head_dim
+    experts = 18.0 * m.experts_per_token * m.d_model * (m.moe_mlp_dim or m.mlp_dim) * (m.n_layers // m.moe_every)
+    scale = tokens / n * (1 + passes / 3)
+    matmuls = (metrics.flops_per_token(m, run.seq_len) - attention - experts) * scale
+    state = memory.placed_elements(run.stored_model, run.placement()["optimizer"]) * OPTIMIZER_BYTES
+    logits = run.micro_tokens * m.vocab_size // run.sizes["tensor"] * run.grad_accum * LOSS_BYTES
+    return (matmuls / (peak * hlo.KERNEL_TIMES.flop_efficiency) + attention * scale / (peak * ATTENTION_EFFICIENCY)
+            + (state + logits) / (gpu.hbm_bandwidth * HBM_EFFICIENCY))
+
+
+# An MoE step's parts beside its experts (`moe_rest_seconds`), as the H100 kernel model prices them: attention
+# at the share of the peak of the attention kernels at head dims above 64 (`plan.hlo.MEASURED_EFFICIENCY`: cuDNN
+# 0.47 / 0.50, the Pallas flash kernel's 0.40 / 0.47), AdamW's pass over its float32 state (reads parameter,
+# gradient and two moments, writes three) and the unfused loss's passes over the float32 logits (written by
+# the head, read by the conversion and the reductions, the gradient written), at `HBM_EFFICIENCY` of the
+# bandwidth (`plan.hlo.KernelTimes`); a stored float32 weight converted to the compute dtype reads 4 bytes
+# and writes 2.
+ATTENTION_EFFICIENCY = 0.45
+OPTIMIZER_BYTES = 28
+LOSS_BYTES = 20
+HBM_EFFICIENCY = 0.65
+WEIGHT_CONVERT_BYTES = 6
+# The grouped layout's elementwise work a pass of one MoE layer (the SwiGLU between the kernels, the
+# gathers into and out of the layout, the exchange's zeroed buffers, the gradients' sums), in reads and
+# writes of [grouped rows, d_model + width] in the compute dtype: calibrated on the H100 compiles of
+# `bench/moe.py --modeled` (the kernel model's price of those kernels).
+MOE_LAYOUT_PASSES = 6.0
+
+
 @dataclasses.dataclass
 class Estimate:
     # the candidate's config, or a function that builds it (`config`): a search prices tens of thousands
@@ -144,7 +228,11 @@ def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu,
     # a pipeline runs in lock-step: every tick lasts as long as the stage (chunk) with the most layers, so
     # uneven stages compute as if each held that many (`memory.Step.stored_model`'s rows)
     busy = metrics.flops_per_token(run.stored_model, run.seq_len) / per_token
-    compute = hardware_flops * busy / n / (peak * efficiency)
+    expert_flops, expert_seconds = moe_compute(run, gpu, passes)  # the grouped kernels' own price
+    if expert_flops:  # the rest of an MoE step by its parts
+        compute = moe_rest_seconds(run, gpu, passes, peak) + expert_seconds
+    else:
+        compute = hardware_flops * busy / n / (peak * efficiency)
     inside = in_node_axes(sizes, devices_per_node)
     # every micro-batch adds its weight gradients into float32 sums (a pipeline stage's or the accumulation
     # loop's): the sums and the gradient read, the sums written, at the HBM bandwidth. Memory-bound work

@@ -206,6 +206,38 @@ class Step:
                 "optimizer": rules if z >= 1 else flat, "compute": flat}
 
 
+@dataclasses.dataclass(frozen=True)
+class MoeRows:
+    """One dropless MoE layer's rows on one device, per chunk of its tokens (`moe_dropless`)."""
+
+    routed: int  # rows a chunk routes: its tokens x experts_per_token
+    grouped: int  # rows of its grouped layout: what the exchange can deliver, each expert padded to whole tiles
+    expected: int  # rows the grouped matmuls compute at the balanced load (`moe_dropless.expected_rows`)
+    tile: int  # the grouped matmul's row tile (1: jax.lax.ragged_dot's groups back to back)
+    chunks: int  # `model.moe_chunks` as run
+
+
+def moe_rows(run: Step, tokens: int | None = None) -> MoeRows:
+    """The rows of a dropless MoE layer on one device, as `moe_dropless.dropless_ffn` lays them out for a
+    micro-batch: without `expert` every routed row of the chunk, under it the receive capacity
+    (`model.moe_exchange_factor`: a multiple of the balanced load, or the worst case at 0)."""
+    from meshtrain import moe_dropless
+    from meshtrain.pallas_kernels.grouped_matmul import GroupLayout
+
+    m, ep = run.model, run.sizes["expert"]
+    tokens = tokens or run.micro_tokens
+    chunks = moe_dropless.chunks_for(tokens, m.moe_chunks)
+    k, groups = m.experts_per_token, m.num_experts // ep
+    routed = tokens // chunks * k
+    tile = moe_dropless.kernel_tile(routed, groups) if m.moe_matmul == "pallas" else 1
+    received = routed
+    if ep > 1:
+        worst = ep * tokens // chunks * min(k, groups)
+        received = moe_dropless.receive_capacity(routed, ep, worst, m.moe_exchange_factor)
+    grouped = GroupLayout.capacity(received, groups, tile)
+    return MoeRows(routed, grouped, moe_dropless.expected_rows(routed, groups, tile, grouped), tile, chunks)
+
+
 def dtype_bytes(name: str) -> int:
     return np.dtype({"bfloat16": "float16"}.get(name, name)).itemsize
 
@@ -235,8 +267,20 @@ COMPUTE_SCORES_SAVING = 4
 # pass writes their gradient in the compute dtype over them: `model.cross_entropy_sum`, `model.head_logits`)
 LOGIT_BYTES = 4
 TOKEN_WORKSPACE = 2  # a layer's activations and their gradients are alive together in its backward
-EXCHANGE_BUFFERS = 6  # dropless MoE over `expert`: worst-case send / receive staging buffers [ep * s, D]
-EXPERT_GRAD_COPIES = 0.7  # the layer scan's zero-initialised stacked expert-weight cotangents (f32)
+# dropless MoE, a layer's backward, per chunk of its tokens (`moe_rows`): buffers of the grouped layout's rows
+# d_model wide (the dispatched rows, the experts' output, their gradients, the exchange's zeroed receive
+# buffers) and the experts' width wide (gate, up, their product and gradients), and under `expert` of the
+# routed rows d_model wide (sent, returned, their gradients)
+MOE_D_BUFFERS = 4
+MOE_F_BUFFERS = 2
+MOE_ROUTED_BUFFERS = 4
+# dropless MoE before its loss (`_moe_moments`): the [grouped rows, d_model] exchange buffers XLA allocates once
+# for the step's layers and keeps, and the logits in float32 and the compute dtype (LOGIT_BYTES x this)
+MOE_KEPT_BUFFERS = 16
+LOSS_MOMENT = 1.5
+# the layer scan's zero-initialised stacked expert-weight cotangents (f32): none left since the exchange's
+# rows are gathered both ways (dropless and capacity MoE, H100 compiles of `bench/moe.py --modeled`)
+EXPERT_GRAD_COPIES = 0.0
 # A raised scheduler budget (`train.xla_gpu_memory_limit_slop_factor` > 95) lets XLA:GPU start the
 # sequence-parallel gathers early: this many gathered activations [t, d_model] live beside the rest.
 # One calibration point: the 405B config (1f1b, TP 8, SP, H100, slop 400) peaks 3.25 GiB higher
@@ -292,18 +336,17 @@ def _layer_workspace(run: Step, t: int) -> int:
     tp, a = s["tensor"], dtype_bytes(m.dtype)
     qkv = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim // tp
     per_token = _residual_width(run) + qkv + m.n_heads * m.head_dim // tp + m.d_model
-    if m.num_experts:
-        k, ep = m.experts_per_token, s["expert"]
-        if m.moe_dropless:  # sorted assignments; over `expert` a worst-case buffer per destination
-            rows = ep * t * min(k, m.num_experts // ep) if ep > 1 else t * k
-        else:
-            rows = math.ceil(t * k * m.capacity_factor)
-        mlp = rows * (m.d_model + 3 * (m.moe_mlp_dim or m.mlp_dim) // tp)
-        if m.moe_dropless and ep > 1:
-            mlp += EXCHANGE_BUFFERS * rows * m.d_model
+    f, grouped_bytes = (m.moe_mlp_dim or m.mlp_dim) // tp, 0
+    if m.num_experts and m.moe_dropless:  # the grouped layout of each chunk (`moe_rows`) and its exchange
+        r = moe_rows(run, t)
+        exchange = MOE_ROUTED_BUFFERS * r.routed * m.d_model if s["expert"] > 1 else 0
+        grouped_bytes = a * r.chunks * (MOE_D_BUFFERS * r.grouped * m.d_model + MOE_F_BUFFERS * r.grouped * f + exchange)
+        mlp = 0
+    elif m.num_experts:  # every expert's capacity slots
+        mlp = math.ceil(t * m.experts_per_token * m.capacity_factor) * (m.d_model + 3 * f)
     else:
         mlp = t * 3 * m.mlp_dim // tp
-    workspace = TOKEN_WORKSPACE * a * (t * per_token + mlp)
+    workspace = TOKEN_WORKSPACE * a * (t * per_token + mlp) + grouped_bytes
     context = m.attention_impl in ("ring", "ulysses") and s["sequence"] > 1  # ring / Ulysses: flash blocks on GPU
     if m.attention_impl not in ("pallas", "cudnn") and not context:  # flash kernels keep no scores
         per_score = SCORE_BYTES - (COMPUTE_SCORES_SAVING if m.attention_scores_dtype == "compute"
@@ -422,4 +465,22 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
         temporaries += int(EXPERT_GRAD_COPIES * 4 * experts)
     if run.scheduler_slop > mesh_lib.XLA_DEFAULT_SLOP and m.sequence_parallel and s["tensor"] > 1:
         temporaries += EARLY_GATHERS * a * t * m.d_model
+    if m.num_experts and m.moe_dropless and not pipelined:
+        temporaries = _moe_moments(run, t, temporaries, loss)
     return {"activations": activations, "temporaries": int(temporaries)}
+
+
+def _moe_moments(run: Step, t: int, temporaries: float, loss: int) -> float:
+    """A dropless MoE step's temporaries as the larger of its two fullest moments, less the gradients
+    (`state_memory` counts them whole): the layers' backward (the terms above beside every gradient), or
+    the loss before it, when only the head's and the embedding's gradients exist but the logits are held
+    in float32 and the compute dtype, beside the exchange buffers XLA allocates once for every layer
+    (calibrated on `bench/moe.py --modeled`'s H100 compiles, where the 4-layer steps peak at their loss)."""
+    m = run.model
+    place = run.placement()
+    table = param_table(run.stored_model)
+    grads = placed_elements(run.stored_model, place["grads"]) * dtype_bytes(m.param_dtype)
+    outer = sum(local_size(leaf, place["grads"]) for leaf in table if not leaf.in_layers) * dtype_bytes(m.param_dtype)
+    kept = MOE_KEPT_BUFFERS * dtype_bytes(m.dtype) * moe_rows(run, t).grouped * m.d_model
+    at_loss = loss * LOSS_MOMENT + kept + outer
+    return max(temporaries + grads, at_loss) - grads
