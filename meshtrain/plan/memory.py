@@ -340,7 +340,7 @@ def _layer_workspace(run: Step, t: int) -> int:
     if m.num_experts and m.moe_dropless:  # the grouped layout of each chunk (`moe_rows`) and its exchange
         r = moe_rows(run, t)
         exchange = MOE_ROUTED_BUFFERS * r.routed * m.d_model if s["expert"] > 1 else 0
-        grouped_bytes = a * r.chunks * (MOE_D_BUFFERS * r.grouped * m.d_model + MOE_F_BUFFERS * r.grouped * f + exchange)
+        grouped_bytes = a * r.chunks * (r.grouped * (MOE_D_BUFFERS * m.d_model + MOE_F_BUFFERS * f) + exchange)
         mlp = 0
     elif m.num_experts:  # every expert's capacity slots
         mlp = math.ceil(t * m.experts_per_token * m.capacity_factor) * (m.d_model + 3 * f)
