@@ -162,6 +162,8 @@ CASES = [
     _case("moe", {"expert": 4, "data": 2}),
     _case("moe", {"data": 2, "expert": 2, "tensor": 2}, **{"model.moe_dropless": True}),
     _case("moe", {"data": 2, "fsdp": 2, "expert": 2}, **{"train.grad_accum_steps": 2}),
+    # ... and the grouped matmul kernel (interpreted here), its region manual over the width too
+    _case("moe", {"expert": 2, "fsdp": 2, "tensor": 2}, **{"model.moe_dropless": True, "model.moe_matmul": "pallas"}),
 ]
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import gc
 import re
+import runpy
+import types
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +22,9 @@ import pytest
 from meshtrain import aot
 from meshtrain.pallas_kernels import grouped_matmul as gm
 from meshtrain.plan import hlo
-from tests.utils import apply_overrides, composed_config, load_config_file
+from tests.utils import ROOT, apply_overrides, composed_config, load_config_file
+
+moe_bench = types.SimpleNamespace(**runpy.run_path(str(ROOT / "bench" / "_moe_modeled.py")))
 
 pytestmark = pytest.mark.gpu_aot
 KERNELS = {"grouped_matmul", "grouped_matmul_dx", "grouped_matmul_dw"}
@@ -99,26 +103,50 @@ def _exchange_between(text: str) -> list[bool]:
     return out
 
 
-@pytest.mark.parametrize("expert", [8, 64])
-def test_exchange_sends_the_routed_rows_beside_the_expert_matmuls(expert):
-    config = apply_overrides(load_config_file("mixtral_8x7b"),
-                             {**QWEN3, "mesh.expert": expert, "train.batch_size": expert})
-    found = {}
-    report = aot.compile_report(config, "h100", expert, sample=None,
-                                inspect=lambda compiled, run: found.update(text=compiled.as_text(), run=run))
-    text, run = found["text"], found["run"]
-    m = run.model
+def _row(name: str) -> dict:
+    """The compiled step of one of `bench/moe.py --modeled`'s rows (the same program: a compile of one
+    is read back from the per-user compile cache by the other), its report and its text."""
+    config_name, devices, overrides = moe_bench.ROWS[name]
+    config = apply_overrides(load_config_file(config_name), overrides)
+    found: dict = {"config": config}
+    found["report"] = aot.compile_report(config, "h100", devices, sample=None,
+                                         inspect=lambda compiled, run: found.update(text=compiled.as_text(), run=run))
+    return found
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b expert 8", "qwen3-30b-a3b expert 64"], ids=["expert8", "expert64"])
+def test_exchange_sends_the_routed_rows_beside_the_expert_matmuls(name):
+    row = _row(name)
+    text, run, config = row["text"], row["run"], row["config"]
+    m, devices = run.model, run.mesh.devices.size
     routed = config.train.seq_len * m.experts_per_token // m.moe_chunks  # one sequence a device, a chunk's rows
     carried = routed * m.d_model * 2
-    exchanges = [c for c in hlo.collectives(text, expert) if c.kind == "ragged-all-to-all"]
+    exchanges = [c for c in hlo.collectives(text, devices) if c.kind == "ragged-all-to-all"]
     assert len(exchanges) >= 4 * m.n_layers * m.moe_chunks  # dispatch and return, forward and backward
     assert max(c.result_bytes for c in exchanges) <= 1.15 * carried, [c.result_bytes / carried for c in exchanges]
+    # in c chunks a layer's pass exchanges 2c times; all but the first chunk's dispatch and the last one's
+    # return can run beside another chunk's grouped matmuls: (c - 1) / c of them, less where XLA's
+    # scheduler keeps one apart (2 chunks: 21 of 48 at expert 8, 4 layers)
     between = _exchange_between(text)
-    assert between and sum(between) >= 0.5 * len(between), between  # chunks: one's exchange, another's GEMMs
+    assert between and sum(between) >= 0.8 * (m.moe_chunks - 1) / m.moe_chunks * len(between), between
     # each expert matmul's FLOPs within 1.25x of 2 x routed rows x d_model x width
     one = 2.0 * routed * m.d_model * m.moe_mlp_dim
-    names = {m.group(1) for line in text.splitlines() if "grouped_matmul" in line and hlo._TRITON_CALL in line
-             if (m := hlo._INSTRUCTION.match(line))}
+    names = {i.group(1) for line in text.splitlines() if "grouped_matmul" in line and hlo._TRITON_CALL in line
+             if (i := hlo._INSTRUCTION.match(line))}
     grouped = [k for k in hlo.kernels(text) if k.name in names]
     assert grouped and all(one <= k.flops <= 1.25 * one for k in grouped), sorted({k.flops / one for k in grouped})
-    assert report.step.memory["peak"] < 30 * 2**30
+    # the planner: memory within 10% of the compiler's, compute within 15% of the kernel model's
+    report = row["report"]
+    assert report.planner["peak"] == pytest.approx(report.step.memory["peak"], rel=0.10)
+    assert report.planner_seconds == pytest.approx(report.step.modeled_seconds, rel=0.15)
+
+
+@pytest.mark.parametrize("name", list(moe_bench.MFU_TARGETS), ids=lambda n: n.replace(" ", "-"))
+def test_modeled_mfu_and_memory_targets(name, request):
+    """The modeled MFU and peak targets of `bench/moe.py --modeled`; one not met yet is a strict expected
+    failure naming the figure measured (`OPEN` there): it runs, and passing it fails the test."""
+    if name in moe_bench.OPEN:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=moe_bench.OPEN[name]))
+    report = _row(name)["report"]
+    assert report.modeled_mfu >= moe_bench.MFU_TARGETS[name], report.modeled_mfu
+    assert report.step.memory["peak"] <= moe_bench.PEAK_TARGETS.get(name, float("inf"))

@@ -29,7 +29,8 @@ def _config(sizes: dict):
         c.mesh[axis] = sizes.get(axis, 1)
     c.train.seq_len = 32
     c.train.warmup_steps = 1
-    c.model.moe_dropless = bool(sizes.get("dropless", False))  # not a mesh axis: the dispatch
+    c.model.moe_dropless = bool(sizes.get("dropless", False))  # not mesh axes: the dispatch and its matmuls
+    c.model.moe_matmul = "pallas" if sizes.get("kernel", False) else "ragged_dot"
     return c
 
 
@@ -88,6 +89,20 @@ def test_dropless_model_under_expert_parallelism_equals_single_device():
                                    rtol=1e-5, atol=1e-7, err_msg=name)
     assert all(m["moe_dropped_fraction"] == 0.0 for m in metrics + ref_metrics)
     assert all(m["moe_dropped_fraction"] > 0.0 for m in _run(())[1])
+
+
+@pytest.mark.parametrize("sizes", [{"expert": 4, "data": 2}, {"expert": 2, "fsdp": 2, "tensor": 2}],
+                         ids=["expert4xdata2", "expert2xfsdp2xtensor2"])
+def test_grouped_kernel_model_equals_single_device(sizes):
+    """The whole dropless model with the grouped matmul kernel (interpreted on the CPU; its region manual
+    over every axis, the width split over `tensor`) trains the single-device losses and router statistics."""
+    ref_losses, ref_metrics, _ = _run((("dropless", True),))
+    losses, metrics, _ = _run(_key({**sizes, "dropless": True, "kernel": True}))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    for name in ("moe_aux_loss", "moe_z_loss"):
+        np.testing.assert_allclose([m[name] for m in metrics], [m[name] for m in ref_metrics],
+                                   rtol=1e-5, atol=1e-7, err_msg=name)
+    assert all(m["moe_dropped_fraction"] == 0.0 for m in metrics)
 
 
 def _collectives(text: str, sizes: dict):

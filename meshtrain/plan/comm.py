@@ -215,9 +215,14 @@ def _activations(run: Step, remat: str, backend: Backend) -> list[Coll]:
     if m.num_experts and s["expert"] > 1:
         tokens = t * m.experts_per_token * (1.0 if m.moe_dropless else m.capacity_factor)
         moe_layers = math.ceil(layers / m.moe_every)
-        out.append(Coll("all-to-all", tokens * m.d_model * a, {"expert": s["expert"]}, 4 * moe_layers * micro,
-                        "expert dispatch/combine"))
+        # dispatch and return, forward and backward; a rebuilt forward (full remat) exchanges again
+        passes = 6 if remat in ("full", "offload") else 4
+        out.append(Coll("all-to-all", tokens * m.d_model * a, {"expert": s["expert"]}, passes * moe_layers * micro,
+                        EXCHANGE))
     return out
+
+
+EXCHANGE = "expert dispatch/combine"  # the MoE exchange's `Coll.what`
 
 
 def step_collectives(run: Step, remat: str, backend: Backend = GPU) -> list[Coll]:

@@ -104,6 +104,16 @@ def moe_compute(run: memory.Step, gpu: Gpu, passes: float) -> tuple[float, float
     return layers * run.grad_accum * one * (3 * (1 + passes) + 6), seconds
 
 
+def exposed_exchange(run: memory.Step, seconds: float, expert_seconds: float) -> float:
+    """The seconds of the MoE exchange (`seconds` in all) the step waits for. In c chunks (`model.moe_chunks`)
+    a layer's pass exchanges 2c times, and all but the first chunk's dispatch and the last one's return
+    can run beside another chunk's grouped matmuls, (c - 1) / c of the experts' time (`moe_compute`): what
+    does not fit beside them stays exposed, at least 1/c of the exchange."""
+    chunks = memory.moe_rows(run).chunks if run.model.moe_dropless else 1
+    hidden = min(seconds * (chunks - 1) / chunks, expert_seconds * (chunks - 1) / chunks)
+    return seconds - hidden
+
+
 def moe_rest_seconds(run: memory.Step, gpu: Gpu, passes: float, peak: float) -> float:
     """Seconds per device and step of an MoE step's work beside its grouped expert matmuls (`moe_compute`),
     by its parts, as the kernel model prices them: the other matmuls at the GEMMs' share of the peak, the
@@ -248,9 +258,16 @@ def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu,
     compute += micro * accumulate if micro > 1 else 0.0
     exposed = {}
     attention = 12.0 * run.model.n_layers * run.seq_len * run.model.n_heads * run.model.head_dim / per_token
+    exchange = sum(comm.attribute(c.kind, c.full_bytes, c.axes)["expert"] * c.count
+                   for c in colls if c.what == comm.EXCHANGE)
     for axis, nbytes in per_axis.items():
-        seconds = nbytes / (gpu.nvlink_bandwidth if axis in inside else gpu.network_bandwidth)
+        link = gpu.nvlink_bandwidth if axis in inside else gpu.network_bandwidth
+        seconds = nbytes / link
         behind = compute * (attention if axis == "sequence" else 1.0)
+        if axis == "expert":  # ZeRO's share behind compute as over fsdp; the MoE exchange (`exposed_exchange`)
+            moved = exchange / link
+            exposed[axis] = max(0.0, seconds - moved - behind) + exposed_exchange(run, moved, expert_seconds)
+            continue
         exposed[axis] = max(0.0, seconds - behind) if axis in OVERLAPPED else seconds
     bubble = 0.0
     if sizes["stage"] > 1:  # the loop as executed in lock-step (`parallel.cost`), not the table's formula

@@ -271,13 +271,15 @@ def collectives(hlo: str, num_partitions: int,
     for name, lines in comps.items():
         if not mult.get(name):
             continue
+        defined = {i.group(1): i.group(2) for line in lines if (i := _INSTRUCTION.match(line))}
         for line in lines:
             m = _OP.match(line)
             if not m:
                 continue
             kind, shapes = m.group(2), m.group(1)
-            if kind == "ragged-all-to-all":  # ((operand, output, offsets...), result): what it can move
-                shapes = _ragged_moved(shapes)
+            if kind == "ragged-all-to-all":  # what it can move: the smaller of its operand and its output
+                operand = _top_level_args(line[m.end():])[0] if _top_level_args(line[m.end():]) else ""
+                shapes = _ragged_moved(defined.get(_operand_name(operand), "") + ", " + shapes)
             elif m.group(3) and shapes.startswith("("):  # async start: ((operands), result[, ctx]); keep the result
                 shapes = _async_result(shapes, kind)
             pairs = ()
@@ -288,14 +290,15 @@ def collectives(hlo: str, num_partitions: int,
 
 
 def _ragged_moved(shapes: str) -> str:
-    """The bytes a ragged all-to-all can move, from its start's `((operand, output, ...), result)`: at
-    most its operand (all a device can send) and at most its output (all it can receive), so on average
-    over the devices at most the smaller of the two; the rows it does move are known only at run time."""
+    """The bytes a ragged all-to-all can move, from its operand's shape followed by its own result
+    (`operand, result` or, started asynchronously, `operand, ((operand, output, ...), result)`): at most its
+    operand (all a device can send) and at most its output (all it can receive), so on average over the
+    devices at most the smaller of the two; the rows it does move are known only at run time."""
     arrays = _ARRAY.findall(shapes)
     if len(arrays) < 2:
         return shapes
     sized = [(_DTYPE_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d), f"{t}[{dims}]")
-             for t, dims in arrays[:2]]
+             for t, dims in (arrays[0], arrays[-1])]
     return min(sized)[1]
 
 
