@@ -16,17 +16,20 @@
 #                       and each schedule's modeled step from the measured times (bench/gpu/pipeline_branches.py)
 # 6. overlap.json       the step compiled over all local GPUs: asynchronous collectives and the compute
 #                       scheduled beside them (bench/gpu/overlap.py)
-# 7. flash_sweep.json   only when RUNBOOK_PARTS names it: the flash kernel's tile sizes, warps and pipeline
+# 7. moe_step.json     the MoE's grouped matmul kernels at Qwen3-30B-A3B's and Mixtral's expert shapes (TFLOP/s,
+#                       share of the peak: the figures `plan.hlo.GROUPED_EFFICIENCY` assumes until measured) and
+#                       a Qwen3-shaped MoE step, measured beside the kernel model (bench/gpu/moe_step.py)
+# 8. flash_sweep.json   only when RUNBOOK_PARTS names it: the flash kernel's tile sizes, warps and pipeline
 #                       stages timed at the mfu model's shape (bench/kernels.py --sweep)
 #
 # Install (bench/gpu/install.sh): a JAX already installed in setup.py's range is kept, never replaced
 # (out of range: the runbook stops); meshtrain goes in with --no-deps, and its other needs come from the
 # package index or, on machines without one, from a folder of wheels (WHEELS=DIR, filled where an index
 # is reachable by bench/gpu/offline_wheels.sh DIR). With no JAX at all it installs the `gpu` extra. On a
-# machine without an NVIDIA GPU it stops at once. Each part has its own time limit (240, 300, 120, 120, 60 s),
+# machine without an NVIDIA GPU it stops at once. Each part has its own time limit (240, 300, 120, 120, 60, 90 s),
 # cut to what is left of RUNBOOK_SECONDS (default 600) from the runbook's start, so that the runbook
 # ends within it; a part over its limit is recorded as such and the next runs (none starts with under
-# 20 s left). RUNBOOK_PARTS (comma-separated part names; default parts 1-6) runs a subset, in the order
+# 20 s left). RUNBOOK_PARTS (comma-separated part names; default parts 1-7) runs a subset, in the order
 # above; MFU_VARIANTS (comma-separated, bench/gpu/mfu.py's --variants) times only those variants.
 set -uo pipefail
 OUT=${1:?usage: bench/gpu/run_all.sh OUT_DIR}
@@ -57,7 +60,7 @@ status=0
 budget=${RUNBOOK_SECONDS:-600}
 part() {  # part NAME SECONDS COMMAND...: runs one part under its time limit, keeps going on failure
   local name=$1 limit=$2; shift 2
-  local wanted=${RUNBOOK_PARTS:-kernel_tests,mfu,kernels,pipeline_branches,overlap}
+  local wanted=${RUNBOOK_PARTS:-kernel_tests,mfu,kernels,pipeline_branches,overlap,moe_step}
   if [[ ",$wanted," != *",$name,"* ]]; then
     log "$name: not in RUNBOOK_PARTS=$wanted"
     return
@@ -97,6 +100,7 @@ part mfu 300 "$PY" bench/gpu/mfu.py --out "$OUT/mfu.json" --profile "${TMPDIR:-/
 part kernels 120 "$PY" bench/kernels.py --lengths 8192,16384 --iters 5 --out "$OUT/kernels.json"
 part pipeline_branches 120 "$PY" bench/gpu/pipeline_branches.py --out "$OUT/pipeline_branches.json"
 part overlap 60 "$PY" bench/gpu/overlap.py --out "$OUT/overlap.json"
+part moe_step 90 "$PY" bench/gpu/moe_step.py --out "$OUT/moe_step.json"
 part flash_sweep 150 "$PY" bench/kernels.py --sweep --out "$OUT/flash_sweep.json"
 log "done: $(ls "$OUT"/*.json | wc -l) JSON files in $OUT"
 exit $status
