@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from meshtrain import fp8 as fp8_lib
-from meshtrain.pallas_kernels.grouped_matmul import GroupLayout, grouped_matmul
+from meshtrain.pallas_kernels.grouped_matmul import GroupLayout, grouped_matmul, grouped_swiglu
 
 MATMULS = ("ragged_dot", "pallas")
 EXCHANGES = ("all_to_all", "ragged")
@@ -261,6 +261,9 @@ class GroupedDot:
         return jax.lax.ragged_dot(x, w, layout.sizes)
 
     def swiglu(self, x: jax.Array, layout: GroupLayout, w_gate, w_up, w_down) -> jax.Array:
+        if self.impl == "pallas":  # the fused kernels (`grouped_swiglu`)
+            orders = ("kgn", "kgn", "ngk") if self.model_major else ("gkn",) * 3
+            return grouped_swiglu(x, w_gate, w_up, w_down, layout, orders=orders, expected_rows=self.expected)
         hidden = nn.silu(self(x, w_gate, layout, 0)) * self(x, w_up, layout, 1)
         return self(hidden, w_down, layout, 2)
 

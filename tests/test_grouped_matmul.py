@@ -111,3 +111,31 @@ def test_refuses_mismatched_operands():
         gm.grouped_matmul(x[:-TILE], w, layout, interpret=True)
     with pytest.raises(ValueError, match="power of two"):
         gm.GroupedBlockSizes(block_n=24)
+
+
+@pytest.mark.parametrize("orders", [("gkn", "gkn", "gkn"), ("kgn", "kgn", "ngk")], ids=["gkn", "model-major"])
+def test_fused_swiglu_equals_its_three_matmuls(orders):
+    """`grouped_swiglu` (gate and up in one pass, the down projection's input gradient through the SwiGLU
+    in one, x's gradient from both in one) against ragged_dot's three matmuls, values and all four
+    gradients, in float32."""
+    layout = _layout((5, 0, 20, 16))
+    ks = jax.random.split(jax.random.key(3), 5)
+    f = 64
+    x = jnp.where(layout.valid_rows()[:, None], jax.random.normal(ks[0], (layout.rows, K)), 3.0)
+    w_gate, w_up = (jax.random.normal(k_, (G, K, f)) / 4 for k_ in ks[1:3])
+    w_down = jax.random.normal(ks[3], (G, f, K)) / 4
+    cot = jax.random.normal(ks[4], (layout.rows, K))
+    perms = [{"gkn": (0, 1, 2), "kgn": (1, 0, 2), "ngk": (2, 0, 1)}[o] for o in orders]
+    weights = [jnp.transpose(w, p) for w, p in zip((w_gate, w_up, w_down), perms, strict=True)]
+    fused = jax.value_and_grad(
+        lambda x, *w: jnp.sum(gm.grouped_swiglu(x, *w, layout, orders=orders, blocks=BLOCKS, interpret=True) * cot),
+        argnums=(0, 1, 2, 3))
+    reference = jax.value_and_grad(
+        lambda x, *w: jnp.sum(gm.grouped_swiglu_reference(x, *w, layout) * cot), argnums=(0, 1, 2, 3))
+    (value, grads), (value_ref, grads_ref) = fused(x, *weights), reference(x, w_gate, w_up, w_down)
+    np.testing.assert_allclose(value, value_ref, rtol=1e-5)
+    y = gm.grouped_swiglu(x, *weights, layout, orders=orders, blocks=BLOCKS, interpret=True)
+    np.testing.assert_allclose(y, gm.grouped_swiglu_reference(x, w_gate, w_up, w_down, layout), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grads[0], grads_ref[0], rtol=1e-5, atol=1e-5)
+    for got, want, p in zip(grads[1:], grads_ref[1:], perms, strict=True):
+        np.testing.assert_allclose(got, jnp.transpose(want, p), rtol=1e-5, atol=1e-5)

@@ -28,6 +28,8 @@ moe_bench = types.SimpleNamespace(**runpy.run_path(str(ROOT / "bench" / "_moe_mo
 
 pytestmark = pytest.mark.gpu_aot
 KERNELS = {"grouped_matmul", "grouped_matmul_dx", "grouped_matmul_dw"}
+# the SwiGLU's: gate and up, the down projection, the SwiGLU's gradient, x's, the three weights'
+SWIGLU_KERNELS = {"grouped_swiglu", "grouped_matmul", "grouped_swiglu_dx", "grouped_dual_dx", "grouped_matmul_dw"}
 QWEN3 = {"model.d_model": 2048, "model.n_heads": 32, "model.n_kv_heads": 4, "model.head_dim": 128,
          "model.qk_norm": True, "model.num_experts": 128, "model.moe_mlp_dim": 768, "model.experts_per_token": 8,
          "model.vocab_size": 151936, "model.n_layers": 2, "train.seq_len": 4096, "mesh.data": 1, "mesh.fsdp": 1,
@@ -68,6 +70,25 @@ def test_grouped_kernels_are_triton_calls(tile, order):
     assert all(f"_m{tile}w{warps}_" in name for name in hlo.triton_kernels(text))
 
 
+@pytest.mark.parametrize("tile", [64, 128])
+def test_fused_swiglu_kernels_are_triton_calls(tile):
+    devices = aot.target_devices("h100", 1)
+    mesh = jax.sharding.Mesh(devices, ("x",))
+    groups, d, f = 8, 256, 512
+    rows = gm.GroupLayout.capacity(4096, groups, tile)
+
+    def loss(x, w_gate, w_up, w_down, sizes):
+        layout = gm.GroupLayout.pack(sizes, tile, rows)
+        return jnp.sum(gm.grouped_swiglu(x, w_gate, w_up, w_down, layout).astype(jnp.float32))
+
+    weight = jax.ShapeDtypeStruct((groups, d, f), jnp.bfloat16)
+    args = (jax.ShapeDtypeStruct((rows, d), jnp.bfloat16), weight, weight,
+            jax.ShapeDtypeStruct((groups, f, d), jnp.bfloat16), jax.ShapeDtypeStruct((groups,), jnp.int32))
+    with jax.set_mesh(mesh):
+        text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).trace(*args).lower().compile().as_text()
+    assert _kernel_names(text) == SWIGLU_KERNELS
+
+
 @pytest.mark.parametrize("mesh", [{"expert": 8}, {"data": 2, "expert": 4}, {"fsdp": 2, "expert": 2, "tensor": 2},
                                   {"expert": 2, "sequence": 2, "tensor": 2}],
                          ids=lambda m: "x".join(f"{a}{n}" for a, n in m.items()))
@@ -77,7 +98,7 @@ def test_tiny_moe_dropless_step_compiles_with_the_grouped_kernels(mesh):
     found = {}
     aot.compile_report(config, "h100", 8, sample=None,
                        inspect=lambda compiled, run: found.update(text=compiled.as_text()))
-    assert KERNELS <= _kernel_names(found["text"])
+    assert _kernel_names(found["text"]) >= SWIGLU_KERNELS
     ragged = [c for c in hlo.collectives(found["text"], 8) if c.kind == "ragged-all-to-all"]
     assert bool(ragged) == (mesh.get("expert", 1) > 1)
     assert "ragged-dot" not in found["text"] and "ragged_dot" not in found["text"]

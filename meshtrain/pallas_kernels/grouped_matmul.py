@@ -158,27 +158,75 @@ def _weight_index(order: str, g, k, n) -> tuple:
     return tuple({"g": g, "k": k, "n": n}[axis] for axis in order)
 
 
-def _matmul_kernel(group_ref, owned_ref, x_ref, w_ref, o_ref, *, contracted: int, block_c: int, num_groups: int,
-                   transpose_rhs: bool, order: str):
-    """One [block_m, block_n] output tile: its rows' group's weights, over the contracted dimension."""
+def _tile_kernel(group_ref, owned_ref, *refs, mode: str, contracted: int, block_c: int, num_groups: int,
+                 transpose_rhs: bool, orders: tuple[str, ...]):
+    """One [block_m, block_o] output tile of its rows' group, over the contracted dimension. `mode`:
+
+    - "one": out = x @ w (refs x, w, out);
+    - "gate_up": gate = x @ w_gate, up = x @ w_up, out h = silu(gate) * up (refs x, w_gate, w_up, h, gate,
+      up): x read once for both, two accumulators;
+    - "dual": out = a @ w_a + b @ w_b (refs a, w_a, b, w_b, out): the SwiGLU input's gradient, one pass;
+    - "swiglu_grad": dh = dy @ w, then d gate = dh * up * silu'(gate), d up = dh * silu(gate) (refs dy, w,
+      gate, up, d_gate, d_up): the down projection's input gradient through the SwiGLU, dh never written.
+    """
     g, owned = group_ref[...], owned_ref[...]
-    block_m, block_o = o_ref.shape
+    block_m, block_o = refs[-1].shape
     outs = pl.ds(pl.program_id(1) * block_o, block_o)
     c_axis, o_axis = ("n", "k") if transpose_rhs else ("k", "n")
-    # the loaded [bc, bo] block, or [bo, bc] where the weights hold the output axis first
-    dims = _NN if order.replace("g", "").index(c_axis) == 0 else _NT
+    group = jnp.minimum(g, num_groups - 1)
 
-    def step(i, acc):
-        cs = pl.ds(i * block_c, block_c)
+    def product(x, w_ref, order, cs):
         index = {c_axis: cs, o_axis: outs}
-        w = w_ref[_weight_index(order, jnp.minimum(g, num_groups - 1), index["k"], index["n"])]
-        return acc + _dot(x_ref[:, cs], w, dims)
+        # the loaded [bc, bo] block, or [bo, bc] where the weights hold the output axis first
+        dims = _NN if order.replace("g", "").index(c_axis) == 0 else _NT
+        return _dot(x, w_ref[_weight_index(order, group, index["k"], index["n"])], dims)
+
+    if mode == "gate_up":
+        x_ref, wg_ref, wu_ref = refs[:3]
+        lhs = [(x_ref, wg_ref, orders[0]), (x_ref, wu_ref, orders[1])]
+    elif mode == "dual":
+        a_ref, wa_ref, b_ref, wb_ref = refs[:4]
+        lhs = [(a_ref, wa_ref, orders[0]), (b_ref, wb_ref, orders[1])]
+    else:
+        lhs = [(refs[0], refs[1], orders[0])]
+    separate = mode == "gate_up"
+
+    def step(i, accs):
+        cs = pl.ds(i * block_c, block_c)
+        loaded = {}
+        terms = []
+        for x_ref, w_ref, order in lhs:
+            if id(x_ref) not in loaded:
+                loaded[id(x_ref)] = x_ref[:, cs]  # [bm, bc]
+            terms.append(product(loaded[id(x_ref)], w_ref, order, cs))
+        if separate:
+            return tuple(acc + t for acc, t in zip(accs, terms, strict=True))
+        return (accs[0] + sum(terms[1:], terms[0]),)
 
     zeros = jnp.zeros((block_m, block_o), jnp.float32)
     steps = (g < num_groups).astype(jnp.int32) * (contracted // block_c)  # inactive tile: no step
-    acc = lax.fori_loop(jnp.int32(0), steps, step, zeros)
-    row = lax.broadcasted_iota(jnp.int32, (block_m, block_o), 0)
-    o_ref[...] = jnp.where(row < owned, acc, 0.0).astype(o_ref.dtype)
+    accs = lax.fori_loop(jnp.int32(0), steps, step, (zeros,) * (2 if separate else 1))
+    keep = lax.broadcasted_iota(jnp.int32, (block_m, block_o), 0) < owned
+
+    def store(ref, value):
+        ref[...] = jnp.where(keep, value, 0.0).astype(ref.dtype)
+
+    if mode == "gate_up":
+        h_ref, gate_ref, up_ref = refs[3:]
+        gate, up = accs
+        store(gate_ref, gate)
+        store(up_ref, up)
+        store(h_ref, jax.nn.silu(gate.astype(gate_ref.dtype).astype(jnp.float32))
+              * up.astype(up_ref.dtype).astype(jnp.float32))
+    elif mode == "swiglu_grad":
+        gate_ref, up_ref, dgate_ref, dup_ref = refs[2:]
+        gate, up = gate_ref[...].astype(jnp.float32), up_ref[...].astype(jnp.float32)
+        dh = accs[0].astype(dgate_ref.dtype).astype(jnp.float32)
+        sig = jax.nn.sigmoid(gate)
+        store(dgate_ref, dh * up * sig * (1 + gate * (1 - sig)))
+        store(dup_ref, dh * gate * sig)
+    else:
+        store(refs[-1], accs[0])
 
 
 def _weight_grad_kernel(first_ref, count_ref, size_ref, x_ref, dy_ref, o_ref, *, block_m: int, block_k: int,
@@ -206,28 +254,56 @@ def _sizes(w: jax.Array, order: str) -> dict[str, int]:
     return dict(zip(order, w.shape, strict=True))
 
 
-def _matmul(x: jax.Array, w: jax.Array, layout: GroupLayout, blocks: GroupedBlockSizes, interpret: bool,
-            transpose_rhs: bool, order: str, name: str) -> jax.Array:
-    m, c = x.shape
-    size = _sizes(w, order)
+def _tiles(mode: str, lhs: tuple[jax.Array, ...], weights: tuple[jax.Array, ...], layout: GroupLayout,
+           blocks: GroupedBlockSizes, interpret: bool, transpose_rhs: bool, orders: tuple[str, ...], name: str,
+           extra: tuple[jax.Array, ...] = (), outputs: int = 1) -> jax.Array | list[jax.Array]:
+    """`_tile_kernel` over every row tile and output column block: lhs [M, C] each, weights one [G, K, N]
+    a product (axes in `orders`), `extra` [M, O] inputs read by the tile (swiglu_grad's gate and up)."""
+    m, c = lhs[0].shape
+    size = _sizes(weights[0], orders[0])
     out_dim = size["k"] if transpose_rhs else size["n"]
-    if c != (size["n"] if transpose_rhs else size["k"]):
-        raise ValueError(f"grouped_matmul: x {x.shape} does not contract with w {w.shape} (axes {order!r})"
-                         f"{' transposed' if transpose_rhs else ''}")
-    bm, bn, bc = layout.tile, blocks.fit(out_dim, "block_n"), blocks.fit(c, "block_k")
+    for x, w, order in zip(lhs, weights, orders, strict=True):
+        got = _sizes(w, order)
+        if x.shape != (m, c) or c != (got["n"] if transpose_rhs else got["k"]):
+            raise ValueError(f"grouped_matmul: x {x.shape} does not contract with w {w.shape} (axes {order!r})"
+                             f"{' transposed' if transpose_rhs else ''}")
+    accumulators = 2 if mode == "gate_up" else 1  # two accumulators: half the columns a tile (registers)
+    bm, bc = layout.tile, blocks.fit(c, "block_k")
+    bn = blocks.fit(out_dim, "block_n")
+    bn = max(MIN_BLOCK, bn // accumulators) if out_dim % max(MIN_BLOCK, bn // accumulators) == 0 else bn
     group, owned = layout.tile_groups()
     scalar = pl.BlockSpec((None,), lambda t, j: (t,))
-    return pl.pallas_call(
-        functools.partial(_matmul_kernel, contracted=c, block_c=bc, num_groups=size["g"], transpose_rhs=transpose_rhs,
-                          order=order),
+    rows = pl.BlockSpec((bm, c), lambda t, j: (t, 0))
+    tile = pl.BlockSpec((bm, bn), lambda t, j: (t, j))
+    in_specs = [scalar, scalar]
+    args = [group, owned]
+    for x, w in zip(lhs, weights, strict=True):
+        if mode == "gate_up" and len(args) > 2:  # x once, then its second weights
+            in_specs.append(pl.no_block_spec)
+            args.append(w)
+            continue
+        in_specs += [rows, pl.no_block_spec]
+        args += [x, w]
+    in_specs += [tile] * len(extra)
+    args += list(extra)
+    per_step = (bm + bn * len(weights)) * bc * lhs[0].dtype.itemsize * (1 if mode == "gate_up" else len(lhs))
+    out = pl.pallas_call(
+        functools.partial(_tile_kernel, mode=mode, contracted=c, block_c=bc, num_groups=size["g"],
+                          transpose_rhs=transpose_rhs, orders=orders),
         grid=(m // bm, out_dim // bn),
-        in_specs=[scalar, scalar, pl.BlockSpec((bm, c), lambda t, j: (t, 0)), pl.no_block_spec],
-        out_specs=pl.BlockSpec((bm, bn), lambda t, j: (t, j)),
-        out_shape=jax.ShapeDtypeStruct((m, out_dim), x.dtype),
-        compiler_params=blocks.params((bm + bn) * bc * x.dtype.itemsize),
+        in_specs=in_specs,
+        out_specs=[tile] * outputs,
+        out_shape=[jax.ShapeDtypeStruct((m, out_dim), lhs[0].dtype)] * outputs,
+        compiler_params=blocks.params(per_step),
         interpret=interpret,
         name=name,
-    )(group, owned, x, w)
+    )(*args)
+    return out if outputs > 1 else out[0]
+
+
+def _matmul(x: jax.Array, w: jax.Array, layout: GroupLayout, blocks: GroupedBlockSizes, interpret: bool,
+            transpose_rhs: bool, order: str, name: str) -> jax.Array:
+    return _tiles("one", (x,), (w,), layout, blocks, interpret, transpose_rhs, (order,), name)
 
 
 def _weight_grad(x: jax.Array, dy: jax.Array, w_shape: tuple[int, ...], layout: GroupLayout,
@@ -321,6 +397,82 @@ def grouped_matmul(x: jax.Array, w: jax.Array, layout: GroupLayout, *, order: st
         raise ValueError(f"block_m={blocks.block_m} must be the layout's tile ({layout.tile})")
     cfg = _Config(blocks, resolve_interpret(interpret), expected_rows or layout.rows, order)
     return _grouped(cfg, x, w, layout)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SwigluConfig:
+    base: _Config
+    orders: tuple[str, str, str]  # the gate's, the up's and the down projection's weight axes
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _swiglu(cfg: _SwigluConfig, x, w_gate, w_up, w_down, layout):
+    return _swiglu_fwd(cfg, x, w_gate, w_up, w_down, layout)[0]
+
+
+def _swiglu_fwd(cfg, x, w_gate, w_up, w_down, layout):
+    c = cfg.base
+    h, gate, up = _tiles("gate_up", (x, x), (w_gate, w_up), layout, c.blocks, c.interpret, False, cfg.orders[:2],
+                         c.name("grouped_swiglu"), outputs=3)
+    y = _matmul(h, w_down, layout, c.blocks, c.interpret, False, cfg.orders[2], c.name("grouped_matmul"))
+    return y, (x, w_gate, w_up, w_down, h, gate, up, layout)
+
+
+def _swiglu_bwd(cfg, residuals, dy):
+    x, w_gate, w_up, w_down, h, gate, up, layout = residuals
+    c = cfg.base
+    dy = dy.astype(x.dtype)
+    d_gate, d_up = _tiles("swiglu_grad", (dy,), (w_down,), layout, c.blocks, c.interpret, True, cfg.orders[2:],
+                          c.name("grouped_swiglu_dx"), extra=(gate, up), outputs=2)
+    dx = _tiles("dual", (d_gate, d_up), (w_gate, w_up), layout, c.blocks, c.interpret, True, cfg.orders[:2],
+                c.name("grouped_dual_dx"))
+    dw = functools.partial(_weight_grad, layout=layout, blocks=c.blocks, interpret=c.interpret,
+                           name=c.name("grouped_matmul_dw"))
+    pairs = ((x, d_gate, w_gate), (x, d_up, w_up), (h, dy, w_down))
+    grads = [dw(a, b, w.shape, order=order).astype(w.dtype) for (a, b, w), order in zip(pairs, cfg.orders, strict=True)]
+    return (dx, *grads, jax.tree.map(lambda a: None, layout))
+
+
+_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, layout: GroupLayout, *,
+                   orders: tuple[str, str, str] = ("gkn", "gkn", "gkn"), blocks: GroupedBlockSizes | None = None,
+                   interpret: bool | None = None, expected_rows: int | None = None) -> jax.Array:
+    """Each group's SwiGLU on its rows: (silu(x @ w_gate[g]) * (x @ w_up[g])) @ w_down[g], 0 for the rows
+    of no group, as five kernels: gate and up in one pass over x (their product written, gate and up kept
+    for the backward), the down projection; backward, the down projection's input gradient through the
+    SwiGLU in one pass (d gate and d up, its own gradient never written), x's gradient from both in one
+    more, and the three weight gradients (`grouped_matmul_dw`). Playbook, "Fused Kernels".
+
+    Args:
+        x: [M, D] rows, laid out as `layout` says.
+        w_gate, w_up: [G, D, F] (axes in `orders[0]`, `orders[1]`: "gkn", or "kgn" gathered D first).
+        w_down: [G, F, D] (axes in `orders[2]`: "gkn", or "ngk").
+        layout, blocks, interpret, expected_rows: as `grouped_matmul`'s.
+
+    Returns:
+        [M, D] in x's dtype; differentiable in x and the three weights.
+    """
+    for order in orders:
+        if sorted(order) != ["g", "k", "n"]:
+            raise ValueError(f"grouped_swiglu: orders={orders!r}: each must be a permutation of 'gkn'")
+    if x.ndim != 2 or x.shape[0] != layout.rows:
+        raise ValueError(f"grouped_swiglu: x [M={layout.rows}, D] expected, got {x.shape}")
+    if not x.dtype == w_gate.dtype == w_up.dtype == w_down.dtype:
+        raise ValueError("grouped_swiglu: x and the weights must share a dtype")
+    blocks = blocks or GroupedBlockSizes.default(layout.tile)
+    if blocks.block_m != layout.tile:
+        raise ValueError(f"block_m={blocks.block_m} must be the layout's tile ({layout.tile})")
+    cfg = _SwigluConfig(_Config(blocks, resolve_interpret(interpret), expected_rows or layout.rows, orders[0]),
+                        tuple(orders))
+    return _swiglu(cfg, x, w_gate, w_up, w_down, layout)
+
+
+def grouped_swiglu_reference(x, w_gate, w_up, w_down, layout: GroupLayout) -> jax.Array:
+    """`grouped_swiglu` with `grouped_matmul_reference` ([G, K, N] weights)."""
+    hidden = jax.nn.silu(grouped_matmul_reference(x, w_gate, layout)) * grouped_matmul_reference(x, w_up, layout)
+    return grouped_matmul_reference(hidden, w_down, layout)
 
 
 def grouped_matmul_reference(x: jax.Array, w: jax.Array, layout: GroupLayout) -> jax.Array:

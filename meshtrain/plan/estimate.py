@@ -87,11 +87,15 @@ def moe_compute(run: memory.Step, gpu: Gpu, passes: float) -> tuple[float, float
         share = dict.fromkeys(("grouped_matmul", "grouped_matmul_dx", "grouped_matmul_dw"),
                               hlo.KERNEL_TIMES.flop_efficiency)
     layers = m.n_layers // m.moe_every
-    one = 2.0 * computed * m.d_model * f  # one matmul over a micro-batch's rows on one device
-    work = 3 * one * ((1 + passes) / share["grouped_matmul"] + 1 / share["grouped_matmul_dx"]
-                      + 1 / share["grouped_matmul_dw"])
     a = memory.dtype_bytes(m.dtype)
-    layout = MOE_LAYOUT_PASSES * held * (m.d_model + f) * a * (2 + passes)
+    one = 2.0 * computed * m.d_model * f  # one matmul over a micro-batch's rows on one device
+    # a matmul reads its experts' weights whole, its rows and writes its output: with many experts of few rows
+    # each (128 experts on one device) the weights' bytes outlast the FLOPs
+    moved = (m.num_experts // run.sizes["expert"] * m.d_model * f + computed * m.d_model + held * f) * a
+    bound = moved / (gpu.hbm_bandwidth * HBM_EFFICIENCY) * gpu.peak_flops  # the same in FLOP-seconds at the peak
+    work = 3 * ((1 + passes) * max(one / share["grouped_matmul"], bound) + max(one / share["grouped_matmul_dx"], bound)
+                + max(one / share["grouped_matmul_dw"], bound))
+    layout = MOE_LAYOUT_PASSES[grouped] * held * (m.d_model + f) * a * (2 + passes)
     # each pass reads the layer's expert weights into a buffer of their own (a custom call's operand):
     # converted from the stored dtype and sliced out of the layer stack, or, gathered by ZeRO-3 along
     # their model dimension, only the local shard converted
@@ -131,8 +135,10 @@ def moe_rest_seconds(run: memory.Step, gpu: Gpu, passes: float, peak: float) -> 
     matmuls = (metrics.flops_per_token(m, run.seq_len) - attention - experts) * scale
     state = memory.placed_elements(run.stored_model, run.placement()["optimizer"]) * OPTIMIZER_BYTES
     logits = run.micro_tokens * m.vocab_size // run.sizes["tensor"] * run.grad_accum * LOSS_BYTES
+    # the norms, residuals and conversions of a device's tokens, whole on every `tensor` device
+    tokens_passes = TOKEN_PASSES * run.micro_tokens * run.grad_accum * m.d_model * m.n_layers * (2 + passes)
     return (matmuls / (peak * hlo.KERNEL_TIMES.flop_efficiency) + attention * scale / (peak * ATTENTION_EFFICIENCY)
-            + (state + logits) / (gpu.hbm_bandwidth * HBM_EFFICIENCY))
+            + (state + logits + tokens_passes * memory.dtype_bytes(m.dtype)) / (gpu.hbm_bandwidth * HBM_EFFICIENCY))
 
 
 # An MoE step's parts beside its experts (`moe_rest_seconds`), as the H100 kernel model prices them: attention
@@ -147,11 +153,15 @@ OPTIMIZER_BYTES = 28
 LOSS_BYTES = 20
 HBM_EFFICIENCY = 0.65
 WEIGHT_CONVERT_BYTES = 6
-# The grouped layout's elementwise work a pass of one MoE layer (the SwiGLU between the kernels, the
-# gathers into and out of the layout, the exchange's zeroed buffers, the gradients' sums), in reads and
-# writes of [grouped rows, d_model + width] in the compute dtype: calibrated on the H100 compiles of
-# `bench/moe.py --modeled` (the kernel model's price of those kernels).
-MOE_LAYOUT_PASSES = 6.0
+# reads and writes of a layer's [tokens, d_model] a pass, in the compute dtype (the norms' float32 steps
+# included): calibrated with MOE_LAYOUT_PASSES on the same compiles and Mixtral on expert 8 x tensor 8
+# (`aot.REFERENCE_MESHES`), whose tokens are whole on each `tensor` device
+TOKEN_PASSES = 20.0
+# The MoE rows' elementwise work a pass of one layer (the gathers into and out of the layout, the exchange's
+# buffers, the gradients' sums; with capacity dispatch the SwiGLU's passes too, which the grouped kernels
+# fuse), in reads and writes of [rows, d_model + width] in the compute dtype: calibrated on the H100
+# compiles of `bench/moe.py --modeled` (the kernel model's price of those kernels). {grouped: passes}
+MOE_LAYOUT_PASSES = {True: 2.0, False: 6.0}
 
 
 @dataclasses.dataclass

@@ -685,7 +685,10 @@ GROUPED_EFFICIENCY: dict[tuple[str, int], float] = {  # (kernel, warps) -> share
     ("grouped_matmul", 4): 0.42, ("grouped_matmul_dx", 4): 0.42, ("grouped_matmul_dw", 4): 0.50,
     ("grouped_matmul", 8): 0.65, ("grouped_matmul_dx", 8): 0.65, ("grouped_matmul_dw", 8): 0.56,
 }
-_GROUPED = re.compile(r"^(grouped_matmul(?:_dx|_dw)?)_m(\d+)w(\d+)_rows(\d+)$")
+_GROUPED = re.compile(r"^(grouped_(?:matmul(?:_dx|_dw)?|swiglu(?:_dx)?|dual_dx))_m(\d+)w(\d+)_rows(\d+)$")
+# the fused kernels (`grouped_swiglu`): the products they run, and the kernel whose share of the peak they take
+_GROUPED_FUSED = {"grouped_swiglu": (2, "grouped_matmul"), "grouped_swiglu_dx": (1, "grouped_matmul_dx"),
+                  "grouped_dual_dx": (2, "grouped_matmul_dx")}
 _FMHA_SHAPE = re.compile(r'"intermediate_tensor_shape"\s*:\s*\{[^}]*?"dimensions"\s*:\s*\[([^\]]*)\]')
 _MASK_TYPE = re.compile(r'"mask_type"\s*:\s*"(\w+)"')
 
@@ -728,16 +731,17 @@ def _measured_kernel(target: str, rest: str, operand_shapes: list[str]) -> tuple
 
 def grouped_matmul_price(name: re.Match, operands: list[list[int]], result: list[int]) -> tuple[float, float]:
     """(FLOPs, efficiency) of a grouped matmul kernel named as `_GROUPED` matches: 2 x rows x (the width
-    it contracts) x (the width it writes): x [M, K] -> [M, N] for the product and its input gradient
-    (operands: group, owned, x, w), x [M, K] and dy [M, N] for the weight gradient (first, count, size,
-    x, dy)."""
+    it contracts) x (the width it writes), times the products it runs (`_GROUPED_FUSED`): x [M, K] ->
+    [M, N] for the products and input gradients (operands: group, owned, x, w, ...), x [M, K] and dy [M, N]
+    for the weight gradient (first, count, size, x, dy)."""
     kernel, warps, rows = name.group(1), int(name.group(3)), int(name.group(4))
+    products, kernel = _GROUPED_FUSED.get(kernel, (1, kernel))
     efficiency = GROUPED_EFFICIENCY.get((kernel, warps), GROUPED_EFFICIENCY[(kernel, 4)])
     if kernel == "grouped_matmul_dw":
         if len(operands) >= 5 and len(operands[3]) == 2 and len(operands[4]) == 2:
             return 2.0 * rows * operands[3][1] * operands[4][1], efficiency
     elif len(operands) >= 3 and len(operands[2]) == 2 and len(result) == 2:
-        return 2.0 * rows * operands[2][1] * result[1], efficiency
+        return products * 2.0 * rows * operands[2][1] * result[1], efficiency
     return 0.0, 0.0
 
 
