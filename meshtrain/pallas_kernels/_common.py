@@ -30,6 +30,17 @@ def dot_precision(a: jax.Array, b: jax.Array) -> jax.lax.Precision | None:
     return None
 
 
+# dot_general dimension numbers of a kernel's 2-D products
+NN = (((1,), (0,)), ((), ()))  # a @ b
+NT = (((1,), (1,)), ((), ()))  # a @ b.T
+TN = (((0,), (0,)), ((), ()))  # a.T @ b
+
+
+def dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:
+    """A kernel's product of two tiles, accumulated in float32 (`dot_precision`)."""
+    return jax.lax.dot_general(a, b, dims, precision=dot_precision(a, b), preferred_element_type=jax.numpy.float32)
+
+
 def is_power_of_two(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
 

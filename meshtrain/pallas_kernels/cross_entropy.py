@@ -28,19 +28,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from meshtrain.pallas_kernels._common import (
-    dot_precision,
+    NN,
+    NT,
+    TN,
+    dot,
     floor_power_of_two,
     is_power_of_two,
     resolve_interpret,
 )
-
-_NN = (((1,), (0,)), ((), ()))  # a @ b
-_NT = (((1,), (1,)), ((), ()))  # a @ b.T
-_TN = (((0,), (0,)), ((), ()))  # a.T @ b
-
-
-def _dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:
-    return lax.dot_general(a, b, dims, precision=dot_precision(a, b), preferred_element_type=jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +81,7 @@ def _logits_tile(h_ref, w_ref, cfg: _Config):
 
     def body(t, acc):
         ds = pl.ds(t * bd, bd)
-        return acc + _dot(h_ref[:, ds], w_ref[ds, :], _NN)
+        return acc + dot(h_ref[:, ds], w_ref[ds, :], NN)
 
     logits = lax.fori_loop(0, h_ref.shape[1] // bd, body, jnp.zeros((bn, bv), jnp.float32))
     cols = pl.program_id(1) * bv + lax.broadcasted_iota(jnp.int32, (bv,), 0)
@@ -158,12 +153,12 @@ def _backward(cfg: _Config, h, w, labels, lse, scale):
 
     def chunk(dw, xs):
         h_c, labels_c, lse_c, scale_c = xs
-        logits = _dot(h_c, w, _NN)  # [c, v] float32
+        logits = dot(h_c, w, NN)  # [c, v] float32
         if cfg.vocab % cfg.blocks.block_v:  # padded vocabulary: padding columns get no probability
             logits = jnp.where(cols < cfg.vocab, logits, -jnp.inf)
         p = jnp.exp(logits - lse_c[:, None])
         dlogits = ((p - (cols == labels_c[:, None]).astype(jnp.float32)) * scale_c[:, None]).astype(h.dtype)
-        return dw + _dot(h_c, dlogits, _TN), _dot(dlogits, w, _NT)
+        return dw + dot(h_c, dlogits, TN), dot(dlogits, w, NT)
 
     xs = (h.reshape(n // c, c, d), labels.reshape(n // c, c), lse.reshape(n // c, c), scale.reshape(n // c, c))
     dw, dh = lax.scan(chunk, jnp.zeros((d, v), jnp.float32), xs)

@@ -30,7 +30,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from meshtrain.pallas_kernels._common import (
-    dot_precision,
+    NN,
+    NT,
+    TN,
+    dot,
     fit_block,
     floor_power_of_two,
     is_power_of_two,
@@ -39,15 +42,6 @@ from meshtrain.pallas_kernels._common import (
 
 _INIT_MAX = -1e30  # finite start of the running max: rows without keys stay finite.
 MIN_BLOCK = 16  # the smallest tile (tl.dot needs 16 rows): a sequence shorter than it cannot be tiled
-_NT = (((1,), (1,)), ((), ()))  # a @ b.T
-_TN = (((0,), (0,)), ((), ()))  # a.T @ b
-_NN = (((1,), (0,)), ((), ()))  # a @ b
-
-
-def _dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:
-    return lax.dot_general(a, b, dims, precision=dot_precision(a, b), preferred_element_type=jnp.float32)
-
-
 @dataclasses.dataclass(frozen=True)
 class FlashBlockSizes:
     """Tile sizes (powers of two >= 16) and Triton launch parameters of the forward and backward kernels.
@@ -149,7 +143,7 @@ def _mask(cfg: _Config, q_pos, kv_pos, q_seg, kv_seg, causal: bool):
 
 
 def _scores(cfg, q, k, q_pos, kv_pos, q_seg, kv_seg, causal=True):
-    s = _dot(q, k, _NT) * cfg.sm_scale
+    s = dot(q, k, NT) * cfg.sm_scale
     mask = _mask(cfg, q_pos, kv_pos, q_seg, kv_seg, causal)
     return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
@@ -179,7 +173,7 @@ def _forward_kernel(*refs, cfg: _Config, len_kv: int):
         p = jnp.exp(s - m_new[:, None])  # masked scores are -inf: p = 0
         denom = alpha * denom + jnp.sum(p, axis=1)
         v = v_ref[ks, :]
-        acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v, _NN)
+        acc = alpha[:, None] * acc + dot(p.astype(v.dtype), v, NN)
         return acc, m_new, denom
 
     init = (
@@ -223,8 +217,8 @@ def _dq_kernel(*refs, cfg: _Config, len_kv: int):
         kv_pos = _positions(cfg, pos and pos[1], ks, j * bk, bk)
         kv_seg = segs[1][ks] if segs else None
         p = jnp.exp(_scores(cfg, q, k, q_pos, kv_pos, q_seg, kv_seg, causal) - lse[:, None])
-        ds = p * (_dot(do, v, _NT) - delta[:, None])
-        return dq + _dot(ds.astype(k.dtype), k, _NN)
+        ds = p * (dot(do, v, NT) - delta[:, None])
+        return dq + dot(ds.astype(k.dtype), k, NN)
 
     dq = _diagonal_loops(cfg, i, bq, bk, len_kv, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * cfg.sm_scale).astype(dq_ref.dtype)
@@ -253,9 +247,9 @@ def _dkdv_kernel(*refs, cfg: _Config, len_q: int, group: int):
         q_seg = segs[0][qs] if segs else None
         s = _scores(cfg, q, k, q_pos, kv_pos, q_seg, kv_seg, causal)
         p = jnp.exp(s - lse_ref[g, qs][:, None])  # [bq, bk]
-        dv = dv + _dot(p.astype(do.dtype), do, _TN)
-        ds = p * (_dot(do, v, _NT) - delta_ref[g, qs][:, None])
-        dk = dk + _dot(ds.astype(q.dtype), q, _TN)
+        dv = dv + dot(p.astype(do.dtype), do, TN)
+        ds = p * (dot(do, v, NT) - delta_ref[g, qs][:, None])
+        dk = dk + dot(ds.astype(q.dtype), q, TN)
         return dk, dv
 
     def head(g, carry):  # the query heads that read this K/V head

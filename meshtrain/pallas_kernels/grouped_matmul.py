@@ -30,18 +30,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from meshtrain.pallas_kernels._common import dot_precision, is_power_of_two, resolve_interpret
+from meshtrain.pallas_kernels._common import NN, NT, TN, dot, is_power_of_two, resolve_interpret
 
 MIN_BLOCK = 16  # tl.dot's smallest tile
 # shared memory for a kernel's pipelined loads: an H100's 227 KiB a block less room for the epilogue
 SHARED_MEMORY = 192 * 1024
-_NN = (((1,), (0,)), ((), ()))  # a @ b
-_NT = (((1,), (1,)), ((), ()))  # a @ b.T
-_TN = (((0,), (0,)), ((), ()))  # a.T @ b
-
-
-def _dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:
-    return lax.dot_general(a, b, dims, precision=dot_precision(a, b), preferred_element_type=jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,8 +171,8 @@ def _tile_kernel(group_ref, owned_ref, *refs, mode: str, contracted: int, block_
     def product(x, w_ref, order, cs):
         index = {c_axis: cs, o_axis: outs}
         # the loaded [bc, bo] block, or [bo, bc] where the weights hold the output axis first
-        dims = _NN if order.replace("g", "").index(c_axis) == 0 else _NT
-        return _dot(x, w_ref[_weight_index(order, group, index["k"], index["n"])], dims)
+        dims = NN if order.replace("g", "").index(c_axis) == 0 else NT
+        return dot(x, w_ref[_weight_index(order, group, index["k"], index["n"])], dims)
 
     if mode == "gate_up":
         x_ref, wg_ref, wu_ref = refs[:3]
@@ -242,8 +235,8 @@ def _weight_grad_kernel(first_ref, count_ref, size_ref, x_ref, dy_ref, o_ref, *,
         x = jnp.where(keep, x_ref[rows, pl.ds(k0, block_k)], 0)
         dy = jnp.where(keep, dy_ref[rows, pl.ds(n0, block_n)], 0)
         if transposed:
-            return acc + _dot(dy, x, _TN)
-        return acc + _dot(x, dy, _TN)
+            return acc + dot(dy, x, TN)
+        return acc + dot(x, dy, TN)
 
     shape = (block_n, block_k) if transposed else (block_k, block_n)
     acc = lax.fori_loop(jnp.int32(0), count.astype(jnp.int32), step, jnp.zeros(shape, jnp.float32))
