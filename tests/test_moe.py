@@ -242,6 +242,15 @@ def test_ragged_exchange_tables_deliver_the_accepted_rows(capacity):
         delivered = np.isin(sent[s], np.concatenate(grouped))
         np.testing.assert_array_equal(home[s], np.where(delivered, sent[s], 0))
         assert float(plans[s].dropped()) == float((~delivered).sum())
+    # the combine's gradient (`moe_dropless._ragged_home`): the dispatch's tables carry the gradient of each
+    # row home back to its row of the layout, written over the layout's own buffer (here rows of -1): the
+    # rows no expert owns keep it, which the grouped kernels mask
+    held = [np.full(plans[0].rows, -1.0, np.float32)] * ep
+    back = _simulate_ragged_all_to_all(home, held, [[np.asarray(a) for a in p.dispatch()] for p in plans])
+    for j in range(ep):
+        owned = np.asarray(plans[j].layout().valid_rows())
+        np.testing.assert_array_equal(back[j][owned], grouped[j][owned])
+        assert np.all(back[j][~owned] == -1)
     overflows = bool((counts.sum(0).reshape(ep, e_l).sum(1) > capacity).any())  # some device is sent more
     assert overflows == (capacity == 40)
     assert overflows == any(float(p.dropped()) > 0 for p in plans)
