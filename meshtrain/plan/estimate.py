@@ -150,7 +150,7 @@ def moe_rest_seconds(run: memory.Step, gpu: Gpu, passes: float, peak: float) -> 
 # and writes 2.
 ATTENTION_EFFICIENCY = 0.45
 OPTIMIZER_BYTES = 28
-LOSS_BYTES = 20
+LOSS_BYTES = 10
 HBM_EFFICIENCY = 0.65
 WEIGHT_CONVERT_BYTES = 6
 # reads and writes of a layer's [tokens, d_model] a pass, in the compute dtype (the norms' float32 steps
@@ -161,7 +161,7 @@ TOKEN_PASSES = 20.0
 # buffers, the gradients' sums; with capacity dispatch the SwiGLU's passes too, which the grouped kernels
 # fuse), in reads and writes of [rows, d_model + width] in the compute dtype: calibrated on the H100
 # compiles of `bench/moe.py --modeled` (the kernel model's price of those kernels). {grouped: passes}
-MOE_LAYOUT_PASSES = {True: 2.0, False: 6.0}
+MOE_LAYOUT_PASSES = {True: 1.5, False: 6.0}
 
 
 @dataclasses.dataclass

@@ -571,7 +571,8 @@ def f8_conversions(hlo: str) -> int:
 
 # instructions that launch nothing (views, tuples, control flow whose bodies are read instead)
 _NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
-              "replica-id", "opt-barrier", "add-dependency", "domain", "while", "conditional", "call"}
+              "replica-id", "opt-barrier", "add-dependency", "domain", "while", "conditional", "call",
+              "fusion-done"}  # an asynchronous fusion (newer XLA:GPU) launches at its start
 # collectives move bytes over links, not through a kernel's HBM roofline: the cost model prices transfers
 _COLLECTIVE = re.compile(r"^(?:(?:" + "|".join(KINDS) + r"|async|send|recv)(?:-start|-update|-done)?"
                          r"|copy-start|copy-done)$")
@@ -841,8 +842,11 @@ def _kernel(m, shapes: dict[str, str], parsed) -> Kernel | None:
     args = [_operand_name(a) for a in _top_level_args(rest)]
     operand_bytes = [_nbytes(shapes.get(a, "")) for a in args]
     out_bytes, flops, efficiency, tf32 = _nbytes(m.group(2)), 0.0, 0.0, False
-    callee = re.search(r"\bcalls=%?([\w.\-]+)", rest) if opcode == "fusion" else None
+    callee = re.search(r"\bcalls=%?([\w.\-]+)", rest) if opcode in ("fusion", "fusion-start") else None
     if callee and callee.group(1) in parsed:
+        if opcode == "fusion-start":  # ((operands), result, context): the result is the fused root's
+            root = next(r for r in parsed[callee.group(1)] if r.string.lstrip().startswith("ROOT"))
+            out_bytes, opcode = _nbytes(root.group(2)), "fusion"
         moved = _fusion_bytes(parsed[callee.group(1)], operand_bytes, out_bytes)
         flops = _dot_flops(parsed, callee.group(1))
         tf32 = flops > 0 and _float32_dots(parsed, callee.group(1))
@@ -920,13 +924,27 @@ def _float32_dots(parsed, name: str) -> bool:
     return False
 
 
+_READS = ("dynamic-slice", "slice", "gather")  # ops that read part of their first operand
+_LAYOUT = re.compile(r"\]\{([\d,]+)")  # an array's layout: its dimensions minor to major
+SECTOR = 32  # bytes: the least a GPU reads from HBM
+_WINDOWED = (*_READS, "dynamic-update-slice", "scatter")
+
+
+def _elements(shape: str) -> int:
+    m = _ARRAY.search(shape)
+    return math.prod(int(d) for d in m.group(2).split(",") if d) if m else 0
+
+
 def _fusion_bytes(body, operand_bytes: list[int], out_bytes: int) -> int:
     """HBM bytes of one fusion launch: each parameter whole, or, where its only users (seen through
-    bitcasts) are (dynamic-)slices and the root dynamic-update-slice or scatter that updates it in place,
-    only what the slices take;
+    bitcasts and dtype converts) are (dynamic-)slices, gathers and the root dynamic-update-slice or
+    scatter that updates it in place, only the elements the slices and gathers take (a converted stack's
+    one layer; the target logit of each row of the logits) at the parameter's width;
     then the result, or only the update written in place (a scatter: its updates read and the
     rows they add to read and written, as XLA:GPU emits a scatter into its operand's buffer: a pipeline
-    tick's embedding-gradient rows, `pipeline_tables._TableWork.add_embedding_grads`)."""
+    tick's embedding-gradient rows, `pipeline_tables._TableWork.add_embedding_grads`). XLA:GPU's loop
+    and reduction emitters compute each output element from the input elements it needs, so a slice
+    of a converted parameter reads the slice alone."""
     users: dict[str, list[tuple[str, int, str, str]]] = collections.defaultdict(list)
     shapes, params, root = {}, {}, None
     for m in body:
@@ -937,20 +955,42 @@ def _fusion_bytes(body, operand_bytes: list[int], out_bytes: int) -> int:
             users[_operand_name(arg)].append((m.group(3), i, m.group(2), m.group(1)))
         if m.string.lstrip().startswith("ROOT"):
             root = m
+    lines = {m.group(1): m for m in body}
 
-    def uses_of(name: str) -> list[tuple[str, int, str]]:  # through bitcasts (the same bytes, another shape)
+    def uses_of(name: str, converted: bool = False) -> list[tuple[str, int, str, bool, str, str]]:
+        """Its users, through bitcasts (the same bytes, another shape) and converts (the same
+        elements, another width: only a read may follow one): (opcode, operand index, result shape,
+        converted, user, the value it reads)."""
         out = []
         for op, i, shape, user in users.get(name, []):
-            out += uses_of(user) if op == "bitcast" else [(op, i, shape)]
+            if op in ("bitcast", "convert"):
+                out += uses_of(user, converted or op == "convert")
+            else:
+                out.append((op, i, shape, converted, user, name))
         return out
+
+    def read(name: str, op: str, shape: str, user: str, operand: str) -> int:
+        """Bytes a slice or gather of parameter `name` reads: its elements at the parameter's width; a
+        gather's rows in whole 32-byte sectors (a column of a row-major table, or a row of a column-major
+        one as the embedding's gathered table lies, costs a sector an element)."""
+        width = _DTYPE_BYTES.get(_element_type(shapes.get(name, "")), 0)
+        elements = _elements(shape)
+        sizes = re.search(r"slice_sizes=\{([\d,]*)\}", lines[user].group(4)) if op == "gather" else None
+        layout = _LAYOUT.search(shapes.get(operand, ""))
+        if not sizes or not layout:
+            return width * elements
+        minor = int(layout.group(1).split(",")[0])
+        run = int(sizes.group(1).split(",")[minor]) * width  # bytes of one contiguous run
+        return elements // max(run // width, 1) * -(-run // SECTOR) * SECTOR
     total = 0
     for index, name in params.items():
         uses = uses_of(name)
-        if uses and all(op in ("dynamic-slice", "slice", "dynamic-update-slice", "scatter") and i == 0
-                        for op, i, _ in uses):
-            # read through its slices; updated in place (a window read, changed and written back, as
-            # `pipeline_tables._add_chunk` adds a chunk's gradients: the window, not the whole)
-            total += sum(_nbytes(shape) for op, _, shape in uses if op in ("dynamic-slice", "slice"))
+        if uses and all(op in _WINDOWED and i == 0 and (op in _READS or not converted)
+                        for op, i, _, converted, _, _ in uses):
+            # read through its slices and gathers; updated in place (a window read, changed and written
+            # back, as `pipeline_tables._add_chunk` adds a chunk's gradients: the window, not the whole)
+            total += sum(read(name, op, shape, user, operand) for op, _, shape, _, user, operand in uses
+                         if op in _READS)
         else:
             total += operand_bytes[index] if index < len(operand_bytes) else 0
     if root is not None and root.group(3) == "dynamic-update-slice":
