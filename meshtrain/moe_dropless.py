@@ -199,9 +199,8 @@ class ExchangePlan:
 def _gather_counts(counts: jax.Array, ep: int, axis: str) -> jax.Array:
     """[ep, E]: every device's routed counts, by an `all_to_all` of this device's row to each: not an
     all-gather, which XLA:GPU's collective pipeliner (on for the ZeRO gathers, `mesh.GPU_COMPILER_OPTIONS`)
-    would move into the layer loop's previous iteration with all it depends on, recomputing the next
-    layer's attention there under remat (Qwen3 shapes, expert 8: 7 flash forwards in the backward for 4
-    layers, 1.6 ms of a 53.0 ms step)."""
+    joins to the next layer's weight gathers and moves into the layer loop's previous iteration with all it
+    depends on: under remat the next layer's attention, computed twice (docs/moe.md)."""
     return jax.lax.all_to_all(jnp.broadcast_to(counts[None], (ep, *counts.shape)), axis, 0, 0, tiled=True)
 
 

@@ -324,6 +324,78 @@ ENTRY %main (a: f32[4,2,64], g: bf16[2,64], c: s32[]) -> f32[4,2,64] {{
     assert added.bytes == 2 * 64 * 4 + 2 * 64 * 2 + 4 + 2 * 64 * 4  # window read, addend, index, window written
 
 
+def test_kernel_reader_reads_a_converted_stack_through_its_slice():
+    """A fusion that converts a float32 stack of layers and slices one out (a peeled layer of the layer
+    loop) reads that layer alone: XLA:GPU's loop emitter computes each output element from the input
+    elements it needs."""
+    text = """HloModule c
+
+%fused_slice (p0: f32[4,16,64]) -> bf16[1,16,64] {
+  %p0 = f32[4,16,64]{2,1,0} parameter(0)
+  %c = bf16[4,16,64]{2,1,0} convert(%p0)
+  ROOT %s = bf16[1,16,64]{2,1,0} slice(%c), slice={[3:4], [0:16], [0:64]}
+}
+
+ENTRY %main (a: f32[4,16,64]) -> bf16[1,16,64] {
+  %a = f32[4,16,64]{2,1,0} parameter(0)
+  ROOT %layer = bf16[1,16,64]{2,1,0} fusion(%a), kind=kLoop, calls=%fused_slice
+}
+"""
+    (layer,) = hlo.kernels(text)
+    assert layer.bytes == 16 * 64 * 4 + 16 * 64 * 2  # the layer read in float32, written in bf16
+
+
+@pytest.mark.parametrize("layout, per_row", [("1,0", 64 * 2), ("0,1", 64 * hlo.SECTOR)], ids=["rows", "columns"])
+def test_kernel_reader_reads_a_gather_by_its_rows(layout, per_row):
+    """A fusion that gathers rows of a table reads those rows, not the table: a row-major table's rows
+    whole, a column-major one's (the embedding gathered by ZeRO along its model dimension) a 32-byte
+    sector an element."""
+    text = f"""HloModule g
+
+%fused_take (p0: bf16[1000,64], p1: s32[16,1]) -> bf16[16,64] {{
+  %p0 = bf16[1000,64]{{{layout}}} parameter(0)
+  %p1 = s32[16,1]{{1,0}} parameter(1)
+  ROOT %g = bf16[16,64]{{1,0}} gather(%p0, %p1), offset_dims={{1}}, collapsed_slice_dims={{0}}, \
+start_index_map={{0}}, index_vector_dim=1, slice_sizes={{1,64}}
+}}
+
+ENTRY %main (t: bf16[1000,64], i: s32[16,1]) -> bf16[16,64] {{
+  %t = bf16[1000,64]{{{layout}}} parameter(0)
+  %i = s32[16,1]{{1,0}} parameter(1)
+  ROOT %rows = bf16[16,64]{{1,0}} fusion(%t, %i), kind=kLoop, calls=%fused_take
+}}
+"""
+    (rows,) = hlo.kernels(text)
+    assert rows.bytes == 16 * per_row + 16 * 4 + 16 * 64 * 2  # the rows read, the indices, the rows written
+
+
+def test_kernel_reader_launches_an_asynchronous_fusion_once():
+    """Newer XLA:GPU runs some fusions asynchronously (`fusion-start` / `fusion-done`): one launch, priced
+    as the fusion it calls (here a layer's activations written into the saved stack in place)."""
+    text = """HloModule a
+
+%fused_dus (p0: bf16[4,8,64], p1: bf16[1,8,64], p2: s32[]) -> bf16[4,8,64] {
+  %p0 = bf16[4,8,64]{2,1,0} parameter(0)
+  %p1 = bf16[1,8,64]{2,1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %d = bf16[4,8,64]{2,1,0} dynamic-update-slice(%p0, %p1, %p2, %z, %z)
+}
+
+ENTRY %main (s: bf16[4,8,64], x: bf16[1,8,64], i: s32[]) -> bf16[4,8,64] {
+  %s = bf16[4,8,64]{2,1,0} parameter(0)
+  %x = bf16[1,8,64]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %start = ((bf16[4,8,64]{2,1,0}, bf16[1,8,64]{2,1,0}, s32[]), bf16[4,8,64]{2,1,0}, u32[]) fusion-start(%s, %x, %i), \
+kind=kLoop, calls=%fused_dus
+  ROOT %done = bf16[4,8,64]{2,1,0} fusion-done(%start)
+}
+"""
+    (saved,) = hlo.kernels(text)
+    assert (saved.name, saved.opcode) == ("start", "fusion")
+    assert saved.bytes == 8 * 64 * 2 + 4 + 8 * 64 * 2  # the layer read, the index, the layer written
+
+
 def _plan(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "meshtrain.plan", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)

@@ -144,8 +144,9 @@ def moe_rest_seconds(run: memory.Step, gpu: Gpu, passes: float, peak: float) -> 
 # An MoE step's parts beside its experts (`moe_rest_seconds`), as the H100 kernel model prices them: attention
 # at the share of the peak of the attention kernels at head dims above 64 (`plan.hlo.MEASURED_EFFICIENCY`: cuDNN
 # 0.47 / 0.50, the Pallas flash kernel's 0.40 / 0.47), AdamW's pass over its float32 state (reads parameter,
-# gradient and two moments, writes three) and the unfused loss's passes over the float32 logits (written by
-# the head, read by the conversion and the reductions, the gradient written), at `HBM_EFFICIENCY` of the
+# gradient and two moments, writes three) and the unfused loss's passes over the float32 logits (the head's
+# GEMM writes them beside its FLOPs; the log-sum-exp reads them, the gradient's pass reads them and writes the
+# gradient in the compute dtype: 4 + 4 + 2 bytes a logit), at `HBM_EFFICIENCY` of the
 # bandwidth (`plan.hlo.KernelTimes`); a stored float32 weight converted to the compute dtype reads 4 bytes
 # and writes 2.
 ATTENTION_EFFICIENCY = 0.45
