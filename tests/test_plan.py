@@ -369,6 +369,28 @@ ENTRY %main (t: bf16[1000,64], i: s32[16,1]) -> bf16[16,64] {{
     assert rows.bytes == 16 * per_row + 16 * 4 + 16 * 64 * 2  # the rows read, the indices, the rows written
 
 
+def test_kernel_reader_reads_a_gathered_operand_at_most_once():
+    """A gather that takes more rows than its operand holds (each token's row for each of its k experts)
+    reads the operand once: the repeats come from cache, not HBM."""
+    text = """HloModule r
+
+%fused_take (p0: bf16[16,64], p1: s32[128,1]) -> bf16[128,64] {
+  %p0 = bf16[16,64]{1,0} parameter(0)
+  %p1 = s32[128,1]{1,0} parameter(1)
+  ROOT %g = bf16[128,64]{1,0} gather(%p0, %p1), offset_dims={1}, collapsed_slice_dims={0}, \
+start_index_map={0}, index_vector_dim=1, slice_sizes={1,64}
+}
+
+ENTRY %main (t: bf16[16,64], i: s32[128,1]) -> bf16[128,64] {
+  %t = bf16[16,64]{1,0} parameter(0)
+  %i = s32[128,1]{1,0} parameter(1)
+  ROOT %rows = bf16[128,64]{1,0} fusion(%t, %i), kind=kLoop, calls=%fused_take
+}
+"""
+    (rows,) = hlo.kernels(text)
+    assert rows.bytes == 16 * 64 * 2 + 128 * 4 + 128 * 64 * 2  # the table once, the indices, the rows written
+
+
 def test_kernel_reader_launches_an_asynchronous_fusion_once():
     """Newer XLA:GPU runs some fusions asynchronously (`fusion-start` / `fusion-done`): one launch, priced
     as the fusion it calls (here a layer's activations written into the saved stack in place)."""

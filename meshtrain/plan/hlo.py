@@ -988,9 +988,11 @@ def _fusion_bytes(body, operand_bytes: list[int], out_bytes: int) -> int:
         if uses and all(op in _WINDOWED and i == 0 and (op in _READS or not converted)
                         for op, i, _, converted, _, _ in uses):
             # read through its slices and gathers; updated in place (a window read, changed and written
-            # back, as `pipeline_tables._add_chunk` adds a chunk's gradients: the window, not the whole)
-            total += sum(read(name, op, shape, user, operand) for op, _, shape, _, user, operand in uses
-                         if op in _READS)
+            # back, as `pipeline_tables._add_chunk` adds a chunk's gradients: the window, not the whole);
+            # at most once whole (a gather of each token's rows for its k experts re-reads rows from cache)
+            reads = sum(read(name, op, shape, user, operand) for op, _, shape, _, user, operand in uses
+                        if op in _READS)
+            total += min(reads, operand_bytes[index]) if index < len(operand_bytes) else reads
         else:
             total += operand_bytes[index] if index < len(operand_bytes) else 0
     if root is not None and root.group(3) == "dynamic-update-slice":
