@@ -95,6 +95,7 @@ def attention_impl(config: ml_collections.ConfigDict, platform: str) -> str:
 
 MOE_MATMULS = ("auto", "ragged_dot", "pallas")
 MOE_EXCHANGES = ("auto", "all_to_all", "ragged")
+MOE_FSDP = ("auto", "experts", "weights")
 
 
 def moe_matmul(config: ml_collections.ConfigDict, platform: str) -> str:
@@ -119,12 +120,11 @@ def moe_exchange(config: ml_collections.ConfigDict, platform: str) -> str:
 
 
 def moe_chunks(config: ml_collections.ConfigDict, platform: str) -> int:
-    """`model.moe_chunks` as run: 'auto' (0) is 2 under expert parallelism on a GPU (one chunk's exchange
-    beside the other's matmuls), else 1."""
+    """`model.moe_chunks` as run: 'auto' (0) stays 0 on a GPU, where the layer makes it 2 under expert
+    parallelism (one chunk's exchange beside the other's matmuls; `moe_dropless.chunks_for`), else 1;
+    elsewhere 1."""
     chunks = int(config.model.moe_chunks)
-    if chunks:
-        return chunks
-    return 2 if platform == "gpu" and int(config.mesh.expert) != 1 else 1
+    return chunks if chunks or platform == "gpu" else 1
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -216,8 +216,14 @@ def default_config() -> ml_collections.ConfigDict:
     # past it are dropped and counted (moe_dropped_fraction); 0: the worst case, which never drops
     c.model.moe_exchange_factor = 0.0
     # slices of a device's tokens routed and exchanged one after another, so that one slice's exchange
-    # runs beside another's expert matmuls; 0: auto (2 under mesh.expert on a GPU, else 1)
+    # runs beside another's expert matmuls; 0: auto (2 on a GPU where the tokens travel: mesh.expert, or mesh.fsdp
+    # under model.moe_fsdp's experts; else 1)
     c.model.moe_chunks = 0
+    # the expert weights under mesh.fsdp: experts (each fsdp x expert device owns num_experts / (mesh.expert x
+    # mesh.fsdp) whole experts and the routed tokens travel to them: expert parallelism over fsdp too), weights
+    # (ZeRO shards every expert's model dimension over fsdp, gathered where used), auto (experts for dropless
+    # MoE where the experts divide that way, else weights)
+    c.model.moe_fsdp = "auto"
     c.model.moe_mlp_dim = 0  # 0: same as mlp_dim
     c.model.shared_expert = False  # one expert every token also runs (DeepSeek-style)
     c.model.aux_loss_weight = 0.01  # weight of the load-balancing loss
@@ -398,7 +404,8 @@ def _validate_choices(config) -> None:
                          ("pipeline.schedule", PIPELINE_SCHEDULES), ("model.moe_balance_scope", BALANCE_SCOPES),
                          ("model.matmul_precision", MATMUL_PRECISIONS), ("model.rope_scaling", ROPE_SCALINGS),
                          ("model.family", FAMILIES), ("data.on_bad_data", ("skip", "error")),
-                         ("model.moe_matmul", MOE_MATMULS), ("model.moe_exchange", MOE_EXCHANGES)):
+                         ("model.moe_matmul", MOE_MATMULS), ("model.moe_exchange", MOE_EXCHANGES),
+                         ("model.moe_fsdp", MOE_FSDP)):
         section, name = key.split(".")
         value = config[section][name]
         require(value in choices, key, value, f"must be one of {choices}")
@@ -552,6 +559,7 @@ class ModelConfig:
     moe_exchange: str = "all_to_all"  # model.moe_exchange resolved (`moe_exchange`)
     moe_exchange_factor: float = 0.0
     moe_chunks: int = 1  # model.moe_chunks resolved (`moe_chunks`)
+    moe_fsdp: str = "auto"  # model.moe_fsdp (resolved against the mesh: `experts_over_fsdp`)
     zero_stage: int = 0  # train.zero_stage: from 3 on a layer's weights arrive split and are gathered where used
     moe_mlp_dim: int = 0
     shared_expert: bool = False

@@ -74,7 +74,7 @@ class Scorer:
                 seq = sequences[i]
                 inputs[row, :len(seq) - 1], targets[row, :len(seq) - 1] = seq[:-1], seq[1:]
             with jax.set_mesh(self.mesh):
-                logprobs, greedy = _program(self.cfg, Rules.for_mesh(self.mesh), self.mesh)(
+                logprobs, greedy = _program(self.cfg, Rules.for_mesh(self.mesh, model=self.cfg), self.mesh)(
                     self.params, jnp.asarray(inputs), jnp.asarray(targets))
             logprobs, greedy = np.asarray(logprobs), np.asarray(greedy)
             for row, i in enumerate(chosen):

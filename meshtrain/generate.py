@@ -108,7 +108,8 @@ def generate(model_config: ModelConfig, params: dict, prompts: list[list[int]], 
     rows = len(prompts)
     split = math.prod(mesh.shape[a] for a in BATCH_AXES)  # rows are split over the batch axes: fill them
     tokens, positions, segments = left_pad(list(prompts) + [prompts[0]] * (-rows % split))
-    program = sampling_program(model_config, Rules.for_mesh(mesh), mesh, max_new_tokens, sampling, vocab_limit)
+    rules = Rules.for_mesh(mesh, model=model_config)
+    program = sampling_program(model_config, rules, mesh, max_new_tokens, sampling, vocab_limit)
     with jax.set_mesh(mesh):
         new, logits = program(params, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segments))
     new, logits = np.asarray(new)[:rows], np.asarray(logits)[:rows]

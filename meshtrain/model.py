@@ -638,7 +638,8 @@ def logits(model_config: ModelConfig, params: dict, tokens: jax.Array) -> jax.Ar
     device when they are not sharded on a mesh.
     """
     mesh = params_mesh(params)
-    model = Transformer(dataclasses.replace(model_config, matmul_precision="bf16"), Rules.for_mesh(mesh))
+    rules = Rules.for_mesh(mesh, model=model_config)
+    model = Transformer(dataclasses.replace(model_config, matmul_precision="bf16"), rules)
     tokens = jnp.asarray(tokens, jnp.int32)
     rows = tokens.shape[0]
     split = math.prod(mesh.shape[a] for a in BATCH_AXES)  # rows split over the batch axes: pad to fill them

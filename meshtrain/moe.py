@@ -68,6 +68,10 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     if m.num_experts % sizes["expert"]:
         raise ConfigError("model.num_experts", m.num_experts,
                           f"the experts must be divisible by mesh.expert={sizes['expert']}")
+    if m.moe_fsdp == "experts" and m.num_experts % (sizes["expert"] * sizes["fsdp"]):
+        raise ConfigError("model.num_experts", m.num_experts,
+                          f"model.moe_fsdp='experts' splits the experts over mesh.expert x mesh.fsdp="
+                          f"{sizes['expert']} x {sizes['fsdp']}: they must divide by it (or model.moe_fsdp='weights')")
     if not 1 <= m.experts_per_token <= m.num_experts:
         raise ConfigError("model.experts_per_token", m.experts_per_token,
                           f"must be between 1 and model.num_experts={m.num_experts}")
@@ -210,7 +214,7 @@ def _capacity_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, cap
 
 
 def moe_ffn(x: jax.Array, w_router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
-            cfg: ModelConfig, axis: str | None = None, ep: int = 1, row_axes: tuple[str, ...] = (),
+            cfg: ModelConfig, axis: tuple[str, ...] | None = None, ep: int = 1, row_axes: tuple[str, ...] = (),
             token_axes: tuple[str, ...] = (), width_axes: tuple[str, ...] = (), valid: jax.Array | None = None,
             histories: tuple[jax.Array, ...] = (), model_major: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The MoE feed-forward of one device's rows x [b, T, D] -> ([b, T, D], stats).
@@ -236,7 +240,7 @@ def moe_ffn(x: jax.Array, w_router: jax.Array, w_gate: jax.Array, w_up: jax.Arra
                                   model_major=model_major)
         y, dropped = dropless.dropless_ffn(x, weights, experts, *w, num_experts=cfg.num_experts, axis=axis, ep=ep,
                                            dot=dot, exchange=cfg.moe_exchange, factor=cfg.moe_exchange_factor,
-                                           chunks=dropless.chunks_for(x.shape[0] * x.shape[1], cfg.moe_chunks))
+                                           chunks=dropless.chunks_for(x.shape[0] * x.shape[1], cfg.moe_chunks, ep))
     else:
         y, dropped = _capacity_ffn(x, weights, experts, *w, num_experts=cfg.num_experts,
                                    cap=capacity(cfg, x.shape[1]), axis=axis, ep=ep, valid=valid, histories=histories,
@@ -314,24 +318,25 @@ def expert_parallel(cfg: ModelConfig, rules: Rules, model_major: bool = False):
     added with one `psum`; each `sequence` device routes its own tokens), and unchecked.
     """
     batch_axes = rules.split_axes("batch")
-    axis = (rules.split_axes("act_expert") or (None,))[0]
+    axis = rules.split_axes("act_expert") or None  # the exchange's axes: expert (and fsdp: `experts_over_fsdp`)
     kernel = cfg.moe_dropless and cfg.moe_matmul == "pallas"
     width_axes = tuple(a for a in rules.split_axes("mlp") if a not in rules.manual) if kernel else ()
     lengths = rules.split_axes("length")
     token_axes = tuple(a for a in lengths if a in rules.manual or kernel)
-    fn = functools.partial(moe_ffn, cfg=cfg, axis=axis, ep=rules.size(axis) if axis else 1, row_axes=batch_axes,
+    ep = math.prod(rules.size(a) for a in axis) if axis else 1
+    fn = functools.partial(moe_ffn, cfg=cfg, axis=axis, ep=ep, row_axes=batch_axes,
                            token_axes=token_axes, width_axes=width_axes, model_major=model_major)
     todo = tuple(a for a in batch_axes if a not in rules.manual)
     fn = functools.partial(_with_valid, fn)
     tokens = tuple(a for a in lengths if a not in rules.manual) if kernel else ()
     if not (todo or tokens or width_axes):
         return fn
+    experts = tuple(a for a in axis or () if a in todo) or None  # the expert split this region makes
     if not kernel:
-        w_spec = P(axis) if axis in todo else P()
+        w_spec = P(experts)
         return jax.shard_map(fn, in_specs=(P(todo), P(), w_spec, w_spec, w_spec, P(todo), P()),
                              out_specs=(P(todo), P()), axis_names=set(todo), check_vma=True)
     rows = P(todo or None, tokens or None)
-    experts = axis if axis in todo else None
     width = width_axes or None
     if model_major:  # [D, E, F] each (`gathers_model_dim`)
         w_specs = (P(None, experts, width),) * 3

@@ -196,7 +196,7 @@ class ExchangePlan:
         return jnp.max(jnp.where(inside, target, -1), axis=-1).clip(-1).astype(jnp.int32)
 
 
-def _gather_counts(counts: jax.Array, ep: int, axis: str) -> jax.Array:
+def _gather_counts(counts: jax.Array, ep: int, axis: tuple[str, ...]) -> jax.Array:
     """[ep, E]: every device's routed counts, by an `all_to_all` of this device's row to each: not an
     all-gather, which XLA:GPU's collective pipeliner (on for the ZeRO gathers, `mesh.GPU_COMPILER_OPTIONS`)
     joins to the next layer's weight gathers and moves into the layer loop's previous iteration with all it
@@ -204,7 +204,7 @@ def _gather_counts(counts: jax.Array, ep: int, axis: str) -> jax.Array:
     return jax.lax.all_to_all(jnp.broadcast_to(counts[None], (ep, *counts.shape)), axis, 0, 0, tiled=True)
 
 
-def _ragged(x: jax.Array, rows: int, tables: tuple[jax.Array, ...], axis: str,
+def _ragged(x: jax.Array, rows: int, tables: tuple[jax.Array, ...], axis: tuple[str, ...],
             into: jax.Array | None = None) -> jax.Array:
     """`jax.lax.ragged_all_to_all` of x's slices into `rows` rows. The rows no slice writes keep what the
     buffer held, which nothing reads (the grouped matmuls mask the rows no expert owns, the combine the
@@ -221,7 +221,7 @@ def _ragged(x: jax.Array, rows: int, tables: tuple[jax.Array, ...], axis: str,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _ragged_home(out: jax.Array, into: jax.Array, tables: tuple[jax.Array, ...], back: tuple[jax.Array, ...],
-                 axis: str) -> jax.Array:
+                 axis: tuple[str, ...]) -> jax.Array:
     """The combine's exchange (`_ragged` of the grouped layout's rows home, by `tables`, into `into`),
     whose gradient is the dispatch's exchange (`back`: the reverse tables) written into the layout
     buffer `out` itself, which nothing reads after the combine: JAX's own transpose would fill a zero
@@ -243,7 +243,7 @@ def _ragged_home_bwd(axis, residuals, ct):
 _ragged_home.defvjp(_ragged_home_fwd, _ragged_home_bwd)
 
 
-def _send_dense(sent: jax.Array, plan: ExchangePlan, chunk: int, axis: str) -> jax.Array:
+def _send_dense(sent: jax.Array, plan: ExchangePlan, chunk: int, axis: tuple[str, ...]) -> jax.Array:
     """`all_to_all` dispatch: to each device the `chunk` sorted rows from its experts' first, placed."""
     first = plan.sent_from[plan.me].reshape(-1, plan.local)[:, 0]  # [j]
     blocks = _take(sent, (first[:, None] + jnp.arange(chunk)[None, :]).clip(max=sent.shape[0]))
@@ -253,7 +253,7 @@ def _send_dense(sent: jax.Array, plan: ExchangePlan, chunk: int, axis: str) -> j
 
 
 def _return_dense(out: jax.Array, plan: ExchangePlan, chunk: int, routed: int, expert_of: jax.Array,
-                  axis: str) -> jax.Array:
+                  axis: tuple[str, ...]) -> jax.Array:
     """`all_to_all` return: each source's block of rows gathered from the grouped layout, sent home
     and read back in the source's sorted order (`expert_of` [routed]: each sorted row's expert)."""
     blocks = _take(out, plan.placement(chunk).reshape(-1)).reshape(-1, chunk, out.shape[1])
@@ -334,7 +334,7 @@ def receive_capacity(routed: int, ep: int, worst: int, factor: float) -> int:
 
 
 def dropless_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate, w_up, w_down, *, num_experts: int,
-                 axis: str | None, ep: int, dot: GroupedDot, exchange: str, factor: float,
+                 axis: tuple[str, ...] | None, ep: int, dot: GroupedDot, exchange: str, factor: float,
                  chunks: int) -> tuple[jax.Array, jax.Array]:
     """x [b, T, D], router weights / experts [b, T, k] -> (y [b, T, D], rows dropped at the exchange)."""
     b, t, d = x.shape
@@ -399,9 +399,10 @@ def _chunk(x, weights, experts, w_gate, w_up, w_down, *, num_experts, axis, ep, 
     return _combine(home, row, weights, order), plan.dropped()
 
 
-def chunks_for(n_tokens: int, requested: int) -> int:
-    """The chunks a device's `n_tokens` split into: `requested`, or fewer until they divide evenly."""
-    c = max(1, min(requested, n_tokens))
+def chunks_for(n_tokens: int, requested: int, ep: int) -> int:
+    """The chunks a device's `n_tokens` split into: `requested` (0: 2 when the rows travel over ep > 1
+    devices, else 1), or fewer until they divide evenly."""
+    c = max(1, min(requested or (2 if ep > 1 else 1), n_tokens))
     while n_tokens % c:
         c -= 1
     return c

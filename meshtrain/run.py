@@ -46,8 +46,9 @@ class Run:
         sizes = types.MappingProxyType(config_lib.mesh_shape(config, len(devices)))
         mesh = mesh_lib.make_mesh(config, devices)
         platform = mesh.devices.flat[0].platform
-        return cls(config=config, sizes=sizes, mesh=mesh, rules=Rules.for_mesh(mesh),
-                   model=ModelConfig.from_config(config, platform), layout=Layout.plan(config, sizes, platform))
+        model = ModelConfig.from_config(config, platform)
+        return cls(config=config, sizes=sizes, mesh=mesh, rules=Rules.for_mesh(mesh, model=model),
+                   model=model, layout=Layout.plan(config, sizes, platform))
 
     @property
     def batch_axes(self) -> tuple[str, ...]:

@@ -70,6 +70,23 @@ RULES: dict[str, tuple[str, ...]] = {
 }
 
 
+# The logical names of the expert dimension (weights, activations): over `expert`, and over `fsdp` too where
+# the experts rest whole on fsdp's devices (`model.moe_fsdp`, `experts_over_fsdp`).
+EXPERT_NAMES = ("expert", "act_expert")
+
+
+def experts_over_fsdp(model, sizes) -> bool:
+    """Whether `model`'s experts split over `fsdp` as well as `expert` on a mesh of `sizes` (`model.moe_fsdp`):
+    'experts' where fsdp is split; 'auto' also needs dropless MoE and experts that divide by expert x fsdp
+    (playbook, "Expert parallelism": the data-parallel devices double as expert-parallel ones, each owning
+    whole experts, so that the routed tokens travel instead of every expert's weights)."""
+    if model is None or not model.num_experts or sizes.get(F, 1) == 1 or model.moe_fsdp == "weights":
+        return False
+    if model.moe_fsdp == "experts":
+        return True
+    return model.moe_dropless and model.num_experts % (sizes.get(E, 1) * sizes[F]) == 0
+
+
 class ShardingRuleError(ValueError):
     """A dimension cannot be split the way the rules say."""
 
@@ -85,10 +102,18 @@ class Rules:
     mesh_shape: tuple[tuple[str, int], ...]
     shard_fsdp: bool = True
     manual: frozenset[str] = frozenset()
+    experts_over_fsdp: bool = False  # the expert dimension splits over (expert, fsdp) (`experts_over_fsdp`)
 
     @classmethod
-    def for_mesh(cls, mesh: jax.sharding.Mesh, shard_fsdp: bool = True) -> Rules:
-        return cls(tuple(mesh.shape.items()), shard_fsdp)
+    def for_mesh(cls, mesh: jax.sharding.Mesh, shard_fsdp: bool = True, model=None) -> Rules:
+        """The rules on `mesh`; `model` (a `ModelConfig`) decides where its experts rest (`experts_over_fsdp`)."""
+        return cls.for_sizes(tuple(mesh.shape.items()), shard_fsdp, model)
+
+    @classmethod
+    def for_sizes(cls, shape: tuple[tuple[str, int], ...], shard_fsdp: bool = True, model=None) -> Rules:
+        """`for_mesh` from the (axis, size) pairs alone (the planner's)."""
+        shape = tuple((a, int(n)) for a, n in shape)
+        return cls(shape, shard_fsdp, experts_over_fsdp=experts_over_fsdp(model, dict(shape)))
 
     def without_fsdp(self) -> Rules:
         return dataclasses.replace(self, shard_fsdp=False)
@@ -115,6 +140,8 @@ class Rules:
             raise ShardingRuleError(f"unknown logical axis name {name!r}; known: {sorted(RULES)}")
         if name == ZERO_NAME and not self.shard_fsdp:
             return ()
+        if name in EXPERT_NAMES and self.experts_over_fsdp:
+            return (E, F)  # `expert` major: a region already manual over it splits its block over fsdp
         return RULES[name]
 
     def spec(self, names: tuple[str | None, ...], shape: tuple[int, ...] | None = None,

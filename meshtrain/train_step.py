@@ -310,6 +310,11 @@ def _axes_of(entry) -> tuple[str, ...]:
     return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
 
 
+def _entry(axes: tuple[str, ...]):
+    """The PartitionSpec entry of `axes`: None, one name, or the tuple."""
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
 @dataclasses.dataclass(frozen=True)
 class ZeroShard:
     """Where a gradient rests split by ZeRO (`sharding_rules.ZERO_AXES`): the dimension and the axes its
@@ -357,11 +362,13 @@ def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, man
     if not manual_axes:
         return _accumulate_local(params, histories, micro_batches, model, total_tokens, accum_steps)
     inner = model.clone(rules=model.rules.with_manual(manual_axes))
-    split = ("expert",) if "expert" in manual_axes else ()  # expert weights enter split: the exchange runs inside
+    # expert weights enter split over the manual ones of their axes (expert, and fsdp where the experts rest
+    # whole on its devices): the exchange runs inside
+    split = tuple(a for a in model.rules.split_axes("expert") if a in manual_axes)
     is_spec = functools.partial(jax.tree.map, is_leaf=lambda x: isinstance(x, P))
 
     def entering(spec: P, shard: ZeroShard) -> P:
-        return P(*[e if e in split and not (d == shard.dim and e in shard.axes) else None
+        return P(*[_entry(tuple(a for a in _axes_of(e) if a in split and not (d == shard.dim and a in shard.axes)))
                    for d, e in enumerate(spec)])
 
     def local(params, histories, micro_batches, total_tokens):
@@ -383,7 +390,8 @@ def accumulate_gradients(params, batch, *, model, total_tokens, accum_steps, man
 
     def leaving(spec: P, shard: ZeroShard) -> P:
         dim, zero = shard.within(manual_axes)
-        return P(*[(zero if d == dim else (e if e in split else None)) for d, e in enumerate(spec)])
+        return P(*[(zero if d == dim else _entry(tuple(a for a in _axes_of(e) if a in split)))
+                   for d, e in enumerate(spec)])
 
     grad_out_specs = is_spec(leaving, grad_specs, zero_shards)
     param_in_specs = is_spec(entering, grad_specs, zero_shards)

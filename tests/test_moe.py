@@ -49,7 +49,7 @@ def _rules(sizes: dict) -> Rules:
 def _layer_vjp(cfg: ModelConfig, sizes: dict, params, x, cot):
     """(y, stats, grads wrt (params, x)) of MoeMlp on the mesh `sizes`."""
     mesh = _mesh(sizes)
-    layer = moe.MoeMlp(cfg, Rules.for_mesh(mesh))
+    layer = moe.MoeMlp(cfg, Rules.for_mesh(mesh, model=cfg))
 
     def f(params, x):
         y, stats = layer.apply({"params": params}, x)
@@ -103,6 +103,43 @@ def test_layer_equals_per_token_reference(sizes, dispatch):
         np.testing.assert_allclose(grads[0][name], g_ref[0][name], atol=1e-5, rtol=1e-5, err_msg=name)
     np.testing.assert_allclose(grads[1], g_ref[1], atol=1e-5, rtol=1e-5)
     assert float(stats["dropped"]) == 0.0
+
+
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless-kernel"])
+@pytest.mark.parametrize("moe_fsdp", ["experts", "weights"])
+def test_experts_over_fsdp_or_gathered_equal_reference(moe_fsdp, dispatch):
+    """Under `fsdp` the experts either rest whole on its devices, the tokens travelling over fsdp x expert
+    (one expert a device here), or every expert's model dimension is ZeRO's, gathered where used."""
+    params, x, cot = _inputs()
+    cfg = dataclasses.replace(CFG, moe_fsdp=moe_fsdp, **DISPATCHES[dispatch])
+    sizes = {"fsdp": 4, "expert": 2}
+    assert Rules.for_mesh(_mesh(sizes), model=cfg).split_axes("expert") == (
+        ("expert", "fsdp") if moe_fsdp == "experts" else ("expert",))
+    y_ref, g_ref = _reference_vjp(params, x, cot)
+    y, stats, grads = _layer_vjp(cfg, sizes, params, x, cot)
+    np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
+    for name in params:
+        np.testing.assert_allclose(grads[0][name], g_ref[0][name], atol=1e-5, rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(grads[1], g_ref[1], atol=1e-5, rtol=1e-5)
+    assert float(stats["dropped"]) == 0.0
+
+
+@pytest.mark.parametrize("moe_fsdp, dropless, sizes, over", [
+    ("auto", True, {"fsdp": 4, "expert": 2}, ("expert", "fsdp")),
+    ("auto", False, {"fsdp": 4, "expert": 2}, ("expert",)),  # capacity dispatch keeps ZeRO's split
+    ("auto", True, {"fsdp": 8, "expert": 2}, ("expert",)),  # 8 experts do not split 16 ways
+    ("auto", True, {"data": 8}, ()),
+    ("experts", False, {"fsdp": 8}, ("fsdp",)),
+    ("weights", True, {"fsdp": 8}, ()),
+])
+def test_experts_over_fsdp_resolution(moe_fsdp, dropless, sizes, over):
+    cfg = dataclasses.replace(CFG, moe_fsdp=moe_fsdp, moe_dropless=dropless)
+    rules = Rules.for_sizes(tuple((a, sizes.get(a, 1)) for a in mesh_lib.MESH_ORDER), model=cfg)
+    assert rules.split_axes("expert") == over
+    # an expert weight's model dimension is ZeRO's only over the axes its expert dimension leaves
+    entries = rules.spec(("expert", "embed", "mlp"))
+    assert set(over) | {a for e in entries[1:2] if e for a in ((e,) if isinstance(e, str) else e)} == {
+        a for a in ("fsdp", "expert") if sizes.get(a, 1) > 1}
 
 
 def test_capacity_drops_overflow_and_counts_it():
@@ -303,6 +340,7 @@ def _moe_config(**overrides):
     ("model.moe_every", 3, {}, "divide model.n_layers=4"),
     ("model.capacity_factor", 0.0, {}, "must be > 0"),
     ("model.moe_mlp_dim", 12, {"tensor": 8, "expert": 1}, "divisible by mesh.tensor=8"),
+    ("model.moe_fsdp", "sometimes", {}, "must be one of"),
 ])
 def test_validation_names_key_value_and_rule(key, value, mesh, match):
     c = _moe_config(**{key: value})
@@ -311,6 +349,15 @@ def test_validation_names_key_value_and_rule(key, value, mesh, match):
     with pytest.raises(ConfigError, match=match) as err:
         validate(c, 8)
     assert f"config.{key}={value!r}" in str(err.value)
+
+
+def test_experts_over_fsdp_must_divide():
+    c = _moe_config(**{"model.moe_fsdp": "experts"})
+    c.mesh.expert, c.mesh.fsdp, c.mesh.data = 4, 2, 1
+    c.model.num_experts = 4
+    with pytest.raises(ConfigError, match="mesh.expert x mesh.fsdp=4 x 2") as err:
+        validate(c, 8)
+    assert "config.model.num_experts=4" in str(err.value)
 
 
 @pytest.mark.parametrize("expert", [1, 2, 4, 8])

@@ -31,6 +31,7 @@ def _config(sizes: dict):
     c.train.warmup_steps = 1
     c.model.moe_dropless = bool(sizes.get("dropless", False))  # not mesh axes: the dispatch and its matmuls
     c.model.moe_matmul = "pallas" if sizes.get("kernel", False) else "ragged_dot"
+    c.train.zero_stage = sizes.get("zero", c.train.zero_stage)
     return c
 
 
@@ -77,12 +78,15 @@ def test_losses_equal_single_device(sizes):
                                    rtol=1e-5, atol=1e-7, err_msg=name)
 
 
-def test_dropless_model_under_expert_parallelism_equals_single_device():
-    """The whole model with dropless dispatch on expert=8 (ragged exchange) trains the single-device
-    dropless model's losses and router statistics; nothing is dropped, where capacity dispatch on
-    the same data drops tokens (test above)."""
+@pytest.mark.parametrize("sizes", [{"expert": 8}, {"fsdp": 8}, {"fsdp": 4, "expert": 2, "zero": 3}],
+                         ids=["expert8", "fsdp8", "fsdp4xexpert2-zero3"])
+def test_dropless_model_under_expert_parallelism_equals_single_device(sizes):
+    """The whole model with dropless dispatch on expert=8, and on fsdp meshes, whose devices own whole
+    experts too (`model.moe_fsdp` auto; ZeRO-1's accumulation region manual over fsdp, ZeRO-3's not), trains
+    the single-device dropless model's losses and router statistics; nothing is dropped, where capacity
+    dispatch on the same data drops tokens (test above)."""
     ref_losses, ref_metrics, _ = _run((("dropless", True),))
-    losses, metrics, _ = _run((("dropless", True), ("expert", 8)))
+    losses, metrics, _ = _run(_key({**sizes, "dropless": True}))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
     for name in ("moe_aux_loss", "moe_z_loss"):
         np.testing.assert_allclose([m[name] for m in metrics], [m[name] for m in ref_metrics],
@@ -146,27 +150,33 @@ def test_forward_has_two_all_to_all_per_moe_layer():
     assert sum(c.count for c, axes in found if c.kind == "all-to-all") == 2 * cfg.n_layers // cfg.moe_every
 
 
-def test_expert_weights_are_not_reduced_over_expert():
-    """Everything reduced over `expert` is the gradient of the other (non-expert) parameters, plus a few
-    scalars: the expert weights' gradients stay on their devices. ZeRO (stage 1 here) shards the other
-    parameters' state over `expert` too, so theirs is reduce-scattered over it (counted by its input)."""
-    sizes = {"expert": 8}
+@pytest.mark.parametrize("sizes, axis", [({"expert": 8}, "expert"), ({"fsdp": 8, "dropless": True}, "fsdp")],
+                         ids=["expert8", "fsdp8-dropless"])
+def test_expert_weights_are_not_reduced_over_expert(sizes, axis):
+    """Everything reduced over the experts' axis (`expert`; `fsdp` where its devices own whole experts) is
+    the gradient of the other (non-expert) parameters, plus a few scalars: the expert weights' gradients
+    stay on their devices. ZeRO (stage 1 here) shards the other parameters' state over that axis too, so
+    theirs is reduce-scattered over it (counted by its input). The tokens travel over it by all-to-all."""
     found, _ = _collectives(_run(_key(sizes))[2], sizes)
+    assert all(axes == {axis: 8} for c, axes in found if c.kind == "all-to-all")
+    assert any(c.kind == "all-to-all" for c, _ in found)
     cfg = ModelConfig.from_config(_config(sizes))
     expert_params = (cfg.n_layers // cfg.moe_every) * 3 * cfg.num_experts * cfg.d_model * moe.expert_mlp_dim(cfg)
     replicated_bytes = 4 * (model_lib.num_params(cfg) - expert_params)
     reduced = sum(c.result_bytes * c.count * (len(c.groups[0]) if c.kind == "reduce-scatter" else 1)
-                  for c, axes in found if c.kind in ("all-reduce", "reduce-scatter") and "expert" in axes)
+                  for c, axes in found if c.kind in ("all-reduce", "reduce-scatter") and axis in axes)
     one_expert_weight = 4 * cfg.d_model * moe.expert_mlp_dim(cfg)
     assert replicated_bytes <= reduced < replicated_bytes + min(1024, one_expert_weight)
 
 
-def test_gradient_accumulation_with_expert_parallelism():
-    """2 micro-batches on data=2, fsdp=2(ZeRO-1), expert=2 equal 1 batch on 1 device. The router losses are
-    taken per micro-batch (they are not linear in the batch), so they are switched off here."""
+@pytest.mark.parametrize("dropless", [False, True], ids=["capacity", "dropless"])
+def test_gradient_accumulation_with_expert_parallelism(dropless):
+    """2 micro-batches on data=2, fsdp=2(ZeRO-1), expert=2 equal 1 batch on 1 device (dropless: the experts
+    split over fsdp x expert, their weights entering the accumulation region split both ways). The router
+    losses are taken per micro-batch (they are not linear in the batch), so they are switched off here."""
     losses = {}
     for name, sizes, accum in (("ref", {}, 1), ("accum", {"data": 2, "fsdp": 2, "expert": 2}, 2)):
-        config = _config(sizes)
+        config = _config({**sizes, "dropless": dropless})
         config.train.grad_accum_steps = accum
         config.model.aux_loss_weight = config.model.router_z_loss_weight = 0.0
         losses[name] = utils.run_steps(config, utils.synthetic_batches(config, STEPS))[0]

@@ -49,7 +49,7 @@ from meshtrain.sharding_rules import Rules
 
 def param_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh):
     """Storage shardings of the parameters with every rule on (ZeRO-3 layout over `fsdp`)."""
-    rules = Rules.for_mesh(mesh)
+    rules = Rules.for_mesh(mesh, model=cfg)
 
     def sharding(box: nn.LogicallyPartitioned) -> jax.sharding.NamedSharding:
         names = tuple(box.names)

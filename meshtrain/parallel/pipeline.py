@@ -77,7 +77,7 @@ from meshtrain.config import BATCH_AXES, Axis
 from meshtrain.parallel import ring_attention, schedules, slot_program
 from meshtrain.sharding_rules import vary
 
-STAGE, SEQUENCE, EXPERT = Axis.STAGE.value, Axis.SEQUENCE.value, Axis.EXPERT.value
+STAGE, SEQUENCE = Axis.STAGE.value, Axis.SEQUENCE.value
 FP8 = fp8_lib.COLLECTION
 TABLE_SCHEDULES = schedules.TABLE_SCHEDULES  # run from their slot tables (`pipeline_tables`)
 SPLIT_BACKWARD = schedules.SPLIT_BACKWARD  # B and W separate operations (`pipeline.split_backward`)
@@ -301,7 +301,7 @@ class Pipeline:
         stack = _chunk_function(stage_function(model.cfg, rules, model.attention_fn, self.counts))
         if model.cfg.remat_policy != "none":  # remat per stage per micro-batch: keep only its input
             stack = jax.checkpoint(stack, prevent_cse=False)
-        layers, specs = stage_variables(model), {"params": layer_specs(model.cfg, self.axes)}
+        layers, specs = stage_variables(model), {"params": layer_specs(model.cfg, self.axes, model.rules)}
         if FP8 in layers:  # one history per device of the batch axes: their amaxes combine once, after the loop
             rest = tuple(a for a in self.axes if a != STAGE)
             copies = math.prod(model.rules.size(a) for a in rest)
@@ -326,11 +326,13 @@ def stage_variables(model) -> dict:
     return {name: variables[name] for name in ("params", FP8) if name in variables}
 
 
-def layer_specs(cfg, axes: tuple[str, ...]):
+def layer_specs(cfg, axes: tuple[str, ...], rules):
     """In-specs of the scanned layer parameters [L, ...] for a loop manual over `axes`: layers over
-    `stage`, experts over `expert` when the loop is manual over it (the MoE exchange runs inside);
-    everything else enters whole (ZeRO-3 `fsdp` shards are gathered once, on entry)."""
-    kept = {"layers": STAGE, **({"expert": EXPERT} if EXPERT in axes else {})}
+    `stage`, experts over those of their axes (`expert`, and `fsdp` where the experts rest whole on its
+    devices: `rules`) the loop is manual over (the MoE exchange runs inside); everything else enters whole
+    (ZeRO-3 `fsdp` shards are gathered once, on entry)."""
+    experts = tuple(a for a in rules.split_axes("expert") if a in axes)
+    kept = {"layers": STAGE, **({"expert": experts[0] if len(experts) == 1 else experts} if experts else {})}
     return jax.tree.map(lambda box: P(*(kept.get(name) for name in box.names)),
                         model_lib.abstract_params(cfg)["layers"], is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
@@ -580,7 +582,7 @@ def run_gradient_loop(loop, params, histories, batch, model, total_tokens, **sta
         # model's step 9.54 -> 8.06 s). With one chunk the layers are read whole, and the copy only adds
         # memory (the tiny zero-bubble acceptance point: temporaries 66.5 -> 78.5 MiB, 1F1B's 72.1 -> 75.6).
         layers = {"params": model_lib.in_compute_dtype(params["layers"], jnp.dtype(model.cfg.dtype))}
-    specs = {"params": layer_specs(model.cfg, pipe.axes)}
+    specs = {"params": layer_specs(model.cfg, pipe.axes, model.rules)}
     if histories:  # all of them belong to the layers: the embedding and the head are not quantised
         layers[FP8] = histories["layers"]
         specs[FP8] = jax.tree.map(lambda _: P(STAGE), histories["layers"])

@@ -91,7 +91,7 @@ def moe_compute(run: memory.Step, gpu: Gpu, passes: float) -> tuple[float, float
     one = 2.0 * computed * m.d_model * f  # one matmul over a micro-batch's rows on one device
     # a matmul reads its experts' weights whole, its rows and writes its output: with many experts of few rows
     # each (128 experts on one device) the weights' bytes outlast the FLOPs
-    moved = (m.num_experts // run.sizes["expert"] * m.d_model * f + computed * m.d_model + held * f) * a
+    moved = (m.num_experts // run.ep * m.d_model * f + computed * m.d_model + held * f) * a
     bound = moved / (gpu.hbm_bandwidth * HBM_EFFICIENCY) * gpu.peak_flops  # the same in FLOP-seconds at the peak
     work = 3 * ((1 + passes) * max(one / share["grouped_matmul"], bound) + max(one / share["grouped_matmul_dx"], bound)
                 + max(one / share["grouped_matmul_dw"], bound))
@@ -99,8 +99,8 @@ def moe_compute(run: memory.Step, gpu: Gpu, passes: float) -> tuple[float, float
     # each pass reads the layer's expert weights into a buffer of their own (a custom call's operand):
     # converted from the stored dtype and sliced out of the layer stack, or, gathered by ZeRO-3 along
     # their model dimension, only the local shard converted
-    weights = 3 * m.num_experts // run.sizes["expert"] * m.d_model * f
-    split = run.sizes["fsdp"] * run.sizes["sequence"]
+    weights = 3 * m.num_experts // run.ep * m.d_model * f
+    split = run.sizes["sequence"] * (1 if run.rules.experts_over_fsdp else run.sizes["fsdp"])  # ZeRO's on D
     per_weight = WEIGHT_CONVERT_BYTES / split if run.zero_stage >= 3 and split > 1 else WEIGHT_CONVERT_BYTES + 2 * a
     copies = weights * per_weight * (2 + passes) if grouped else 0.0
     seconds = layers * run.grad_accum * work / gpu.peak_flops
@@ -269,14 +269,17 @@ def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu,
     compute += micro * accumulate if micro > 1 else 0.0
     exposed = {}
     attention = 12.0 * run.model.n_layers * run.seq_len * run.model.n_heads * run.model.head_dim / per_token
-    exchange = sum(comm.attribute(c.kind, c.full_bytes, c.axes)["expert"] * c.count
-                   for c in colls if c.what == comm.EXCHANGE)
+    exchange: dict[str, float] = {}  # the MoE exchange's bytes per axis (expert, and fsdp where experts split over it)
+    for c in colls:
+        if c.what == comm.EXCHANGE:
+            for axis, nbytes in comm.attribute(c.kind, c.full_bytes, c.axes).items():
+                exchange[axis] = exchange.get(axis, 0.0) + nbytes * c.count
     for axis, nbytes in per_axis.items():
         link = gpu.nvlink_bandwidth if axis in inside else gpu.network_bandwidth
         seconds = nbytes / link
         behind = compute * (attention if axis == "sequence" else 1.0)
-        if axis == "expert":  # ZeRO's share behind compute as over fsdp; the MoE exchange (`exposed_exchange`)
-            moved = exchange / link
+        if axis in exchange:  # ZeRO's share behind compute as over fsdp; the MoE exchange (`exposed_exchange`)
+            moved = exchange[axis] / link
             exposed[axis] = max(0.0, seconds - moved - behind) + exposed_exchange(run, moved, expert_seconds)
             continue
         exposed[axis] = max(0.0, seconds - behind) if axis in OVERLAPPED else seconds

@@ -262,7 +262,7 @@ class Ledger:
     def expert(self) -> None:
         """EP: dispatch and combine all-to-alls forward, their transposes backward, per MoE layer."""
         st, s = self.step, self.s
-        ne, m = s["expert"], st.model
+        ne, m = st.ep, st.model
         if ne == 1 or not m.num_experts:
             return
         layers = math.ceil(st.stored_model.n_layers // s["stage"] / m.moe_every)

@@ -177,7 +177,7 @@ class Step:
 
     @functools.cached_property
     def rules(self) -> Rules:
-        return Rules(tuple((a, self.sizes[a]) for a in MESH_ORDER))
+        return Rules.for_sizes(tuple((a, self.sizes[a]) for a in MESH_ORDER), model=self.model)
 
     @property
     def context(self) -> tuple[int, int]:
@@ -192,6 +192,17 @@ class Step:
     @property
     def dp(self) -> int:
         return self.sizes["data"] * self.sizes["fsdp"] * self.sizes["expert"]
+
+    @property
+    def expert_axes(self) -> dict[str, int]:
+        """The axes the experts split over and their sizes (`expert`, and `fsdp` where the experts rest
+        whole on its devices: `sharding_rules.experts_over_fsdp`): the MoE exchange's group."""
+        return {a: self.sizes[a] for a in self.rules.split_axes("expert")}
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel degree: devices that split one layer's experts and exchange tokens."""
+        return math.prod(self.expert_axes.values())
 
     @property
     def micro_tokens(self) -> int:
@@ -224,9 +235,9 @@ def moe_rows(run: Step, tokens: int | None = None) -> MoeRows:
     from meshtrain import moe_dropless
     from meshtrain.pallas_kernels.grouped_matmul import GroupLayout
 
-    m, ep = run.model, run.sizes["expert"]
+    m, ep = run.model, run.ep
     tokens = tokens or run.micro_tokens
-    chunks = moe_dropless.chunks_for(tokens, m.moe_chunks)
+    chunks = moe_dropless.chunks_for(tokens, m.moe_chunks, ep)
     k, groups = m.experts_per_token, m.num_experts // ep
     routed = tokens // chunks * k
     tile = moe_dropless.kernel_tile(routed, groups) if m.moe_matmul == "pallas" else 1
@@ -339,7 +350,7 @@ def _layer_workspace(run: Step, t: int) -> int:
     f, grouped_bytes = (m.moe_mlp_dim or m.mlp_dim) // tp, 0
     if m.num_experts and m.moe_dropless:  # the grouped layout of each chunk (`moe_rows`) and its exchange
         r = moe_rows(run, t)
-        exchange = MOE_ROUTED_BUFFERS * r.routed * m.d_model if s["expert"] > 1 else 0
+        exchange = MOE_ROUTED_BUFFERS * r.routed * m.d_model if run.ep > 1 else 0
         grouped_bytes = a * r.chunks * (r.grouped * (MOE_D_BUFFERS * m.d_model + MOE_F_BUFFERS * f) + exchange)
         mlp = 0
     elif m.num_experts:  # every expert's capacity slots
