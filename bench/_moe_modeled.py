@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import sys
 import time
@@ -57,11 +58,6 @@ PLANNER_MEMORY, PLANNER_STEP = 0.10, 0.15  # the planner's largest errors on an 
 # Targets not met yet, with the figures measured (kernel model, H100, jax 0.10.2 / 0.12.0.1): reported as open
 # (`tests/test_moe_gpu.py` holds them as strict expected failures), not counted in the exit status.
 OPEN: dict[str, str] = {
-    "qwen3-30b-a3b fsdp 8": "modeled MFU 31.2% / 31.3% (jax 0.10.2 / 0.12), target 35%: of the 53.6 ms step the "
-                            "grouped kernels take 14.0 (all 128 experts on every device: each call reads their "
-                            "weights whole, 0.4 to 0.8 GB), the head and loss 12.1, the rest of the MoE layers 7.3 "
-                            "(the gathers into and out of the layout, the weights' conversions), attention 7.0, the "
-                            "optimizer 4.5",
     "mixtral-8x7b expert 8": "modeled MFU 39.0% / 39.1%, target 45%: of the 117.3 ms step the grouped kernels take "
                              "76.0 (priced at 0.65 / 0.56 of the peak, a Pallas-Triton grouped matmul's public "
                              "figure at this very shape), the optimizer 8.4, the rest of the MoE layers 8.3, "
@@ -70,19 +66,23 @@ OPEN: dict[str, str] = {
 
 
 def exchange(compiled, run) -> dict:
-    """The expert exchange in the compiled step: its all-to-alls (ragged or not) over `expert`, the most
-    bytes one can move over the routed rows a chunk carries, and how many have compute beside them."""
+    """The expert exchange in the compiled step: its all-to-alls (ragged or not) over the experts' axes
+    (`expert`, and `fsdp` where its devices own whole experts), the most bytes one can move over the routed
+    rows a chunk carries, and how many have compute beside them."""
+    from meshtrain import moe_dropless
     from meshtrain.plan import hlo
 
     text = compiled.as_text()
     sizes = dict(run.sizes)
-    m, expert = run.model, sizes["expert"]
+    axes = run.rules.split_axes("expert")
+    m, expert = run.model, math.prod(sizes[a] for a in axes)
     found = [c for c in hlo.collectives(text, run.mesh.devices.size)
              if c.kind in ("all-to-all", "ragged-all-to-all") and c.groups and len(c.groups[0]) > 1
-             and "expert" in hlo.group_axes(c.groups[0], sizes)]
+             and set(axes) & set(hlo.group_axes(c.groups[0], sizes))]
     pairs = [p for p in hlo.async_overlap(text) if p.kind in ("all-to-all", "ragged-all-to-all")]
     tokens = run.config.train.batch_size * run.config.train.seq_len // run.mesh.devices.size
-    routed = tokens * m.experts_per_token // (m.moe_chunks if m.moe_dropless else 1)
+    chunks = moe_dropless.chunks_for(tokens, m.moe_chunks, expert) if m.moe_dropless else 1
+    routed = tokens * m.experts_per_token // chunks
     carried = routed * m.d_model * 2  # bf16 rows a chunk routes
     big = [c.result_bytes for c in found if c.result_bytes >= carried // 64]  # not the counts' small ones
     return {"exchanges": len(big), "bytes_over_routed": round(max(big) / carried, 4) if big and expert > 1 else None,

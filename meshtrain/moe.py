@@ -4,7 +4,9 @@ Playbook, "Expert parallelism": every expert's feed-forward is independent, so t
 are split over the `expert` mesh axis and each token's hidden state travels to the device
 that owns its expert and back. Outside the MoE layers `expert` is one more batch axis
 (the playbook's "EP combined with DP"), so the exchange is an all-to-all inside the group
-of devices that share a data shard's experts.
+of devices that share a data shard's experts. `fsdp`'s devices can own whole experts too
+(`model.moe_fsdp`, `sharding_rules.experts_over_fsdp`): the experts then split over
+(expert, fsdp) and the exchange runs over both.
 
 The layer runs in one `jax.shard_map` that is manual over the batch axes (data, fsdp,
 expert; each device routes its own rows) and automatic over the others (`tensor` splits

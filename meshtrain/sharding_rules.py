@@ -35,7 +35,8 @@ D, F, T, S, E, ST = (Axis.DATA.value, Axis.FSDP.value, Axis.TENSOR.value, Axis.S
 # over `sequence` alone (ring or Ulysses attention under ZeRO-3) leaves the state its outer shards;
 # `expert`, which splits the batch outside the MoE layers, holds replicas of every other weight as
 # `fsdp` does (playbook, "Expert parallelism": EP combined with DP), so ZeRO shards them over it too;
-# an expert weight's model dimension skips it (its expert dimension already takes `expert`).
+# an expert weight's model dimension skips it (its expert dimension already takes `expert`, and `fsdp` where
+# its devices own whole experts: `experts_over_fsdp`).
 ZERO_AXES: tuple[str, ...] = (S, F, E)
 
 # The logical name whose split is ZeRO's: `Rules.without_fsdp` leaves it whole (the other names keep

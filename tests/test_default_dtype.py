@@ -61,7 +61,7 @@ LAYOUT_KEYS = {"train.zero_stage", "train.grad_accum_steps", "model.sequence_par
                "remat.policy", "attention.impl", "attention.ulysses_degree", "attention.scores_dtype",
                "model.fused_norm", "model.fused_loss",
                "pipeline.schedule", "pipeline.repeats", "pipeline.microbatches", "pipeline.weight_parts",
-               "pipeline.layers_per_stage"}
+               "pipeline.layers_per_stage", "model.moe_fsdp"}
 
 
 def _case(kind: str, mesh: dict, **overrides):
@@ -164,6 +164,10 @@ CASES = [
     _case("moe", {"data": 2, "fsdp": 2, "expert": 2}, **{"train.grad_accum_steps": 2}),
     # ... and the grouped matmul kernel (interpreted here), its region manual over the width too
     _case("moe", {"expert": 2, "fsdp": 2, "tensor": 2}, **{"model.moe_dropless": True, "model.moe_matmul": "pallas"}),
+    # the experts over fsdp (model.moe_fsdp auto, dropless): ZeRO-1 and ZeRO-3; and gathered along D instead
+    _case("moe", {"fsdp": 8}, **{"model.moe_dropless": True}),
+    _case("moe", {"fsdp": 4, "expert": 2}, **{"model.moe_dropless": True, "train.zero_stage": 3}),
+    _case("moe", {"fsdp": 4, "expert": 2}, **{"model.moe_dropless": True, "model.moe_fsdp": "weights"}),
 ]
 
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import re
 import runpy
 import types
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from meshtrain import aot
+from meshtrain import aot, moe_dropless
 from meshtrain.pallas_kernels import grouped_matmul as gm
 from meshtrain.plan import hlo
 from tests.utils import ROOT, apply_overrides, composed_config, load_config_file
@@ -90,17 +91,19 @@ def test_fused_swiglu_kernels_are_triton_calls(tile):
 
 
 @pytest.mark.parametrize("mesh", [{"expert": 8}, {"data": 2, "expert": 4}, {"fsdp": 2, "expert": 2, "tensor": 2},
-                                  {"expert": 2, "sequence": 2, "tensor": 2}],
+                                  {"expert": 2, "sequence": 2, "tensor": 2}, {"fsdp": 8}, {"data": 2, "fsdp": 4}],
                          ids=lambda m: "x".join(f"{a}{n}" for a, n in m.items()))
 def test_tiny_moe_dropless_step_compiles_with_the_grouped_kernels(mesh):
-    config = composed_config(mesh)
+    """Under `fsdp` the devices own whole experts (`model.moe_fsdp` auto): the tokens travel over it too."""
+    config = composed_config(mesh, moe=True)
     apply_overrides(config, {"model.dtype": "bfloat16", "model.moe_dropless": True, "train.seq_len": 64})
     found = {}
     aot.compile_report(config, "h100", 8, sample=None,
-                       inspect=lambda compiled, run: found.update(text=compiled.as_text()))
+                       inspect=lambda compiled, run: found.update(text=compiled.as_text(), run=run))
     assert _kernel_names(found["text"]) >= SWIGLU_KERNELS
+    assert found["run"].rules.split_axes("expert") == tuple(a for a in ("expert", "fsdp") if mesh.get(a, 1) > 1)
     ragged = [c for c in hlo.collectives(found["text"], 8) if c.kind == "ragged-all-to-all"]
-    assert bool(ragged) == (mesh.get("expert", 1) > 1)
+    assert bool(ragged) == (mesh.get("expert", 1) * mesh.get("fsdp", 1) > 1)
     assert "ragged-dot" not in found["text"] and "ragged_dot" not in found["text"]
 
 
@@ -135,15 +138,21 @@ def _row(name: str) -> dict:
     return found
 
 
+def _chunks(run) -> int:
+    """The chunks of a device's tokens its dropless MoE layers run in (`model.moe_chunks` as the layer reads it)."""
+    ep = math.prod(run.sizes[a] for a in run.rules.split_axes("expert"))
+    return moe_dropless.chunks_for(run.config.train.seq_len, run.model.moe_chunks, ep)
+
+
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b expert 8", "qwen3-30b-a3b expert 64"], ids=["expert8", "expert64"])
 def test_exchange_sends_the_routed_rows_beside_the_expert_matmuls(name):
     row = _row(name)
     text, run, config = row["text"], row["run"], row["config"]
-    m, devices = run.model, run.mesh.devices.size
-    routed = config.train.seq_len * m.experts_per_token // m.moe_chunks  # one sequence a device, a chunk's rows
+    m, devices, chunks = run.model, run.mesh.devices.size, _chunks(run)
+    routed = config.train.seq_len * m.experts_per_token // chunks  # one sequence a device, a chunk's rows
     carried = routed * m.d_model * 2
     exchanges = [c for c in hlo.collectives(text, devices) if c.kind == "ragged-all-to-all"]
-    assert len(exchanges) >= 4 * m.n_layers * m.moe_chunks  # dispatch and return, forward and backward
+    assert len(exchanges) >= 4 * m.n_layers * chunks  # dispatch and return, forward and backward
     assert max(c.result_bytes for c in exchanges) <= 1.15 * carried, [c.result_bytes / carried for c in exchanges]
     # each expert matmul's FLOPs within 1.25x of 2 x routed rows x d_model x width (a fused kernel runs two)
     one = 2.0 * routed * m.d_model * m.moe_mlp_dim
@@ -167,7 +176,7 @@ def test_exchange_runs_beside_the_other_chunks_grouped_matmuls():
     """In c chunks a layer's pass exchanges 2c times; all but the first chunk's dispatch and the last one's
     return can run beside another chunk's grouped matmuls: (c - 1) / c of them."""
     row = _row("qwen3-30b-a3b expert 8")
-    chunks = row["run"].model.moe_chunks
+    chunks = _chunks(row["run"])
     between = _exchange_between(row["text"])
     assert between and sum(between) >= (chunks - 1) / chunks * len(between), (sum(between), len(between))
 

@@ -86,11 +86,11 @@ def apply_overrides(config, overrides: dict):
     return config
 
 
-def composed_config(mesh: dict):
+def composed_config(mesh: dict, moe: bool | None = None):
     """The tiny config with what each axis of `mesh` brings along (tests/test_compose.py, bench/compose.py):
-    the MoE with `expert` (sequence-wise balance loss; dropless with `sequence`), ring attention with
-    `sequence`, the 1F1B schedule with `stage`, ZeRO-3 with `fsdp`; and `COMPOSED_RIDERS`."""
-    moe, ring = mesh.get("expert", 1) > 1, mesh.get("sequence", 1) > 1
+    the MoE with `expert` (or with `moe`; sequence-wise balance loss; dropless with `sequence`), ring
+    attention with `sequence`, the 1F1B schedule with `stage`, ZeRO-3 with `fsdp`; and `COMPOSED_RIDERS`."""
+    moe, ring = mesh.get("expert", 1) > 1 if moe is None else moe, mesh.get("sequence", 1) > 1
     if moe:
         c = load_config_file("tiny_moe")
         c.model.dtype, c.data.source = "float32", "synthetic"
