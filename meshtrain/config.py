@@ -558,7 +558,7 @@ class ModelConfig:
     moe_matmul: str = "ragged_dot"  # model.moe_matmul resolved (`moe_matmul`)
     moe_exchange: str = "all_to_all"  # model.moe_exchange resolved (`moe_exchange`)
     moe_exchange_factor: float = 0.0
-    moe_chunks: int = 1  # model.moe_chunks resolved (`moe_chunks`)
+    moe_chunks: int = 1  # model.moe_chunks resolved (`moe_chunks`; 0: the layer's `moe_dropless.chunks_for`)
     moe_fsdp: str = "auto"  # model.moe_fsdp (resolved against the mesh: `experts_over_fsdp`)
     zero_stage: int = 0  # train.zero_stage: from 3 on a layer's weights arrive split and are gathered where used
     moe_mlp_dim: int = 0

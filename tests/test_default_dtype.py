@@ -168,6 +168,8 @@ CASES = [
     _case("moe", {"fsdp": 8}, **{"model.moe_dropless": True}),
     _case("moe", {"fsdp": 4, "expert": 2}, **{"model.moe_dropless": True, "train.zero_stage": 3}),
     _case("moe", {"fsdp": 4, "expert": 2}, **{"model.moe_dropless": True, "model.moe_fsdp": "weights"}),
+    _case("moe", {"stage": 2, "fsdp": 2, "expert": 2}, **{"model.moe_dropless": True, "pipeline.schedule": "1f1b",
+                                                        "train.zero_stage": 3}),
 ]
 
 

@@ -107,6 +107,19 @@ def test_tiny_moe_dropless_step_compiles_with_the_grouped_kernels(mesh):
     assert "ragged-dot" not in found["text"] and "ragged_dot" not in found["text"]
 
 
+def test_experts_over_fsdp_in_pipeline_stages_compile():
+    """1F1B stages on fsdp x expert devices that own whole experts (dropless; ragged_dot in the stage loop):
+    the tokens travel over both axes by the ragged all-to-all."""
+    config = composed_config({"stage": 2, "fsdp": 2, "expert": 2}, moe=True)
+    apply_overrides(config, {"model.dtype": "bfloat16", "model.moe_dropless": True, "train.seq_len": 64})
+    found = {}
+    aot.compile_report(config, "h100", 8, sample=None,
+                       inspect=lambda compiled, run: found.update(text=compiled.as_text(), run=run))
+    assert found["run"].rules.split_axes("expert") == ("expert", "fsdp")
+    ragged = [c for c in hlo.collectives(found["text"], 8) if c.kind == "ragged-all-to-all"]
+    assert ragged and all(len(c.groups[0]) == 4 for c in ragged if c.groups)
+
+
 def _exchange_between(text: str) -> list[bool]:
     """For each ragged all-to-all start / done pair: whether a grouped matmul kernel runs between them."""
     comps, _ = hlo._computations(text)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -181,3 +182,25 @@ def test_gradient_accumulation_with_expert_parallelism(dropless):
         config.model.aux_loss_weight = config.model.router_z_loss_weight = 0.0
         losses[name] = utils.run_steps(config, utils.synthetic_batches(config, STEPS))[0]
     np.testing.assert_allclose(losses["accum"], losses["ref"], rtol=1e-5, atol=1e-5)
+
+
+@functools.cache
+def _composed_dropless(key: tuple):
+    """(losses and gradient norms [STEPS, 2], final params) of the composed tiny MoE (`utils.composed_config`:
+    1F1B with `stage`, ZeRO-3 with `fsdp`, the sequence-wise balance loss), dropless, on the mesh `dict(key)`."""
+    config = utils.composed_config(dict(key), moe=True)
+    config.model.moe_dropless = True
+    records, state, _ = utils.train(config, utils.synthetic_batches(config, STEPS))
+    return np.array([[r["loss"], r["grad_norm"]] for r in records]), jax.tree.map(np.asarray, state.params)
+
+
+@pytest.mark.parametrize("sizes", [{"stage": 2, "fsdp": 2, "expert": 2}, {"stage": 2, "fsdp": 4}],
+                         ids=["stage2xfsdp2xexpert2", "stage2xfsdp4"])
+def test_experts_over_fsdp_in_pipeline_stages_train_like_data8(sizes):
+    """Experts owned by fsdp x expert devices inside 1F1B's stage loop: their gradients stay on their owners
+    (summed over the loop's other axes only): losses, gradient norms and parameters of data=8. (Adam's
+    normalised update all but hides a gradient summed twice: the norm and the parameters do not.)"""
+    got, params = _composed_dropless(_key(sizes))
+    want, ref_params = _composed_dropless(_key({"data": 8}))
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    chex.assert_trees_all_close(params, ref_params, rtol=1e-4, atol=1e-5)

@@ -600,8 +600,12 @@ def run_gradient_loop(loop, params, histories, batch, model, total_tokens, **sta
 
 def reduce_layer_grads(g_layers: dict, specs: dict, rest: tuple[str, ...]) -> dict:
     """A stage's layer gradient sums and amaxes, reduced over the loop's other axes once: a gradient
-    summed over the axes its weight is replicated on (not `expert` for experts), an amax maximised."""
-    out = {"params": jax.tree.map(lambda g, spec: psum(g, tuple(a for a in rest if a not in spec)),
+    summed over the axes its weight is replicated on (not the experts' own: `expert`, and `fsdp` where its
+    devices own whole experts), an amax maximised."""
+    def split_on(spec: P) -> set[str]:
+        return {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+
+    out = {"params": jax.tree.map(lambda g, spec: psum(g, tuple(a for a in rest if a not in split_on(spec))),
                                   g_layers["params"], specs["params"], is_leaf=lambda x: isinstance(x, P))}
     if FP8 in g_layers:
         out[FP8] = jax.tree.map(lambda a: lax.pmax(a, rest) if rest else a, g_layers[FP8])
