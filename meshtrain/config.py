@@ -202,6 +202,9 @@ def default_config() -> ml_collections.ConfigDict:
     # Mixture of experts (num_experts == 0: dense model).
     c.model.num_experts = 0  # experts per MoE layer (0: a dense model)
     c.model.experts_per_token = 2  # experts each token is routed to (top-k)
+    # the k chosen experts' weights renormalised to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob); False: their
+    # softmax probabilities over all experts as they are
+    c.model.moe_norm_topk = True
     c.model.moe_every = 1  # every this many layers is an MoE layer (divides n_layers)
     # tokens an expert takes per step, as a multiple of an even share (excess tokens are dropped)
     c.model.capacity_factor = 1.25
@@ -552,6 +555,7 @@ class ModelConfig:
     fused_loss: bool = False
     num_experts: int = 0
     experts_per_token: int = 2
+    moe_norm_topk: bool = True
     moe_every: int = 1
     capacity_factor: float = 1.25
     moe_dropless: bool = False

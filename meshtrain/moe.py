@@ -111,15 +111,17 @@ def capacity(cfg: ModelConfig, seq_len: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def route(x: jax.Array, w_router: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def route(x: jax.Array, w_router: jax.Array, k: int,
+          norm_topk: bool = True) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """x [..., D] -> (logits [..., E], probs [..., E], weights [..., k], experts [..., k]), float32.
 
-    The weights are the top-k probabilities renormalised to sum to 1 (Mixtral).
+    The weights are the top-k probabilities, renormalised to sum to 1 with `norm_topk` (Mixtral, Qwen3-MoE's
+    `norm_topk_prob`), else as the softmax over all experts gave them (Qwen1.5/2-MoE, OLMoE).
     """
     logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), w_router.astype(jnp.float32))
     probs = jax.nn.softmax(logits, axis=-1)
     top_p, experts = jax.lax.top_k(probs, k)
-    return logits, probs, top_p / jnp.sum(top_p, axis=-1, keepdims=True), experts
+    return logits, probs, top_p / jnp.sum(top_p, axis=-1, keepdims=True) if norm_topk else top_p, experts
 
 
 def router_sums(logits: jax.Array, probs: jax.Array, experts: jax.Array,
@@ -233,7 +235,7 @@ def moe_ffn(x: jax.Array, w_router: jax.Array, w_gate: jax.Array, w_up: jax.Arra
     """
     dtype = jnp.dtype(cfg.dtype)
     valid = jnp.ones(x.shape[:2], bool) if valid is None else valid
-    logits, probs, weights, experts = route(x, w_router, cfg.experts_per_token)
+    logits, probs, weights, experts = route(x, w_router, cfg.experts_per_token, cfg.moe_norm_topk)
     weights = weights * valid[..., None]
     w = tuple(wi.astype(dtype) for wi in (w_gate, w_up, w_down))
     x = x.astype(dtype)
@@ -276,9 +278,9 @@ def router_stats(logits, probs, experts, dropped, scope: str, row_axes=(), token
     return {**stats, "balance": balance / count, "z": z / count}
 
 
-def moe_reference(x: jax.Array, w_router, w_gate, w_up, w_down, k: int) -> jax.Array:
+def moe_reference(x: jax.Array, w_router, w_gate, w_up, w_down, k: int, norm_topk: bool = True) -> jax.Array:
     """Per-token dense reference: y_n = sum_j weight_nj * SwiGLU_{e_nj}(x_n), no capacity. x [..., D]."""
-    _, _, weights, experts = route(x, w_router, k)
+    _, _, weights, experts = route(x, w_router, k, norm_topk)
     g, u, dn = w_gate[experts], w_up[experts], w_down[experts]  # [..., k, D, F], [..., k, F, D]
     hidden = nn.silu(jnp.einsum("...d,...kdf->...kf", x, g)) * jnp.einsum("...d,...kdf->...kf", x, u)
     return jnp.einsum("...kf,...kfd,...k->...d", hidden, dn, weights.astype(x.dtype))

@@ -290,6 +290,11 @@ FAMILIES = {
                                                                         "tie_word_embeddings": True}),
     "mistral-window": (transformers.MistralForCausalLM, transformers.MistralConfig,
                        {"sliding_window": 5, "rope_theta": 50000.0}),
+    # Qwen3-MoE: q/k norm, 4 experts of width 16, top-2, the top-k weights renormalised (Qwen3-30B-A3B) or not
+    **{name: (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig,
+              {"head_dim": 16, "rope_theta": 50000.0, "num_experts": 4, "num_experts_per_tok": 2,
+               "moe_intermediate_size": 16, "norm_topk_prob": norm})
+       for name, norm in (("qwen3-moe", True), ("qwen3-moe-unnormalised", False))},
 }
 
 
@@ -319,7 +324,11 @@ def test_family_logits_equal_transformers(families, name, mesh):
     assert (cfg.rope_scaling, cfg.attention_bias, cfg.qk_norm, cfg.sliding_window) == {
         "llama3.1": ("llama3", False, False, 0), "llama-linear": ("linear", False, False, 0),
         "qwen2": ("none", True, False, 0), "qwen3": ("none", False, True, 0),
-        "mistral-window": ("none", False, False, 5)}[name]
+        "mistral-window": ("none", False, False, 5), "qwen3-moe": ("none", False, True, 0),
+        "qwen3-moe-unnormalised": ("none", False, True, 0)}[name]
+    if name.startswith("qwen3-moe"):
+        assert (cfg.num_experts, cfg.experts_per_token, cfg.moe_mlp_dim, cfg.moe_norm_topk) == (
+            4, 2, 16, name == "qwen3-moe")
     got = np.asarray(model_lib.logits(cfg, params, tokens))
     np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
     assert np.abs(expected).max() > 1.0
@@ -363,6 +372,20 @@ def test_unsupported_family_variants_are_refused(families, tmp_path, change, mat
     folder = tmp_path / "variant"
     folder.mkdir()
     config = json.load(open(os.path.join(families["llama3.1"], "config.json")))
+    json.dump({**config, **change}, open(folder / "config.json", "w"))
+    with pytest.raises(hf_formats.HFFormatError, match=re.escape(match)):
+        hf_convert.model_config_from_hf(hf_formats.read_config(str(folder)))
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+    ({"mlp_only_layers": [0]}, "mlp_only_layers=[0]"),
+])
+def test_unsupported_qwen3_moe_variants_are_refused(families, tmp_path, change, match):
+    """Dense layers between the sparse ones (Qwen3-MoE's decoder_sparse_step, mlp_only_layers) are refused."""
+    folder = tmp_path / "variant"
+    folder.mkdir()
+    config = json.load(open(os.path.join(families["qwen3-moe"], "config.json")))
     json.dump({**config, **change}, open(folder / "config.json", "w"))
     with pytest.raises(hf_formats.HFFormatError, match=re.escape(match)):
         hf_convert.model_config_from_hf(hf_formats.read_config(str(folder)))

@@ -60,11 +60,12 @@ def _layer_vjp(cfg: ModelConfig, sizes: dict, params, x, cot):
     return y, stats, grads
 
 
-def _reference_vjp(params, x, cot, keep=None):
+def _reference_vjp(params, x, cot, keep=None, norm_topk=True):
     """The per-token reference; `keep` [B, T, k] zeroes dropped choices."""
     def f(params, x):
         if keep is None:
-            y = moe.moe_reference(x, params["router"], params["w_gate"], params["w_up"], params["w_down"], K)
+            y = moe.moe_reference(x, params["router"], params["w_gate"], params["w_up"], params["w_down"], K,
+                                  norm_topk)
         else:
             y = _masked_reference(params, x, keep)
         return jnp.sum(y * cot), y
@@ -122,6 +123,24 @@ def test_experts_over_fsdp_or_gathered_equal_reference(moe_fsdp, dispatch):
         np.testing.assert_allclose(grads[0][name], g_ref[0][name], atol=1e-5, rtol=1e-5, err_msg=name)
     np.testing.assert_allclose(grads[1], g_ref[1], atol=1e-5, rtol=1e-5)
     assert float(stats["dropped"]) == 0.0
+
+
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+def test_unnormalised_top_k_weights_equal_reference(dispatch):
+    """`model.moe_norm_topk=False` (Qwen1.5/2-MoE, OLMoE; Qwen3-MoE without norm_topk_prob): each token's k
+    outputs weighted by their softmax probabilities over all experts, as they are."""
+    params, x, cot = _inputs()
+    params["router"] = params["router"] / 25.0  # a softer router: the k chosen probabilities sum well below 1
+    y_ref, g_ref = _reference_vjp(params, x, cot, norm_topk=False)
+    cfg = dataclasses.replace(CFG, moe_norm_topk=False, **DISPATCHES[dispatch])
+    y, _, grads = _layer_vjp(cfg, {"data": 2, "expert": 4}, params, x, cot)
+    np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
+    for name in params:
+        np.testing.assert_allclose(grads[0][name], g_ref[0][name], atol=1e-5, rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(grads[1], g_ref[1], atol=1e-5, rtol=1e-5)
+    y_normalised, _ = _reference_vjp(params, x, cot)
+    differ = np.abs(np.asarray(y_ref) - np.asarray(y_normalised)).max()
+    assert differ > 0.1 * np.abs(np.asarray(y_normalised)).max()  # the choice matters here
 
 
 @pytest.mark.parametrize("moe_fsdp, dropless, sizes, over", [

@@ -1,4 +1,4 @@
-"""Hugging Face Llama / Mistral / Mixtral checkpoints <-> meshtrain parameters.
+"""Hugging Face Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE checkpoints <-> meshtrain parameters.
 
 Import reads `config.json` and `*.safetensors` (one `model.safetensors`, or shards listed in
 `model.safetensors.index.json`) and builds every parameter directly in its mesh sharding with
@@ -17,6 +17,9 @@ of Hugging Face Llama, so q/k need no permutation):
     o_proj [D, H*Dh]  -> layers/attn/wo   [L, H, Dh, D]
     gate/up_proj [F, D] -> layers/mlp/w_gate, w_up [L, D, F];  down_proj [D, F] -> w_down [L, F, D]
     embed_tokens [V, D] -> embedding [V, D];  lm_head [V, D] -> head [D, V]
+    experts.{e}.gate/up [F, D] (Qwen3-MoE gate_proj, up_proj; Mixtral w1, w3) -> layers/moe/w_gate, w_up [L, E, D, F]
+    experts.{e}.down [D, F] (down_proj; w2) -> layers/moe/w_down [L, E, F, D]
+    the router, gate [E, D] (mlp.gate; block_sparse_moe.gate) -> layers/moe/router [L, D, E]
 
 Modules: `formats` (config.json, safetensors), `convert` (config mapping, parameter layouts),
 `io` (load into the mesh, initial train state, save), `__main__` (the CLI):

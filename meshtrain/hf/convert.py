@@ -22,13 +22,14 @@ from meshtrain.hf.formats import DTYPE_NAMES, IGNORED_SUFFIXES, HFFormatError, S
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+MOE_TYPES = ("mixtral", "qwen3_moe")
 # Architecture fields that a Hugging Face checkpoint decides when it starts a run (config.init.from_hf).
 ARCHITECTURE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim",
                        "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                        "rope_original_max_positions", "family", "attention_bias", "qk_norm", "sliding_window",
                        "norm_eps", "tie_embeddings", "num_experts", "experts_per_token", "moe_every", "moe_mlp_dim",
-                       "shared_expert")
+                       "shared_expert", "moe_norm_topk")
 
 
 def _rope(hf: dict) -> dict:
@@ -72,11 +73,28 @@ def _attention_fields(hf: dict, model_type: str) -> dict:
     if bias and model_type != "qwen2":
         raise HFFormatError(f"config.json attention_bias=True ({model_type}: a bias on the output projection too): "
                             "only Qwen2's q, k, v biases are supported")
-    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
         raise HFFormatError("config.json use_sliding_window=True: per-layer sliding windows are not supported")
     window = hf.get("sliding_window") if model_type in ("mistral", "mixtral") else None
-    return {"family": model_type if model_type != "mixtral" else "llama", "attention_bias": bias,
-            "qk_norm": model_type == "qwen3", "sliding_window": int(window or 0)}
+    family = {"mixtral": "llama", "qwen3_moe": "qwen3"}.get(model_type, model_type)
+    return {"family": family, "attention_bias": bias, "qk_norm": family == "qwen3", "sliding_window": int(window or 0)}
+
+
+def _moe_fields(hf: dict, model_type: str) -> dict:
+    """The mixture of experts of Mixtral (`num_local_experts`, every layer) and Qwen3-MoE (`num_experts` of
+    `moe_intermediate_size`, `norm_topk_prob`; every layer sparse: `decoder_sparse_step` 1, no `mlp_only_layers`)."""
+    if model_type == "mixtral":
+        return dict(num_experts=int(hf["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
+                    moe_dropless=True, moe_mlp_dim=int(hf["intermediate_size"]))
+    if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
+        raise HFFormatError(f"config.json decoder_sparse_step={hf.get('decoder_sparse_step')}, mlp_only_layers="
+                            f"{hf.get('mlp_only_layers')}: only a mixture of experts in every layer is supported "
+                            "(decoder_sparse_step 1, no mlp_only_layers)")
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if experts is None:
+        raise KeyError("num_experts")
+    return dict(num_experts=int(experts), experts_per_token=int(hf["num_experts_per_tok"]), moe_dropless=True,
+                moe_mlp_dim=int(hf["moe_intermediate_size"]), moe_norm_topk=bool(hf.get("norm_topk_prob", False)))
 
 
 def model_config_from_hf(hf: dict, param_dtype: str | None = None) -> ModelConfig:
@@ -95,9 +113,8 @@ def model_config_from_hf(hf: dict, param_dtype: str | None = None) -> ModelConfi
             head_dim=int(hf.get("head_dim") or d // heads), mlp_dim=int(hf["intermediate_size"]),
             **_rope(hf), **_attention_fields(hf, model_type), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
-        if model_type == "mixtral":
-            values.update(num_experts=int(hf["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
-                          moe_dropless=True, moe_mlp_dim=int(hf["intermediate_size"]))
+        if model_type in MOE_TYPES:
+            values.update(_moe_fields(hf, model_type))
     except KeyError as e:
         raise HFFormatError(f"config.json has no key {e.args[0]!r}, needed for model_type={model_type!r}") from None
     dtype = param_dtype or hf.get("dtype") or hf.get("torch_dtype") or "float32"
@@ -107,12 +124,17 @@ def model_config_from_hf(hf: dict, param_dtype: str | None = None) -> ModelConfi
 
 
 def export_type(cfg: ModelConfig) -> str:
-    """The Hugging Face `model_type` that holds this model: mixtral with experts, else `model.family`,
-    which must have what the model uses (raises HFFormatError naming the key otherwise)."""
+    """The Hugging Face `model_type` that holds this model: with experts, qwen3_moe (q/k norm) or mixtral
+    (neither q/k norm nor biases; the top-k weights renormalised); else `model.family`, which must have what
+    the model uses (raises HFFormatError naming the key otherwise)."""
     if cfg.num_experts:
-        if cfg.attention_bias or cfg.qk_norm:
-            raise HFFormatError("Mixtral has no attention biases or q/k norm: model.attention_bias and model.qk_norm "
-                                "must be False to export a mixture of experts")
+        if cfg.attention_bias:
+            raise HFFormatError("model.attention_bias=True: neither Mixtral nor Qwen3-MoE has attention biases")
+        if cfg.qk_norm:
+            return "qwen3_moe"
+        if not cfg.moe_norm_topk:
+            raise HFFormatError("model.moe_norm_topk=False: Mixtral renormalises the top-k weights (Qwen3-MoE, with "
+                                "model.qk_norm=True, takes either)")
         return "mixtral"
     wants = {"qwen2": (True, False), "qwen3": (False, True)}.get(cfg.family, (False, False))
     if (cfg.attention_bias, cfg.qk_norm) != wants:
@@ -142,6 +164,12 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str) -> dict:
     if moe:
         hf.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
                   output_router_logits=False, router_jitter_noise=0.0, sliding_window=None)
+    elif model_type == "qwen3_moe":
+        hf.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                  moe_intermediate_size=cfg.moe_mlp_dim or cfg.mlp_dim, norm_topk_prob=cfg.moe_norm_topk,
+                  decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
+                  router_aux_loss_coef=cfg.aux_loss_weight, use_sliding_window=False, sliding_window=None,
+                  max_window_layers=cfg.n_layers)
     elif model_type == "mistral":
         hf["sliding_window"] = cfg.sliding_window or None
     elif model_type in ("qwen2", "qwen3"):
@@ -225,8 +253,8 @@ def layouts(cfg: ModelConfig) -> dict[tuple[str, ...], Layout]:
     (`attn/wq`, `moe/w_gate`, ...) whatever the scanned unit around it.
     """
     if cfg.num_experts and (cfg.moe_every != 1 or cfg.shared_expert):
-        raise HFFormatError(f"model.moe_every={cfg.moe_every}, model.shared_expert={cfg.shared_expert}: Mixtral "
-                            "checkpoints have a mixture of experts in every layer and no shared expert")
+        raise HFFormatError(f"model.moe_every={cfg.moe_every}, model.shared_expert={cfg.shared_expert}: Mixtral and "
+                            "Qwen3-MoE checkpoints have a mixture of experts in every layer and no shared expert")
     table = _leaf_layouts(cfg)
     out = {}
     for path, _ in model.param_leaves(cfg):
@@ -243,8 +271,12 @@ def _leaf_layouts(cfg: ModelConfig) -> dict[tuple[str, ...], Layout]:
     d, h, k, dh, f, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
     hf_layer, one = "model.layers.{layer}", ("layer",)
     attn, mlp = f"{hf_layer}.self_attn", f"{hf_layer}.mlp"
-    fe, e = cfg.moe_mlp_dim or cfg.mlp_dim, cfg.num_experts
-    experts, two = f"{hf_layer}.block_sparse_moe.experts.{{expert}}", ("layer", "expert")
+    fe, e, two = cfg.moe_mlp_dim or cfg.mlp_dim, cfg.num_experts, ("layer", "expert")
+    if cfg.num_experts and export_type(cfg) == "qwen3_moe":  # mlp.gate (the router), mlp.experts.{e}.gate_proj ...
+        router, experts, names = f"{mlp}.gate", f"{mlp}.experts.{{expert}}", ("gate_proj", "up_proj", "down_proj")
+    else:  # Mixtral: block_sparse_moe.gate, block_sparse_moe.experts.{e}.w1 (gate), w3 (up), w2 (down)
+        sparse = f"{hf_layer}.block_sparse_moe"
+        router, experts, names = f"{sparse}.gate", f"{sparse}.experts.{{expert}}", ("w1", "w3", "w2")
     return {
         ("embedding",): Layout("model.embed_tokens.weight", (), ((v,), (d,)), (0, 1)),
         ("final_norm", "scale"): Layout("model.norm.weight", (), ((d,),), (0,)),
@@ -263,10 +295,10 @@ def _leaf_layouts(cfg: ModelConfig) -> dict[tuple[str, ...], Layout]:
         ("mlp", "w_gate"): Layout(f"{mlp}.gate_proj.weight", one, ((f,), (d,)), (1, 0)),
         ("mlp", "w_up"): Layout(f"{mlp}.up_proj.weight", one, ((f,), (d,)), (1, 0)),
         ("mlp", "w_down"): Layout(f"{mlp}.down_proj.weight", one, ((d,), (f,)), (1, 0)),
-        ("moe", "router"): Layout(f"{hf_layer}.block_sparse_moe.gate.weight", one, ((e,), (d,)), (1, 0)),
-        ("moe", "w_gate"): Layout(f"{experts}.w1.weight", two, ((fe,), (d,)), (1, 0)),
-        ("moe", "w_up"): Layout(f"{experts}.w3.weight", two, ((fe,), (d,)), (1, 0)),
-        ("moe", "w_down"): Layout(f"{experts}.w2.weight", two, ((d,), (fe,)), (1, 0)),
+        ("moe", "router"): Layout(f"{router}.weight", one, ((e,), (d,)), (1, 0)),
+        ("moe", "w_gate"): Layout(f"{experts}.{names[0]}.weight", two, ((fe,), (d,)), (1, 0)),
+        ("moe", "w_up"): Layout(f"{experts}.{names[1]}.weight", two, ((fe,), (d,)), (1, 0)),
+        ("moe", "w_down"): Layout(f"{experts}.{names[2]}.weight", two, ((d,), (fe,)), (1, 0)),
     }
 
 
