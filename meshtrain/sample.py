@@ -55,7 +55,8 @@ def load_params(resolved: Run, hf_dir: str = "") -> dict:
     newest checkpoint of the run (`checkpoint.restore_from` or `<workdir>/checkpoints`), nothing else of it."""
     config = resolved.config
     if hf_dir:
-        _, params = hf.load(hf_dir, resolved.mesh)
+        # in the shardings the sampling program's rules give them (its model: the run's, from the checkpoint)
+        _, params = hf.load(hf_dir, shardings=hf.param_shardings(resolved.model, resolved.mesh))
         return params
     root, step = checkpoint.checkpoint_root(config.workdir), None
     if config.checkpoint.restore_from:

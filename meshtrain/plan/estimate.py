@@ -274,13 +274,19 @@ def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu,
         if c.what == comm.EXCHANGE:
             for axis, nbytes in comm.attribute(c.kind, c.full_bytes, c.axes).items():
                 exchange[axis] = exchange.get(axis, 0.0) + nbytes * c.count
+    def bandwidth(axis: str) -> float:
+        return gpu.nvlink_bandwidth if axis in inside else gpu.network_bandwidth
+
+    # the exchange hides behind the grouped matmuls once, whatever axes it runs over: its exposed seconds
+    # shared among them by their part of its time
+    exchanging = {axis: nbytes / bandwidth(axis) for axis, nbytes in exchange.items()}
+    total = sum(exchanging.values())
+    left = exposed_exchange(run, total, expert_seconds) if exchanging else 0.0
     for axis, nbytes in per_axis.items():
-        link = gpu.nvlink_bandwidth if axis in inside else gpu.network_bandwidth
-        seconds = nbytes / link
+        seconds = nbytes / bandwidth(axis)
         behind = compute * (attention if axis == "sequence" else 1.0)
         if axis in exchange:  # ZeRO's share behind compute as over fsdp; the MoE exchange (`exposed_exchange`)
-            moved = exchange[axis] / link
-            exposed[axis] = max(0.0, seconds - moved - behind) + exposed_exchange(run, moved, expert_seconds)
+            exposed[axis] = max(0.0, seconds - exchanging[axis] - behind) + left * exchanging[axis] / total
             continue
         exposed[axis] = max(0.0, seconds - behind) if axis in OVERLAPPED else seconds
     bubble = 0.0

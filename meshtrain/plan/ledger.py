@@ -268,10 +268,15 @@ class Ledger:
         layers = math.ceil(st.stored_model.n_layers // s["stage"] / m.moe_every)
         slots = st.micro_tokens * m.experts_per_token * (1.0 if m.moe_dropless else m.capacity_factor)
         buf = slots * m.d_model * dtype_bytes(m.dtype)
+        # over the experts' axes (`expert`, and `fsdp` where its devices own whole experts), split per axis as
+        # a ring collective's bytes are (`comm.attribute`)
+        shares = {a: n / _ring(ne) for a, n in attribute("all-to-all", 1.0, st.expert_axes).items()}
         minimum = st.grad_accum * layers * 4 * _ring(ne) * buf
-        self.add("expert", "minimum", "dispatch/combine all-to-alls", "A L_moe 4 (N_e-1)/N_e k cf tokens D", minimum)
-        if m.moe_dropless:
-            worst = ne * min(m.experts_per_token, m.num_experts // ne) / m.experts_per_token
-            self.add("expert", "choice", "dropless buffers sized for the worst case",
-                     "(N_e min(k, E/N_e)/k - 1) x minimum (no ragged all-to-all on XLA:CPU; the counts travel "
-                     "beside them)", (worst - 1) * minimum)
+        worst = ne * min(m.experts_per_token, m.num_experts // ne) / m.experts_per_token
+        for axis, share in shares.items():
+            self.add(axis, "minimum", "dispatch/combine all-to-alls", "A L_moe 4 (N_e-1)/N_e k cf tokens D",
+                     share * minimum)
+            if m.moe_dropless:
+                self.add(axis, "choice", "dropless buffers sized for the worst case",
+                         "(N_e min(k, E/N_e)/k - 1) x minimum (no ragged all-to-all on XLA:CPU; the counts travel "
+                         "beside them)", share * (worst - 1) * minimum)

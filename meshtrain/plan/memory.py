@@ -366,10 +366,14 @@ def _layer_workspace(run: Step, t: int) -> int:
     return workspace
 
 
-def _minor_fsdp_split(leaf: Leaf) -> bool:
-    """Weights stored split over fsdp along their last dimension (`embed`): the attention and MLP
-    (or expert) output projections."""
-    return leaf.in_layers and leaf.names[-1] == "embed" and leaf.path.rsplit("/", 1)[-1] in ("wo", "w_down")
+def _minor_fsdp_split(leaf: Leaf, rules: Rules) -> bool:
+    """Weights stored split over fsdp along their last dimension (`embed`) under `rules`: the attention and
+    MLP (or expert) output projections, not an expert's whose fsdp split (if any) is its expert dimension."""
+    if not (leaf.in_layers and leaf.names[-1] == "embed" and leaf.path.rsplit("/", 1)[-1] in ("wo", "w_down")):
+        return False
+    spec = rules.spec(leaf.names, leaf.shape, what=leaf.path)
+    last = spec[len(leaf.names) - 1] if len(spec) == len(leaf.names) else None
+    return "fsdp" in ((last,) if isinstance(last, str) else (last or ()))
 
 
 def activation_memory(run: Step, remat: str) -> dict[str, int]:
@@ -462,7 +466,8 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
             head = sum(local_size(leaf, compute) for leaf in table if leaf.path.endswith("head"))
             # XLA lays out a float32 copy of the weights whose fsdp-split dimension is the minor one
             # (the output projections) before the layer loop gathers them
-            transposed = sum(local_size(leaf, place["params"]) for leaf in table if _minor_fsdp_split(leaf))
+            transposed = sum(local_size(leaf, place["params"]) for leaf in table
+                             if _minor_fsdp_split(leaf, place["params"]))
             temporaries += 2 * a * per_layer + 4 * head + 4 * transposed
         elif run.zero_stage >= 1 and s["fsdp"] * s["expert"] > 1:
             head = sum(local_size(leaf, compute) for leaf in table if leaf.path.endswith("head"))
