@@ -73,6 +73,14 @@ def _reference_vjp(params, x, cot, keep=None, norm_topk=True):
     return y, grads
 
 
+def _assert_equal(y, grads, y_ref, g_ref):
+    """The layer's output and its gradients (every parameter's, the input's) equal the reference's (1e-5)."""
+    np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
+    for name in g_ref[0]:
+        np.testing.assert_allclose(grads[0][name], g_ref[0][name], atol=1e-5, rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(grads[1], g_ref[1], atol=1e-5, rtol=1e-5)
+
+
 def _masked_reference(params, x, keep):
     _, _, weights, experts = moe.route(x, params["router"], K)
     out = 0.0
@@ -99,10 +107,7 @@ def test_layer_equals_per_token_reference(sizes, dispatch):
     params, x, cot = _inputs()
     y_ref, g_ref = _reference_vjp(params, x, cot)
     y, stats, grads = _layer_vjp(dataclasses.replace(CFG, **DISPATCHES[dispatch]), sizes, params, x, cot)
-    np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
-    for name in params:
-        np.testing.assert_allclose(grads[0][name], g_ref[0][name], atol=1e-5, rtol=1e-5, err_msg=name)
-    np.testing.assert_allclose(grads[1], g_ref[1], atol=1e-5, rtol=1e-5)
+    _assert_equal(y, grads, y_ref, g_ref)
     assert float(stats["dropped"]) == 0.0
 
 
@@ -118,10 +123,7 @@ def test_experts_over_fsdp_or_gathered_equal_reference(moe_fsdp, dispatch):
         ("expert", "fsdp") if moe_fsdp == "experts" else ("expert",))
     y_ref, g_ref = _reference_vjp(params, x, cot)
     y, stats, grads = _layer_vjp(cfg, sizes, params, x, cot)
-    np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
-    for name in params:
-        np.testing.assert_allclose(grads[0][name], g_ref[0][name], atol=1e-5, rtol=1e-5, err_msg=name)
-    np.testing.assert_allclose(grads[1], g_ref[1], atol=1e-5, rtol=1e-5)
+    _assert_equal(y, grads, y_ref, g_ref)
     assert float(stats["dropped"]) == 0.0
 
 
@@ -134,10 +136,7 @@ def test_unnormalised_top_k_weights_equal_reference(dispatch):
     y_ref, g_ref = _reference_vjp(params, x, cot, norm_topk=False)
     cfg = dataclasses.replace(CFG, moe_norm_topk=False, **DISPATCHES[dispatch])
     y, _, grads = _layer_vjp(cfg, {"data": 2, "expert": 4}, params, x, cot)
-    np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
-    for name in params:
-        np.testing.assert_allclose(grads[0][name], g_ref[0][name], atol=1e-5, rtol=1e-5, err_msg=name)
-    np.testing.assert_allclose(grads[1], g_ref[1], atol=1e-5, rtol=1e-5)
+    _assert_equal(y, grads, y_ref, g_ref)
     y_normalised, _ = _reference_vjp(params, x, cot)
     differ = np.abs(np.asarray(y_ref) - np.asarray(y_normalised)).max()
     assert differ > 0.1 * np.abs(np.asarray(y_normalised)).max()  # the choice matters here
@@ -190,10 +189,7 @@ def test_skewed_router_drops_under_capacity_and_not_dropless():
     y, stats, grads = _layer_vjp(dataclasses.replace(capped, moe_dropless=True), {"data": 2, "expert": 4},
                                  params, x, cot)
     assert float(stats["dropped"]) == 0.0
-    np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(grads[1], g_ref[1], atol=1e-5, rtol=1e-5)
-    for name in params:
-        np.testing.assert_allclose(grads[0][name], g_ref[0][name], atol=1e-5, rtol=1e-5, err_msg=name)
+    _assert_equal(y, grads, y_ref, g_ref)
 
 
 def _accepted(experts: np.ndarray, groups: int, ep: int, num_experts: int, capacity: int) -> np.ndarray:
