@@ -46,6 +46,7 @@ CONTEXT_PARALLEL_IMPLS = ("ring", "ulysses")  # the implementations that split t
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble")
 DEFAULT_SCHEDULE = PIPELINE_SCHEDULES[0]  # `pipeline.schedule`'s default
 BALANCE_SCOPES = ("batch", "sequence")
+MOE_ROUTERS = ("softmax", "sigmoid")
 MATMUL_PRECISIONS = ("bf16", "fp8")  # bf16: matmuls in model.dtype; fp8: e4m3 / e5m2 operands (fp8.py)
 
 
@@ -205,6 +206,20 @@ def default_config() -> ml_collections.ConfigDict:
     # the k chosen experts' weights renormalised to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob); False: their
     # softmax probabilities over all experts as they are
     c.model.moe_norm_topk = True
+    # the router's scores: softmax over the experts (Mixtral, Qwen3-MoE), or sigmoid each (DeepSeek-V3, Kimi K2;
+    # their share of a token's sum is the probability the balance loss reads)
+    c.model.moe_router = "softmax"
+    c.model.moe_routed_scale = 1.0  # the chosen experts' weights times this (DeepSeek-V3's routed_scaling_factor)
+    # a per-expert bias added to the scores for the choice only (DeepSeek-V3's auxiliary-loss-free balancing,
+    # e_score_correction_bias): kept with the parameters, moved by the step, not by the gradient
+    c.model.moe_router_bias = False
+    # after each step every expert's bias moves by this toward balance: up for an expert that took fewer
+    # tokens than the mean, down for one that took more (DeepSeek-V3's gamma; 0: frozen)
+    c.model.moe_bias_rate = 0.001
+    # group-limited routing (DeepSeek-V3's n_group / topk_group): the experts in this many equal groups, each
+    # token choosing its top-k among the moe_topk_groups groups with the highest sum of their two best scores
+    c.model.moe_groups = 1
+    c.model.moe_topk_groups = 0  # 0: every group
     c.model.moe_every = 1  # every this many layers is an MoE layer (divides n_layers)
     # tokens an expert takes per step, as a multiple of an even share (excess tokens are dropped)
     c.model.capacity_factor = 1.25
@@ -408,7 +423,7 @@ def _validate_choices(config) -> None:
                          ("model.matmul_precision", MATMUL_PRECISIONS), ("model.rope_scaling", ROPE_SCALINGS),
                          ("model.family", FAMILIES), ("data.on_bad_data", ("skip", "error")),
                          ("model.moe_matmul", MOE_MATMULS), ("model.moe_exchange", MOE_EXCHANGES),
-                         ("model.moe_fsdp", MOE_FSDP)):
+                         ("model.moe_fsdp", MOE_FSDP), ("model.moe_router", MOE_ROUTERS)):
         section, name = key.split(".")
         value = config[section][name]
         require(value in choices, key, value, f"must be one of {choices}")
@@ -556,6 +571,12 @@ class ModelConfig:
     num_experts: int = 0
     experts_per_token: int = 2
     moe_norm_topk: bool = True
+    moe_router: str = "softmax"
+    moe_routed_scale: float = 1.0
+    moe_router_bias: bool = False
+    moe_bias_rate: float = 0.001
+    moe_groups: int = 1
+    moe_topk_groups: int = 0
     moe_every: int = 1
     capacity_factor: float = 1.25
     moe_dropless: bool = False

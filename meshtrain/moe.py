@@ -12,7 +12,9 @@ The layer runs in one `jax.shard_map` that is manual over the batch axes (data, 
 expert; each device routes its own rows) and automatic over the others (`tensor` splits
 each expert's hidden width F Megatron-style, `sequence` the length). Per device:
 
-1. Router (float32): softmax over E experts, top-k, the k weights renormalised to sum to 1.
+1. Router (float32): softmax over E experts (or DeepSeek-V3's sigmoid scores, with its balancing bias
+   that only chooses and group-limited routing: `route`), top-k, the k weights renormalised to sum
+   to 1 (and scaled: `model.moe_routed_scale`).
 2. Dispatch, one of
    * capacity (GShard / Switch): every batch row is a group; expert e takes at most
      C = min(T, ceil(capacity_factor * T * k / E)) of its tokens, first choices before
@@ -32,6 +34,9 @@ Losses (each averaged over the MoE layers and weighted by the config):
 * router z-loss (ST-MoE): mean over tokens of logsumexp(router logits)^2.
 Both are taken over the whole global batch (sums psum-ed over the batch axes), so they do
 not depend on the mesh.
+* auxiliary-loss-free balancing (DeepSeek-V3; `model.moe_router_bias`): no loss; after each step
+  the step moves every expert's bias by `model.moe_bias_rate` toward its layer's mean load
+  (`balance_router_bias`), the loads reaching it as the bias's gradient (`choose_with_bias`).
 
 Shapes: B batch rows (b per device), T length, D d_model, E experts (E_l = E / ep per
 device), k experts per token, C capacity, F expert hidden width, N = b * T tokens.
@@ -51,10 +56,12 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain import fp8 as fp8_lib, moe_dropless as dropless
 from meshtrain.config import ConfigError, ModelConfig
-from meshtrain.sharding_rules import Rules, constrain
+from meshtrain.sharding_rules import Rules, constrain, vary, varying
 
 # Names of the exchanged token buffers, saved by the selective remat policy (never re-exchanged).
 EXCHANGE_NAMES = ("moe_dispatched", "moe_returned")
+# The router's balancing bias (`model.moe_router_bias`): a parameter the step moves, not the optimizer.
+BIAS_NAME = "router_bias"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,6 +87,22 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     if m.moe_every < 1 or m.n_layers % m.moe_every:
         raise ConfigError("model.moe_every", m.moe_every,
                           f"must be >= 1 and divide model.n_layers={m.n_layers}")
+    if m.moe_groups < 1 or m.num_experts % m.moe_groups or (m.moe_groups > 1 and m.num_experts // m.moe_groups < 2):
+        raise ConfigError("model.moe_groups", m.moe_groups,
+                          f"must divide model.num_experts={m.num_experts} into groups of at least 2 experts "
+                          "(a group's score is the sum of its two best)")
+    groups = m.moe_topk_groups or m.moe_groups
+    if not 0 <= m.moe_topk_groups <= m.moe_groups:
+        raise ConfigError("model.moe_topk_groups", m.moe_topk_groups,
+                          f"must be between 0 (every group) and model.moe_groups={m.moe_groups}")
+    if groups * (m.num_experts // m.moe_groups) < m.experts_per_token:
+        raise ConfigError("model.moe_topk_groups", m.moe_topk_groups,
+                          f"{groups} groups of {m.num_experts // m.moe_groups} experts cannot hold "
+                          f"model.experts_per_token={m.experts_per_token} choices")
+    if not m.moe_routed_scale > 0:
+        raise ConfigError("model.moe_routed_scale", m.moe_routed_scale, "must be > 0")
+    if not m.moe_bias_rate >= 0:
+        raise ConfigError("model.moe_bias_rate", m.moe_bias_rate, "must be >= 0 (0: the bias stays as it is)")
     if not m.capacity_factor > 0:
         raise ConfigError("model.capacity_factor", m.capacity_factor, "must be > 0")
     if not m.moe_exchange_factor >= 0:
@@ -111,17 +134,94 @@ def capacity(cfg: ModelConfig, seq_len: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def route(x: jax.Array, w_router: jax.Array, k: int,
-          norm_topk: bool = True) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def route(x: jax.Array, w_router: jax.Array, k: int, norm_topk: bool = True, *, scoring: str = "softmax",
+          bias: jax.Array | None = None, groups: int = 1, topk_groups: int = 0, scale: float = 1.0,
+          valid: jax.Array | None = None, copies: int = 1) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """x [..., D] -> (logits [..., E], probs [..., E], weights [..., k], experts [..., k]), float32.
 
-    The weights are the top-k probabilities, renormalised to sum to 1 with `norm_topk` (Mixtral, Qwen3-MoE's
-    `norm_topk_prob`), else as the softmax over all experts gave them (Qwen1.5/2-MoE, OLMoE).
+    `scoring`: the scores are the softmax over the experts (Mixtral, Qwen3-MoE) or each logit's sigmoid
+    (DeepSeek-V3); `probs`, what the balance loss reads, are the scores as a share of their sum. The k
+    experts are the highest scores plus `bias` [E] (DeepSeek-V3's auxiliary-loss-free balancing: the bias
+    only chooses; `choose_with_bias` hands the step the experts' loads through its gradient), among the
+    `topk_groups` best of `groups` equal groups of experts where groups > 1 (`group_limited`). The
+    weights are the chosen scores, renormalised to sum to 1 with `norm_topk` (Mixtral, Qwen3-MoE's and
+    DeepSeek-V3's `norm_topk_prob`; else as scored: Qwen1.5/2-MoE, OLMoE), times `scale` (DeepSeek-V3's
+    `routed_scaling_factor`). `valid` [...] (bool): the real tokens, the only ones a load counts; `copies`:
+    the devices of an unchecked manual region that route these same tokens (each counts 1 / copies of them).
     """
     logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), w_router.astype(jnp.float32))
-    probs = jax.nn.softmax(logits, axis=-1)
-    top_p, experts = jax.lax.top_k(probs, k)
-    return logits, probs, top_p / jnp.sum(top_p, axis=-1, keepdims=True) if norm_topk else top_p, experts
+    if scoring == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    else:
+        scores = probs = jax.nn.softmax(logits, axis=-1)
+    if bias is None:
+        top, experts = _choose(scores, k, groups, topk_groups)
+    else:
+        real = jnp.ones(scores.shape[:-1], jnp.float32) if valid is None else valid.astype(jnp.float32)
+        real = real / copies if copies > 1 else real
+        # varying where the tokens vary: the transpose of that cast sums the devices' loads
+        bias = vary(bias.astype(jnp.float32), tuple(sorted(varying(scores) | varying(real))))
+        top, experts = choose_with_bias(scores, bias, real, k, groups, topk_groups)
+    if norm_topk:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return logits, probs, top * scale if scale != 1.0 else top, experts
+
+
+def group_limited(choice: jax.Array, groups: int, topk_groups: int) -> jax.Array:
+    """choice [..., E] with every expert outside the token's `topk_groups` best of `groups` equal groups
+    set to -inf; a group's score is the sum of its two highest (DeepSeek-V3's node-limited routing:
+    with a group a node's experts, a token's experts span at most `topk_groups` nodes)."""
+    *lead, e = choice.shape
+    grouped = choice.reshape(*lead, groups, e // groups)
+    best = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [..., G]
+    _, chosen = jax.lax.top_k(best, topk_groups)
+    keep = jnp.any(chosen[..., None] == jnp.arange(groups), axis=-2)  # [..., G]
+    return jnp.where(jnp.repeat(keep, e // groups, axis=-1), choice, -jnp.inf)
+
+
+def _choose(scores: jax.Array, k: int, groups: int, topk_groups: int, choice: jax.Array | None = None):
+    """(scores at the k chosen experts [..., k], the experts [..., k]): the top k of `choice` (the scores
+    by default), group-limited where groups > 1."""
+    choice = scores if choice is None else choice
+    if groups > 1 and topk_groups and topk_groups < groups:
+        choice = group_limited(choice, groups, topk_groups)
+    _, experts = jax.lax.top_k(choice, k)
+    return jnp.take_along_axis(scores, experts, axis=-1), experts
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def choose_with_bias(scores: jax.Array, bias: jax.Array, real: jax.Array, k: int, groups: int, topk_groups: int):
+    """`_choose` on scores + bias [E] (the bias chooses; the weights are the unbiased scores).
+
+    The bias takes no gradient from the loss: its cotangent is the number of real tokens (`real` [...]: 1
+    real, 0 padding) each expert took, summed like any gradient over micro-batches, devices and pipeline
+    stages, which is the load the step balances the bias by (`balance_router_bias`)."""
+    return _choose(scores, k, groups, topk_groups, scores + bias)
+
+
+def _choose_with_bias_fwd(scores, bias, real, k, groups, topk_groups):
+    top, experts = _choose(scores, k, groups, topk_groups, scores + bias)
+    e = scores.shape[-1]
+    loads = jnp.sum(jax.nn.one_hot(experts, e, dtype=jnp.float32) * real[..., None, None],
+                    axis=tuple(range(experts.ndim)))
+    return (top, experts), (experts, loads.astype(bias.dtype), real)
+
+
+def _choose_with_bias_bwd(k, groups, topk_groups, residuals, cotangents):
+    experts, loads, real = residuals
+    d_top, _ = cotangents
+    d_scores = jnp.sum(jax.nn.one_hot(experts, loads.shape[0], dtype=d_top.dtype) * d_top[..., None], axis=-2)
+    return d_scores, loads, jnp.zeros_like(real)
+
+
+choose_with_bias.defvjp(_choose_with_bias_fwd, _choose_with_bias_bwd)
+
+
+def router_options(cfg: ModelConfig) -> dict:
+    """`route`'s keyword arguments from the model config (all but the bias and the padding)."""
+    return {"scoring": cfg.moe_router, "groups": cfg.moe_groups, "topk_groups": cfg.moe_topk_groups,
+            "scale": cfg.moe_routed_scale}
 
 
 def router_sums(logits: jax.Array, probs: jax.Array, experts: jax.Array,
@@ -218,9 +318,10 @@ def _capacity_ffn(x, weights, experts, w_gate, w_up, w_down, *, num_experts, cap
 
 
 def moe_ffn(x: jax.Array, w_router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
-            cfg: ModelConfig, axis: tuple[str, ...] | None = None, ep: int = 1, row_axes: tuple[str, ...] = (),
-            token_axes: tuple[str, ...] = (), width_axes: tuple[str, ...] = (), valid: jax.Array | None = None,
-            histories: tuple[jax.Array, ...] = (), model_major: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+            cfg: ModelConfig, bias: jax.Array | None = None, axis: tuple[str, ...] | None = None, ep: int = 1,
+            row_axes: tuple[str, ...] = (), token_axes: tuple[str, ...] = (), width_axes: tuple[str, ...] = (),
+            valid: jax.Array | None = None, histories: tuple[jax.Array, ...] = (),
+            model_major: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The MoE feed-forward of one device's rows x [b, T, D] -> ([b, T, D], stats).
 
     Runs with this device's experts w_* [E_l, ...] and the exchange over `axis` (ep devices),
@@ -231,11 +332,14 @@ def moe_ffn(x: jax.Array, w_router: jax.Array, w_gate: jax.Array, w_up: jax.Arra
     tokens: padding takes no expert capacity (dropless: its output is weighted 0) and stays out of
     the balance and z losses and the dropped fraction. `width_axes`: the manual axes the experts'
     width F is split over (each device holds its slice; the output's partial sums are added over them).
-    `model_major`: the weights come [D, E_l, F] each (`gathers_model_dim`).
+    `model_major`: the weights come [D, E_l, F] each (`gathers_model_dim`). `bias` [E]: the router's
+    balancing bias (`model.moe_router_bias`).
     """
     dtype = jnp.dtype(cfg.dtype)
     valid = jnp.ones(x.shape[:2], bool) if valid is None else valid
-    logits, probs, weights, experts = route(x, w_router, cfg.experts_per_token, cfg.moe_norm_topk)
+    copies = jax.lax.psum(1, width_axes) if width_axes else 1  # each of them routes the same tokens
+    logits, probs, weights, experts = route(x, w_router, cfg.experts_per_token, cfg.moe_norm_topk, bias=bias,
+                                            valid=valid, copies=copies, **router_options(cfg))
     weights = weights * valid[..., None]
     w = tuple(wi.astype(dtype) for wi in (w_gate, w_up, w_down))
     x = x.astype(dtype)
@@ -278,9 +382,11 @@ def router_stats(logits, probs, experts, dropped, scope: str, row_axes=(), token
     return {**stats, "balance": balance / count, "z": z / count}
 
 
-def moe_reference(x: jax.Array, w_router, w_gate, w_up, w_down, k: int, norm_topk: bool = True) -> jax.Array:
-    """Per-token dense reference: y_n = sum_j weight_nj * SwiGLU_{e_nj}(x_n), no capacity. x [..., D]."""
-    _, _, weights, experts = route(x, w_router, k, norm_topk)
+def moe_reference(x: jax.Array, w_router, w_gate, w_up, w_down, k: int, norm_topk: bool = True,
+                  **router) -> jax.Array:
+    """Per-token dense reference: y_n = sum_j weight_nj * SwiGLU_{e_nj}(x_n), no capacity. x [..., D];
+    `router`: `route`'s keyword arguments."""
+    _, _, weights, experts = route(x, w_router, k, norm_topk, **router)
     g, u, dn = w_gate[experts], w_up[experts], w_down[experts]  # [..., k, D, F], [..., k, F, D]
     hidden = nn.silu(jnp.einsum("...d,...kdf->...kf", x, g)) * jnp.einsum("...d,...kdf->...kf", x, u)
     return jnp.einsum("...kf,...kfd,...k->...d", hidden, dn, weights.astype(x.dtype))
@@ -307,7 +413,8 @@ def gathers_model_dim(cfg: ModelConfig, rules: Rules) -> bool:
 
 
 def expert_parallel(cfg: ModelConfig, rules: Rules, model_major: bool = False):
-    """moe_ffn on each device's rows: (x, router, w_gate, w_up, w_down, valid, histories) -> (y, stats).
+    """moe_ffn on each device's rows: (x, router, bias, w_gate, w_up, w_down, valid, histories) -> (y, stats)
+    (bias: None without `model.moe_router_bias`).
 
     The layer needs its batch axes (`rules`' "batch" entry: data, fsdp, expert) manual, so that
     each device routes its own rows and the tokens travel over `expert` with `all_to_all`. Inside
@@ -338,7 +445,7 @@ def expert_parallel(cfg: ModelConfig, rules: Rules, model_major: bool = False):
     experts = tuple(a for a in axis or () if a in todo) or None  # the expert split this region makes
     if not kernel:
         w_spec = P(experts)
-        return jax.shard_map(fn, in_specs=(P(todo), P(), w_spec, w_spec, w_spec, P(todo), P()),
+        return jax.shard_map(fn, in_specs=(P(todo), P(), P(), w_spec, w_spec, w_spec, P(todo), P()),
                              out_specs=(P(todo), P()), axis_names=set(todo), check_vma=True)
     rows = P(todo or None, tokens or None)
     width = width_axes or None
@@ -346,13 +453,13 @@ def expert_parallel(cfg: ModelConfig, rules: Rules, model_major: bool = False):
         w_specs = (P(None, experts, width),) * 3
     else:
         w_specs = (P(experts, None, width), P(experts, None, width), P(experts, width, None))
-    in_specs = (rows, P(), *w_specs, rows, P())
+    in_specs = (rows, P(), P(), *w_specs, rows, P())
     return jax.shard_map(fn, in_specs=in_specs, out_specs=(rows, P()),
                          axis_names=set(todo) | set(tokens) | set(width_axes), check_vma=False)
 
 
-def _with_valid(fn, x, router, w_gate, w_up, w_down, valid, histories=()):
-    return fn(x, router, w_gate, w_up, w_down, valid=valid, histories=histories)
+def _with_valid(fn, x, router, bias, w_gate, w_up, w_down, valid, histories=()):
+    return fn(x, router, w_gate, w_up, w_down, bias=bias, valid=valid, histories=histories)
 
 
 class MoeMlp(nn.Module):
@@ -372,6 +479,10 @@ class MoeMlp(nn.Module):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         e, d, f = cfg.num_experts, cfg.d_model, expert_mlp_dim(cfg)
         router = self._param("router", (d, e), ("embed", None))
+        bias = None
+        if cfg.moe_router_bias:  # chooses only; moved by the step (`balance_router_bias`), zeros at the start
+            bias = self.param(BIAS_NAME, nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (e,),
+                              jnp.dtype(cfg.param_dtype))
         # inside a region manual over `expert` (a pipeline stage) each device holds its own experts
         e = e // math.prod(self.rules.size(a) for a in self.rules.split_axes("expert") if a in self.rules.manual)
         w_gate = self._param("w_gate", (e, d, f), ("expert", "embed", "mlp"))
@@ -385,7 +496,8 @@ class MoeMlp(nn.Module):
         model_major = gathers_model_dim(cfg, self.rules)
         if model_major:  # [D, E, F]: as ZeRO-3 gathers them along D, read by the kernel without a transposed copy
             w_gate, w_up, w_down = w_gate.transpose(1, 0, 2), w_up.transpose(1, 0, 2), w_down.transpose(2, 0, 1)
-        y, stats = expert_parallel(cfg, self.rules, model_major)(x, router, w_gate, w_up, w_down, valid, histories)
+        y, stats = expert_parallel(cfg, self.rules, model_major)(x, router, bias, w_gate, w_up, w_down, valid,
+                                                                 histories)
         if cfg.shared_expert:  # a dense SwiGLU every token goes through (DeepSeek-MoE)
             s_gate = self._param("shared_gate", (d, f), ("embed", "mlp")).astype(dtype)
             s_up = self._param("shared_up", (d, f), ("embed", "mlp")).astype(dtype)
@@ -410,3 +522,55 @@ def loss_terms(stats: dict[str, jax.Array] | None,
     losses = {"moe_aux_loss": cfg.aux_loss_weight * mean["balance"],
               "moe_z_loss": cfg.router_z_loss_weight * mean["z"]}
     return losses, {"moe_load_balance": mean["balance"], "moe_dropped_fraction": mean["dropped"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Auxiliary-loss-free balancing (DeepSeek-V3): the router bias moved by the step.
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_bias(path) -> bool:
+    return getattr(path[-1], "key", None) == BIAS_NAME
+
+
+def split_router_loads(grads):
+    """(grads with every router bias's entry zeroed, {path: loads [..., E]}): the bias's "gradient" is the
+    tokens each expert took this step (`choose_with_bias`), not a direction for the optimizer; with its
+    zero gradient and no weight decay (`optimizer._decay_mask`) AdamW leaves it where it is."""
+    loads = {}
+
+    def take(path, g):
+        if not _is_bias(path):
+            return g
+        loads[jax.tree_util.keystr(path)] = g.astype(jnp.float32)
+        return jnp.zeros_like(g)
+
+    return jax.tree_util.tree_map_with_path(take, grads), loads
+
+
+def balance_router_bias(params, loads: dict, rate: float, apply: jax.Array):
+    """params with each router bias moved by `rate` toward balance (DeepSeek-V3, "Auxiliary-Loss-Free Load
+    Balancing"): up for an expert that took fewer tokens than its layer's mean, down for one that took
+    more, unchanged where `apply` is False (a withheld step) or the loads are equal. Only the sign of
+    load - mean is read, so any uniform scale of the loads (a count made on each of several devices that
+    route the same tokens) moves the bias the same."""
+    if not loads:
+        return params
+
+    def move(path, p):
+        if not _is_bias(path):
+            return p
+        load = loads[jax.tree_util.keystr(path)]
+        step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+        return jnp.where(apply, p + step.astype(p.dtype), p)
+
+    return jax.tree_util.tree_map_with_path(move, params)
+
+
+def load_metrics(loads: dict) -> dict[str, jax.Array]:
+    """{moe_max_load: the largest expert load over its layer's mean, averaged over the layers (1: balanced)}
+    of the step's router-bias loads; {} without."""
+    if not loads:
+        return {}
+    ratios = [jnp.max(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9) for load in loads.values()]
+    return {"moe_max_load": jnp.mean(jnp.concatenate([jnp.ravel(r) for r in ratios]))}

@@ -21,9 +21,10 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
 
 
 def _decay_mask(params):
-    """Weight decay on matrices only: not on norm scales or the attention biases (Qwen2)."""
+    """Weight decay on matrices only: not on norm scales, the attention biases (Qwen2) or the router's
+    balancing bias (moved by the step alone: `moe.balance_router_bias`)."""
     def decays(path, _):
-        return not any(getattr(k, "key", None) in ("scale", "bq", "bk", "bv") for k in path)
+        return not any(getattr(k, "key", None) in ("scale", "bq", "bk", "bv", "router_bias") for k in path)
     return jax.tree_util.tree_map_with_path(decays, params)
 
 

@@ -34,7 +34,7 @@ import optax
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain import fp8 as fp8_lib, mesh as mesh_lib, model as model_lib, optimizer as optimizer_lib
+from meshtrain import fp8 as fp8_lib, mesh as mesh_lib, model as model_lib, moe as moe_lib, optimizer as optimizer_lib
 from meshtrain.sharding_rules import ZERO_AXES, Rules, named, vary
 
 if TYPE_CHECKING:
@@ -436,6 +436,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_l
                                                   zero_shards=zero_shards,
                                                   accum_steps=accum_steps, manual_axes=manual_axes,
                                                   grads_fn=grads_fn, checked=checked)
+    grads, loads = moe_lib.split_router_loads(grads)  # the router biases' "gradients" are expert loads
     # Computed once (logged, checked, and the clipping's norm), in float32 whatever the parameters'
     # dtype: bf16 gradients (`model.param_dtype=bfloat16`) squared and summed in bf16 round the norm
     # to 8 bits on one device but not on a sharded mesh, whose partial sums XLA adds in float32.
@@ -450,9 +451,11 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: model_l
     grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = jax.tree.map(lambda p, u: (p + jnp.where(finite, u, 0)).astype(p.dtype), state.params, updates)
+    params = moe_lib.balance_router_bias(params, loads, model.cfg.moe_bias_rate, finite)
     opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), opt_state, state.opt_state)
     metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
-               "tokens": total_tokens, "nonfinite": 1.0 - finite.astype(jnp.float32), **aux}
+               "tokens": total_tokens, "nonfinite": 1.0 - finite.astype(jnp.float32), **aux,
+               **moe_lib.load_metrics(loads)}
     next_rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
     rng = jnp.where(finite, next_rng, state.rng)
     histories = jax.tree.map(lambda h, a: jnp.where(finite, fp8_lib.advance(h, fp8_lib.from_grad(a)), h),
