@@ -170,6 +170,10 @@ CASES = [
     _case("moe", {"fsdp": 4, "expert": 2}, **{"model.moe_dropless": True, "model.moe_fsdp": "weights"}),
     _case("moe", {"stage": 2, "fsdp": 2, "expert": 2}, **{"model.moe_dropless": True, "pipeline.schedule": "1f1b",
                                                         "train.zero_stage": 3}),
+    # test_moe_router: DeepSeek-V3's router, its balancing bias moved by the step
+    _case("moe", {"data": 2, "expert": 2, "tensor": 2}, **{
+        "model.moe_dropless": True, "model.moe_router": "sigmoid", "model.moe_router_bias": True,
+        "model.moe_groups": 4, "model.moe_topk_groups": 2, "model.moe_routed_scale": 2.5}),
 ]
 
 

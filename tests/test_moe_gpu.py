@@ -120,6 +120,26 @@ def test_experts_over_fsdp_in_pipeline_stages_compile():
     assert ragged and all(len(c.groups[0]) == 4 for c in ragged if c.groups)
 
 
+DEEPSEEK_ROUTER = {"model.moe_router": "sigmoid", "model.moe_router_bias": True, "model.moe_groups": 4,
+                   "model.moe_topk_groups": 2, "model.moe_routed_scale": 2.5}
+
+
+@pytest.mark.parametrize("mesh", [{"fsdp": 2, "expert": 2, "tensor": 2}, {"stage": 2, "fsdp": 2, "expert": 2}],
+                         ids=lambda m: "x".join(f"{a}{n}" for a, n in m.items()))
+def test_deepseek_router_step_compiles(mesh):
+    """DeepSeek-V3's router (sigmoid, group-limited, the balancing bias moved by the step) beside the grouped
+    kernels' region (manual over the width) and inside 1F1B's stages, as tests/test_moe_router.py trains it."""
+    config = composed_config(mesh, moe=True)
+    apply_overrides(config, {"model.dtype": "bfloat16", "model.moe_dropless": True, "train.seq_len": 64,
+                             **DEEPSEEK_ROUTER})
+    found = {}
+    aot.compile_report(config, "h100", 8, sample=None,
+                       inspect=lambda compiled, run: found.update(text=compiled.as_text()))
+    assert "sign(" in found["text"]  # the bias's step toward balance is in the program
+    if "stage" not in mesh:
+        assert _kernel_names(found["text"]) >= SWIGLU_KERNELS
+
+
 def _exchange_between(text: str) -> list[bool]:
     """For each ragged all-to-all start / done pair: whether a grouped matmul kernel runs between them."""
     comps, _ = hlo._computations(text)
