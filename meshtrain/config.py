@@ -69,6 +69,9 @@ def cudnn_refusal(config: ml_collections.ConfigDict) -> tuple[str, object, str] 
         return "train.seq_len", config.train.seq_len, "cuDNN's masked (document) attention needs an even length"
     if m.sliding_window:
         return "model.sliding_window", m.sliding_window, "sliding-window attention runs in the einsum attention only"
+    if m.v_head_dim and m.v_head_dim != m.head_dim:
+        return ("model.v_head_dim", m.v_head_dim, f"cuDNN's call here takes one head width (model.head_dim="
+                f"{m.head_dim}): the values would be padded to it")
     if m.num_experts and int(config.mesh.stage) != 1:
         return ("model.num_experts", m.num_experts, "MoE layers and cuDNN's attention cannot share a pipeline stage: "
                 "the router statistics' gradients need the stage loop's variance checks, which cuDNN's calls do not "
@@ -186,6 +189,13 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.attention_bias = False  # biases on the q, k, v projections (Qwen2)
     c.model.qk_norm = False  # RMSNorm of each query and key head before RoPE (Qwen3)
     c.model.sliding_window = 0  # attend to at most this many tokens back (Mistral v0.1); 0: the whole context
+    # Multi-head latent attention (DeepSeek-V2/V3, Kimi K2) when kv_lora_rank > 0: keys and values expanded
+    # from one latent of this width a token (with its RMSNorm), what sampling caches; head_dim is the query /
+    # key head width, qk_rope_head_dim of it the RoPE part (one key part shared by all heads)
+    c.model.kv_lora_rank = 0
+    c.model.q_lora_rank = 0  # with MLA: the queries through a latent of this width too (0: projected directly)
+    c.model.qk_rope_head_dim = 0  # with MLA: the RoPE part of head_dim (even, less than head_dim)
+    c.model.v_head_dim = 0  # the value head width (0: head_dim)
     c.model.norm_eps = 1e-5  # RMSNorm epsilon
     c.model.tie_embeddings = False  # the head is the embedding's transpose
     c.model.init_std = 0.02  # standard deviation of the normal initialisation
@@ -481,6 +491,28 @@ def _validate_positive(config) -> None:
     require(t.hang_timeout_s >= 0, "train.hang_timeout_s", t.hang_timeout_s, "must be >= 0 (0: off)")
 
 
+def _validate_latent_attention(config) -> None:
+    """Multi-head latent attention's rules (`model.kv_lora_rank` > 0)."""
+    m = config.model
+    for key in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+        require(isinstance(m[key], int) and m[key] >= 0, f"model.{key}", m[key], "must be a non-negative integer")
+    if not m.kv_lora_rank:
+        for key in ("q_lora_rank", "qk_rope_head_dim"):
+            require(m[key] == 0, f"model.{key}", m[key], "is multi-head latent attention's: set model.kv_lora_rank")
+        return
+    require(m.qk_rope_head_dim > 0 and m.qk_rope_head_dim % 2 == 0 and m.qk_rope_head_dim < m.head_dim,
+            "model.qk_rope_head_dim", m.qk_rope_head_dim,
+            f"must be even, > 0 and < model.head_dim={m.head_dim} (the RoPE part of a query / key head)")
+    require(m.n_kv_heads == m.n_heads, "model.n_kv_heads", m.n_kv_heads,
+            f"multi-head latent attention expands a key and a value per query head: must be model.n_heads={m.n_heads}")
+    for key, off in (("attention_bias", False), ("qk_norm", False), ("sliding_window", 0)):
+        require(m[key] == off, f"model.{key}", m[key], "multi-head latent attention has none (model.kv_lora_rank > 0)")
+    require(m.matmul_precision == "bf16", "model.matmul_precision", m.matmul_precision,
+            "multi-head latent attention's projections run in model.dtype: use 'bf16' (model.kv_lora_rank > 0)")
+    require(not m.collective_matmul, "model.collective_matmul", True,
+            "splits the fused QKV projection, which multi-head latent attention does not have (model.kv_lora_rank > 0)")
+
+
 def _validate_shapes(config, sizes: dict[str, int]) -> None:
     m, t = config.model, config.train
     _divides("model.n_heads", m.n_heads, "query heads", m.n_kv_heads, "model.n_kv_heads")
@@ -491,6 +523,10 @@ def _validate_shapes(config, sizes: dict[str, int]) -> None:
     if config.train.zero_stage > 0:  # ZeRO shards the `embed` dimension of parameter-sized state over both
         _divides("model.d_model", m.d_model, "d_model (sharded by ZeRO)",
                  sizes["sequence"] * sizes["fsdp"] * sizes["expert"], "mesh.sequence*mesh.fsdp*mesh.expert")
+        for key in ("kv_lora_rank", "q_lora_rank"):  # the latents' up-projections: ZeRO shards their rank
+            if m[key]:
+                _divides(f"model.{key}", m[key], "the latent width (sharded by ZeRO)",
+                         sizes["sequence"] * sizes["fsdp"] * sizes["expert"], "mesh.sequence*mesh.fsdp*mesh.expert")
     # model.n_layers over mesh.stage: any split (uneven stages: parallel/pipeline.py's rules)
     _divides("train.seq_len", t.seq_len, "the sequence length", sizes["sequence"], "mesh.sequence")
     if m.sequence_parallel:
@@ -531,6 +567,7 @@ def validate_fields(config: ml_collections.ConfigDict) -> None:
 
 def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
     """The generic rules on the resolved mesh: shapes divisible by their axes, profile, init."""
+    _validate_latent_attention(config)
     _validate_shapes(config, sizes)
     _validate_profile_init(config)
 
@@ -556,6 +593,10 @@ class ModelConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     sliding_window: int = 0
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02

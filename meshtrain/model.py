@@ -102,15 +102,16 @@ REMAT_POLICIES = {
 }
 
 
-def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """RoPE's inverse frequencies [Dh/2] (float32), scaled for long contexts by `cfg.rope_scaling`:
+def rope_frequencies(cfg: ModelConfig, dim: int = 0) -> np.ndarray:
+    """RoPE's inverse frequencies [dim/2] (float32; dim: the rotated width, head_dim by default), scaled
+    for long contexts by `cfg.rope_scaling`:
 
     * linear: every frequency / rope_factor (positions interpolated);
     * llama3 (Llama 3.1): wavelengths longer than original_max_positions / low_freq_factor divided by
       rope_factor, shorter than original_max_positions / high_freq_factor kept, those between
       interpolated by how many times they fit in the original context.
     """
-    dh = cfg.head_dim
+    dh = dim or cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dh, 2, dtype=np.float32) / np.float32(dh)))
     factor = np.float32(cfg.rope_factor)
     if cfg.rope_scaling == "linear":
@@ -129,7 +130,7 @@ def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
 def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Rotary position embedding (rotate-half layout), positions [B,T] restart per document."""
     dh = x.shape[-1]
-    inv_freq = jnp.asarray(rope_frequencies(cfg))  # [Dh/2]
+    inv_freq = jnp.asarray(rope_frequencies(cfg, dh))  # [Dh/2]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B,T,Dh/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B,T,1,Dh]
     x32 = x.astype(jnp.float32)
@@ -150,7 +151,7 @@ def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple[st
 # (`in_compute_dtype`) for the same forward and the same gradients, rounded to the compute dtype as the
 # cast's own gradient leaves them. The norm scales and the MoE router are read in float32 and stay.
 COMPUTE_DTYPE_PARAMS = frozenset({"wq", "wk", "wv", "wo", "bq", "bk", "bv", "w_gate", "w_up", "w_down",
-                                  "shared_gate", "shared_up", "shared_down"})
+                                  "shared_gate", "shared_up", "shared_down", "wq_a", "wq_b", "wkv_a", "wkv_b"})
 
 
 def in_compute_dtype(layer_params, dtype):
@@ -257,6 +258,8 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        if self.cfg.kv_lora_rank:
+            return self._latent(x, positions, segment_ids)
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         wq = _param(self, "wq", (d, h, dh), ("embed", "heads", "head_dim"))
@@ -282,10 +285,88 @@ class Attention(nn.Module):
             out = self.attention_fn(q, k, v, segment_ids, window=cfg.sliding_window)
         else:
             out = self.attention_fn(q, k, v, segment_ids)  # [B,T,H,Dh]
+        return self._out(out, wo)
+
+    def _out(self, out: jax.Array, wo: jax.Array) -> jax.Array:
+        """The heads' outputs [B,T,H,Dv] through the row-parallel output projection wo [H,Dv,D]."""
         out = constrain(out, ("batch", "length", "act_heads", None), self.rules)
-        if cfg.attention_impl not in KERNEL_SAVES_OUTPUT:
+        if self.cfg.attention_impl not in KERNEL_SAVES_OUTPUT:
             out = checkpoint_name(out, "attention_out")
-        return fp8_lib.matmul(self, "out", cm.matmul_reduce_scatter)("bthk,hkd->btd", out, wo.astype(dtype))
+        return fp8_lib.matmul(self, "out", cm.matmul_reduce_scatter)("bthk,hkd->btd", out,
+                                                                     wo.astype(jnp.dtype(self.cfg.dtype)))
+
+    def _latent(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """Multi-head latent attention (DeepSeek-V2, section 2.1; V3 keeps it): each token's keys and values
+        come from one latent c_kv [B,T,R] (`kv_lora_rank`, RMS-normalised) through wkv_b, and its RoPE key
+        part k_pe [B,T,P] (`qk_rope_head_dim`) is one for all heads; queries likewise through their own latent
+        (`q_lora_rank`; 0: projected directly). A query / key head is [nope | rope] (`head_dim` = nope + P),
+        a value head `v_head_dim` wide. Heads split over `tensor` as in `__call__`; the latents are whole
+        on every `tensor` device (each computes them, as Megatron-LM does). The attention functions take
+        one head width: values narrower than head_dim are padded with zeros and the padding cut off the
+        output. With `decode` the cache holds c_kv and k_pe alone (`_latent_cached`)."""
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        d, h, dh, r, p = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        nope, dv = dh - p, cfg.v_head_dim or cfg.head_dim
+        x = x.astype(dtype)
+        if cfg.q_lora_rank:
+            wq_a = _param(self, "wq_a", (d, cfg.q_lora_rank), ("embed", "norm")).astype(dtype)
+            c_q = RMSNorm(cfg, ("norm",), name="q_a_norm")(jnp.einsum("btd,dr->btr", x, wq_a))
+            wq_b = _param(self, "wq_b", (cfg.q_lora_rank, h, dh), ("embed", "heads", "head_dim")).astype(dtype)
+            q = jnp.einsum("btr,rhk->bthk", c_q, wq_b)
+        else:
+            wq = _param(self, "wq", (d, h, dh), ("embed", "heads", "head_dim")).astype(dtype)
+            q = jnp.einsum("btd,dhk->bthk", x, wq)
+        q = constrain(q, ("batch", "length", "act_heads", None), self.rules)
+        wkv_a = _param(self, "wkv_a", (d, r + p), ("embed", "norm")).astype(dtype)
+        latent = jnp.einsum("btd,dr->btr", x, wkv_a)
+        c_kv = RMSNorm(cfg, ("norm",), name="kv_a_norm")(latent[..., :r])
+        k_pe = rope(latent[..., None, r:], positions, cfg)  # [B,T,1,P]
+        wkv_b = _param(self, "wkv_b", (r, h, nope + dv), ("embed", "heads", "head_dim"))
+        wo = _param(self, "wo", (h, dv, d), ("heads", "head_dim", "embed"))
+        q = jnp.concatenate([q[..., :nope], rope(q[..., nope:], positions, cfg)], axis=-1)
+        if self.decode:
+            return self._out(self._latent_cached(q, c_kv, k_pe[:, :, 0], wkv_b.astype(dtype), segment_ids), wo)
+        kv = jnp.einsum("btr,rhk->bthk", c_kv, wkv_b.astype(dtype))
+        kv = constrain(kv, ("batch", "length", "act_heads", None), self.rules)
+        k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_pe, (*k_pe.shape[:2], h, p))], axis=-1)
+        v = kv[..., nope:]
+        if dv < dh:
+            v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, dh - dv)))
+        q, k, v = (constrain(a, ("batch", "length", "act_heads", None), self.rules) for a in (q, k, v))
+        q, k, v = (checkpoint_name(a, f"attention_{n}") for a, n in ((q, "q"), (k, "k"), (v, "v")))
+        out = self.attention_fn(q, k, v, segment_ids)  # [B,T,H,Dh]
+        return self._out(out[..., :dv], wo)
+
+    def _latent_cached(self, q: jax.Array, c_kv: jax.Array, k_pe: jax.Array, wkv_b: jax.Array,
+                       segment_ids: jax.Array) -> jax.Array:
+        """Latent attention of T new queries over the cache of c_kv [B,S,R] and k_pe [B,S,P] (R + P numbers a
+        token a layer): wkv_b's key part is absorbed into the queries and its value part applied after the
+        weighted sum (DeepSeek-V2, "Low-Rank Key-Value Joint Compression"), so no key or value is expanded."""
+        cfg = self.cfg
+        nope = cfg.head_dim - cfg.qk_rope_head_dim
+        cached_c = self.variable("cache", "c_kv", jnp.zeros, c_kv.shape, c_kv.dtype)
+        cached_pe = self.variable("cache", "k_pe", jnp.zeros, k_pe.shape, k_pe.dtype)
+        cached_segments = self.variable("cache", "segment_ids", jnp.zeros, segment_ids.shape, jnp.int32)
+        index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+        dv = cfg.v_head_dim or cfg.head_dim
+        if self.is_initializing():
+            return jnp.zeros((*q.shape[:3], dv), q.dtype)
+        start = index.value
+        cached_c.value = jax.lax.dynamic_update_slice(cached_c.value, c_kv, (0, start, 0))
+        cached_pe.value = jax.lax.dynamic_update_slice(cached_pe.value, k_pe, (0, start, 0))
+        cached_segments.value = jax.lax.dynamic_update_slice(cached_segments.value,
+                                                             segment_ids.astype(jnp.int32), (0, start))
+        index.value = start + q.shape[1]
+        q_latent = jnp.einsum("bthn,rhn->bthr", q[..., :nope], wkv_b[..., :nope])  # [B,T,H,R]
+        scores = (jnp.einsum("bthr,bsr->bhts", q_latent, cached_c.value, preferred_element_type=jnp.float32)
+                  + jnp.einsum("bthp,bsp->bhts", q[..., nope:], cached_pe.value, preferred_element_type=jnp.float32))
+        scores = scores / np.sqrt(cfg.head_dim).astype(np.float32)
+        causal = (jnp.arange(cached_c.value.shape[1])[None, :] <= (start + jnp.arange(q.shape[1]))[:, None])
+        allowed = causal[None] & (cached_segments.value > 0)[:, None, :]  # [B,T,S]
+        scores = jnp.where(allowed[:, None], scores, jnp.finfo(scores.dtype).min)  # as `masked_attention`
+        weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+        out_latent = jnp.einsum("bhts,bsr->bthr", weights, cached_c.value)
+        return jnp.einsum("bthr,rhv->bthv", out_latent, wkv_b[..., nope:])
 
     def _cached(self, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
         names = ("batch", None, "act_kv_heads", None)  # the cache: batch and KV heads split as the activations
