@@ -70,12 +70,20 @@ def fp8_flops_per_token(cfg: ModelConfig) -> float:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x (matmul parameters a token uses) + 12 x layers x seq_len x (heads x head_dim).
+    """Training FLOPs per token: 6 x (matmul parameters a token uses) + `attention_flops_per_token`.
 
     The input embedding is a gather (no FLOPs); an MoE layer counts only the experts a token is routed to.
     """
     matmul_params = model.num_active_params(cfg) - cfg.vocab_size * cfg.d_model * (0 if cfg.tie_embeddings else 1)
-    return 6.0 * matmul_params + 12.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    return 6.0 * matmul_params + attention_flops_per_token(cfg, seq_len)
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """The attention's training FLOPs per token (playbook, "Memory usage in Transformers": 6 x seq_len x the
+    width of q.k and of p.v, per head and layer, not halved for the causal mask): 12 x layers x seq_len x
+    heads x head_dim where the values are as wide as the keys, 6 x (head_dim + v_head_dim) where not (multi-head
+    latent attention)."""
+    return 6.0 * cfg.n_layers * seq_len * cfg.n_heads * (cfg.head_dim + (cfg.v_head_dim or cfg.head_dim))
 
 
 def memory_stats() -> dict[str, float]:

@@ -54,6 +54,8 @@ def _moe(mesh: dict, **overrides):
 
 
 KINDS = {"dense": _dense, "pipeline": _pipeline, "moe": _moe}
+LATENT = {"model.kv_lora_rank": 32, "model.q_lora_rank": 24, "model.qk_rope_head_dim": 8, "model.head_dim": 24,
+          "model.v_head_dim": 16, "model.n_heads": 8, "model.n_kv_heads": 8}
 FAMILY = {"model.attention_bias": True, "model.qk_norm": True, "model.rope_scaling": "llama3",
                         "model.rope_factor": 8.0, "model.rope_original_max_positions": 32, "model.sliding_window": 24}
 # Keys that choose how the step is laid out, never what it computes: the float32 reference drops them.
@@ -174,6 +176,9 @@ CASES = [
     _case("moe", {"data": 2, "expert": 2, "tensor": 2}, **{
         "model.moe_dropless": True, "model.moe_router": "sigmoid", "model.moe_router_bias": True,
         "model.moe_groups": 4, "model.moe_topk_groups": 2, "model.moe_routed_scale": 2.5}),
+    # test_latent_attention: multi-head latent attention, heads over tensor under ZeRO-3; beside the experts
+    _case("dense", {"data": 2, "fsdp": 2, "tensor": 2}, **LATENT, **{"train.zero_stage": 3}),
+    _case("moe", {"expert": 2, "fsdp": 2, "tensor": 2}, **LATENT, **{"model.moe_dropless": True}),
 ]
 
 

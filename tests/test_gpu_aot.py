@@ -150,6 +150,8 @@ def test_composed_mesh_compiles_for_h100(mesh):
     assert report.step.memory["peak"] > 0 and report.fits
 
 
+LATENT = {"model.kv_lora_rank": 32, "model.q_lora_rank": 24, "model.qk_rope_head_dim": 8, "model.head_dim": 24,
+          "model.v_head_dim": 16, "model.n_heads": 8, "model.n_kv_heads": 8}
 FEATURES = {
     "zero1-accumulation": ({"fsdp": 4, "data": 2}, {"train.zero_stage": 1, "train.grad_accum_steps": 2}),
     "zero2": ({"fsdp": 8}, {"train.zero_stage": 2}),
@@ -200,6 +202,10 @@ FEATURES = {
                                              "model.rope_scaling": "llama3", "model.rope_factor": 8.0,
                                              "model.rope_original_max_positions": 32, "model.sliding_window": 24,
                                              "attention.impl": "xla"}),
+    # multi-head latent attention (tests/test_latent_attention.py): heads over tensor, ZeRO-3's latents; in
+    # 1F1B's slots beside ring attention
+    "latent-attention": ({"fsdp": 4, "tensor": 2}, {**LATENT, "train.zero_stage": 3}),
+    "latent-attention-ring-1f1b": ({"sequence": 2, "stage": 2, "data": 2}, LATENT),
 }
 
 
@@ -230,8 +236,9 @@ def test_remat_attention_reruns_only_the_mlp_input_matmul(impl):
     assert 3 * (gemms["attention"] - gemms["none"]) == gemms["full"] - gemms["none"] > 0, gemms
 
 
-def test_sampling_program_compiles_for_h100():
-    config = _bf16_composed({"tensor": 2, "fsdp": 4})
+@pytest.mark.parametrize("overrides", [{}, LATENT], ids=["kv-cache", "latent-cache"])
+def test_sampling_program_compiles_for_h100(overrides):
+    config = _bf16_composed({"tensor": 2, "fsdp": 4}, **overrides)
     report = aot.compile_report(config, "h100", 8, sample=(16, 8))
     assert report.sampling is not None and report.sampling.gemms > 0
     assert report.sampling.memory["argument"] > 0

@@ -129,7 +129,7 @@ def moe_rest_seconds(run: memory.Step, gpu: Gpu, passes: float, peak: float) -> 
     m = run.model
     n = math.prod(run.sizes.values())
     tokens = run.batch_size * run.seq_len
-    attention = 12.0 * m.n_layers * run.seq_len * m.n_heads * m.head_dim
+    attention = metrics.attention_flops_per_token(m, run.seq_len)
     experts = 18.0 * m.experts_per_token * m.d_model * (m.moe_mlp_dim or m.mlp_dim) * (m.n_layers // m.moe_every)
     scale = tokens / n * (1 + passes / 3)
     matmuls = (metrics.flops_per_token(m, run.seq_len) - attention - experts) * scale
@@ -268,7 +268,7 @@ def estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], gpu: Gpu,
         accumulate = 3 * 4 * summed / gpu.hbm_bandwidth
     compute += micro * accumulate if micro > 1 else 0.0
     exposed = {}
-    attention = 12.0 * run.model.n_layers * run.seq_len * run.model.n_heads * run.model.head_dim / per_token
+    attention = metrics.attention_flops_per_token(run.model, run.seq_len) / per_token
     exchange: dict[str, float] = {}  # the MoE exchange's bytes per axis (expert, and fsdp where experts split over it)
     for c in colls:
         if c.what == comm.EXCHANGE:
