@@ -230,7 +230,10 @@ def default_config() -> ml_collections.ConfigDict:
     # token choosing its top-k among the moe_topk_groups groups with the highest sum of their two best scores
     c.model.moe_groups = 1
     c.model.moe_topk_groups = 0  # 0: every group
-    c.model.moe_every = 1  # every this many layers is an MoE layer (divides n_layers)
+    c.model.moe_every = 1  # every this many layers is an MoE layer (divides n_layers - first_dense_layers)
+    # the first this many layers dense (model.mlp_dim wide), before the MoE layers (DeepSeek-V3's
+    # first_k_dense_replace)
+    c.model.first_dense_layers = 0
     # tokens an expert takes per step, as a multiple of an even share (excess tokens are dropped)
     c.model.capacity_factor = 1.25
     c.model.moe_dropless = False  # no capacity: every routed token is computed (grouped expert matmuls)
@@ -619,6 +622,7 @@ class ModelConfig:
     moe_groups: int = 1
     moe_topk_groups: int = 0
     moe_every: int = 1
+    first_dense_layers: int = 0
     capacity_factor: float = 1.25
     moe_dropless: bool = False
     moe_matmul: str = "ragged_dot"  # model.moe_matmul resolved (`moe_matmul`)
@@ -637,6 +641,16 @@ class ModelConfig:
     # Not a config key: True in the program of FP8 training's first step (empty amax histories: each
     # operand scales by its own current amax); `train_step.build` compiles it beside the usual step.
     fp8_first_step: bool = False
+
+    @property
+    def stacked_layers(self) -> int:
+        """The layers of the scanned stack (what a pipeline splits): all but the dense first ones."""
+        return self.n_layers - self.first_dense_layers
+
+    @property
+    def moe_layers(self) -> int:
+        """How many layers are MoE layers (0 for a dense model)."""
+        return self.stacked_layers // self.moe_every if self.num_experts else 0
 
     @property
     def fp8(self) -> bool:

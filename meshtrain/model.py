@@ -459,7 +459,7 @@ class MoeGroup(nn.Module):
 def scan_unit(cfg: ModelConfig) -> tuple[type[nn.Module], int]:
     """The scanned layer class (Block, or MoeGroup for an MoE model) and how many times it repeats."""
     if cfg.num_experts:
-        return MoeGroup, cfg.n_layers // cfg.moe_every
+        return MoeGroup, cfg.moe_layers
     return Block, cfg.n_layers
 
 
@@ -482,7 +482,7 @@ class LayerStack(Protocol):
 
 
 class Transformer(nn.Module):
-    """Embedding -> L scanned layers -> final norm -> output head (optionally tied)."""
+    """Embedding -> (the dense first layers ->) L scanned layers -> final norm -> output head (optionally tied)."""
 
     cfg: ModelConfig
     rules: Rules
@@ -499,6 +499,14 @@ class Transformer(nn.Module):
             split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast), length=scan_unit(cfg)[1],
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(cfg, self.rules, self.attention_fn, decode=self.decode, name="layers")
+        if cfg.first_dense_layers:  # DeepSeek-V3's first_k_dense_replace: dense layers before the MoE stack
+            block = Block if self.decode or cfg.remat_policy == "none" else nn.remat(
+                Block, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
+            self.dense_layers = nn.scan(
+                block, variable_axes={"params": 0, "cache": 0, fp8_lib.COLLECTION: 0},
+                split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast), length=cfg.first_dense_layers,
+                metadata_params={nn.PARTITION_NAME: "dense_layers"},
+            )(cfg, self.rules, self.attention_fn, decode=self.decode, name="dense_layers")
         self.final_norm = RMSNorm(cfg, name="final_norm")
         if not cfg.tie_embeddings:
             self.head = _param(self, "head", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
@@ -510,6 +518,8 @@ class Transformer(nn.Module):
     def hidden_and_stats(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array):
         """Final-norm hidden states [B,T,D] and the MoE layers' router statistics ([L/moe_every]; None if dense)."""
         x = self.embed(tokens)
+        if self.cfg.first_dense_layers:
+            x, _ = self.dense_layers(x, positions, segment_ids)
         if self.pipeline is not None and not self.is_initializing():  # parallel/pipeline.py, over `stage`
             x, stats = self.pipeline.forward(self, x, positions, segment_ids)
             return self.final_norm(x), stats or None

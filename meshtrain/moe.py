@@ -72,8 +72,18 @@ BIAS_NAME = "router_bias"
 def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
     """The MoE rules: experts split evenly over `expert`, k <= E, whole groups of layers."""
     m = config.model
+    if m.first_dense_layers and not m.num_experts:
+        raise ConfigError("model.first_dense_layers", m.first_dense_layers,
+                          "dense first layers come before MoE layers: needs model.num_experts > 0")
     if m.num_experts == 0:
         return
+    if not (isinstance(m.first_dense_layers, int) and 0 <= m.first_dense_layers < m.n_layers):
+        raise ConfigError("model.first_dense_layers", m.first_dense_layers,
+                          f"must be an integer in [0, model.n_layers={m.n_layers})")
+    if m.first_dense_layers and sizes["stage"] > 1:
+        raise ConfigError("model.first_dense_layers", m.first_dense_layers,
+                          f"the dense first layers run before the scanned layer stack, which mesh.stage="
+                          f"{sizes['stage']} pipelines: not with a pipeline yet (0, or mesh.stage=1)")
     if m.num_experts % sizes["expert"]:
         raise ConfigError("model.num_experts", m.num_experts,
                           f"the experts must be divisible by mesh.expert={sizes['expert']}")
@@ -84,9 +94,10 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     if not 1 <= m.experts_per_token <= m.num_experts:
         raise ConfigError("model.experts_per_token", m.experts_per_token,
                           f"must be between 1 and model.num_experts={m.num_experts}")
-    if m.moe_every < 1 or m.n_layers % m.moe_every:
-        raise ConfigError("model.moe_every", m.moe_every,
-                          f"must be >= 1 and divide model.n_layers={m.n_layers}")
+    stacked = m.n_layers - m.first_dense_layers
+    if m.moe_every < 1 or stacked % m.moe_every:
+        raise ConfigError("model.moe_every", m.moe_every, f"must be >= 1 and divide model.n_layers={m.n_layers}"
+                          + (f" - model.first_dense_layers={m.first_dense_layers}" if m.first_dense_layers else ""))
     if m.moe_groups < 1 or m.num_experts % m.moe_groups or (m.moe_groups > 1 and m.num_experts // m.moe_groups < 2):
         raise ConfigError("model.moe_groups", m.moe_groups,
                           f"must divide model.num_experts={m.num_experts} into groups of at least 2 experts "

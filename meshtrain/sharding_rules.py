@@ -64,6 +64,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "vocab": (T,),                 # output head split over the vocabulary
     "embed_vocab": (),             # input embedding rows: kept whole (a gather on a split vocab rematerialises)
     "layers": (ST,),               # pipeline stages own contiguous layers
+    "dense_layers": (),            # the dense first layers before an MoE stack (model.first_dense_layers)
     "expert": (E,),
     "stage": (ST,),
     "repeat": (),

@@ -145,18 +145,22 @@ ROUTER_KEYS = {"model.moe_router": "sigmoid", "model.moe_router_bias": True, "mo
                "model.moe_bias_rate": 0.01, "model.aux_loss_weight": 1e-3}
 
 
-def _config(sizes: dict):
+def _config(sizes: dict, **overrides):
     """The composed tiny MoE (`utils.composed_config`: sequence-wise balance loss, 1F1B with `stage`, ZeRO-3
     with `fsdp`, ring attention with `sequence`) with DeepSeek-V3's router, dropless."""
     schedule = sizes.pop("schedule", None)  # a pipeline schedule other than 1F1B
-    config = utils.apply_overrides(utils.composed_config(sizes, moe=True), ROUTER_KEYS)
+    config = utils.apply_overrides(utils.composed_config(sizes, moe=True), {**ROUTER_KEYS, **overrides})
     return utils.apply_overrides(config, {"pipeline.schedule": schedule} if schedule else {})
 
 
+# DeepSeek-V3's first_k_dense_replace: the first layer dense, the other three MoE
+DENSE_FIRST = (("model.first_dense_layers", 1), ("model.moe_every", 1))
+
+
 @functools.cache
-def _trained(key: tuple):
+def _trained(key: tuple, overrides: tuple = ()):
     """([STEPS, 3] loss, gradient norm and max / mean load; final params) on the mesh `dict(key)`."""
-    config = _config(dict(key))
+    config = _config(dict(key), **dict(overrides))
     batches = utils.synthetic_batches(config, STEPS)
     run = utils.resolve(config)
     if run.layout.permutation is not None:  # ring attention's zig-zag token order
@@ -184,6 +188,19 @@ def test_model_trains_like_one_device(sizes):
     moved = _biases(ref_params)
     assert moved and all(np.abs(b).max() > 0 for b in moved)  # the step moved them
     chex.assert_trees_all_close(params, ref_params, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("sizes", [{"expert": 8}, {"data": 2, "expert": 2, "tensor": 2}, {"fsdp": 4, "expert": 2}],
+                         ids=lambda s: "x".join(f"{a}{n}" for a, n in s.items()))
+def test_dense_first_layers_train_like_one_device(sizes):
+    """`model.first_dense_layers=1`: one dense layer (model.mlp_dim wide) before three MoE layers."""
+    got, params = _trained(tuple(sorted(sizes.items())), DENSE_FIRST)
+    want, ref_params = _trained((), DENSE_FIRST)
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    chex.assert_trees_all_close(params, ref_params, rtol=1e-4, atol=1e-5)
+    config = _config({}, **dict(DENSE_FIRST))
+    assert params["dense_layers"]["mlp"]["w_gate"].shape == (1, config.model.d_model, config.model.mlp_dim)
+    assert params["layers"]["moe_layer"]["moe"]["w_gate"].shape[0] == 3
 
 
 def test_bias_balances_the_load_where_the_frozen_bias_does_not(capsys):
@@ -243,6 +260,12 @@ def test_validation_names_key_value_and_rule(key, value, match):
     with pytest.raises(ConfigError, match=match) as err:
         validate(config, 8)
     assert key in str(err.value)
+
+
+def test_dense_first_layers_not_in_a_pipeline_yet():
+    config = _config({"stage": 2, "fsdp": 2, "expert": 2}, **dict(DENSE_FIRST))
+    with pytest.raises(ConfigError, match="model.first_dense_layers.*not with a pipeline yet"):
+        validate(config, 8)
 
 
 def test_topk_groups_must_hold_the_choices():

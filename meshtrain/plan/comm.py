@@ -214,7 +214,7 @@ def _activations(run: Step, remat: str, backend: Backend) -> list[Coll]:
             out.append(Coll("all-reduce", x, {"stage": s["stage"]}, 2, "pipeline output"))
     if m.num_experts and run.ep > 1:
         tokens = t * m.experts_per_token * (1.0 if m.moe_dropless else m.capacity_factor)
-        moe_layers = math.ceil(layers / m.moe_every)
+        moe_layers = math.ceil(layers / m.moe_every) if s["stage"] > 1 else m.moe_layers
         # dispatch and return, forward and backward; a rebuilt forward (full remat) exchanges again
         passes = 6 if remat in ("full", "offload") else 4
         out.append(Coll("all-to-all", tokens * m.d_model * a, run.expert_axes, passes * moe_layers * micro, EXCHANGE))

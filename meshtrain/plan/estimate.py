@@ -51,7 +51,7 @@ def recompute_passes(model: config_lib.ModelConfig, seq_len: int, remat: str) ->
     if remat != "attention":
         return RECOMPUTE[remat]
     d, f = model.d_model, model.moe_mlp_dim or model.mlp_dim
-    moe_layers = model.n_layers // model.moe_every if model.num_experts else 0
+    moe_layers = model.moe_layers
     per_moe = f * (model.experts_per_token + (1 if model.shared_expert else 0))
     gate_up = 4 * d * ((model.n_layers - moe_layers) * model.mlp_dim + moe_layers * per_moe)
     heads = model.n_heads * model.head_dim
@@ -86,7 +86,7 @@ def moe_compute(run: memory.Step, gpu: Gpu, passes: float) -> tuple[float, float
         computed = held = math.ceil(run.micro_tokens * m.experts_per_token * m.capacity_factor)
         share = dict.fromkeys(("grouped_matmul", "grouped_matmul_dx", "grouped_matmul_dw"),
                               hlo.KERNEL_TIMES.flop_efficiency)
-    layers = m.n_layers // m.moe_every
+    layers = m.moe_layers
     a = memory.dtype_bytes(m.dtype)
     one = 2.0 * computed * m.d_model * f  # one matmul over a micro-batch's rows on one device
     # a matmul reads its experts' weights whole, its rows and writes its output: with many experts of few rows
@@ -130,7 +130,7 @@ def moe_rest_seconds(run: memory.Step, gpu: Gpu, passes: float, peak: float) -> 
     n = math.prod(run.sizes.values())
     tokens = run.batch_size * run.seq_len
     attention = metrics.attention_flops_per_token(m, run.seq_len)
-    experts = 18.0 * m.experts_per_token * m.d_model * (m.moe_mlp_dim or m.mlp_dim) * (m.n_layers // m.moe_every)
+    experts = 18.0 * m.experts_per_token * m.d_model * (m.moe_mlp_dim or m.mlp_dim) * m.moe_layers
     scale = tokens / n * (1 + passes / 3)
     matmuls = (metrics.flops_per_token(m, run.seq_len) - attention - experts) * scale
     state = memory.placed_elements(run.stored_model, run.placement()["optimizer"]) * OPTIMIZER_BYTES
