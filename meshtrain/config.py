@@ -38,7 +38,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "selective", "attention", "full", "offload")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas", "ring", "ulysses")
 SCORES_DTYPES = ("float32", "compute")
-ROPE_SCALINGS = ("none", "linear", "llama3")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # model.family: what `hf export` writes (mixtral with experts)
 CONTEXT_PARALLEL_IMPLS = ("ring", "ulysses")  # the implementations that split the sequence over `sequence`
 # `pipeline.schedule`'s choices: the names of `parallel.schedules.REGISTRY`, which defines each (the config
@@ -175,15 +175,22 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.head_dim = 16  # width of each attention head
     c.model.mlp_dim = 384  # SwiGLU hidden width
     c.model.rope_theta = 10000.0  # RoPE base frequency
-    # RoPE frequency scaling for long contexts: "none", "linear" (positions / rope_factor) or "llama3"
+    # RoPE frequency scaling for long contexts: "none", "linear" (positions / rope_factor), "llama3"
     # (Llama 3.1: low frequencies / rope_factor, high ones kept, smoothed between rope_low_freq_factor and
-    # rope_high_freq_factor of rope_original_max_positions)
+    # rope_high_freq_factor of rope_original_max_positions) or "yarn" (YaRN as DeepSeek-V3 sets it: frequencies
+    # interpolated between rope_beta_fast and rope_beta_slow rotations, cos / sin and the scores scaled)
     c.model.rope_scaling = "none"
     c.model.rope_factor = 1.0  # rope_scaling's factor (context extension)
     # llama3 scaling: wavelengths above rope_original_max_positions / this are divided by rope_factor
     c.model.rope_low_freq_factor = 1.0
     c.model.rope_high_freq_factor = 4.0  # llama3 scaling: wavelengths below rope_original_max_positions / this are kept
-    c.model.rope_original_max_positions = 8192  # llama3 scaling: the context the model was trained at
+    c.model.rope_original_max_positions = 8192  # llama3 / yarn scaling: the context the model was trained at
+    c.model.rope_beta_fast = 32.0  # yarn: frequencies turning more than this often in that context are kept
+    c.model.rope_beta_slow = 1.0  # yarn: frequencies turning less than this often are divided by rope_factor
+    # yarn: cos and sin times (0.1 m ln(rope_factor) + 1) for m = rope_mscale, over the same for m =
+    # rope_mscale_all_dim where that is > 0; and then the attention scores times the latter squared
+    c.model.rope_mscale = 1.0
+    c.model.rope_mscale_all_dim = 0.0
     # the Hugging Face architecture an export writes: llama, mistral, qwen2, qwen3 (mixtral with experts)
     c.model.family = "llama"
     c.model.attention_bias = False  # biases on the q, k, v projections (Qwen2)
@@ -466,6 +473,8 @@ def _validate_positive(config) -> None:
         section, name = key.split(".")
         require(config[section][name] > 0, key, config[section][name], "must be > 0")
     m = config.model
+    require(m.rope_scaling != "yarn" or m.rope_beta_fast > m.rope_beta_slow > 0, "model.rope_beta_fast",
+            m.rope_beta_fast, f"must exceed model.rope_beta_slow={m.rope_beta_slow} > 0 (yarn RoPE scaling)")
     require(m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor > 0,
             "model.rope_high_freq_factor", m.rope_high_freq_factor,
             f"must exceed model.rope_low_freq_factor={m.rope_low_freq_factor} > 0 (llama3 RoPE scaling)")
@@ -592,6 +601,10 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 8192
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0
+    rope_mscale_all_dim: float = 0.0
     family: str = "llama"
     attention_bias: bool = False
     qk_norm: bool = False

@@ -116,6 +116,8 @@ def rope_frequencies(cfg: ModelConfig, dim: int = 0) -> np.ndarray:
     factor = np.float32(cfg.rope_factor)
     if cfg.rope_scaling == "linear":
         return (inv_freq / factor).astype(np.float32)
+    if cfg.rope_scaling == "yarn":
+        return _yarn_frequencies(cfg, dh)
     if cfg.rope_scaling != "llama3":
         return inv_freq.astype(np.float32)
     old, low, high = cfg.rope_original_max_positions, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
@@ -127,6 +129,45 @@ def rope_frequencies(cfg: ModelConfig, dim: int = 0) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def _yarn_frequencies(cfg: ModelConfig, dim: int) -> np.ndarray:
+    """YaRN (Peng et al. 2023, as DeepSeek-V3 and transformers set it): frequency i of `dim`/2 is kept where
+    it turns more than rope_beta_fast times over the original context, divided by rope_factor where it turns
+    fewer than rope_beta_slow times, and linearly mixed between (the ramp's ends rounded outward)."""
+    def correction_dim(rotations: float) -> float:
+        turns = cfg.rope_original_max_positions / (rotations * 2 * math.pi)
+        return dim * math.log(turns) / (2 * math.log(cfg.rope_theta))
+
+    low = max(math.floor(correction_dim(cfg.rope_beta_fast)), 0)
+    high = min(math.ceil(correction_dim(cfg.rope_beta_slow)), dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    base = cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    keep = 1 - ramp  # the share of each frequency kept as it is (extrapolated)
+    return ((1.0 / (cfg.rope_factor * base)) * (1 - keep) + (1.0 / base) * keep).astype(np.float32)
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's magnitude scale 0.1 m ln(factor) + 1 (1 where the context is not extended)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor YaRN scales cos and sin by (1 for the other scalings)."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0
+    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
+        return yarn_mscale(cfg.rope_factor, cfg.rope_mscale) / yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim)
+    return yarn_mscale(cfg.rope_factor, 1.0)
+
+
+def score_scale(cfg: ModelConfig) -> float:
+    """The factor on the attention scores beside 1/sqrt(head_dim): YaRN's mscale(rope_mscale_all_dim)^2 (DeepSeek-V3's
+    softmax scale), else 1. The attention functions scale by 1/sqrt(head_dim); the queries carry the rest."""
+    if cfg.rope_scaling != "yarn" or not cfg.rope_mscale_all_dim:
+        return 1.0
+    return yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim) ** 2
+
+
 def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Rotary position embedding (rotate-half layout), positions [B,T] restart per document."""
     dh = x.shape[-1]
@@ -136,6 +177,9 @@ def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
     x32 = x.astype(jnp.float32)
     half = dh // 2
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    scale = np.float32(rope_attention_factor(cfg))
+    if scale != 1:
+        return (x32 * (jnp.cos(angles) * scale) + rotated * (jnp.sin(angles) * scale)).astype(x.dtype)
     return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
 
 
@@ -164,6 +208,11 @@ def in_compute_dtype(layer_params, dtype):
     return jax.tree_util.tree_map_with_path(cast, layer_params)
 
 
+# The epsilon of multi-head latent attention's latent RMSNorms: DeepSeek-V2/V3 fix it whatever their
+# rms_norm_eps (their reference code and transformers' port alike).
+LATENT_NORM_EPS = 1e-6
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm over the last dimension, computed in float32. `names`: the scale's
     logical axis (the model dimension, or `head_dim` for Qwen3's per-head query / key norm, which
@@ -171,14 +220,16 @@ class RMSNorm(nn.Module):
 
     cfg: ModelConfig
     names: tuple[str, ...] = ("embed",)
+    eps: float = 0.0  # 0: model.norm_eps
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = _param(self, "scale", (x.shape[-1],), self.names, nn.initializers.ones)
+        eps = self.eps or self.cfg.norm_eps
         if self.cfg.fused_norm and self.names == ("embed",):
-            return fused_rms_norm(x, scale, eps=self.cfg.norm_eps)
+            return fused_rms_norm(x, scale, eps=eps)
         x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.norm_eps)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
         return (normed * scale.astype(jnp.float32)).astype(x.dtype)
 
 
@@ -275,7 +326,10 @@ class Attention(nn.Module):
         if cfg.qk_norm:  # Qwen3: each query and key head RMS-normalised before RoPE
             q = RMSNorm(cfg, ("head_dim",), name="q_norm")(q)
             k = RMSNorm(cfg, ("head_dim",), name="k_norm")(k)
-        q = constrain(rope(q, positions, cfg), ("batch", "length", "act_heads", None), self.rules)
+        q = rope(q, positions, cfg)
+        if score_scale(cfg) != 1:  # YaRN's mscale on the scores, carried by the queries
+            q = q * jnp.asarray(score_scale(cfg), q.dtype)
+        q = constrain(q, ("batch", "length", "act_heads", None), self.rules)
         k = constrain(rope(k, positions, cfg), ("batch", "length", "act_kv_heads", None), self.rules)
         v = constrain(v, ("batch", "length", "act_kv_heads", None), self.rules)
         q, k, v = (checkpoint_name(a, f"attention_{n}") for a, n in ((q, "q"), (k, "k"), (v, "v")))
@@ -310,7 +364,7 @@ class Attention(nn.Module):
         x = x.astype(dtype)
         if cfg.q_lora_rank:
             wq_a = _param(self, "wq_a", (d, cfg.q_lora_rank), ("embed", "norm")).astype(dtype)
-            c_q = RMSNorm(cfg, ("norm",), name="q_a_norm")(jnp.einsum("btd,dr->btr", x, wq_a))
+            c_q = RMSNorm(cfg, ("norm",), LATENT_NORM_EPS, name="q_a_norm")(jnp.einsum("btd,dr->btr", x, wq_a))
             wq_b = _param(self, "wq_b", (cfg.q_lora_rank, h, dh), ("embed", "heads", "head_dim")).astype(dtype)
             q = jnp.einsum("btr,rhk->bthk", c_q, wq_b)
         else:
@@ -319,11 +373,13 @@ class Attention(nn.Module):
         q = constrain(q, ("batch", "length", "act_heads", None), self.rules)
         wkv_a = _param(self, "wkv_a", (d, r + p), ("embed", "norm")).astype(dtype)
         latent = jnp.einsum("btd,dr->btr", x, wkv_a)
-        c_kv = RMSNorm(cfg, ("norm",), name="kv_a_norm")(latent[..., :r])
+        c_kv = RMSNorm(cfg, ("norm",), LATENT_NORM_EPS, name="kv_a_norm")(latent[..., :r])
         k_pe = rope(latent[..., None, r:], positions, cfg)  # [B,T,1,P]
         wkv_b = _param(self, "wkv_b", (r, h, nope + dv), ("embed", "heads", "head_dim"))
         wo = _param(self, "wo", (h, dv, d), ("heads", "head_dim", "embed"))
         q = jnp.concatenate([q[..., :nope], rope(q[..., nope:], positions, cfg)], axis=-1)
+        if score_scale(cfg) != 1:  # YaRN's mscale on the scores (DeepSeek-V3's softmax scale), carried by the queries
+            q = q * jnp.asarray(score_scale(cfg), q.dtype)
         if self.decode:
             return self._out(self._latent_cached(q, c_kv, k_pe[:, :, 0], wkv_b.astype(dtype), segment_ids), wo)
         kv = jnp.einsum("btr,rhk->bthk", c_kv, wkv_b.astype(dtype))

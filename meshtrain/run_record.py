@@ -32,7 +32,8 @@ MODEL_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "hea
               "tie_embeddings", "param_dtype", "num_experts", "experts_per_token", "moe_every", "capacity_factor",
               "moe_dropless", "moe_mlp_dim", "shared_expert", "moe_norm_topk", "moe_router", "moe_routed_scale",
               "moe_router_bias", "moe_groups", "moe_topk_groups", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
-              "v_head_dim", "first_dense_layers")
+              "v_head_dim", "first_dense_layers", "rope_beta_fast", "rope_beta_slow", "rope_mscale",
+              "rope_mscale_all_dim")
 TOKENIZER_KEY = "data.tokenizer"
 
 

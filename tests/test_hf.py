@@ -281,6 +281,11 @@ def test_from_hf_must_be_a_checkpoint_folder(tmp_path):
 FAMILY_MESHES = [None, {"data": 2, "fsdp": 2, "tensor": 2}]
 ROPE_LLAMA3 = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8}  # short: SEQ spans all three bands
+DEEPSEEK = {"rope_theta": 50000.0, "num_key_value_heads": 4, "num_hidden_layers": 3, "n_routed_experts": 8,
+            "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "kv_lora_rank": 16,
+            "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12, "n_group": 4,
+            "topk_group": 2, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+            "eos_token_id": None}  # its default, 1, would end transformers' greedy decoding (the test runs to length)
 FAMILIES = {
     "llama3.1": (transformers.LlamaForCausalLM, transformers.LlamaConfig, {"rope_parameters": ROPE_LLAMA3}),
     "llama-linear": (transformers.LlamaForCausalLM, transformers.LlamaConfig,
@@ -295,6 +300,14 @@ FAMILIES = {
               {"head_dim": 16, "rope_theta": 50000.0, "num_experts": 4, "num_experts_per_tok": 2,
                "moe_intermediate_size": 16, "norm_topk_prob": norm})
        for name, norm in (("qwen3-moe", True), ("qwen3-moe-unnormalised", False))},
+    # DeepSeek-V3: latent attention (both latents; the second without the query latent, with YaRN), the sigmoid
+    # router with its balancing bias, 4 groups of 2 experts (top-2 groups), a shared expert, a dense first layer
+    "deepseek-v3": (transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config, DEEPSEEK),
+    "deepseek-v3-yarn": (transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config, {
+        **DEEPSEEK, "q_lora_rank": None, "max_position_embeddings": 64,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                            "original_max_position_embeddings": 16}}),
 }
 
 
@@ -305,11 +318,14 @@ def families(tmp_path_factory) -> dict[str, str]:
     base = {k: v for k, v in LLAMA.items() if k != "rope_theta"}
     for seed, (name, (model_cls, config_cls, extra)) in enumerate(FAMILIES.items()):
         torch.manual_seed(seed)
-        model = model_cls(config_cls(**base, **extra)).eval()
+        model = model_cls(config_cls(**{**base, **extra})).eval()
         with torch.no_grad():
             for key, p in model.named_parameters():
                 if key.endswith("bias") or "norm" in key:
                     p.add_(0.3 * torch.randn_like(p))
+            for key, b in model.named_buffers():  # DeepSeek-V3's balancing bias (a buffer: not trained)
+                if key.endswith("e_score_correction_bias"):
+                    b.add_(0.1 * torch.randn_like(b))
         model.save_pretrained(root / name)
         out[name] = str(root / name)
     return out
@@ -325,7 +341,13 @@ def test_family_logits_equal_transformers(families, name, mesh):
         "llama3.1": ("llama3", False, False, 0), "llama-linear": ("linear", False, False, 0),
         "qwen2": ("none", True, False, 0), "qwen3": ("none", False, True, 0),
         "mistral-window": ("none", False, False, 5), "qwen3-moe": ("none", False, True, 0),
-        "qwen3-moe-unnormalised": ("none", False, True, 0)}[name]
+        "qwen3-moe-unnormalised": ("none", False, True, 0), "deepseek-v3": ("none", False, False, 0),
+        "deepseek-v3-yarn": ("yarn", False, False, 0)}[name]
+    if name.startswith("deepseek"):
+        assert (cfg.num_experts, cfg.moe_router, cfg.moe_router_bias, cfg.moe_groups, cfg.moe_topk_groups,
+                cfg.moe_routed_scale, cfg.shared_expert, cfg.first_dense_layers, cfg.kv_lora_rank, cfg.q_lora_rank,
+                cfg.head_dim, cfg.v_head_dim) == (8, "sigmoid", True, 4, 2, 2.5, True, 1, 16,
+                                                  24 if name == "deepseek-v3" else 0, 24, 12)
     if name.startswith("qwen3-moe"):
         assert (cfg.num_experts, cfg.experts_per_token, cfg.moe_mlp_dim, cfg.moe_norm_topk) == (
             4, 2, 16, name == "qwen3-moe")

@@ -47,17 +47,18 @@ def _rope(x, positions, theta):
 
 
 def _reference(params, x, positions, segments, cfg: ModelConfig):
-    """One row x [T, D]: DeepSeek-V2's equations (9)-(19), head by head, float64."""
+    """One row x [T, D]: DeepSeek-V2's equations (9)-(19), head by head, float64; the latents' RMSNorm epsilon
+    1e-6 whatever the model's (DeepSeek's code fixes it)."""
     f = {k: (np.asarray(v["scale"], np.float64) if isinstance(v, dict) else np.asarray(v, np.float64))
          for k, v in params.items()}
     x = np.asarray(x, np.float64)
     nope = DH - P
     if cfg.q_lora_rank:
-        q = np.einsum("tr,rhk->thk", _rms(x @ f["wq_a"], f["q_a_norm"], cfg.norm_eps), f["wq_b"])
+        q = np.einsum("tr,rhk->thk", _rms(x @ f["wq_a"], f["q_a_norm"], 1e-6), f["wq_b"])
     else:
         q = np.einsum("td,dhk->thk", x, f["wq"])
     latent = x @ f["wkv_a"]
-    c_kv, k_pe = _rms(latent[:, :R], f["kv_a_norm"], cfg.norm_eps), _rope(latent[:, R:], positions, cfg.rope_theta)
+    c_kv, k_pe = _rms(latent[:, :R], f["kv_a_norm"], 1e-6), _rope(latent[:, R:], positions, cfg.rope_theta)
     kv = np.einsum("tr,rhk->thk", c_kv, f["wkv_b"])
     t = x.shape[0]
     out = np.zeros((t, H, DV))

@@ -22,19 +22,24 @@ from meshtrain.hf.formats import DTYPE_NAMES, IGNORED_SUFFIXES, HFFormatError, S
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-MOE_TYPES = ("mixtral", "qwen3_moe")
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
+MOE_TYPES = ("mixtral", "qwen3_moe", "deepseek_v3")
 # Architecture fields that a Hugging Face checkpoint decides when it starts a run (config.init.from_hf).
 ARCHITECTURE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim",
                        "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                        "rope_original_max_positions", "family", "attention_bias", "qk_norm", "sliding_window",
                        "norm_eps", "tie_embeddings", "num_experts", "experts_per_token", "moe_every", "moe_mlp_dim",
-                       "shared_expert", "moe_norm_topk")
+                       "shared_expert", "moe_norm_topk", "first_dense_layers", "moe_router", "moe_router_bias",
+                       "moe_groups", "moe_topk_groups", "moe_routed_scale", "kv_lora_rank", "q_lora_rank",
+                       "qk_rope_head_dim", "v_head_dim", "rope_beta_fast", "rope_beta_slow", "rope_mscale",
+                       "rope_mscale_all_dim")
 
 
-def _rope(hf: dict) -> dict:
+def _rope(hf: dict, model_type: str = "") -> dict:
     """RoPE's fields of ModelConfig from `rope_parameters` (transformers 5) or `rope_scaling` (earlier):
-    the default, linear and llama3 (Llama 3.1) types."""
+    the default, linear and llama3 (Llama 3.1) types; yarn for DeepSeek-V3 (whose attention also scales
+    its scores by the all-dims mscale, as `model.score_scale` does)."""
     params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     kind = params.get("rope_type", params.get("type", "default"))
     out = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))}
@@ -48,10 +53,20 @@ def _rope(hf: dict) -> dict:
                     "rope_low_freq_factor": float(params["low_freq_factor"]),
                     "rope_high_freq_factor": float(params["high_freq_factor"]),
                     "rope_original_max_positions": int(params["original_max_position_embeddings"])}
+        if kind == "yarn" and model_type == "deepseek_v3":
+            factor = params.get("factor") or hf["max_position_embeddings"] / params["original_max_position_embeddings"]
+            if params.get("attention_factor") is not None:
+                raise HFFormatError("config.json rope_parameters.attention_factor: yarn's is taken from its mscales")
+            return {**out, "rope_scaling": "yarn", "rope_factor": float(factor),
+                    "rope_original_max_positions": int(params["original_max_position_embeddings"]),
+                    "rope_beta_fast": float(params.get("beta_fast") or 32), "rope_beta_slow": float(
+                        params.get("beta_slow") or 1), "rope_mscale": float(params.get("mscale") or 0),
+                    "rope_mscale_all_dim": float(params.get("mscale_all_dim") or 0)}
     except KeyError as e:
         raise HFFormatError(f"config.json rope_type={kind!r} has no {e.args[0]!r}") from None
     if kind != "default":
-        raise HFFormatError(f"config.json rope_type={kind!r}: supported are default, linear and llama3")
+        raise HFFormatError(f"config.json rope_type={kind!r}: supported are default, linear and llama3 (and yarn "
+                            "for DeepSeek-V3)")
     return out
 
 
@@ -61,6 +76,10 @@ def _hf_rope(cfg: ModelConfig) -> dict:
         return {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling == "linear":
         return {"rope_type": "linear", "rope_theta": cfg.rope_theta, "factor": cfg.rope_factor}
+    if cfg.rope_scaling == "yarn":
+        return {"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": cfg.rope_factor,
+                "original_max_position_embeddings": cfg.rope_original_max_positions, "beta_fast": cfg.rope_beta_fast,
+                "beta_slow": cfg.rope_beta_slow, "mscale": cfg.rope_mscale, "mscale_all_dim": cfg.rope_mscale_all_dim}
     return {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": cfg.rope_factor,
             "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
             "original_max_position_embeddings": cfg.rope_original_max_positions}
@@ -90,11 +109,49 @@ def _moe_fields(hf: dict, model_type: str) -> dict:
         raise HFFormatError(f"config.json decoder_sparse_step={hf.get('decoder_sparse_step')}, mlp_only_layers="
                             f"{hf.get('mlp_only_layers')}: only a mixture of experts in every layer is supported "
                             "(decoder_sparse_step 1, no mlp_only_layers)")
+    if model_type == "deepseek_v3":
+        return _deepseek_moe_fields(hf)
     experts = hf.get("num_experts", hf.get("num_local_experts"))
     if experts is None:
         raise KeyError("num_experts")
     return dict(num_experts=int(experts), experts_per_token=int(hf["num_experts_per_tok"]), moe_dropless=True,
                 moe_mlp_dim=int(hf["moe_intermediate_size"]), moe_norm_topk=bool(hf.get("norm_topk_prob", False)))
+
+
+def _deepseek_moe_fields(hf: dict) -> dict:
+    """DeepSeek-V3 (and Kimi K2): sigmoid router with the balancing bias, group-limited, routed scaling, one
+    shared expert, the first `first_k_dense_replace` layers dense."""
+    shared = int(hf.get("n_shared_experts") or 0)
+    if shared > 1:
+        raise HFFormatError(f"config.json n_shared_experts={shared}: one shared expert (or none) is supported")
+    if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise HFFormatError(f"config.json scoring_func={hf.get('scoring_func')!r}, topk_method="
+                            f"{hf.get('topk_method')!r}: DeepSeek-V3's sigmoid router with noaux_tc is supported")
+    if int(hf.get("moe_layer_freq", 1)) != 1:
+        raise HFFormatError(f"config.json moe_layer_freq={hf['moe_layer_freq']}: only every layer after "
+                            "first_k_dense_replace sparse is supported")
+    return dict(num_experts=int(hf["n_routed_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
+                moe_dropless=True, moe_mlp_dim=int(hf["moe_intermediate_size"]),
+                moe_norm_topk=bool(hf.get("norm_topk_prob", True)), moe_router="sigmoid", moe_router_bias=True,
+                moe_groups=int(hf.get("n_group") or 1), moe_topk_groups=int(hf.get("topk_group") or 0),
+                moe_routed_scale=float(hf.get("routed_scaling_factor", 1.0)), shared_expert=shared == 1,
+                first_dense_layers=int(hf.get("first_k_dense_replace", 0)))
+
+
+def _latent_fields(hf: dict) -> dict:
+    """Multi-head latent attention's fields (DeepSeek-V2/V3): head_dim is the query / key head (nope + rope)."""
+    heads = int(hf["num_attention_heads"])
+    if int(hf.get("num_key_value_heads") or heads) != heads:
+        raise HFFormatError(f"config.json num_key_value_heads={hf['num_key_value_heads']}: multi-head latent "
+                            f"attention expands a key and a value per head (num_attention_heads={heads})")
+    if not hf.get("rope_interleave", True):
+        raise HFFormatError("config.json rope_interleave=False: DeepSeek-V3's interleaved RoPE layout is supported")
+    if hf.get("attention_bias"):
+        raise HFFormatError("config.json attention_bias=True: multi-head latent attention without biases is supported")
+    return dict(n_kv_heads=heads, head_dim=int(hf["qk_nope_head_dim"]) + int(hf["qk_rope_head_dim"]),
+                kv_lora_rank=int(hf["kv_lora_rank"]), q_lora_rank=int(hf.get("q_lora_rank") or 0),
+                qk_rope_head_dim=int(hf["qk_rope_head_dim"]), v_head_dim=int(hf["v_head_dim"]),
+                family="llama", attention_bias=False, qk_norm=False, sliding_window=0)
 
 
 def model_config_from_hf(hf: dict, param_dtype: str | None = None) -> ModelConfig:
@@ -111,8 +168,9 @@ def model_config_from_hf(hf: dict, param_dtype: str | None = None) -> ModelConfi
             vocab_size=int(hf["vocab_size"]), d_model=d, n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
             n_kv_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(hf.get("head_dim") or d // heads), mlp_dim=int(hf["intermediate_size"]),
-            **_rope(hf), **_attention_fields(hf, model_type), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            **_rope(hf, model_type), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+        values.update(_latent_fields(hf) if model_type == "deepseek_v3" else _attention_fields(hf, model_type))
         if model_type in MOE_TYPES:
             values.update(_moe_fields(hf, model_type))
     except KeyError as e:
@@ -127,6 +185,17 @@ def export_type(cfg: ModelConfig) -> str:
     """The Hugging Face `model_type` that holds this model: with experts, qwen3_moe (q/k norm) or mixtral
     (neither q/k norm nor biases; the top-k weights renormalised); else `model.family`, which must have what
     the model uses (raises HFFormatError naming the key otherwise)."""
+    if cfg.kv_lora_rank:
+        if not (cfg.num_experts and cfg.moe_router == "sigmoid" and cfg.moe_router_bias and cfg.moe_every == 1):
+            raise HFFormatError("model.kv_lora_rank > 0: latent attention exports as DeepSeek-V3, whose MoE has "
+                                "model.moe_router='sigmoid', model.moe_router_bias=True and model.moe_every=1")
+        return "deepseek_v3"
+    if cfg.rope_scaling == "yarn":
+        raise HFFormatError("model.rope_scaling='yarn': exports only as DeepSeek-V3 (with model.kv_lora_rank > 0)")
+    if cfg.first_dense_layers or cfg.moe_router != "softmax" or cfg.moe_router_bias or cfg.moe_groups > 1 or (
+            cfg.moe_routed_scale != 1.0):
+        raise HFFormatError("model.first_dense_layers, moe_router, moe_router_bias, moe_groups and moe_routed_scale "
+                            "are DeepSeek-V3's: they export with its latent attention (model.kv_lora_rank > 0)")
     if cfg.num_experts:
         if cfg.attention_bias:
             raise HFFormatError("model.attention_bias=True: neither Mixtral nor Qwen3-MoE has attention biases")
@@ -176,7 +245,22 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str) -> dict:
         hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
     if model_type == "llama":
         hf["mlp_bias"] = False
+    if model_type == "deepseek_v3":
+        hf.update(_hf_deepseek(cfg))
     return hf
+
+
+def _hf_deepseek(cfg: ModelConfig) -> dict:
+    """DeepSeek-V3's config.json fields beside the common ones (RoPE written interleaved: `ROPE_PERMUTED`)."""
+    return dict(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                moe_intermediate_size=cfg.moe_mlp_dim or cfg.mlp_dim, n_shared_experts=int(cfg.shared_expert),
+                norm_topk_prob=cfg.moe_norm_topk, routed_scaling_factor=cfg.moe_routed_scale,
+                n_group=cfg.moe_groups, topk_group=cfg.moe_topk_groups or cfg.moe_groups,
+                first_k_dense_replace=cfg.first_dense_layers, kv_lora_rank=cfg.kv_lora_rank,
+                q_lora_rank=cfg.q_lora_rank or None, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                qk_nope_head_dim=cfg.head_dim - cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim or cfg.head_dim,
+                head_dim=cfg.qk_rope_head_dim, rope_interleave=True, num_nextn_predict_layers=0,
+                intermediate_size=cfg.mlp_dim)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,18 +273,38 @@ class Layout:
     """meshtrain[stack..., *] = reshape(hf, split).transpose(perm) for each stacked (layer, expert) index.
 
     `name` formats with `layer` and `expert`; `stack` names the leading meshtrain dims ("layer",
-    "expert") that select the Hugging Face tensor; `split` groups the meshtrain-side sizes of
-    each Hugging Face dimension (e.g. q_proj rows = (H, Dh)).
+    "dense_layer", "expert") that select the Hugging Face tensor (`stack_counts`); `split` groups the
+    meshtrain-side sizes of each Hugging Face dimension (e.g. q_proj rows = (H, Dh)). `layer_offset`: the
+    Hugging Face layer of stacked layer 0 (the MoE stack after `model.first_dense_layers` dense ones).
+    `rope` > 0: the last `rope` entries of the meshtrain array's last dimension are RoPE dimensions that
+    Hugging Face stores interleaved (DeepSeek's layout, pairs (x0, x1), (x2, x3), ...) and meshtrain
+    rotate-half (`ROPE_PERMUTED`).
     """
 
     name: str
     stack: tuple[str, ...]
     split: tuple[tuple[int, ...], ...]
     perm: tuple[int, ...]
+    layer_offset: int = 0
+    rope: int = 0
 
     def tensor_name(self, ids: tuple[int, ...]) -> str:
         """The Hugging Face tensor name at stacked index `ids` (layer, expert)."""
-        return self.name.format(**dict(zip(self.stack, ids, strict=True)))
+        values = {}
+        for kind, i in zip(self.stack, ids, strict=True):
+            if kind == "layer":
+                values["layer"] = i + self.layer_offset
+            else:
+                values["layer" if kind == "dense_layer" else kind] = i
+        return self.name.format(**values)
+
+    def _columns(self, last: int) -> np.ndarray:
+        """For each entry of the meshtrain array's last dimension (`last` long): its Hugging Face entry."""
+        cols = np.arange(last)
+        if self.rope:
+            start = last - self.rope
+            cols[start:] = start + np.concatenate([np.arange(0, self.rope, 2), np.arange(1, self.rope, 2)])
+        return cols
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -209,6 +313,13 @@ class Layout:
     def read(self, tensor: Callable[[str], np.ndarray], index: tuple[slice, ...], shape: tuple[int, ...]):
         """The block `index` of the meshtrain array, reading only the rows/columns it needs."""
         index = tuple(slice(*s.indices(n)) for s, n in zip(index, shape, strict=True))
+        if self.rope:  # the last dimension whole, its RoPE entries reordered, then cut
+            whole = self.read_plain(tensor, (*index[:-1], slice(0, shape[-1])), shape)
+            return whole[..., self._columns(shape[-1])][..., index[-1]]
+        return self.read_plain(tensor, index, shape)
+
+    def read_plain(self, tensor: Callable[[str], np.ndarray], index: tuple[slice, ...], shape: tuple[int, ...]):
+        """`read` without the RoPE reordering."""
         stack_ranges = [range(s.start, s.stop) for s in index[:len(self.stack)]]
         inner = index[len(self.stack):]
         blocks = [self._read_one(tensor(self.tensor_name(ids)), inner)
@@ -234,6 +345,8 @@ class Layout:
 
     def to_hf(self, block: np.ndarray) -> np.ndarray:
         """One unstacked meshtrain block -> the Hugging Face tensor (the inverse of `read`)."""
+        if self.rope:
+            block = block[..., np.argsort(self._columns(block.shape[-1]))]
         return np.ascontiguousarray(block.transpose(np.argsort(self.perm)).reshape(self.hf_shape))
 
 
@@ -252,18 +365,30 @@ def layouts(cfg: ModelConfig) -> dict[tuple[str, ...], Layout]:
     Walks the model's own parameter tree: a layer parameter is found by its module and name
     (`attn/wq`, `moe/w_gate`, ...) whatever the scanned unit around it.
     """
-    if cfg.num_experts and (cfg.moe_every != 1 or cfg.shared_expert):
+    deepseek = bool(cfg.num_experts) and export_type(cfg) == "deepseek_v3"
+    if cfg.num_experts and (cfg.moe_every != 1 or (cfg.shared_expert and not deepseek)):
         raise HFFormatError(f"model.moe_every={cfg.moe_every}, model.shared_expert={cfg.shared_expert}: Mixtral and "
                             "Qwen3-MoE checkpoints have a mixture of experts in every layer and no shared expert")
     table = _leaf_layouts(cfg)
     out = {}
     for path, _ in model.param_leaves(cfg):
         key = tuple(path.split("/"))
-        leaf = key[-2:] if key[0] == "layers" else key
+        leaf = key[-2:] if key[0] in ("layers", "dense_layers") else key
         if leaf not in table:
             raise HFFormatError(f"meshtrain parameter {path} has no Hugging Face source")
-        out[key] = table[leaf]
+        layout = table[leaf]
+        if key[0] == "dense_layers":  # the first layers, dense, before the MoE stack
+            layout = dataclasses.replace(layout, stack=("dense_layer",) + layout.stack[1:])
+        elif key[0] == "layers" and cfg.first_dense_layers:
+            layout = dataclasses.replace(layout, layer_offset=cfg.first_dense_layers)
+        out[key] = layout
     return out
+
+
+def stack_counts(cfg: ModelConfig) -> dict[str, int]:
+    """How many of each stacked dimension a Layout's `stack` names: the scanned layers (after the dense first
+    ones), the dense first layers, the experts."""
+    return {"layer": cfg.stacked_layers, "dense_layer": cfg.first_dense_layers, "expert": cfg.num_experts}
 
 
 def _leaf_layouts(cfg: ModelConfig) -> dict[tuple[str, ...], Layout]:
@@ -272,7 +397,8 @@ def _leaf_layouts(cfg: ModelConfig) -> dict[tuple[str, ...], Layout]:
     hf_layer, one = "model.layers.{layer}", ("layer",)
     attn, mlp = f"{hf_layer}.self_attn", f"{hf_layer}.mlp"
     fe, e, two = cfg.moe_mlp_dim or cfg.mlp_dim, cfg.num_experts, ("layer", "expert")
-    if cfg.num_experts and export_type(cfg) == "qwen3_moe":  # mlp.gate (the router), mlp.experts.{e}.gate_proj ...
+    dv = cfg.v_head_dim or dh
+    if cfg.num_experts and export_type(cfg) in ("qwen3_moe", "deepseek_v3"):  # mlp.gate, mlp.experts.{e}.gate_proj
         router, experts, names = f"{mlp}.gate", f"{mlp}.experts.{{expert}}", ("gate_proj", "up_proj", "down_proj")
     else:  # Mixtral: block_sparse_moe.gate, block_sparse_moe.experts.{e}.w1 (gate), w3 (up), w2 (down)
         sparse = f"{hf_layer}.block_sparse_moe"
@@ -284,7 +410,7 @@ def _leaf_layouts(cfg: ModelConfig) -> dict[tuple[str, ...], Layout]:
         ("attn", "wq"): Layout(f"{attn}.q_proj.weight", one, ((h, dh), (d,)), (2, 0, 1)),
         ("attn", "wk"): Layout(f"{attn}.k_proj.weight", one, ((k, dh), (d,)), (2, 0, 1)),
         ("attn", "wv"): Layout(f"{attn}.v_proj.weight", one, ((k, dh), (d,)), (2, 0, 1)),
-        ("attn", "wo"): Layout(f"{attn}.o_proj.weight", one, ((d,), (h, dh)), (1, 2, 0)),
+        ("attn", "wo"): Layout(f"{attn}.o_proj.weight", one, ((d,), (h, dv)), (1, 2, 0)),
         ("attn", "bq"): Layout(f"{attn}.q_proj.bias", one, ((h, dh),), (0, 1)),
         ("attn", "bk"): Layout(f"{attn}.k_proj.bias", one, ((k, dh),), (0, 1)),
         ("attn", "bv"): Layout(f"{attn}.v_proj.bias", one, ((k, dh),), (0, 1)),
@@ -299,12 +425,34 @@ def _leaf_layouts(cfg: ModelConfig) -> dict[tuple[str, ...], Layout]:
         ("moe", "w_gate"): Layout(f"{experts}.{names[0]}.weight", two, ((fe,), (d,)), (1, 0)),
         ("moe", "w_up"): Layout(f"{experts}.{names[1]}.weight", two, ((fe,), (d,)), (1, 0)),
         ("moe", "w_down"): Layout(f"{experts}.{names[2]}.weight", two, ((d,), (fe,)), (1, 0)),
+        **(_deepseek_layouts(cfg) if cfg.kv_lora_rank else {}),
+    }
+
+
+def _deepseek_layouts(cfg: ModelConfig) -> dict[tuple[str, ...], Layout]:
+    """DeepSeek-V3's multi-head latent attention, router bias and shared expert; q_proj when there is no
+    query latent. The query heads' and the shared key's RoPE parts are stored interleaved (`Layout.rope`)."""
+    d, h, dh, p, r, rq = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.q_lora_rank
+    dv, fe, one = cfg.v_head_dim or dh, cfg.moe_mlp_dim or cfg.mlp_dim, ("layer",)
+    attn, mlp = "model.layers.{layer}.self_attn", "model.layers.{layer}.mlp"
+    return {
+        ("attn", "wq"): Layout(f"{attn}.q_proj.weight", one, ((h, dh), (d,)), (2, 0, 1), rope=p),
+        ("attn", "wq_a"): Layout(f"{attn}.q_a_proj.weight", one, ((rq,), (d,)), (1, 0)),
+        ("q_a_norm", "scale"): Layout(f"{attn}.q_a_layernorm.weight", one, ((rq,),), (0,)),
+        ("attn", "wq_b"): Layout(f"{attn}.q_b_proj.weight", one, ((h, dh), (rq,)), (2, 0, 1), rope=p),
+        ("attn", "wkv_a"): Layout(f"{attn}.kv_a_proj_with_mqa.weight", one, ((r + p,), (d,)), (1, 0), rope=p),
+        ("kv_a_norm", "scale"): Layout(f"{attn}.kv_a_layernorm.weight", one, ((r,),), (0,)),
+        ("attn", "wkv_b"): Layout(f"{attn}.kv_b_proj.weight", one, ((h, dh - p + dv), (r,)), (2, 0, 1)),
+        ("moe", "router_bias"): Layout(f"{mlp}.gate.e_score_correction_bias", one, ((cfg.num_experts,),), (0,)),
+        ("moe", "shared_gate"): Layout(f"{mlp}.shared_experts.gate_proj.weight", one, ((fe,), (d,)), (1, 0)),
+        ("moe", "shared_up"): Layout(f"{mlp}.shared_experts.up_proj.weight", one, ((fe,), (d,)), (1, 0)),
+        ("moe", "shared_down"): Layout(f"{mlp}.shared_experts.down_proj.weight", one, ((d,), (fe,)), (1, 0)),
     }
 
 
 def meshtrain_shape(layout: Layout, cfg: ModelConfig) -> tuple[int, ...]:
     """The meshtrain parameter's shape: the stacked (layer, expert) dims, then the permuted split."""
-    counts = {"layer": cfg.n_layers, "expert": cfg.num_experts}
+    counts = stack_counts(cfg)
     split = [n for group in layout.split for n in group]
     return tuple(counts[s] for s in layout.stack) + tuple(split[p] for p in layout.perm)
 
@@ -313,7 +461,7 @@ def check_tensors(store: SafetensorsStore, table: dict, cfg: ModelConfig) -> Non
     """Every needed tensor exists with its shape and a supported dtype; nothing unexpected is left."""
     needed = set()
     for layout in table.values():
-        counts = {"layer": cfg.n_layers, "expert": cfg.num_experts}
+        counts = stack_counts(cfg)
         for ids in product([range(counts[s]) for s in layout.stack]):
             name = layout.tensor_name(ids)
             needed.add(name)

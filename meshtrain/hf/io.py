@@ -32,6 +32,7 @@ from meshtrain.hf.convert import (
     meshtrain_shape,
     model_config_from_hf,
     product,
+    stack_counts,
 )
 from meshtrain.hf.formats import (
     DTYPE_NAMES,
@@ -135,7 +136,7 @@ def save(cfg: ModelConfig, params: dict, out_dir: str, *, dtype: str | None = No
         raise ValueError(f"out_dir={out_dir!r} exists; pass overwrite=True to replace it")
     code = DTYPE_NAMES[dtype]
     table = layouts(cfg)
-    counts = {"layer": cfg.n_layers, "expert": cfg.num_experts}
+    counts = stack_counts(cfg)
     tensors = []  # (hf name, hf shape, params path, stacked ids)
     for key, layout in table.items():
         for ids in product([range(counts[s]) for s in layout.stack]):
