@@ -241,6 +241,10 @@ def default_config() -> ml_collections.ConfigDict:
     # the first this many layers dense (model.mlp_dim wide), before the MoE layers (DeepSeek-V3's
     # first_k_dense_replace)
     c.model.first_dense_layers = 0
+    # multi-token prediction (DeepSeek-V3): 1 adds one block predicting the token after next from the final
+    # hidden state and the next token's embedding, sharing the embedding and the head; 0: none
+    c.model.mtp_depth = 0
+    c.model.mtp_loss_weight = 0.3  # its cross-entropy's weight in the training objective (DeepSeek-V3: 0.3, then 0.1)
     # tokens an expert takes per step, as a multiple of an even share (excess tokens are dropped)
     c.model.capacity_factor = 1.25
     c.model.moe_dropless = False  # no capacity: every routed token is computed (grouped expert matmuls)
@@ -525,6 +529,19 @@ def _validate_latent_attention(config) -> None:
             "splits the fused QKV projection, which multi-head latent attention does not have (model.kv_lora_rank > 0)")
 
 
+def _validate_multi_token(config, sizes: dict[str, int]) -> None:
+    """Multi-token prediction's rules (`model.mtp_depth`)."""
+    m = config.model
+    require(m.mtp_depth in (0, 1), "model.mtp_depth", m.mtp_depth, "must be 0 or 1 (DeepSeek-V3's depth)")
+    require(m.mtp_loss_weight >= 0, "model.mtp_loss_weight", m.mtp_loss_weight, "must be >= 0")
+    if m.mtp_depth:
+        require(sizes["stage"] == 1, "model.mtp_depth", m.mtp_depth,
+                f"the prediction block runs after the layer stack, which mesh.stage={sizes['stage']} pipelines: "
+                "not with a pipeline yet (0, or mesh.stage=1)")
+        require(not m.fused_loss, "model.fused_loss", True, "the fused loss serves the main head alone: set it "
+                "False with model.mtp_depth=1")
+
+
 def _validate_shapes(config, sizes: dict[str, int]) -> None:
     m, t = config.model, config.train
     _divides("model.n_heads", m.n_heads, "query heads", m.n_kv_heads, "model.n_kv_heads")
@@ -580,6 +597,7 @@ def validate_fields(config: ml_collections.ConfigDict) -> None:
 def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
     """The generic rules on the resolved mesh: shapes divisible by their axes, profile, init."""
     _validate_latent_attention(config)
+    _validate_multi_token(config, sizes)
     _validate_shapes(config, sizes)
     _validate_profile_init(config)
 
@@ -636,6 +654,8 @@ class ModelConfig:
     moe_topk_groups: int = 0
     moe_every: int = 1
     first_dense_layers: int = 0
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
     capacity_factor: float = 1.25
     moe_dropless: bool = False
     moe_matmul: str = "ragged_dot"  # model.moe_matmul resolved (`moe_matmul`)

@@ -39,7 +39,7 @@ from meshtrain.attention import AttentionFn, cached_attention, xla_attention
 from meshtrain.config import BATCH_AXES, ModelConfig
 from meshtrain.fused import fused_loss_sum, fused_rms_norm
 from meshtrain.mesh import MESH_ORDER, compiler_options, single_device_mesh
-from meshtrain.sharding_rules import Rules, constrain
+from meshtrain.sharding_rules import Rules, constrain, varying
 
 # What `remat.policy='attention'` keeps of each layer (`jax.ad_checkpoint.checkpoint_name`): the attention's
 # q, k, v (after RoPE), its output (and the flash kernel's log-sum-exp: `pallas_kernels.flash_attention`),
@@ -564,6 +564,8 @@ class Transformer(nn.Module):
                 metadata_params={nn.PARTITION_NAME: "dense_layers"},
             )(cfg, self.rules, self.attention_fn, decode=self.decode, name="dense_layers")
         self.final_norm = RMSNorm(cfg, name="final_norm")
+        if cfg.mtp_depth and not self.decode:
+            self.mtp = MultiTokenPrediction(cfg, self.rules, self.attention_fn, name="mtp")
         if not cfg.tie_embeddings:
             self.head = _param(self, "head", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
@@ -609,7 +611,10 @@ class Transformer(nn.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
         """float32 logits [B,T,V]."""
-        return self._logits(self.hidden(tokens, positions, segment_ids))
+        x = self.hidden(tokens, positions, segment_ids)
+        if self.cfg.mtp_depth and not self.decode and self.is_initializing():  # its parameters, beside the rest
+            self.mtp(x, x, positions, segment_ids)
+        return self._logits(x)
 
     def _logits(self, x: jax.Array) -> jax.Array:
         logits = head_logits(x, self.head_weight().astype(x.dtype))
@@ -621,7 +626,22 @@ class Transformer(nn.Module):
         Logged-only scalars (MoE dropped-token fraction, ...) are sown into the "metrics" collection.
         """
         x, stats = self.hidden_and_stats(batch["inputs"], batch["positions"], batch["segment_ids"])
+        mtp_batch = None
+        if self.cfg.mtp_depth:  # a region manual over `sequence` holds a block of each row: shifts cross blocks
+            length = tuple(a for a in self.rules.split_axes("length") if a in self.rules.manual)
+            next_embedded = self.embed(next_along_length(batch["inputs"], length))  # each position's next token
+            h, mtp_stats = self.mtp(x, next_embedded, batch["positions"], batch["segment_ids"])
+            if mtp_stats is not None:  # its router statistics join the MoE layers' (one more layer)
+                stats = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), stats, mtp_stats)
+            mtp_batch = mtp_targets(batch, length)
         aux, metrics = moe_lib.loss_terms(stats, self.cfg)
+        if mtp_batch is not None:
+            mtp_sum = self._loss_sum(h, mtp_batch)
+            aux[MTP_SUM] = self.cfg.mtp_loss_weight * mtp_sum
+            tokens = jnp.sum(mtp_batch["loss_mask"])
+            axes = tuple(sorted(varying(mtp_sum) | varying(tokens)))  # a manual region's devices: summed
+            mtp_sum, tokens = (jax.lax.psum((mtp_sum, tokens), axes) if axes else (mtp_sum, tokens))
+            metrics["mtp_loss"] = mtp_sum / jnp.maximum(tokens, 1.0)
         for name, value in metrics.items():
             self.sow("metrics", name, value, reduce_fn=lambda _, new: new, init_fn=lambda: jnp.zeros(()))
         return self._loss_sum(x, batch), aux
@@ -629,6 +649,61 @@ class Transformer(nn.Module):
     def _vocab_split(self) -> bool:
         """Whether the logits' vocabulary dimension is split over devices (a static fact of the rules)."""
         return bool(self.rules.spec(("act_vocab",)))
+
+
+# `Transformer.loss`'s aux entry holding multi-token prediction's weighted cross-entropy *sum*: the step adds
+# it to the main loss's sum before dividing by the batch's tokens (`train_step.grads_one_pass`), so that it
+# decomposes over micro-batches and devices as the main loss does; evaluation reads the main loss alone.
+MTP_SUM = "mtp_loss_sum"
+
+
+def next_along_length(x: jax.Array, axes: tuple[str, ...] = ()) -> jax.Array:
+    """x [B, T, ...] with position t holding position t + 1's entry (the last: the first's). `axes`: the
+    manual axes that split the length into contiguous blocks (a region manual over `sequence`): each block's
+    last entry comes from the next block's first, one `ppermute`."""
+    if not axes:
+        return jnp.roll(x, -1, axis=1)
+    n = jax.lax.psum(1, axes)
+    first = jax.lax.ppermute(x[:, :1], axes, [(i, (i - 1) % n) for i in range(n)])  # from the next block
+    return jnp.concatenate([x[:, 1:], first], axis=1)
+
+
+def mtp_targets(batch: dict[str, jax.Array], axes: tuple[str, ...] = ()) -> dict[str, jax.Array]:
+    """Multi-token prediction's batch: at position t the target of position t + 1 (the token after next),
+    counted where t + 1 holds a counted target of the same document (not past a row's end or across a
+    document boundary). `axes`: as `next_along_length`'s."""
+    shift = functools.partial(next_along_length, axes=axes)
+    t = batch["targets"].shape[1]
+    start = jax.lax.axis_index(axes) * t if axes else 0  # this block's first position in the row
+    whole = t * (jax.lax.psum(1, axes) if axes else 1)
+    inside = (start + jnp.arange(t) < whole - 1)[None, :]
+    same = shift(batch["segment_ids"]) == batch["segment_ids"]
+    mask = batch["loss_mask"]
+    return {"targets": shift(batch["targets"]), "loss_mask": mask * shift(mask) * (inside & same).astype(mask.dtype)}
+
+
+class MultiTokenPrediction(nn.Module):
+    """DeepSeek-V3's multi-token prediction at depth 1 (the report's section 2.2, eq. 21-23): the main model's
+    final hidden state h_t (after its final norm, what the head reads) and the embedding of token t + 1, each
+    RMS-normalised, joined by one projection [2D -> D], through one more block (an MoE block in an MoE model)
+    and its own final norm; the shared head then predicts token t + 2. Dropped for sampling and export."""
+
+    cfg: ModelConfig
+    rules: Rules
+    attention_fn: AttentionFn
+
+    @nn.compact
+    def __call__(self, h: jax.Array, next_embedded: jax.Array, positions: jax.Array, segment_ids: jax.Array):
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        joined = jnp.concatenate([RMSNorm(cfg, name="embed_norm")(next_embedded), RMSNorm(cfg, name="hidden_norm")(h)],
+                                 axis=-1)
+        proj = _param(self, "proj", (2 * cfg.d_model, cfg.d_model), (None, "embed")).astype(dtype)
+        x = constrain(jnp.einsum("btk,kd->btd", joined.astype(dtype), proj), residual_names(cfg), self.rules)
+        block = Block if cfg.remat_policy == "none" else nn.remat(Block, policy=REMAT_POLICIES[cfg.remat_policy],
+                                                                   prevent_cse=False)
+        x, stats = block(cfg, self.rules, self.attention_fn, moe=bool(cfg.num_experts), name="block")(
+            x, positions, segment_ids)
+        return RMSNorm(cfg, name="norm")(x), stats
 
 
 @jax.custom_vjp

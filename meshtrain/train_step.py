@@ -277,8 +277,9 @@ def grads_one_pass(params, histories, batch, model, total_tokens, accum_steps, c
         if histories:
             variables[fp8_lib.COLLECTION] = fp8_lib.for_grad(histories)
         (loss_sum, aux), sown = model.apply(variables, micro, method=model_lib.Transformer.loss, mutable=["metrics"])
+        mtp_sum = aux.pop(model_lib.MTP_SUM, 0.0)  # a sum, divided by the batch's tokens as the main loss is
         added = sum(aux.values()) / (accum_steps * copies)
-        return loss_sum / total_tokens + added, (loss_sum, {**aux, **sown.get("metrics", {})})
+        return (loss_sum + mtp_sum) / total_tokens + added, (loss_sum, {**aux, **sown.get("metrics", {})})
     (_, (loss_sum, aux)), (grads, amaxes) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
         params, histories, batch)
     return loss_sum, aux, grads, amaxes

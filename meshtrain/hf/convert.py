@@ -373,6 +373,8 @@ def layouts(cfg: ModelConfig) -> dict[tuple[str, ...], Layout]:
     out = {}
     for path, _ in model.param_leaves(cfg):
         key = tuple(path.split("/"))
+        if key[0] == "mtp":  # multi-token prediction: a training-time block, not exported (`MTP_DROPPED`)
+            continue
         leaf = key[-2:] if key[0] in ("layers", "dense_layers") else key
         if leaf not in table:
             raise HFFormatError(f"meshtrain parameter {path} has no Hugging Face source")
@@ -383,6 +385,12 @@ def layouts(cfg: ModelConfig) -> dict[tuple[str, ...], Layout]:
             layout = dataclasses.replace(layout, layer_offset=cfg.first_dense_layers)
         out[key] = layout
     return out
+
+
+# Said where a model with multi-token prediction is exported or started from a checkpoint: its block is the
+# run's own (initialised fresh by `io.initial_state`), neither read from nor written to Hugging Face.
+MTP_DROPPED = ("model.mtp_depth=1: the multi-token prediction block (mtp/*) is training-time only; it is not "
+               "part of the Hugging Face checkpoint")
 
 
 def stack_counts(cfg: ModelConfig) -> dict[str, int]:
@@ -469,7 +477,12 @@ def check_tensors(store: SafetensorsStore, table: dict, cfg: ModelConfig) -> Non
                 raise HFFormatError(f"tensor {name!r} has shape {store.shape(name)}; the config says "
                                     f"{layout.hf_shape}")
             store.dtype(name)
-    extra = sorted(n for n in store.entries if n not in needed and not n.endswith(IGNORED_SUFFIXES))
+    mtp = f"model.layers.{cfg.n_layers}."  # DeepSeek-V3's multi-token prediction layer(s) after the last layer
+    skipped = sorted(n for n in store.entries if n not in needed and n.startswith(mtp))
+    if skipped:
+        log.info("%d tensors of the checkpoint's multi-token prediction layer (%s*) are not read", len(skipped), mtp)
+    extra = sorted(n for n in store.entries if n not in needed and not n.endswith(IGNORED_SUFFIXES)
+                   and not n.startswith(mtp))
     if extra:
         raise HFFormatError(f"checkpoint tensors {extra[:5]}{'...' if len(extra) > 5 else ''} have no "
                             "meshtrain parameter (unsupported architecture variant?)")

@@ -11,6 +11,7 @@ only when complete.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -26,6 +27,7 @@ from meshtrain import model
 from meshtrain.config import ModelConfig
 from meshtrain.hf.convert import (
     ARCHITECTURE_FIELDS,
+    MTP_DROPPED,
     check_tensors,
     hf_config_from_model,
     layouts,
@@ -46,6 +48,8 @@ from meshtrain.hf.formats import (
 )
 from meshtrain.mesh import single_device_mesh
 from meshtrain.sharding_rules import Rules
+
+log = logging.getLogger(__name__)
 
 
 def param_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh):
@@ -83,6 +87,8 @@ def load(hf_dir: str, mesh: jax.sharding.Mesh | None = None, *, shardings=None,
 
     def build(path, sharding):
         key = tuple(k.key for k in path)
+        if key[0] == "mtp":  # not in the checkpoint: `initial_state` puts a fresh block here
+            return None
         if key not in table:
             raise HFFormatError(f"meshtrain parameter {'/'.join(key)} has no Hugging Face source")
         layout = table[key]
@@ -103,6 +109,9 @@ def initial_state(factory, hf_dir: str, seed: int = 0):
         if getattr(cfg, field) != getattr(want, field):
             raise HFFormatError(f"{hf_dir}: {field}={getattr(cfg, field)!r} but the run's model has "
                                 f"{getattr(want, field)!r} (call apply_model_config first)")
+    if want.mtp_depth:  # the multi-token prediction block is the run's own, freshly initialised
+        log.info(MTP_DROPPED)
+        params = {**params, "mtp": factory.create(seed).params["mtp"]}
     return factory.from_params(params, seed)
 
 
@@ -130,6 +139,8 @@ def save(cfg: ModelConfig, params: dict, out_dir: str, *, dtype: str | None = No
       overwrite: replace an existing `out_dir`.
     """
     dtype = dtype or cfg.param_dtype
+    if cfg.mtp_depth:
+        log.info(MTP_DROPPED)
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype={dtype!r}: must be one of {sorted(DTYPE_NAMES)}")
     if os.path.exists(out_dir) and not overwrite:

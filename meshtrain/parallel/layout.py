@@ -221,6 +221,9 @@ def data_permutation(config: ml_collections.ConfigDict, sizes: Mapping[str, int]
 
 def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
     """Rules of the regions' composition (gathered by `meshtrain.validate`); raises ConfigError."""
+    require(not (config.model.mtp_depth and data_permutation(config, sizes) is not None), "model.mtp_depth",
+            config.model.mtp_depth, "multi-token prediction reads each position's next token, which the ring's zig-zag "
+            "token order moves elsewhere: set attention.zigzag=False with it")
     kernels = uses_kernels(config, sizes)  # ring attention keeps jnp blocks in MoE stages
     require(sizes[STAGE] == 1 or not (kernels and config.model.num_experts), "model.num_experts",
             config.model.num_experts,
