@@ -179,6 +179,12 @@ CASES = [
     # test_latent_attention: multi-head latent attention, heads over tensor under ZeRO-3; beside the experts
     _case("dense", {"data": 2, "fsdp": 2, "tensor": 2}, **LATENT, **{"train.zero_stage": 3}),
     _case("moe", {"expert": 2, "fsdp": 2, "tensor": 2}, **LATENT, **{"model.moe_dropless": True}),
+    # test_multi_token: the whole tiny DeepSeek-V3 (latent attention, the biased grouped router, a shared expert,
+    # a dense first layer, multi-token prediction)
+    _case("moe", {"data": 2, "expert": 2, "tensor": 2}, **LATENT, **{
+        "model.moe_dropless": True, "model.moe_router": "sigmoid", "model.moe_router_bias": True,
+        "model.moe_groups": 4, "model.moe_topk_groups": 2, "model.moe_routed_scale": 2.5, "model.shared_expert": True,
+        "model.first_dense_layers": 1, "model.moe_every": 1, "model.mtp_depth": 1}),
 ]
 
 

@@ -124,14 +124,24 @@ DEEPSEEK_ROUTER = {"model.moe_router": "sigmoid", "model.moe_router_bias": True,
                    "model.moe_topk_groups": 2, "model.moe_routed_scale": 2.5}
 
 
-@pytest.mark.parametrize("mesh", [{"fsdp": 2, "expert": 2, "tensor": 2}, {"stage": 2, "fsdp": 2, "expert": 2}],
-                         ids=lambda m: "x".join(f"{a}{n}" for a, n in m.items()))
-def test_deepseek_router_step_compiles(mesh):
+# the rest of the tiny DeepSeek-V3 (tests/test_latent_attention.py, test_multi_token.py): latent attention, a shared
+# expert, a dense first layer, multi-token prediction
+DEEPSEEK_REST = {"model.kv_lora_rank": 32, "model.q_lora_rank": 24, "model.qk_rope_head_dim": 8, "model.head_dim": 24,
+                 "model.v_head_dim": 16, "model.n_heads": 8, "model.n_kv_heads": 8, "model.shared_expert": True,
+                 "model.first_dense_layers": 1, "model.moe_every": 1, "model.mtp_depth": 1}
+
+
+@pytest.mark.parametrize("mesh, whole", [({"fsdp": 2, "expert": 2, "tensor": 2}, False),
+                                         ({"stage": 2, "fsdp": 2, "expert": 2}, False),
+                                         ({"fsdp": 2, "expert": 2, "tensor": 2}, True)],
+                         ids=["fsdp2xexpert2xtensor2", "stage2xfsdp2xexpert2", "whole-deepseek-v3"])
+def test_deepseek_router_step_compiles(mesh, whole):
     """DeepSeek-V3's router (sigmoid, group-limited, the balancing bias moved by the step) beside the grouped
-    kernels' region (manual over the width) and inside 1F1B's stages, as tests/test_moe_router.py trains it."""
+    kernels' region (manual over the width) and inside 1F1B's stages, as tests/test_moe_router.py trains it;
+    and the whole tiny DeepSeek-V3 with it."""
     config = composed_config(mesh, moe=True)
     apply_overrides(config, {"model.dtype": "bfloat16", "model.moe_dropless": True, "train.seq_len": 64,
-                             **DEEPSEEK_ROUTER})
+                             **DEEPSEEK_ROUTER, **(DEEPSEEK_REST if whole else {})})
     found = {}
     aot.compile_report(config, "h100", 8, sample=None,
                        inspect=lambda compiled, run: found.update(text=compiled.as_text()))

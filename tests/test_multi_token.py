@@ -18,8 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 
 from meshtrain import generate, model as model_lib, train, train_step
 from meshtrain.config import ConfigError
@@ -133,6 +131,8 @@ def test_sampling_reads_the_main_model_alone():
 
 def test_a_run_starts_from_a_hugging_face_checkpoint_with_a_fresh_block(tmp_path):
     """A tiny DeepSeek-V3 from transformers (which keeps no prediction block) trains 2 steps with one."""
+    import torch  # the test extra's (not the newest-JAX environment's, which runs this file's quick tests)
+    import transformers
     torch.manual_seed(0)
     hf_config = transformers.DeepseekV3Config(
         vocab_size=264, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
