@@ -419,3 +419,91 @@ def test_logits_take_any_batch_size_on_a_sharded_mesh(checkpoints):
     cfg, params = hf.load(checkpoints["llama"], _mesh({"data": 2, "fsdp": 2, "tensor": 2}))
     np.testing.assert_allclose(np.asarray(model_lib.logits(cfg, params, tokens)),
                                _reference_logits(checkpoints["llama"], tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_deepseek_v3_imports_as_a_run_that_samples_and_exports_unchanged(families, tmp_path):
+    """`hf import DIR --workdir W` of a tiny DeepSeek-V3, then `meshtrain.sample --config.workdir=W` (the latent
+    cache) as a user types it, then `hf export --workdir W` gives back the checkpoint's tensors bit for bit."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from tests import utils
+
+    src = tmp_path / "deepseek"
+    shutil.copytree(families["deepseek-v3"], src)
+    words = ["<unk>", "<s>", "</s>", "def", "return", "class", "x", "(", ")", ":", "=", "1"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(src / "tokenizer.json"))
+    (src / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    run = tmp_path / "run"
+    assert hf_cli.main(["import", str(src), "--workdir", str(run)]) == 0
+    result = subprocess.run([sys.executable, "-m", "meshtrain.sample", f"--config.workdir={run}", "--prompt", "def x",
+                             "--max_new_tokens=6"], capture_output=True, text=True, timeout=600,
+                            env=utils.subprocess_env(utils.jax_cache_dir()))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip()
+    out = str(tmp_path / "export")
+    assert hf_cli.main(["export", "--workdir", str(run), out]) == 0
+    original, exported = _tensors(families["deepseek-v3"]), _tensors(out)
+    assert sorted(original) == sorted(exported)
+    for key, tensor in original.items():
+        assert torch.equal(exported[key].view(torch.uint8), tensor.view(torch.uint8)), key
+
+
+def test_fp8_block_scaled_checkpoint_imports_dequantised(families, tmp_path):
+    """DeepSeek-V3's release format: the projection and expert weights e4m3 with a float32 `weight_scale_inv`
+    per 16 x 16 block here (128 x 128 in the release). The import equals that of the same checkpoint with the
+    weights dequantised beforehand (e4m3 x scale, written as float32), and transformers' logits on it."""
+    import ml_dtypes
+
+    block = 16
+    quantised, reference = {}, {}
+    for name, tensor in _tensors(families["deepseek-v3"]).items():
+        w = tensor.numpy()
+        keep = w.ndim != 2 or "embed_tokens" in name or "lm_head" in name or name.endswith("mlp.gate.weight")
+        if keep:
+            quantised[name] = reference[name] = tensor
+            continue
+        rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
+        padded = np.zeros((rows * block, cols * block), np.float32)
+        padded[:w.shape[0], :w.shape[1]] = np.abs(w)
+        scale = padded.reshape(rows, block, cols, block).max(axis=(1, 3)) / 448.0
+        full = np.repeat(np.repeat(scale, block, 0), block, 1)[:w.shape[0], :w.shape[1]]
+        fp8 = (w / full).astype(ml_dtypes.float8_e4m3fn)
+        quantised[name] = torch.from_numpy(fp8.view(np.uint8).copy()).view(torch.float8_e4m3fn)
+        quantised[name + "_scale_inv"] = torch.from_numpy(scale.astype(np.float32))
+        reference[name] = torch.from_numpy(fp8.astype(np.float32) * full)
+    config = json.load(open(os.path.join(families["deepseek-v3"], "config.json")))
+    for folder, tensors, extra in (("fp8", quantised, {"quantization_config": {
+            "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block],
+            "activation_scheme": "dynamic"}}), ("dequantised", reference, {})):
+        (tmp_path / folder).mkdir()
+        json.dump({**config, **extra}, open(tmp_path / folder / "config.json", "w"))
+        save_file(tensors, str(tmp_path / folder / hf_formats.SINGLE_FILE), metadata={"format": "pt"})
+    assert sum(t.dtype == torch.float8_e4m3fn for t in quantised.values()) >= 20
+    cfg, params = hf.load(str(tmp_path / "fp8"), param_dtype="float32")
+    _, want = hf.load(str(tmp_path / "dequantised"), param_dtype="float32")
+    for (path, got), ref in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref), err_msg=jax.tree_util.keystr(path))
+    tokens = _tokens(8)
+    np.testing.assert_allclose(np.asarray(model_lib.logits(cfg, params, tokens)),
+                               _reference_logits(str(tmp_path / "dequantised"), tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_without_its_scales_is_refused(families, tmp_path):
+    def quantise_one(tensors):
+        name = "model.layers.1.self_attn.kv_b_proj.weight"
+        tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+
+    bad = _copy(families["deepseek-v3"], tmp_path / "bad", edit_tensors=quantise_one, edit_config=lambda c: c.update(
+        quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]}))
+    with pytest.raises(hf.HFFormatError, match=r"kv_b_proj.weight' is FP8 without its .*_scale_inv"):
+        hf.load(bad)
+    other = _copy(families["deepseek-v3"], tmp_path / "other", edit_config=lambda c: c.update(
+        quantization_config={"quant_method": "bitsandbytes"}))
+    with pytest.raises(hf.HFFormatError, match="quantization_config=.*only FP8"):
+        hf.load(other)

@@ -64,12 +64,16 @@ class SafetensorsStore:
 
     def __call__(self, name: str) -> np.ndarray:
         """The tensor as a lazy view of the memory map (reads happen on slicing)."""
+        return self.raw(name).view(self.dtype(name)).reshape(self.shape(name))
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes, a lazy view of the memory map."""
         path, entry = self.entries[name]
         if path not in self._maps:
             self._maps[path] = (np.memmap(path, dtype=np.uint8, mode="r"), read_header(path)[1])
         data, base = self._maps[path]
         start, end = entry["data_offsets"]
-        return data[base + start:base + end].view(self.dtype(name)).reshape(self.shape(name))
+        return data[base + start:base + end]
 
     def _entry(self, name: str) -> dict:
         if name not in self.entries:
@@ -101,3 +105,69 @@ def write_safetensors(path: str, tensors: list[tuple[str, tuple[int, ...], str]]
             block = np.ascontiguousarray(block, dtype=ST_DTYPES[code])
             assert block.shape == tuple(shape), (name, block.shape, shape)
             fh.write(block.tobytes())
+
+
+# FP8 block-scaled checkpoints (DeepSeek-V3's release format): each quantised weight is e4m3 with a float32
+# `<name>_scale_inv` of one entry per block of `weight_block_size` (rows x columns); its value is the product.
+FP8_CODE, SCALE_SUFFIX = "F8_E4M3", "_scale_inv"
+
+
+def fp8_block(hf_config: dict) -> tuple[int, int] | None:
+    """The (rows, columns) block of a config.json's FP8 block-scaled quantisation, None without one; other
+    quantisations are refused with their key."""
+    quant = hf_config.get("quantization_config")
+    if not quant:
+        return None
+    method, fmt = quant.get("quant_method"), quant.get("fmt", "e4m3")
+    block = quant.get("weight_block_size")
+    if method != "fp8" or fmt != "e4m3" or not (isinstance(block, list) and len(block) == 2):
+        raise HFFormatError(f"config.json quantization_config={quant!r}: only FP8 (e4m3) weights with "
+                            "weight_block_size [rows, columns] scales are read (DeepSeek-V3's release format)")
+    return int(block[0]), int(block[1])
+
+
+class Dequantised:
+    """An FP8 weight and its block scales, read as float32: slicing reads only the rows / columns asked for."""
+
+    def __init__(self, weight: np.ndarray, scale: np.ndarray, block: tuple[int, int]):
+        self.weight, self.scale, self.block, self.shape = weight, scale, block, weight.shape
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        rows, cols = (slice(*s.indices(n)) for s, n in zip(index, self.shape, strict=True))
+        values = np.asarray(self.weight[rows, cols]).astype(np.float32)
+        r = np.arange(rows.start, rows.stop, rows.step) // self.block[0]
+        c = np.arange(cols.start, cols.stop, cols.step) // self.block[1]
+        return values * np.asarray(self.scale, np.float32)[np.ix_(r, c)]
+
+
+class DequantisingStore:
+    """A SafetensorsStore whose FP8 block-scaled weights read as float32 (their scales read with them and
+    left out of the tensor names): `fp8_block` of the config.json gives the block."""
+
+    def __init__(self, store: SafetensorsStore, block: tuple[int, int]):
+        self.store, self.block = store, block
+        entries = store.entries
+        self.scaled = {name for name, (_, entry) in entries.items()
+                       if entry["dtype"] == FP8_CODE and name + SCALE_SUFFIX in entries}
+        unscaled = sorted(n for n, (_, e) in entries.items() if e["dtype"] == FP8_CODE and n not in self.scaled)
+        if unscaled:
+            raise HFFormatError(f"tensor {unscaled[0]!r} is FP8 without its {unscaled[0] + SCALE_SUFFIX!r}")
+        for name in self.scaled:
+            want = tuple(math.ceil(n / b) for n, b in zip(store.shape(name), block, strict=True))
+            if store.shape(name + SCALE_SUFFIX) != want:
+                raise HFFormatError(f"tensor {name + SCALE_SUFFIX!r} has shape {store.shape(name + SCALE_SUFFIX)}; "
+                                    f"{name!r} in blocks of {block} needs {want}")
+        self.entries = {n: e for n, e in entries.items() if not (n.endswith(SCALE_SUFFIX) and n[:-len(SCALE_SUFFIX)]
+                                                                  in self.scaled)}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.store.shape(name)
+
+    def dtype(self, name: str) -> np.dtype:
+        return np.dtype(np.float32) if name in self.scaled else self.store.dtype(name)
+
+    def __call__(self, name: str):
+        if name in self.scaled:
+            weight = self.store.raw(name).view(ml_dtypes.float8_e4m3fn).reshape(self.shape(name))
+            return Dequantised(weight, self.store(name + SCALE_SUFFIX), self.block)
+        return self.store(name)

@@ -41,8 +41,10 @@ from meshtrain.hf.formats import (
     INDEX_FILE,
     SINGLE_FILE,
     ST_DTYPES,
+    DequantisingStore,
     HFFormatError,
     SafetensorsStore,
+    fp8_block,
     read_config,
     write_safetensors,
 )
@@ -77,8 +79,14 @@ def load(hf_dir: str, mesh: jax.sharding.Mesh | None = None, *, shardings=None,
     Returns:
       (model config, parameter tree) matching `meshtrain.model.Transformer`.
     """
-    cfg = model_config_from_hf(read_config(hf_dir), param_dtype)
+    hf_config = read_config(hf_dir)
+    cfg = model_config_from_hf(hf_config, param_dtype)
     store = SafetensorsStore(hf_dir)
+    block = fp8_block(hf_config)
+    if block is not None:  # DeepSeek-V3's release format: e4m3 weights with block scales
+        store = DequantisingStore(store, block)
+        log.info("%s: %d FP8 (e4m3) weights dequantised with their %dx%d block scales (weight x scale_inv), "
+                 "stored as %s", hf_dir, len(store.scaled), *block, cfg.param_dtype)
     table = layouts(cfg)
     check_tensors(store, table, cfg)
     if shardings is None:
