@@ -88,13 +88,27 @@ AUTO_CUDNN_MIN_HEAD_DIM = 64
 def attention_impl(config: ml_collections.ConfigDict, platform: str) -> str:
     """`attention.impl` as a step on `platform`'s devices ('cpu', 'gpu', 'tpu') runs it: 'auto' becomes
     'cudnn' on a GPU where cuDNN serves the model (`cudnn_refusal`) at a head dim of at least
-    AUTO_CUDNN_MIN_HEAD_DIM, else 'xla'; any other value is itself. The Pallas flash kernel is not
+    AUTO_CUDNN_MIN_HEAD_DIM, 'pallas' for multi-head latent attention there (`_flash_serves_latent`),
+    else 'xla'; any other value is itself. The Pallas flash kernel is not
     an automatic choice: measured on an H200 it was slower than cuDNN (docs/benchmarks.md, "GPU")."""
     impl = config.attention.impl
     if impl != "auto":
         return impl
     serves = cudnn_refusal(config) is None and config.model.head_dim >= AUTO_CUDNN_MIN_HEAD_DIM
-    return "cudnn" if platform == "gpu" and serves else "xla"
+    if platform == "gpu" and serves:
+        return "cudnn"
+    return "pallas" if platform == "gpu" and _flash_serves_latent(config) else "xla"
+
+
+def _flash_serves_latent(config: ml_collections.ConfigDict) -> bool:
+    """Whether `attention.impl=auto` takes the Pallas flash kernel for multi-head latent attention on a GPU,
+    whose head widths cuDNN refuses (a query / key head of 192 against values of 128 in DeepSeek-V3): the
+    einsum attention writes [B, H, T, T] scores (the kernel model prices DeepSeek-V3's shapes, 2 layers on 8
+    H100s, at 0.2275 s a step with it and 0.1530 s with the flash kernel). Not where the kernel cannot go:
+    float32, a sliding window, an MoE pipeline stage (`parallel.layout.validate_config`)."""
+    m = config.model
+    return bool(m.kv_lora_rank and m.dtype in ("bfloat16", "float16") and not m.sliding_window
+                and not (m.num_experts and int(config.mesh.stage) != 1))
 
 
 MOE_MATMULS = ("auto", "ragged_dot", "pallas")

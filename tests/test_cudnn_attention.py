@@ -43,6 +43,10 @@ def _config(**model):
     ("gpu", {"head_dim": 128}, "cudnn"),
     ("gpu", {"sliding_window": 8}, "xla"),
     ("tpu", {}, "xla"),
+    # multi-head latent attention: head widths cuDNN refuses (192 / 128); the flash kernel in bf16 on a GPU
+    ("gpu", {"kv_lora_rank": 32, "qk_rope_head_dim": 64, "head_dim": 192, "v_head_dim": 128}, "pallas"),
+    ("gpu", {"kv_lora_rank": 32, "qk_rope_head_dim": 64, "head_dim": 192, "dtype": "float32"}, "xla"),
+    ("cpu", {"kv_lora_rank": 32, "qk_rope_head_dim": 64, "head_dim": 192}, "xla"),
 ])
 def test_auto_resolves_per_platform_and_model(platform, model, expected):
     c = _config(**model)

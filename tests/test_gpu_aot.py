@@ -92,7 +92,8 @@ def _kernels_expected(config, report: aot.Report) -> set[str]:
         expected |= GROUPED_KERNELS
     documents_in_flash = (config_lib.attention_impl(config, "gpu") == "cudnn"
                           and config.model.head_dim >= attention.PALLAS_DOCUMENTS_MIN_HEAD_DIM)
-    if config.attention.impl == "pallas" or layout.ring_flash(config, report.sizes, "gpu") or documents_in_flash:
+    flash = config_lib.attention_impl(config, "gpu") == "pallas"  # asked for, or auto's for latent attention
+    if flash or layout.ring_flash(config, report.sizes, "gpu") or documents_in_flash:
         expected |= {"flash_attention_forward", "flash_attention_dq", "flash_attention_dkdv"}
     if config.model.fused_norm:
         expected |= {"rms_norm_forward", "rms_norm_backward"}
@@ -206,6 +207,11 @@ FEATURES = {
     # 1F1B's slots beside ring attention
     "latent-attention": ({"fsdp": 4, "tensor": 2}, {**LATENT, "train.zero_stage": 3}),
     "latent-attention-ring-1f1b": ({"sequence": 2, "stage": 2, "data": 2}, LATENT),
+    # DeepSeek-V3's head widths (192 for queries and keys, 128 for values): auto takes the flash kernel,
+    # its tiles fitted to the head padded to 256 (128 x 128 bf16 tiles asked 329 KB of shared memory)
+    "latent-attention-deepseek-heads": ({"fsdp": 4, "tensor": 2}, {
+        **LATENT, "model.head_dim": 192, "model.qk_rope_head_dim": 64, "model.v_head_dim": 128,
+        "attention.impl": "auto"}),
 }
 
 

@@ -77,15 +77,16 @@ class FlashBlockSizes:
         - head dim 128 (1 x 8,192): forward 128 x 128, 8 warps, 3 stages, 1.391 ms (1.483 with 2
           stages; the best of 17); backward 64 x 64 with 4 warps, 5.57 ms forward + backward against
           10.91 ms with the former 8 warps (the best of 21).
-        - float32 at head dim >= 128: 64 x 64 forward tiles (128 x 128 float32 tiles ask 262 KB of
-          shared memory; an H100 / H200 SM has 227 KB).
+        - float32 at head dim >= 128, and any dtype above 128 (multi-head latent attention's 192, padded
+          to 256): 64 x 64 forward tiles (128 x 128 float32 tiles at 128, or bf16 ones at 256, ask 262 and
+          329 KB of shared memory; an H100 / H200 SM has 227 KB). Not timed on a GPU.
         """
         itemsize = jnp.dtype(dtype).itemsize
         if itemsize <= 2 and head_dim <= 64:
             return cls(block_q=64, block_kv=64, num_warps=4, num_stages=3, num_warps_bwd=4, num_stages_bwd=2)
         if itemsize <= 2 and head_dim == 128:
             return cls(block_q=128, block_kv=128, num_warps=8, num_stages=3, num_warps_bwd=4, num_stages_bwd=2)
-        if itemsize >= 4 and head_dim >= 128:
+        if itemsize >= 4 and head_dim >= 128 or head_dim > 128:
             return cls(block_q=64, block_kv=64)
         return cls()
 
