@@ -161,11 +161,7 @@ DENSE_FIRST = (("model.first_dense_layers", 1), ("model.moe_every", 1))
 def _trained(key: tuple, overrides: tuple = ()):
     """([STEPS, 3] loss, gradient norm and max / mean load; final params) on the mesh `dict(key)`."""
     config = _config(dict(key), **dict(overrides))
-    batches = utils.synthetic_batches(config, STEPS)
-    run = utils.resolve(config)
-    if run.layout.permutation is not None:  # ring attention's zig-zag token order
-        batches = [{k: v[:, run.layout.permutation] for k, v in b.items()} for b in batches]
-    records, state, _ = utils.train(config, batches)
+    records, state = utils.train_synthetic(config, STEPS)
     return (np.array([[r["loss"], r["grad_norm"], r["moe_max_load"]] for r in records]),
             jax.tree.map(np.asarray, state.params))
 

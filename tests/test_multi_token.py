@@ -91,11 +91,7 @@ DEEPSEEK = {"model.kv_lora_rank": 32, "model.q_lora_rank": 24, "model.qk_rope_he
 def _trained(key: tuple, moe: bool, overrides: tuple = ()):
     config = utils.composed_config(dict(key), moe=moe)
     utils.apply_overrides(config, {**MTP, **(DEEPSEEK if moe else {}), **dict(overrides)})
-    batches = utils.synthetic_batches(config, STEPS)
-    run = utils.resolve(config)
-    if run.layout.permutation is not None:  # ring attention's zig-zag token order
-        batches = [{k: v[:, run.layout.permutation] for k, v in b.items()} for b in batches]
-    records, state, _ = utils.train(config, batches)
+    records, state = utils.train_synthetic(config, STEPS)
     return (np.array([[r["loss"], r["mtp_loss"], r["grad_norm"]] for r in records]),
             jax.tree.map(np.asarray, state.params))
 
