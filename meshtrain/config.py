@@ -549,9 +549,6 @@ def _validate_multi_token(config, sizes: dict[str, int]) -> None:
     require(m.mtp_depth in (0, 1), "model.mtp_depth", m.mtp_depth, "must be 0 or 1 (DeepSeek-V3's depth)")
     require(m.mtp_loss_weight >= 0, "model.mtp_loss_weight", m.mtp_loss_weight, "must be >= 0")
     if m.mtp_depth:
-        require(sizes["stage"] == 1, "model.mtp_depth", m.mtp_depth,
-                f"the prediction block runs after the layer stack, which mesh.stage={sizes['stage']} pipelines: "
-                "not with a pipeline yet (0, or mesh.stage=1)")
         require(not m.fused_loss, "model.fused_loss", True, "the fused loss serves the main head alone: set it "
                 "False with model.mtp_depth=1")
 

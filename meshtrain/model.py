@@ -575,14 +575,23 @@ class Transformer(nn.Module):
 
     def hidden_and_stats(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array):
         """Final-norm hidden states [B,T,D] and the MoE layers' router statistics ([L/moe_every]; None if dense)."""
-        x = self.embed(tokens)
-        if self.cfg.first_dense_layers:
-            x, _ = self.dense_layers(x, positions, segment_ids)
+        x = self.stem(tokens, positions, segment_ids)
         if self.pipeline is not None and not self.is_initializing():  # parallel/pipeline.py, over `stage`
             x, stats = self.pipeline.forward(self, x, positions, segment_ids)
             return self.final_norm(x), stats or None
         x, stats = self.layers(x, positions, segment_ids)
         return self.final_norm(x), stats
+
+    def stem(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """Token embeddings through the dense first layers (`model.first_dense_layers`) [B,T,D]: what the
+        scanned layer stack reads (under a slot-table pipeline, what its first stage runs before its chunk)."""
+        return self.dense(self.embed(tokens), positions, segment_ids)
+
+    def dense(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """x [B,T,D] through the dense first layers (the identity without them)."""
+        if self.cfg.first_dense_layers:
+            x, _ = self.dense_layers(x, positions, segment_ids)
+        return x
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """Token embeddings [B,T,D] in the compute dtype."""
@@ -596,6 +605,22 @@ class Transformer(nn.Module):
         """Summed cross-entropy of the layer stack's output x [B,T,D] (final norm, head, loss): the last
         stage of 1F1B and the slot-table schedules."""
         return self._loss_sum(self.final_norm(x), batch)
+
+    def head_and_mtp(self, x: jax.Array, batch: dict[str, jax.Array]):
+        """(`head_loss`, multi-token prediction's `mtp_terms`) of the layer stack's output x [B,T,D]: the last
+        stage of a slot-table pipeline under `model.mtp_depth`."""
+        h = self.final_norm(x)
+        return self._loss_sum(h, batch), self.mtp_terms(h, batch)
+
+    def mtp_terms(self, h: jax.Array, batch: dict[str, jax.Array]):
+        """Multi-token prediction's (unweighted cross-entropy sum, tokens it counts, the block's router
+        statistics or None) from the final-normed hidden states h [B,T,D] (`MultiTokenPrediction`): this
+        device's own sums, for the caller to weigh and reduce."""
+        length = tuple(a for a in self.rules.split_axes("length") if a in self.rules.manual)
+        next_embedded = self.embed(next_along_length(batch["inputs"], length))  # each position's next token
+        out, stats = self.mtp(h, next_embedded, batch["positions"], batch["segment_ids"])
+        targets = mtp_targets(batch, length)
+        return self._loss_sum(out, targets), jnp.sum(targets["loss_mask"]), stats
 
     def _loss_sum(self, x: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
         """Summed cross-entropy of the normed hidden states x [B,T,D]: the fused Pallas head + loss under
@@ -626,19 +651,15 @@ class Transformer(nn.Module):
         Logged-only scalars (MoE dropped-token fraction, ...) are sown into the "metrics" collection.
         """
         x, stats = self.hidden_and_stats(batch["inputs"], batch["positions"], batch["segment_ids"])
-        mtp_batch = None
-        if self.cfg.mtp_depth:  # a region manual over `sequence` holds a block of each row: shifts cross blocks
-            length = tuple(a for a in self.rules.split_axes("length") if a in self.rules.manual)
-            next_embedded = self.embed(next_along_length(batch["inputs"], length))  # each position's next token
-            h, mtp_stats = self.mtp(x, next_embedded, batch["positions"], batch["segment_ids"])
-            if mtp_stats is not None:  # its router statistics join the MoE layers' (one more layer)
-                stats = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), stats, mtp_stats)
-            mtp_batch = mtp_targets(batch, length)
+        mtp = None
+        if self.cfg.mtp_depth:
+            mtp = self.mtp_terms(x, batch)
+            if mtp[2] is not None:  # its router statistics join the MoE layers' (one more layer)
+                stats = jax.tree.map(functools.partial(_one_more_unit, units=scan_unit(self.cfg)[1]), stats, mtp[2])
         aux, metrics = moe_lib.loss_terms(stats, self.cfg)
-        if mtp_batch is not None:
-            mtp_sum = self._loss_sum(h, mtp_batch)
+        if mtp is not None:
+            mtp_sum, tokens, _ = mtp
             aux[MTP_SUM] = self.cfg.mtp_loss_weight * mtp_sum
-            tokens = jnp.sum(mtp_batch["loss_mask"])
             axes = tuple(sorted(varying(mtp_sum) | varying(tokens)))  # a manual region's devices: summed
             mtp_sum, tokens = (jax.lax.psum((mtp_sum, tokens), axes) if axes else (mtp_sum, tokens))
             metrics["mtp_loss"] = mtp_sum / jnp.maximum(tokens, 1.0)
@@ -651,6 +672,14 @@ class Transformer(nn.Module):
         return bool(self.rules.spec(("act_vocab",)))
 
 
+def _one_more_unit(stats: jax.Array, more: jax.Array, units: int) -> jax.Array:
+    """A router statistic of the MoE units joined by one more unit's: stacked [units] -> [units + 1], or,
+    out of a pipeline (already averaged over its `units`), the mean over units + 1."""
+    if stats.ndim:
+        return jnp.concatenate([stats, more[None]])
+    return (stats * units + more) / (units + 1)
+
+
 # `Transformer.loss`'s aux entry holding multi-token prediction's weighted cross-entropy *sum*: the step adds
 # it to the main loss's sum before dividing by the batch's tokens (`train_step.grads_one_pass`), so that it
 # decomposes over micro-batches and devices as the main loss does; evaluation reads the main loss alone.
@@ -660,11 +689,13 @@ MTP_SUM = "mtp_loss_sum"
 def next_along_length(x: jax.Array, axes: tuple[str, ...] = ()) -> jax.Array:
     """x [B, T, ...] with position t holding position t + 1's entry (the last: the first's). `axes`: the
     manual axes that split the length into contiguous blocks (a region manual over `sequence`): each block's
-    last entry comes from the next block's first, one `ppermute`."""
+    last entry comes from the next block's first, gathered (one column of every block; an all-gather, not a
+    collective-permute, which inside a pipeline tick's `lax.switch` would wait for every device)."""
     if not axes:
         return jnp.roll(x, -1, axis=1)
-    n = jax.lax.psum(1, axes)
-    first = jax.lax.ppermute(x[:, :1], axes, [(i, (i - 1) % n) for i in range(n)])  # from the next block
+    firsts = jax.lax.all_gather(x[:, :1], axes, axis=0, tiled=False)  # [blocks, B, 1, ...]
+    n = firsts.shape[0]
+    first = jax.lax.dynamic_index_in_dim(firsts, (jax.lax.axis_index(axes) + 1) % n, 0, keepdims=False)
     return jnp.concatenate([x[:, 1:], first], axis=1)
 
 

@@ -80,10 +80,6 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     if not (isinstance(m.first_dense_layers, int) and 0 <= m.first_dense_layers < m.n_layers):
         raise ConfigError("model.first_dense_layers", m.first_dense_layers,
                           f"must be an integer in [0, model.n_layers={m.n_layers})")
-    if m.first_dense_layers and sizes["stage"] > 1:
-        raise ConfigError("model.first_dense_layers", m.first_dense_layers,
-                          f"the dense first layers run before the scanned layer stack, which mesh.stage="
-                          f"{sizes['stage']} pipelines: not with a pipeline yet (0, or mesh.stage=1)")
     if m.num_experts % sizes["expert"]:
         raise ConfigError("model.num_experts", m.num_experts,
                           f"the experts must be divisible by mesh.expert={sizes['expert']}")
@@ -580,8 +576,11 @@ def balance_router_bias(params, loads: dict, rate: float, apply: jax.Array):
 
 def load_metrics(loads: dict) -> dict[str, jax.Array]:
     """{moe_max_load: the largest expert load over its layer's mean, averaged over the layers (1: balanced)}
-    of the step's router-bias loads; {} without."""
+    of the step's router-bias loads; {} without. Rows that routed nothing (an uneven pipeline's empty
+    slots) are not layers."""
     if not loads:
         return {}
-    ratios = [jnp.max(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9) for load in loads.values()]
-    return {"moe_max_load": jnp.mean(jnp.concatenate([jnp.ravel(r) for r in ratios]))}
+    ratios = jnp.concatenate([jnp.ravel(jnp.max(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9))
+                              for load in loads.values()])
+    routed = jnp.concatenate([jnp.ravel(jnp.sum(load, axis=-1) > 0) for load in loads.values()])
+    return {"moe_max_load": jnp.sum(jnp.where(routed, ratios, 0.0)) / jnp.maximum(jnp.sum(routed), 1)}

@@ -172,7 +172,8 @@ def _biases(params) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("sizes", [{"expert": 8}, {"data": 2, "expert": 2, "tensor": 2}, {"fsdp": 4, "expert": 2},
                                    {"expert": 2, "sequence": 2, "tensor": 2}, {"stage": 2, "fsdp": 2, "expert": 2},
-                                   {"stage": 2, "data": 2, "expert": 2, "schedule": "zero_bubble"}],
+                                   {"stage": 2, "data": 2, "expert": 2, "schedule": "zero_bubble"},
+                                   {"stage": 2, "data": 2, "expert": 2, "schedule": "gpipe"}],
                          ids=lambda s: "x".join(f"{a}{n}" for a, n in s.items()))
 def test_model_trains_like_one_device(sizes):
     """Losses, gradient norms (the loads are not gradients: they stay out of the norm), loads, parameters
@@ -186,17 +187,31 @@ def test_model_trains_like_one_device(sizes):
     chex.assert_trees_all_close(params, ref_params, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("sizes", [{"expert": 8}, {"data": 2, "expert": 2, "tensor": 2}, {"fsdp": 4, "expert": 2}],
+@pytest.mark.parametrize("sizes", [{"expert": 8}, {"data": 2, "expert": 2, "tensor": 2}, {"fsdp": 4, "expert": 2},
+                                   {"stage": 2, "fsdp": 2, "expert": 2},
+                                   {"stage": 2, "data": 2, "expert": 2, "schedule": "interleaved_1f1b"}],
                          ids=lambda s: "x".join(f"{a}{n}" for a, n in s.items()))
 def test_dense_first_layers_train_like_one_device(sizes):
-    """`model.first_dense_layers=1`: one dense layer (model.mlp_dim wide) before three MoE layers."""
-    got, params = _trained(tuple(sorted(sizes.items())), DENSE_FIRST)
-    want, ref_params = _trained((), DENSE_FIRST)
+    """`model.first_dense_layers=1`: one dense layer (model.mlp_dim wide) before the MoE layers (three; four
+    on two stages); in a slot-table pipeline stage 0 runs it before its chunk (and again, from the lookup,
+    before its backward)."""
+    overrides = DENSE_FIRST + ((("model.n_layers", 5),) if "stage" in sizes else ())
+    got, params = _trained(tuple(sorted(sizes.items())), overrides)
+    want, ref_params = _trained((), overrides)
     np.testing.assert_allclose(got, want, rtol=1e-4)
     chex.assert_trees_all_close(params, ref_params, rtol=1e-4, atol=1e-5)
-    config = _config({}, **dict(DENSE_FIRST))
+    config = _config({}, **dict(overrides))
     assert params["dense_layers"]["mlp"]["w_gate"].shape == (1, config.model.d_model, config.model.mlp_dim)
-    assert params["layers"]["moe_layer"]["moe"]["w_gate"].shape[0] == 3
+    assert params["layers"]["moe_layer"]["moe"]["w_gate"].shape[0] == config.model.n_layers - 1
+
+
+def test_uneven_moe_stages_train_like_one_device():
+    """Three MoE layers on two stages (2 + 1: one empty slot, which routes nothing): the balance loss's
+    gradient, the loads and the max / mean load metric (over the real layers) of one device."""
+    uneven = (("model.moe_every", 1), ("model.n_layers", 3))
+    got, _ = _trained((("expert", 2), ("fsdp", 2), ("stage", 2)), uneven)
+    want, _ = _trained((), uneven)
+    np.testing.assert_allclose(got, want, rtol=1e-4)
 
 
 def test_bias_balances_the_load_where_the_frozen_bias_does_not(capsys):
@@ -256,12 +271,6 @@ def test_validation_names_key_value_and_rule(key, value, match):
     with pytest.raises(ConfigError, match=match) as err:
         validate(config, 8)
     assert key in str(err.value)
-
-
-def test_dense_first_layers_not_in_a_pipeline_yet():
-    config = _config({"stage": 2, "fsdp": 2, "expert": 2}, **dict(DENSE_FIRST))
-    with pytest.raises(ConfigError, match="model.first_dense_layers.*not with a pipeline yet"):
-        validate(config, 8)
 
 
 def test_topk_groups_must_hold_the_choices():

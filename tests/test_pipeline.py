@@ -61,9 +61,10 @@ def _autodiff(params, histories, batch, model, total_tokens, accum_steps):
 
 
 @functools.cache
-def _reference():
-    """Initial params, one batch, and the single-device jitted (params -> loss_sum, grads)."""
-    config = _config("gpipe", {})
+def _reference(model_items: tuple = ()):
+    """Initial params, one batch, and the single-device jitted (params -> loss_sum, grads); `model_items`:
+    (key, value) overrides of the model."""
+    config = _config("gpipe", {}, **dict(model_items))
     mesh = _mesh(config)
     model = model_lib.Transformer(ModelConfig.from_config(config), Rules.for_mesh(mesh))
     batch = synthetic_batches(config, 1, seed=1)[0]
@@ -114,8 +115,8 @@ def test_loss_and_grads_equal_single_device(case):
     _assert_equal_single_device(*_pipelined(case[0], tuple(case[1].items())))
 
 
-def _assert_equal_single_device(pipe, pmesh, compiled):
-    params, batch, tokens, reference = _reference()
+def _assert_equal_single_device(pipe, pmesh, compiled, model_items: tuple = ()):
+    params, batch, tokens, reference = _reference(model_items)
     order = pipe.execution_order(LAYERS)  # order[q]: stored index of the q-th layer to run
     ref_params = {**params, "layers": jax.tree.map(lambda a: a[order], params["layers"])}
     ref_loss, ref_grads = reference(ref_params)

@@ -65,6 +65,18 @@ def test_overlapped_transfers_equal_single_device(case):
                                             **{"pipeline.overlap_transfers": True}))
 
 
+# Tied embeddings: the embedding's gradient rides in the switch, from the head (last stage) and the lookup
+# (stage 0's backward); every other backward still sends its input gradient upstream
+TIED = [("zero_bubble", {"stage": 2, "data": 2, "tensor": 2}, 1), ("interleaved_1f1b", {"stage": 4, "fsdp": 2}, 3)]
+
+
+@pytest.mark.parametrize("case", TIED, ids=[_id(c) for c in TIED])
+def test_tied_embeddings_equal_single_device(case):
+    schedule, mesh, zero = case
+    tied = (("model.tie_embeddings", True),)
+    _assert_equal_single_device(*_pipelined(schedule, tuple(mesh.items()), zero=zero, **dict(tied)), tied)
+
+
 # `pipeline.weight_span`: each W over the B's of its loop step (one W a micro-batch, the default, in the cases
 # above); two; three, in parts (4 micro-batches: W's over 1, 2 and 3 of them)
 SPANS = [("zero_bubble", {"stage": 2, "data": 2, "tensor": 2}, 1, 2, 1, 4, 8),

@@ -129,7 +129,8 @@ def pipeline_plan(config: ml_collections.ConfigDict, sizes: Mapping[str, int], *
     pipe = config.pipeline
     unit = config.model.moe_every if config.model.num_experts else 1  # layers per scanned unit
     return pipeline_lib.Pipeline.of(pipe.schedule, sizes[STAGE], pipe.microbatches, pipe.repeats,
-                                    config.model.n_layers // unit, (n // unit for n in pipe.layers_per_stage),
+                                    (config.model.n_layers - config.model.first_dense_layers) // unit,
+                                    (n // unit for n in pipe.layers_per_stage),
                                     axes=pipeline_axes(sizes), checked=not kernels, split_backward=pipe.split_backward,
                                     weight_parts=pipe.weight_parts, weight_span=pipe.weight_span,
                                     overlap=pipe.overlap_transfers,

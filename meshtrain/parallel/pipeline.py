@@ -331,10 +331,20 @@ def layer_specs(cfg, axes: tuple[str, ...], rules):
     `stage`, experts over those of their axes (`expert`, and `fsdp` where the experts rest whole on its
     devices: `rules`) the loop is manual over (the MoE exchange runs inside); everything else enters whole
     (ZeRO-3 `fsdp` shards are gathered once, on entry)."""
+    return _kept_specs(cfg, axes, rules, {"layers": STAGE})["layers"]
+
+
+def outer_specs(cfg, axes: tuple[str, ...], rules) -> dict:
+    """In-specs of the parameters outside the scanned layers for a loop manual over `axes`: whole, but for
+    the experts of an MoE block among them (multi-token prediction's), split as `layer_specs` splits them."""
+    return {k: v for k, v in _kept_specs(cfg, axes, rules, {}).items() if k != "layers"}
+
+
+def _kept_specs(cfg, axes, rules, kept: dict) -> dict:
     experts = tuple(a for a in rules.split_axes("expert") if a in axes)
-    kept = {"layers": STAGE, **({"expert": experts[0] if len(experts) == 1 else experts} if experts else {})}
+    kept = {**kept, **({"expert": experts[0] if len(experts) == 1 else experts} if experts else {})}
     return jax.tree.map(lambda box: P(*(kept.get(name) for name in box.names)),
-                        model_lib.abstract_params(cfg)["layers"], is_leaf=lambda x: isinstance(x, nn.Partitioned))
+                        model_lib.abstract_params(cfg), is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
 def _split(a: jax.Array, m: int) -> jax.Array:
@@ -389,13 +399,21 @@ def skipping(layer, counts: tuple[tuple[int, ...], ...], cfg, chunk=0):
         variables, j = scanned
         real = j < jnp.asarray(counts, jnp.int32)[lax.axis_index(STAGE), chunk]
         manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
-        shapes = jax.eval_shape(layer, x, variables)
+        # the outputs' types: the empty slot's zeros vary over what the unit's outputs vary over. Made varying
+        # instead, an output invariant over some axes (a router statistic reduced over the batch axes) would
+        # get its cotangent summed over them by the cast's transpose
+        out = jax.tree.unflatten(jax.tree.structure(jax.eval_shape(layer, x, variables)),
+                                 jax.make_jaxpr(layer)(x, variables).out_avals)
+
+        def like(a, aval):
+            return vary(a, tuple(aval.manual_axis_type.varying))
 
         def run(x, variables):
-            return vary(layer(x, variables), manual)
+            y, outputs = layer(x, variables)
+            return vary(y, manual), jax.tree.map(like, outputs, out[1])
 
         def empty(x, variables):
-            return vary((x, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes[1])), manual)
+            return vary(x, manual), jax.tree.map(lambda aval: like(jnp.zeros(aval.shape, aval.dtype), aval), out[1])
         return jax.checkpoint(lambda real, x, variables: lax.cond(real, run, empty, x, variables), policy=policy,
                               prevent_cse=False)(real, x, variables)
     return body
@@ -501,13 +519,16 @@ def _unread_attention(q, k, v, segment_ids, window: int = 0):
 
 def _chunk_function(stack):
     """stack on chunk r and micro-batch i, both picked inside: a remat keeps (r, i, x), not weights.
-    Under FP8 the chunk's amaxes count only when `working` (a bubble tick runs on no micro-batch)."""
+    Under FP8 the chunk's amaxes count only when `working` (a bubble tick runs on no micro-batch); outside
+    it every token is padding (segment 0), so that an MoE router counts none of them in the expert loads
+    its bias cotangent carries (`moe.choose_with_bias`, which autodiff's zero cotangent does not stop)."""
     def run(chunks, r, i, x, positions, segment_ids, working):
         chunk = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, 0, keepdims=False), chunks)
         if FP8 in chunk:
             chunk = {**chunk, FP8: jax.tree.map(lambda h: fp8_lib.recorded_if(h, working), chunk[FP8])}
+        segments = lax.dynamic_index_in_dim(segment_ids, i, 1, keepdims=False)
         return stack(chunk, x, lax.dynamic_index_in_dim(positions, i, 1, keepdims=False),
-                     lax.dynamic_index_in_dim(segment_ids, i, 1, keepdims=False), r)
+                     jnp.where(working, segments, 0), r)
     return run
 
 
@@ -573,7 +594,7 @@ def run_gradient_loop(loop, params, histories, batch, model, total_tokens, **sta
     stack = stage_function(inner.cfg, inner.rules, inner.attention_fn, pipe.counts)
     outer = {k: v for k, v in params.items() if k != "layers"}
     micro = jax.tree.map(functools.partial(_split, m=pipe.microbatches), batch)
-    units = model_lib.scan_unit(model.cfg)[1]
+    units = moe_units(model.cfg)
     layers = {"params": params["layers"]}
     if pipe.repeats > 1:
         # several chunks a stage: every tick slices its chunk out of the [v, k, ...] stacks, so the stacks
@@ -583,33 +604,49 @@ def run_gradient_loop(loop, params, histories, batch, model, total_tokens, **sta
         # memory (the tiny zero-bubble acceptance point: temporaries 66.5 -> 78.5 MiB, 1F1B's 72.1 -> 75.6).
         layers = {"params": model_lib.in_compute_dtype(params["layers"], jnp.dtype(model.cfg.dtype))}
     specs = {"params": layer_specs(model.cfg, pipe.axes, model.rules)}
+    o_specs = outer_specs(model.cfg, pipe.axes, model.rules)
     if histories:  # all of them belong to the layers: the embedding and the head are not quantised
         layers[FP8] = histories["layers"]
         specs[FP8] = jax.tree.map(lambda _: P(STAGE), histories["layers"])
     body = functools.partial(loop, stack, inner, p=pipe.stages, m=pipe.microbatches, axes=pipe.axes, units=units,
-                             specs=specs, **static)
-    loss_sum, stats, outer_grads, layer_grads = jax.shard_map(
-        body, in_specs=(specs, P(), pipe.micro_spec(0), P()), out_specs=(P(), P(), P(), specs),
+                             specs=specs, outer_specs=o_specs, **static)
+    sums, stats, outer_grads, layer_grads = jax.shard_map(
+        body, in_specs=(specs, o_specs, pipe.micro_spec(0), P()), out_specs=(P(), P(), o_specs, specs),
         axis_names=set(pipe.axes), check_vma=pipe.checked,
     )(layers, outer, micro, total_tokens)
     grads = {**outer_grads, "layers": layer_grads["params"]}
     amaxes = {"layers": layer_grads[FP8]} if FP8 in layer_grads else {}
     aux, logged = moe_lib.loss_terms(stats or None, model.cfg)
-    return loss_sum, {**aux, **logged}, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), amaxes
+    if "mtp" in sums:  # multi-token prediction's loss, logged as `Transformer.loss` logs it
+        logged["mtp_loss"] = sums["mtp"][0] / jnp.maximum(sums["mtp"][1], 1.0)
+    return (sums["loss"], {**aux, **logged}, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params),
+            amaxes)
+
+
+def moe_units(cfg) -> int:
+    """The MoE units the router losses average over: the scanned units, and multi-token prediction's block
+    in an MoE model (one more)."""
+    return model_lib.scan_unit(cfg)[1] + (1 if cfg.mtp_depth and cfg.num_experts else 0)
 
 
 def reduce_layer_grads(g_layers: dict, specs: dict, rest: tuple[str, ...]) -> dict:
     """A stage's layer gradient sums and amaxes, reduced over the loop's other axes once: a gradient
     summed over the axes its weight is replicated on (not the experts' own: `expert`, and `fsdp` where its
     devices own whole experts), an amax maximised."""
-    def split_on(spec: P) -> set[str]:
-        return {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
-
-    out = {"params": jax.tree.map(lambda g, spec: psum(g, tuple(a for a in rest if a not in split_on(spec))),
-                                  g_layers["params"], specs["params"], is_leaf=lambda x: isinstance(x, P))}
+    out = {"params": reduce_grads(g_layers["params"], specs["params"], rest)}
     if FP8 in g_layers:
         out[FP8] = jax.tree.map(lambda a: lax.pmax(a, rest) if rest else a, g_layers[FP8])
     return out
+
+
+def reduce_grads(grads, specs, axes: tuple[str, ...]):
+    """Gradient sums each summed over those of `axes` its weight is replicated on (those its spec does not
+    split it over)."""
+    def split_on(spec: P) -> set[str]:
+        return {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+
+    return jax.tree.map(lambda g, spec: psum(g, tuple(a for a in axes if a not in split_on(spec))),
+                        grads, specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def aux_cotangents(stats: dict, cfg, units: int, m: int) -> dict:
@@ -744,7 +781,8 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     req(not schedules.REGISTRY[pipe.schedule].grouped or pipe.microbatches % p == 0, "pipeline.microbatches",
         pipe.microbatches, f"{pipe.schedule} runs micro-batches in groups of mesh.stage={p}: must be divisible by it")
     unit = config.model.moe_every if config.model.num_experts else 1  # the scanned unit: moe_every layers
-    n_layers, given = config.model.n_layers, tuple(pipe.layers_per_stage)
+    # the scanned stack's layers (the dense first ones run before it: on stage 0 under a slot table)
+    n_layers, given = config.model.n_layers - config.model.first_dense_layers, tuple(pipe.layers_per_stage)
     chunked = pipe.schedule in CHUNKED_SCHEDULES and v > 1
     if given:
         entries = f"chunk: mesh.stage*pipeline.repeats={p}*{v}" if chunked else f"stage: mesh.stage={p}"
@@ -753,7 +791,9 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
         req(all(isinstance(n, int) and n >= 0 and n % unit == 0 for n in given), "pipeline.layers_per_stage", given,
             "entries must be integers >= 0" + (f" and multiples of model.moe_every={unit}" if unit > 1 else ""))
         req(sum(given) == n_layers, "pipeline.layers_per_stage", given,
-            f"must sum to model.n_layers={n_layers} (it sums to {sum(given)})")
+            f"must sum to model.n_layers={config.model.n_layers}"
+            + (f" - model.first_dense_layers={config.model.first_dense_layers}" if config.model.first_dense_layers
+               else "") + f" (it sums to {sum(given)})")
     req(bool(given) or n_layers // unit >= p, "model.n_layers", n_layers,
         f"its {n_layers // unit} scanned units of {unit} layer(s) are fewer than mesh.stage={p}: every stage "
         "needs one (or give pipeline.layers_per_stage with empty stages)")

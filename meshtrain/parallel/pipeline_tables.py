@@ -76,11 +76,12 @@ from meshtrain.parallel.pipeline import (
     SplitStage,
     aux_cotangents,
     pmean,
+    reduce_grads,
     reduce_layer_grads,
     run_gradient_loop,
 )
 from meshtrain.parallel.slot_program import BACKWARD, BACKWARD_FIRST, BRANCHES, FIELDS, FORWARD_LAST, PUT_FIELD, WEIGHTS
-from meshtrain.sharding_rules import vary
+from meshtrain.sharding_rules import vary, varying
 
 
 class SplitResiduals(Residuals):
@@ -201,8 +202,20 @@ class _TableWork:
     def _embed(self, o, tokens):
         return self.model.apply({"params": o}, tokens, method="embed")
 
+    def _dense(self, o, x, mb):
+        """x through the dense first layers (`model.first_dense_layers`), which stage 0 runs before its chunk."""
+        return self.model.apply({"params": o}, x, mb["positions"], mb["segment_ids"], method="dense")
+
+    @property
+    def _has_dense(self) -> bool:
+        return bool(self.model.cfg.first_dense_layers)
+
     def _head_loss(self, o, y, mb):
-        return self.model.apply({"params": o}, y, mb, method="head_loss")
+        """The last stage's loss: the head's cross-entropy sum, and under `model.mtp_depth` multi-token
+        prediction's (sum, tokens, router statistics) (`Transformer.head_and_mtp`)."""
+        if self.model.cfg.mtp_depth:
+            return self.model.apply({"params": o}, y, mb, method="head_and_mtp")
+        return self.model.apply({"params": o}, y, mb, method="head_loss"), None
 
     def _pick(self, i):
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 1, keepdims=False), self.micro)
@@ -251,18 +264,28 @@ class _TableWork:
         zeros32 = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, jnp.float32))
         carry = dict(g_layers=self._layer_sums(), g_outer=zeros32(self._head_params(self.outer)),
                      loss=jnp.zeros((), jnp.float32), stats=zeros32(stats))
+        if self.model.cfg.mtp_depth:  # multi-token prediction's cross-entropy sum and the tokens it counted
+            carry["mtp"] = jnp.zeros((2,), jnp.float32)
         return self._varying(carry)
 
     def _head_params(self, outer: dict) -> dict:
-        """The outer parameters the last stage's head and loss read (all but the input embedding, unless
-        the head is tied to it): the gradient sums the tick's switch carries. The embedding's gradient is
-        summed outside it (`add_embedding_grads`): in the switch it would be copied in every branch of
-        every tick (405B: 8 GiB of float32)."""
-        return {k: v for k, v in outer.items() if k != "embedding" or self.model.cfg.tie_embeddings}
+        """The outer parameters the switch's branches add gradients to (all but the input embedding, unless
+        the head is tied to it or multi-token prediction reads it on the last stage): the gradient sums the
+        tick's switch carries. The embedding's gradient is otherwise summed outside it
+        (`add_embedding_grads`): in the switch it would be copied in every branch of every tick (405B: 8 GiB
+        of float32)."""
+        cfg = self.model.cfg
+        return {k: v for k, v in outer.items() if k != "embedding" or cfg.tie_embeddings or cfg.mtp_depth}
 
     @property
     def embedding_outside(self) -> bool:
         return "embedding" not in self._head_params(self.outer)
+
+    @property
+    def first_adds_outer(self) -> bool:
+        """Whether stage 0's backward adds to the outer sums the switch carries: the embedding's (not summed
+        outside) or the dense first layers'."""
+        return not self.embedding_outside or self._has_dense
 
     def add_embedding_grads(self, sums: jax.Array, dx: jax.Array, j, taken) -> jax.Array:
         """The input embedding's float32 gradient sums [V, D] plus, where `taken` (stage 0's first chunk
@@ -381,7 +404,9 @@ class _TableWork:
         def run(c, x, g, j, chunk, slot, wslot, part, buffers):
             mb = self._pick(j)
             w = self._chunk(chunk)
-            x_in = self._embed(self.outer, mb["inputs"]) if first else x
+            x_in = x
+            if first:  # the stem: the embedding, and the dense first layers, recomputed by the backward
+                x_in = self._dense(self.outer, self._embed(self.outer, mb["inputs"]), mb)
             put = {}
             records = self.plan.gemms and not self.plan.inputs_at_b  # the record: F's inputs, F to W
             if records:
@@ -394,8 +419,19 @@ class _TableWork:
             c = {**c, "stats": self._acc(c["stats"], self._varying(stats))}
             if not last:
                 return (c, *self._outputs(x, buffers, y=y, **put))
-            loss, head_vjp = jax.vjp(lambda o, y: self._head_loss(o, y, mb), self.outer, y)
-            g_head, dy = head_vjp(self._varying((1.0 / self.total_tokens).astype(loss.dtype)))
+            (loss, mtp), head_vjp = jax.vjp(lambda o, y: self._head_loss(o, y, mb), self.outer, y)
+            scale = (1.0 / self.total_tokens).astype(loss.dtype)
+            g_mtp = None
+            if mtp is not None:  # its weighted sum joins the loss; its router statistics the MoE units' mean
+                mtp_sum, tokens, mtp_stats = mtp
+                like = functools.partial(jax.tree.map, lambda g, a: vary(g.astype(a.dtype), tuple(varying(a))))
+                g_mtp = (like(self.model.cfg.mtp_loss_weight * scale, mtp_sum), jnp.zeros_like(tokens),
+                         None if mtp_stats is None else like(
+                             aux_cotangents(mtp_stats, self.model.cfg, self.units, self.m), mtp_stats))
+                c = {**c, "mtp": c["mtp"] + self._varying(jnp.stack([mtp_sum, tokens]).astype(jnp.float32))}
+                if mtp_stats is not None:
+                    c = {**c, "stats": self._acc(c["stats"], self._varying(mtp_stats))}
+            g_head, dy = head_vjp((self._varying(scale), g_mtp))
             c = {**c, "loss": c["loss"] + loss, "g_outer": self._acc(c["g_outer"], self._head_params(g_head))}
             return (c, *self._outputs(x, buffers, dy=dy, **put))
         return run
@@ -426,11 +462,18 @@ class _TableWork:
                 g_w = None
             else:  # fused (interleaved): every weight gradient; gemms split: those no matmul reads (norm scales)
                 c, g_w = self._add_grads(c, chunk, g_w)
+            if not first:  # dx goes upstream
+                return (c, *self._outputs(x, buffers, dx=dx, g_w=g_w, **put))
+            if self._has_dense:  # the dense first layers again from the lookup, then their backward
+                looked_up = self._embed(self.outer, mb["inputs"])
+                _, dense_vjp = jax.vjp(lambda o, x: self._dense(o, x, mb), self.outer, looked_up)
+                g_dense, dx = dense_vjp(dx)
+                c = {**c, "g_outer": self._acc(c["g_outer"], self._head_params(g_dense))}
             if self.embedding_outside:  # dx is the lookup's output gradient: `add_embedding_grads` takes it
                 return (c, *self._outputs(x, buffers, dx=dx, g_w=g_w, **put))  # (sent upstream, to no inbox)
-            _, embed_vjp = jax.vjp(lambda o: self._embed(o, mb["inputs"]), self.outer)
-            (g_embed,) = embed_vjp(dx)
-            c = {**c, "g_outer": self._acc(c["g_outer"], self._head_params(g_embed))}
+            sums = c["g_outer"]["embedding"]  # the lookup's gradient, added at the micro-batch's token rows
+            rows = dx.astype(jnp.float32).reshape(-1, dx.shape[-1])
+            c = {**c, "g_outer": {**c["g_outer"], "embedding": sums.at[mb["inputs"].reshape(-1)].add(rows)}}
             return (c, *self._outputs(x, buffers, g_w=g_w, **put))
         return run
 
@@ -512,7 +555,7 @@ def _add_chunk(sums: dict, grads: dict, chunk) -> dict:
     return out
 
 
-def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m, v, axes, units, specs,
+def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m, v, axes, units, specs, outer_specs,
                 counts=None):
     """One stage's ticks of `plan`: its operation (`lax.switch`), then the activation one stage on and
     the input gradient one stage back (`ppermute`; one for both where `plan.pairs`), each put in its
@@ -525,7 +568,7 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     gradient sums' window, the embedding's scatter: at 405B about 8 ms a tick)."""
     s = lax.axis_index(STAGE)
     rest = tuple(a for a in axes if a != STAGE)
-    outer = lax.pcast(outer, axes, to="varying")
+    outer = vary(outer, axes)
     layers = vary(layers, rest)
     work = _TableWork(stack, model, layers, outer, micro, total_tokens, p=p, m=m, v=v, manual=axes, units=units,
                       plan=plan, counts=counts)
@@ -537,7 +580,7 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     # a branch passing them through copies them (405B in 8 chunks a stage: 2.1 GB a tick).
     # The embedding's sums (`add_embedding_grads`) take a scatter only after a switch that can run stage 0's
     # first backward (under `SlotPlan.handoff` not the W ticks').
-    adds_outer = {FORWARD_LAST} | (set() if work.embedding_outside else {BACKWARD_FIRST})
+    adds_outer = {FORWARD_LAST} | ({BACKWARD_FIRST} if work.first_adds_outer else set())
     switches = {}
     for size, rows in slot_program.segment_rows(plan).items():
         used = {int(b) for b in np.unique(rows)}
@@ -622,4 +665,5 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     g_layers = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), c["g_layers"])
     g_layers = reduce_layer_grads(g_layers, specs, rest)
     stats = jax.tree.map(lambda a: pmean(lax.psum(a, STAGE), rest) / (units * m), c["stats"])
-    return lax.psum(c["loss"], axes), stats, lax.psum(g_outer, axes), g_layers
+    sums = {"loss": c["loss"], **({"mtp": c["mtp"]} if "mtp" in c else {})}
+    return lax.psum(sums, axes), stats, reduce_grads(g_outer, outer_specs, axes), g_layers

@@ -144,7 +144,7 @@ def _activations(run: Step, remat: str, backend: Backend) -> list[Coll]:
     s, m = run.sizes, run.model
     a = max(dtype_bytes(m.dtype), backend.min_collective_bytes)
     t = run.micro_tokens
-    layers = run.stored_model.n_layers // s["stage"]  # the largest stage's
+    layers = run.stored_model.stacked_layers // s["stage"]  # the largest stage's
     micro = run.grad_accum
     x = t * m.d_model * a  # the [t, D] residual of one micro-batch on one device
     out = []

@@ -168,7 +168,7 @@ class Ledger:
         nt = s["tensor"]
         if nt == 1:
             return
-        a, layers, x = st.grad_accum, st.stored_model.n_layers // s["stage"], self._x()
+        a, layers, x = st.grad_accum, st.stored_model.stacked_layers // s["stage"], self._x()
         # the head: on every device, except under the slot tables, where only the last stage runs it (1/p per device)
         head, per = (1 / s["stage"], "/p") if self._slots and s["stage"] > 1 else (1, "")
         count = a * (4 * layers + head)
@@ -210,7 +210,7 @@ class Ledger:
             return
         m = st.model
         a, tp = dtype_bytes(m.dtype), s["tensor"]
-        per = st.grad_accum * (st.stored_model.n_layers // s["stage"])
+        per = st.grad_accum * (st.stored_model.stacked_layers // s["stage"])
         if u > 1:
             qkvo = st.micro_tokens * (2 * m.n_heads + 2 * m.n_kv_heads) // tp * m.head_dim * a
             self.add("sequence", "minimum", "Ulysses all-to-alls of q, k, v and the output, and their transposes",
@@ -265,7 +265,7 @@ class Ledger:
         ne, m = st.ep, st.model
         if ne == 1 or not m.num_experts:
             return
-        layers = math.ceil(st.stored_model.n_layers // s["stage"] / m.moe_every)
+        layers = math.ceil(st.stored_model.stacked_layers // s["stage"] / m.moe_every)
         slots = st.micro_tokens * m.experts_per_token * (1.0 if m.moe_dropless else m.capacity_factor)
         buf = slots * m.d_model * dtype_bytes(m.dtype)
         # over the experts' axes (`expert`, and `fsdp` where its devices own whole experts), split per axis as

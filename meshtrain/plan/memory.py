@@ -160,7 +160,7 @@ class Step:
             return None
         unit = m.moe_every if m.num_experts else 1
         return Pipeline.of(self.pipeline_schedule, self.sizes["stage"], self.microbatches, self.pipeline_repeats,
-                           m.n_layers // unit, (n // unit for n in self.layers_per_stage),
+                           m.stacked_layers // unit, (n // unit for n in self.layers_per_stage),
                            split_backward=self.split_backward, weight_parts=self.weight_parts,
                            weight_span=self.weight_span, overlap=self.overlap_transfers,
                            inputs_at_b=inputs_at_b(self.split_backward, m.remat_policy, self.overlap_transfers))
@@ -173,7 +173,8 @@ class Step:
         if self.pipeline is None:
             return m
         unit = m.moe_every if m.num_experts else 1
-        return dataclasses.replace(m, n_layers=self.pipeline.rows(m.n_layers // unit) * unit)
+        rows = self.pipeline.rows(m.stacked_layers // unit) * unit
+        return dataclasses.replace(m, n_layers=rows + m.first_dense_layers)
 
     @functools.cached_property
     def rules(self) -> Rules:
@@ -411,7 +412,7 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
     a = dtype_bytes(m.dtype)
     p = s["stage"]
     pipelined = p > 1
-    layers = run.stored_model.n_layers // p  # the largest stage's layers
+    layers = run.stored_model.stacked_layers // p  # the largest stage's layers
     t = run.micro_tokens // (run.microbatches if pipelined else 1)
     autodiff_pipe = pipelined and schedules.REGISTRY[run.pipeline_schedule].loop == schedules.AUTODIFF
     in_flight: float = 1
