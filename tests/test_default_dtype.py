@@ -185,6 +185,12 @@ CASES = [
         "model.moe_dropless": True, "model.moe_router": "sigmoid", "model.moe_router_bias": True,
         "model.moe_groups": 4, "model.moe_topk_groups": 2, "model.moe_routed_scale": 2.5, "model.shared_expert": True,
         "model.first_dense_layers": 1, "model.moe_every": 1, "model.mtp_depth": 1}),
+    # ... and in zero bubble's stages (the dense layer on stage 0, the prediction block on the last)
+    _case("moe", {"stage": 2, "fsdp": 2, "expert": 2}, **LATENT, **{
+        "model.moe_dropless": True, "model.moe_router": "sigmoid", "model.moe_router_bias": True,
+        "model.moe_groups": 4, "model.moe_topk_groups": 2, "model.moe_routed_scale": 2.5, "model.shared_expert": True,
+        "model.first_dense_layers": 1, "model.moe_every": 1, "model.mtp_depth": 1, "model.n_layers": 5,
+        "pipeline.schedule": "zero_bubble", "remat.policy": "full"}),
 ]
 
 

@@ -133,15 +133,21 @@ DEEPSEEK_REST = {"model.kv_lora_rank": 32, "model.q_lora_rank": 24, "model.qk_ro
 
 @pytest.mark.parametrize("mesh, whole", [({"fsdp": 2, "expert": 2, "tensor": 2}, False),
                                          ({"stage": 2, "fsdp": 2, "expert": 2}, False),
-                                         ({"fsdp": 2, "expert": 2, "tensor": 2}, True)],
-                         ids=["fsdp2xexpert2xtensor2", "stage2xfsdp2xexpert2", "whole-deepseek-v3"])
+                                         ({"fsdp": 2, "expert": 2, "tensor": 2}, True),
+                                         ({"stage": 2, "fsdp": 2, "expert": 2, "zero_bubble": 1}, True)],
+                         ids=["fsdp2xexpert2xtensor2", "stage2xfsdp2xexpert2", "whole-deepseek-v3",
+                              "whole-deepseek-v3-zero-bubble-stages"])
 def test_deepseek_router_step_compiles(mesh, whole):
     """DeepSeek-V3's router (sigmoid, group-limited, the balancing bias moved by the step) beside the grouped
     kernels' region (manual over the width) and inside 1F1B's stages, as tests/test_moe_router.py trains it;
-    and the whole tiny DeepSeek-V3 with it."""
+    and the whole tiny DeepSeek-V3 with it, also in zero bubble's stages (the dense first layer on stage 0,
+    multi-token prediction on the last, as tests/test_multi_token.py trains them)."""
+    mesh = dict(mesh)
+    schedule = {"pipeline.schedule": "zero_bubble", "model.n_layers": 5, "remat.policy": "full",
+                "pipeline.overlap_transfers": True} if mesh.pop("zero_bubble", 0) else {}
     config = composed_config(mesh, moe=True)
     apply_overrides(config, {"model.dtype": "bfloat16", "model.moe_dropless": True, "train.seq_len": 64,
-                             **DEEPSEEK_ROUTER, **(DEEPSEEK_REST if whole else {})})
+                             **DEEPSEEK_ROUTER, **(DEEPSEEK_REST if whole else {}), **schedule})
     found = {}
     aot.compile_report(config, "h100", 8, sample=None,
                        inspect=lambda compiled, run: found.update(text=compiled.as_text()))
@@ -233,3 +239,23 @@ def test_modeled_mfu_and_memory_targets(name, request):
     report = _row(name)["report"]
     assert report.modeled_mfu >= moe_bench.MFU_TARGETS[name], report.modeled_mfu
     assert report.step.memory["peak"] <= moe_bench.PEAK_TARGETS.get(name, float("inf"))
+
+
+def test_deepseek_v3_671b_layout_compiles_for_2048_h100s():
+    """configs/deepseek_v3_671b.py as the report trained it (16 stages x 64-way experts x ZeRO-1, 2,048 H100s),
+    compiled ahead of time: it compiles; the acceptance point (within 78 GiB, the planner within 10% of the
+    compiler, at least 35% modeled MFU) is not met yet (the strict expectation below names the figures)."""
+    config = load_config_file("deepseek_v3_671b")
+    report = aot.compile_report(config, "h100", 2048, sample=None)
+    assert report.sizes == {"data": 1, "fsdp": 2, "tensor": 1, "sequence": 1, "expert": 64, "stage": 16}
+    assert report.step.gemms > 0 and report.step.memory["peak"] > 0
+    misses = []
+    if not report.fits:
+        misses.append(f"peak {report.step.memory['peak'] / 2**30:.2f} GiB > 78")
+    planner_over_compiler = report.planner["peak"] / report.step.memory["peak"]
+    if abs(planner_over_compiler - 1) > 0.10:
+        misses.append(f"planner / compiler {planner_over_compiler:.3f}")
+    if report.modeled_mfu < 0.35:
+        misses.append(f"modeled MFU {report.modeled_mfu:.1%}")
+    if misses:  # measured (jax 0.10.2): peak 93.58 GiB, planner / compiler 1.101, modeled MFU 5.8%
+        pytest.xfail("671B layout short of the acceptance point: " + "; ".join(misses))

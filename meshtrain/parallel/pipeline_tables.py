@@ -83,6 +83,8 @@ from meshtrain.parallel.pipeline import (
 from meshtrain.parallel.slot_program import BACKWARD, BACKWARD_FIRST, BRANCHES, FIELDS, FORWARD_LAST, PUT_FIELD, WEIGHTS
 from meshtrain.sharding_rules import vary, varying
 
+DENSE = "dense_layers"  # the outer parameters of `model.first_dense_layers` (stage 0's stem)
+
 
 class SplitResiduals(Residuals):
     """B's vjp residuals under the split backward (`SplitStage.forward`: matmul weights constant,
@@ -277,6 +279,12 @@ class _TableWork:
         cfg = self.model.cfg
         return {k: v for k, v in outer.items() if k != "embedding" or cfg.tie_embeddings or cfg.mtp_depth}
 
+    def _add_outer(self, sums: dict, grads: dict) -> dict:
+        """The outer sums plus `grads`, which covers some of their entries (what one branch differentiated):
+        each branch reads and writes only the sums it adds to (DeepSeek-V3's outer parameters, 4.1e9 on every
+        stage: adding the whole tree in each branch moved 21 GB a micro-batch four times)."""
+        return {**sums, **self._acc({k: sums[k] for k in grads}, grads)}
+
     @property
     def embedding_outside(self) -> bool:
         return "embedding" not in self._head_params(self.outer)
@@ -419,7 +427,9 @@ class _TableWork:
             c = {**c, "stats": self._acc(c["stats"], self._varying(stats))}
             if not last:
                 return (c, *self._outputs(x, buffers, y=y, **put))
-            (loss, mtp), head_vjp = jax.vjp(lambda o, y: self._head_loss(o, y, mb), self.outer, y)
+            # differentiated by what the head reads alone: the dense first layers' sums are left as they are
+            read = {k: v for k, v in self._head_params(self.outer).items() if k != DENSE}
+            (loss, mtp), head_vjp = jax.vjp(lambda o, y: self._head_loss({**self.outer, **o}, y, mb), read, y)
             scale = (1.0 / self.total_tokens).astype(loss.dtype)
             g_mtp = None
             if mtp is not None:  # its weighted sum joins the loss; its router statistics the MoE units' mean
@@ -432,7 +442,7 @@ class _TableWork:
                 if mtp_stats is not None:
                     c = {**c, "stats": self._acc(c["stats"], self._varying(mtp_stats))}
             g_head, dy = head_vjp((self._varying(scale), g_mtp))
-            c = {**c, "loss": c["loss"] + loss, "g_outer": self._acc(c["g_outer"], self._head_params(g_head))}
+            c = {**c, "loss": c["loss"] + loss, "g_outer": self._add_outer(c["g_outer"], g_head)}
             return (c, *self._outputs(x, buffers, dy=dy, **put))
         return run
 
@@ -466,9 +476,10 @@ class _TableWork:
                 return (c, *self._outputs(x, buffers, dx=dx, g_w=g_w, **put))
             if self._has_dense:  # the dense first layers again from the lookup, then their backward
                 looked_up = self._embed(self.outer, mb["inputs"])
-                _, dense_vjp = jax.vjp(lambda o, x: self._dense(o, x, mb), self.outer, looked_up)
+                _, dense_vjp = jax.vjp(lambda o, x: self._dense({**self.outer, **o}, x, mb),
+                                       {DENSE: self.outer[DENSE]}, looked_up)
                 g_dense, dx = dense_vjp(dx)
-                c = {**c, "g_outer": self._acc(c["g_outer"], self._head_params(g_dense))}
+                c = {**c, "g_outer": self._add_outer(c["g_outer"], g_dense)}
             if self.embedding_outside:  # dx is the lookup's output gradient: `add_embedding_grads` takes it
                 return (c, *self._outputs(x, buffers, dx=dx, g_w=g_w, **put))  # (sent upstream, to no inbox)
             sums = c["g_outer"]["embedding"]  # the lookup's gradient, added at the micro-batch's token rows
