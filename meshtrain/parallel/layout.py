@@ -226,9 +226,9 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
             config.model.mtp_depth, "multi-token prediction reads each position's next token, which the ring's zig-zag "
             "token order moves elsewhere: set attention.zigzag=False with it")
     kernels = uses_kernels(config, sizes)  # ring attention keeps jnp blocks in MoE stages
-    require(sizes[STAGE] == 1 or not (kernels and config.model.num_experts), "model.num_experts",
-            config.model.num_experts,
-            "MoE layers and Pallas kernels (attention.impl='pallas', model.fused_*, model.moe_matmul='pallas') cannot "
-            "share a pipeline stage: "
-            "the kernels need the stage loop unchecked (interpret-mode pallas_call rejects variance types) and the "
-            "router statistics' gradients need it checked; drop one of them or use mesh.stage=1")
+    require(sizes[STAGE] == 1 or not (kernels and config.model.num_experts)
+            or config.pipeline.schedule in schedules.TABLE_SCHEDULES, "model.num_experts", config.model.num_experts,
+            "MoE layers and Pallas kernels (attention.impl='pallas', model.fused_*, model.moe_matmul='pallas') share "
+            f"a pipeline stage under the slot-table schedules {schedules.TABLE_SCHEDULES} only (got pipeline.schedule="
+            f"{config.pipeline.schedule!r}): the kernels need the stage loop unchecked, whose router statistics' "
+            "gradients only those scale (`pipeline.unchecked_aux_scale`); or use mesh.stage=1")

@@ -609,7 +609,8 @@ def run_gradient_loop(loop, params, histories, batch, model, total_tokens, **sta
         layers[FP8] = histories["layers"]
         specs[FP8] = jax.tree.map(lambda _: P(STAGE), histories["layers"])
     body = functools.partial(loop, stack, inner, p=pipe.stages, m=pipe.microbatches, axes=pipe.axes, units=units,
-                             specs=specs, outer_specs=o_specs, **static)
+                             specs=specs, outer_specs=o_specs, aux_scale=unchecked_aux_scale(pipe, model.rules),
+                             **static)
     sums, stats, outer_grads, layer_grads = jax.shard_map(
         body, in_specs=(specs, o_specs, pipe.micro_spec(0), P()), out_specs=(P(), P(), o_specs, specs),
         axis_names=set(pipe.axes), check_vma=pipe.checked,
@@ -649,11 +650,23 @@ def reduce_grads(grads, specs, axes: tuple[str, ...]):
                         grads, specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def aux_cotangents(stats: dict, cfg, units: int, m: int) -> dict:
+def aux_cotangents(stats: dict, cfg, units: int, m: int, scale: float = 1.0) -> dict:
     """d(MoE losses) / d(one unit's stats of one micro-batch): the losses average the stats over the
-    `units` MoE units and the `m` micro-batches (`moe.loss_terms`), so each is a constant."""
+    `units` MoE units and the `m` micro-batches (`moe.loss_terms`), so each is a constant; times `scale`
+    (`unchecked_aux_scale`)."""
     weights = {"balance": cfg.aux_loss_weight, "z": cfg.router_z_loss_weight}
-    return {k: jnp.full(v.shape, weights.get(k, 0.0) / (units * m), v.dtype) for k, v in stats.items()}
+    return {k: jnp.full(v.shape, scale * weights.get(k, 0.0) / (units * m), v.dtype) for k, v in stats.items()}
+
+
+def unchecked_aux_scale(pipe, rules) -> float:
+    """The router statistics' cotangent scale in a slot-table loop: 1 where the loop is variance-checked; in
+    an unchecked one (Pallas kernels in the stages) 1 / the devices of its other axes. A layer's statistics
+    are psums over those axes (`moe.router_stats`: every device of the region holds the same), and the
+    cotangent the loop sets on each device's copy is its share of the loss's: checked, a psum's transpose
+    hands each device the cotangent as it is; unchecked it is a psum again, which counts every device's."""
+    if pipe.checked:
+        return 1.0
+    return 1.0 / math.prod(rules.size(a) for a in pipe.axes if a != STAGE)
 
 
 class Residuals:

@@ -182,10 +182,11 @@ class _TableWork:
     whole, a slot written outside costs one slot."""
 
     def __init__(self, stack, model, layers, outer, micro, total_tokens, *, p, m, v, manual, units, plan,
-                 counts=None):
+                 counts=None, aux_scale=1.0):
         chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers)
         self.model, self.layers, self.outer, self.micro = model, chunks, outer, micro
         self.total_tokens, self.p, self.m, self.manual, self.units = total_tokens, p, m, manual, units
+        self.aux_scale = aux_scale  # `pipeline.aux_cotangents`' scale in this region
         self.residuals = Residuals(stack, chunks)
         self.plan, self.v = plan, v
         if plan.gemms:  # B computes input gradients only; W the weight GEMMs from what B and F kept
@@ -437,7 +438,7 @@ class _TableWork:
                 like = functools.partial(jax.tree.map, lambda g, a: vary(g.astype(a.dtype), tuple(varying(a))))
                 g_mtp = (like(self.model.cfg.mtp_loss_weight * scale, mtp_sum), jnp.zeros_like(tokens),
                          None if mtp_stats is None else like(
-                             aux_cotangents(mtp_stats, self.model.cfg, self.units, self.m), mtp_stats))
+                             aux_cotangents(mtp_stats, self.model.cfg, self.units, self.m, self.aux_scale), mtp_stats))
                 c = {**c, "mtp": c["mtp"] + self._varying(jnp.stack([mtp_sum, tokens]).astype(jnp.float32))}
                 if mtp_stats is not None:
                     c = {**c, "stats": self._acc(c["stats"], self._varying(mtp_stats))}
@@ -448,7 +449,7 @@ class _TableWork:
 
     def _cotangents(self, c, g):
         g_stats = {k: self._varying(v, self._stats_vma[k])
-                   for k, v in aux_cotangents(c["stats"], self.model.cfg, self.units, self.m).items()}
+                   for k, v in aux_cotangents(c["stats"], self.model.cfg, self.units, self.m, self.aux_scale).items()}
         return (g, g_stats)
 
     def _backward(self, first: bool):
@@ -567,7 +568,7 @@ def _add_chunk(sums: dict, grads: dict, chunk) -> dict:
 
 
 def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m, v, axes, units, specs, outer_specs,
-                counts=None):
+                counts=None, aux_scale=1.0):
     """One stage's ticks of `plan`: its operation (`lax.switch`), then the activation one stage on and
     the input gradient one stage back (`ppermute`; one for both where `plan.pairs`), each put in its
     inbox slot. With `plan.latency` 1
@@ -582,6 +583,7 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     outer = vary(outer, axes)
     layers = vary(layers, rest)
     work = _TableWork(stack, model, layers, outer, micro, total_tokens, p=p, m=m, v=v, manual=axes, units=units,
+                      aux_scale=aux_scale,
                       plan=plan, counts=counts)
     # {switch size: (its branches, whether the outer sums stay out of it, whether it can run stage 0's first
     # backward: the embedding's scatter follows it)}. Every switch of a size has the
