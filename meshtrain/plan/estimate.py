@@ -76,17 +76,21 @@ def moe_compute(run: memory.Step, gpu: Gpu, passes: float) -> tuple[float, float
     if not m.num_experts or (m.moe_dropless and not grouped):
         return 0.0, 0.0
     f = (m.moe_mlp_dim or m.mlp_dim) // run.sizes["tensor"]
+    # a pipeline stage runs its own MoE rows (the largest stage's: lock-step) on each of its micro-batches
+    p = run.sizes["stage"]
+    layers, reps, tokens = m.moe_layers, run.grad_accum, run.micro_tokens
+    if p > 1:
+        layers, reps, tokens = run.stored_model.moe_layers // p, run.microbatches, run.micro_tokens // run.microbatches
     if grouped:
-        rows = memory.moe_rows(run)
+        rows = memory.moe_rows(run, tokens)
         computed, held = rows.expected * rows.chunks, rows.grouped * rows.chunks
         warps = 8 if rows.tile >= 128 else 4
         share = {kind: hlo.GROUPED_EFFICIENCY[(kind, warps)]
                  for kind in ("grouped_matmul", "grouped_matmul_dx", "grouped_matmul_dw")}
     else:  # every expert's C slots a row, filled or not
-        computed = held = math.ceil(run.micro_tokens * m.experts_per_token * m.capacity_factor)
+        computed = held = math.ceil(tokens * m.experts_per_token * m.capacity_factor)
         share = dict.fromkeys(("grouped_matmul", "grouped_matmul_dx", "grouped_matmul_dw"),
                               hlo.KERNEL_TIMES.flop_efficiency)
-    layers = m.moe_layers
     a = memory.dtype_bytes(m.dtype)
     one = 2.0 * computed * m.d_model * f  # one matmul over a micro-batch's rows on one device
     # a matmul reads its experts' weights whole, its rows and writes its output: with many experts of few rows
@@ -103,9 +107,9 @@ def moe_compute(run: memory.Step, gpu: Gpu, passes: float) -> tuple[float, float
     split = run.sizes["sequence"] * (1 if run.rules.experts_over_fsdp else run.sizes["fsdp"])  # ZeRO's on D
     per_weight = WEIGHT_CONVERT_BYTES / split if run.zero_stage >= 3 and split > 1 else WEIGHT_CONVERT_BYTES + 2 * a
     copies = weights * per_weight * (2 + passes) if grouped else 0.0
-    seconds = layers * run.grad_accum * work / gpu.peak_flops
-    seconds += layers * (run.grad_accum * layout + copies) / (gpu.hbm_bandwidth * HBM_EFFICIENCY)
-    return layers * run.grad_accum * one * (3 * (1 + passes) + 6), seconds
+    seconds = layers * reps * work / gpu.peak_flops
+    seconds += layers * (reps * layout + copies) / (gpu.hbm_bandwidth * HBM_EFFICIENCY)
+    return layers * reps * one * (3 * (1 + passes) + 6), seconds
 
 
 def exposed_exchange(run: memory.Step, seconds: float, expert_seconds: float) -> float:
@@ -136,7 +140,8 @@ def moe_rest_seconds(run: memory.Step, gpu: Gpu, passes: float, peak: float) -> 
     state = memory.placed_elements(run.stored_model, run.placement()["optimizer"]) * OPTIMIZER_BYTES
     logits = run.micro_tokens * m.vocab_size // run.sizes["tensor"] * run.grad_accum * LOSS_BYTES
     # the norms, residuals and conversions of a device's tokens, whole on every `tensor` device
-    tokens_passes = TOKEN_PASSES * run.micro_tokens * run.grad_accum * m.d_model * m.n_layers * (2 + passes)
+    layers = run.stored_model.n_layers // run.sizes["stage"]  # a pipeline stage's (the largest's) layers
+    tokens_passes = TOKEN_PASSES * run.micro_tokens * run.grad_accum * m.d_model * layers * (2 + passes)
     return (matmuls / (peak * hlo.KERNEL_TIMES.flop_efficiency) + attention * scale / (peak * ATTENTION_EFFICIENCY)
             + (state + logits + tokens_passes * memory.dtype_bytes(m.dtype)) / (gpu.hbm_bandwidth * HBM_EFFICIENCY))
 
