@@ -73,9 +73,10 @@ def cudnn_refusal(config: ml_collections.ConfigDict) -> tuple[str, object, str] 
         return ("model.v_head_dim", m.v_head_dim, f"cuDNN's call here takes one head width (model.head_dim="
                 f"{m.head_dim}): the values would be padded to it")
     if m.num_experts and int(config.mesh.stage) != 1:
-        return ("model.num_experts", m.num_experts, "MoE layers and cuDNN's attention cannot share a pipeline stage: "
-                "the router statistics' gradients need the stage loop's variance checks, which cuDNN's calls do not "
-                "pass (they declare no variance, as a Pallas kernel)")
+        return ("model.num_experts", m.num_experts, "cuDNN's attention is not run in an MoE pipeline stage (its "
+                "calls declare no variance, as a Pallas kernel: the stage loop would go unchecked, which only the "
+                "slot-table schedules take and which is tested with the Pallas kernels alone): use "
+                "attention.impl='pallas' there")
     return None
 
 
@@ -105,7 +106,8 @@ def _flash_serves_latent(config: ml_collections.ConfigDict) -> bool:
     whose head widths cuDNN refuses (a query / key head of 192 against values of 128 in DeepSeek-V3): the
     einsum attention writes [B, H, T, T] scores (the kernel model prices DeepSeek-V3's shapes, 2 layers on 8
     H100s, at 0.2275 s a step with it and 0.1530 s with the flash kernel). Not where the kernel cannot go:
-    float32, a sliding window, an MoE pipeline stage (`parallel.layout.validate_config`)."""
+    float32, a sliding window, an MoE pipeline stage (whose loop the automatic choices keep type-checked; the
+    slot-table schedules take the kernels there when `attention.impl='pallas'` is set)."""
     m = config.model
     return bool(m.kv_lora_rank and m.dtype in ("bfloat16", "float16") and not m.sliding_window
                 and not (m.num_experts and int(config.mesh.stage) != 1))
@@ -119,8 +121,8 @@ MOE_FSDP = ("auto", "experts", "weights")
 def moe_matmul(config: ml_collections.ConfigDict, platform: str) -> str:
     """`model.moe_matmul` as a step on `platform`'s devices runs it: 'auto' becomes 'pallas' (the grouped
     matmul kernel, `pallas_kernels/grouped_matmul.py`) on a GPU where it serves (no FP8: the expert
-    matmuls' FP8 form is ragged_dot's; no pipeline stage: the MoE stage loop stays variance-checked,
-    which a `pallas_call` does not pass), else 'ragged_dot'."""
+    matmuls' FP8 form is ragged_dot's; no pipeline stage: there a `pallas_call` makes the stage loop
+    unchecked, which the slot-table schedules alone take: set 'pallas' for them), else 'ragged_dot'."""
     impl = config.model.moe_matmul
     if impl != "auto":
         return impl

@@ -160,6 +160,7 @@ def test_a_run_starts_from_a_hugging_face_checkpoint_with_a_fresh_block(tmp_path
     ({"model.mtp_depth": 2}, "must be 0 or 1"),
     ({"model.fused_loss": True}, "the fused loss serves the main head alone"),
     ({"mesh.sequence": 2, "mesh.data": 4, "attention.impl": "ring"}, "set attention.zigzag=False"),
+    ({"mesh.stage": 2, "mesh.data": 4, "model.matmul_precision": "fp8"}, "FP8 amax histories ride through a pipeline"),
 ])
 def test_validation_names_key_value_and_rule(override, match):
     config = utils.apply_overrides(utils.tiny_config({"data": 8}, **MTP), override)

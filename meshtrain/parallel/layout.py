@@ -161,8 +161,8 @@ def accumulation_axes(config: ml_collections.ConfigDict, sizes: Mapping[str, int
 def ring_flash(config: ml_collections.ConfigDict, sizes: Mapping[str, int], platform: str) -> bool:
     """Whether ring attention computes its blocks with the Pallas flash kernel: compiled for a GPU
     (`platform`: the mesh's devices, not the host's), each block (seq_len / mesh.sequence, halved by
-    zig-zag) a whole number of the kernel's smallest tile, and no MoE pipeline stage around it (its
-    loop stays type-checked, `validate_config`; jnp blocks there)."""
+    zig-zag) a whole number of the kernel's smallest tile, and no MoE pipeline stage around it (the
+    automatic choices keep that loop type-checked; jnp blocks there)."""
     if config.attention.impl not in CONTEXT_PARALLEL_IMPLS or sizes[SEQUENCE] == 1 or platform != "gpu":
         return False
     if config.model.num_experts and sizes[STAGE] > 1:

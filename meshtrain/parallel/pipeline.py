@@ -387,7 +387,8 @@ def leading(tree) -> int:
 def skipping(layer, counts: tuple[tuple[int, ...], ...], cfg, chunk=0):
     """A scan body (x, variables) -> (x, out) made (x, (variables, j)) -> (x, out) that runs unit j only
     when j < counts[this stage][chunk] and otherwise passes x through with zero outputs (an empty slot). Both
-    branches' results vary over every manual axis of the region (a `lax.cond` needs equal types).
+    branches' x varies over every manual axis of the region, and the empty slot's zeros over what the unit's
+    outputs vary over (a `lax.cond` needs equal types).
 
     The `lax.cond` sits in a `jax.checkpoint` with the model's remat policy: differentiated bare, a
     cond returns every residual of its branch as an output, the unit's weights among them (a copy of
@@ -583,8 +584,10 @@ def _ring_loop(stack, layers, xs, positions, segment_ids, *, p, m, v, units, axe
 
 def run_gradient_loop(loop, params, histories, batch, model, total_tokens, **static):
     """`loop`(stack, stage model, layers, outer params, micro-batches, total_tokens, *, p, m, axes, units,
-    specs, **static) -> (loss sum, MoE stats, outer grads, layer grads), run in the pipeline's
-    `shard_map`; returns the train step's (loss_sum, aux, grads, amaxes): the slot-table executor's
+    specs, outer_specs, aux_scale, **static) -> ({"loss": loss sum, and under multi-token prediction "mtp":
+    its [sum, tokens]}, MoE stats, outer grads, layer grads), run in the pipeline's `shard_map` (the outer
+    parameters whole but for an MoE block's experts, `outer_specs`; `aux_scale`: `unchecked_aux_scale`);
+    returns the train step's (loss_sum, aux, grads, amaxes): the slot-table executor's
     frame (`pipeline_tables`). `layers` are the stage's variables (`stage_variables`: parameters, in several
     chunks a stage the matmul weights in the compute dtype, and under FP8 the amax histories, float32); its
     gradients are float32 gradient sums and largest amaxes."""
@@ -776,7 +779,8 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     p = sizes[STAGE]
     pipe, req = config.pipeline, config_lib.require
     if p == 1:
-        req(tuple(pipe.layers_per_stage) in ((), (config.model.n_layers,)), "pipeline.layers_per_stage",
+        stacked = config.model.n_layers - config.model.first_dense_layers
+        req(tuple(pipe.layers_per_stage) in ((), (stacked,)), "pipeline.layers_per_stage",
             tuple(pipe.layers_per_stage), "splits the layers over mesh.stage, which is 1: must be ()")
         return
     v = pipe.repeats
@@ -814,6 +818,9 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
     # partial evaluation of it compute the step's loss as NaN (a `reduce_precision` to e4m3 of an unclipped
     # value, `fp8.scaled_dot` under `jax.checkpoint(..., policy=everything_saveable)`); one that makes them
     # again keeps float32 copies of the weights instead, one a micro-batch in flight
+    req(not (config.model.matmul_precision == "fp8" and (config.model.first_dense_layers or config.model.mtp_depth)),
+        "model.matmul_precision", "fp8", "FP8 amax histories ride through a pipeline for the layer stack only: not "
+        "with model.first_dense_layers or model.mtp_depth (their blocks run outside it) and mesh.stage > 1")
     req(not (config.model.matmul_precision == "fp8" and config.remat.policy == "none"), "remat.policy", "none",
         "FP8 matmuls in a pipeline need a policy that recomputes their FP8 operands: 'selective', 'attention', "
         "'full' or 'offload' (under 'none' the stage keeping them computes the loss as NaN)")

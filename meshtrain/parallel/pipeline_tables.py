@@ -298,8 +298,9 @@ class _TableWork:
 
     def add_embedding_grads(self, sums: jax.Array, dx: jax.Array, j, taken) -> jax.Array:
         """The input embedding's float32 gradient sums [V, D] plus, where `taken` (stage 0's first chunk
-        ran micro-batch j's backward this tick), the gradient of its lookup: dx [b, T, D] (the stage's
-        input gradient) added at the rows of the micro-batch's tokens. One micro-batch's rows a tick,
+        ran micro-batch j's backward this tick), the gradient of its lookup: dx [b, T, D] (the gradient at
+        the lookup's output: the stage's input gradient, through the dense first layers' backward where
+        there are some) added at the rows of the micro-batch's tokens. One micro-batch's rows a tick,
         in place; the embedding is a lookup of the table in the compute dtype (`Transformer.embed`)."""
         tokens = lax.dynamic_index_in_dim(self.micro["inputs"], j, 1, keepdims=False)  # [b, T]
         rows = jnp.where(taken, dx, jnp.zeros_like(dx)).astype(jnp.float32)
