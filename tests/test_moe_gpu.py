@@ -241,21 +241,16 @@ def test_modeled_mfu_and_memory_targets(name, request):
     assert report.step.memory["peak"] <= moe_bench.PEAK_TARGETS.get(name, float("inf"))
 
 
+@pytest.mark.xfail(strict=True, reason="671B layout short of the acceptance point (jax 0.10.2): peak 73.84 GiB (fits), "
+                   "planner / compiler 1.125, modeled MFU 12.0% against 35% (docs/moe.md, 'At real size')")
 def test_deepseek_v3_671b_layout_compiles_for_2048_h100s():
     """configs/deepseek_v3_671b.py as the report trained it (16 stages x 64-way experts x ZeRO-1, 2,048 H100s),
-    compiled ahead of time: it compiles; the acceptance point (within 78 GiB, the planner within 10% of the
-    compiler, at least 35% modeled MFU) is not met yet (the strict expectation below names the figures)."""
+    compiled ahead of time, at the acceptance point: within 78 GiB, the planner within 10% of the compiler, at
+    least 35% modeled MFU."""
     config = load_config_file("deepseek_v3_671b")
     report = aot.compile_report(config, "h100", 2048, sample=None)
     assert report.sizes == {"data": 1, "fsdp": 2, "tensor": 1, "sequence": 1, "expert": 64, "stage": 16}
-    assert report.step.gemms > 0 and report.step.memory["peak"] > 0
-    misses = []
-    if not report.fits:
-        misses.append(f"peak {report.step.memory['peak'] / 2**30:.2f} GiB > 78")
+    assert report.fits, report.step.memory["peak"] / 2**30
     planner_over_compiler = report.planner["peak"] / report.step.memory["peak"]
-    if abs(planner_over_compiler - 1) > 0.10:
-        misses.append(f"planner / compiler {planner_over_compiler:.3f}")
-    if report.modeled_mfu < 0.35:
-        misses.append(f"modeled MFU {report.modeled_mfu:.1%}")
-    if misses:  # measured (jax 0.10.2): peak 73.84 GiB (fits), planner / compiler 1.125, modeled MFU 12.0%
-        pytest.xfail("671B layout short of the acceptance point: " + "; ".join(misses))
+    assert planner_over_compiler == pytest.approx(1, abs=0.10), planner_over_compiler
+    assert report.modeled_mfu >= 0.35, report.modeled_mfu
