@@ -16,7 +16,8 @@ Where each number comes from ("The Llama 3 Herd of Models", 2024):
 - schedule (Section 3.3.2): interleaved 1F1B, as the paper's; here in 8 chunks a stage with each
   transfer beside the next tick's compute (126 layers as 128 chunks of one, the first and the last
   empty, so the first and the last stage again hold 7). The H100 compile's step by the kernel model:
-  41.5% MFU; under full remat 40.8%, and 36.5% in 4 chunks, 16.9% under 1F1B (docs/405b.md).
+  43.2% MFU (41.5% before the empty chunks were priced as skipped; then under full remat 40.8%, and 36.5% in
+  4 chunks, 16.9% under 1F1B: docs/405b.md).
 - optimizer (Section 3.4.1): peak learning rate 8e-5, 8,000 warm-up steps, cosine decay to 8e-7 over
   1,200,000 steps.
 The data-parallel axis is `fsdp` (-1: 128 on 16,384 devices) with ZeRO-1 (optimizer state sharded),

@@ -170,10 +170,11 @@ class ProgramReport:
 
     @classmethod
     def of(cls, compiled, seconds: float, gpu: hardware.Gpu | None = None, top: int = 8,
-           lockstep=None, branch_weights=None) -> ProgramReport:
+           lockstep=None, branch_weights=None, slot_shares=None) -> ProgramReport:
         """`lockstep`: the pipeline loops' rows of switch branches (`Layout.lockstep_rows`), how the
-        kernel model prices its ticks (`plan.hlo.kernels`); `branch_weights`: their branches' shares
-        (`Layout.branch_share`), how often each branch's collectives run."""
+        kernel model prices its ticks (`plan.hlo.kernels`), with each stage's share of its slots that run
+        (`Layout.slot_shares`); `branch_weights`: their branches' shares (`Layout.branch_share`), how often
+        each branch's collectives run."""
         text = compiled.as_text()
         gemm = hlo.gemms(text)
         by_kind: dict[str, dict[str, float]] = collections.defaultdict(lambda: {"pairs": 0, "overlapped": 0})
@@ -187,12 +188,13 @@ class ProgramReport:
                      dict(sorted(hlo.cudnn_attention_calls(text).items())),
                      from_cache=getattr(compiled, "from_cache", False))
         if gpu is not None:
-            kernels = hlo.kernels(text, price=lambda ks: hlo.KERNEL_TIMES.seconds(ks, gpu), lockstep=lockstep)
+            kernels = hlo.kernels(text, price=lambda ks: hlo.KERNEL_TIMES.seconds(ks, gpu), lockstep=lockstep,
+                                  slot_shares=slot_shares)
             priced = sorted(((hlo.KERNEL_TIMES.seconds([k], gpu), k) for k in kernels), key=lambda sk: -sk[0])
             report.modeled_seconds = sum(s for s, _ in priced)
             report.modeled_seconds_one_document = hlo.KERNEL_TIMES.seconds(
                 hlo.kernels(text, price=lambda ks: hlo.KERNEL_TIMES.seconds(ks, gpu), attention_branch="shortest",
-                            lockstep=lockstep),
+                            lockstep=lockstep, slot_shares=slot_shares),
                 gpu)
             report.top_kernels = [{"name": k.name, "kind": k.opcode, "runs": k.runs, "seconds": s,
                                    "bytes": k.bytes * k.runs, "flops": k.flops * k.runs} for s, k in priced[:top]]
@@ -361,7 +363,7 @@ def compile_report(config: ml_collections.ConfigDict, target: str, devices: int,
         inspect(compiled, run)
     gpu = hardware.get_gpu(target)
     step = ProgramReport.of(compiled, seconds, gpu, lockstep=run.layout.lockstep_rows(),
-                            branch_weights=run.layout.branch_share())
+                            branch_weights=run.layout.branch_share(), slot_shares=run.layout.slot_shares())
     del compiled
     planner = verify.model_memory(config, dict(run.sizes), verify.batch_bytes(run))
     planned = estimate.estimate(config, dict(run.sizes), gpu, devices_per_node)

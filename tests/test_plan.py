@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import subprocess
@@ -256,6 +257,86 @@ def test_kernel_reader_takes_one_branch_of_a_conditional():
     assert {k.name: k.runs for k in hlo.kernels(text, price=lambda ks: sum(k.runs for k in ks), lockstep={2: rows})
             if k.name.startswith("c")} == locked
     assert {k.name for k in hlo.kernels(text, lockstep=(rows, 3))} >= {"c2", "c3"}  # other switches: the longest
+
+
+SKIPPING_HLO = """HloModule s
+
+%run (r: f32[16,64]) -> f32[16,64] {
+  %r = f32[16,64]{1,0} parameter(0)
+  %r1 = f32[16,64]{1,0} copy(%r)
+  %r2 = f32[16,64]{1,0} copy(%r1)
+  %r3 = f32[16,64]{1,0} copy(%r2)
+  %k = s32[] constant(1)
+  ROOT %inner = f32[16,64]{1,0} conditional(%k, %r3, %r3), branch_computations={%one, %two}, \
+metadata={op_name="jit(step)/while/body/cond/branch_1_fun/empty_slot/cond/branch_1_fun/cond"}
+}
+
+%one (o: f32[16,64]) -> f32[16,64] {
+  %o = f32[16,64]{1,0} parameter(0)
+  ROOT %n1 = f32[16,64]{1,0} copy(%o)
+}
+
+%two (t: f32[16,64]) -> f32[16,64] {
+  %t = f32[16,64]{1,0} parameter(0)
+  %n2 = f32[16,64]{1,0} copy(%t)
+  ROOT %n3 = f32[16,64]{1,0} copy(%n2)
+}
+
+%empty (e: f32[16,64]) -> f32[16,64] {
+  %e = f32[16,64]{1,0} parameter(0)
+  ROOT %e1 = f32[16,64]{1,0} copy(%e)
+}
+
+%idle (i: f32[16,64]) -> f32[16,64] {
+  %i = f32[16,64]{1,0} parameter(0)
+  ROOT %i1 = f32[16,64]{1,0} copy(%i)
+}
+
+%stage (s: f32[16,64]) -> f32[16,64] {
+  %s = f32[16,64]{1,0} parameter(0)
+  %real = pred[] constant(true)
+  ROOT %slot = f32[16,64]{1,0} conditional(%real, %s, %s), true_computation=%run, false_computation=%empty, \
+metadata={op_name="jit(step)/while/body/cond/branch_1_fun/transpose(jvp())/empty_slot/checkpoint/cond"}
+}
+
+ENTRY %main (x: f32[16,64], b: s32[]) -> f32[16,64] {
+  %x = f32[16,64]{1,0} parameter(0)
+  %b = s32[] parameter(1)
+  ROOT %tick = f32[16,64]{1,0} conditional(%b, %x, %x, %x), branch_computations={%idle, %stage, %idle}, \
+metadata={op_name="jit(step)/while/body/cond"}
+}
+"""
+
+
+def test_kernel_reader_prices_an_uneven_stages_empty_slots_by_its_share():
+    """A pipeline tick in lock-step lasts as long as its slowest stage's branch; an uneven stage's branch
+    runs its layer (`run`) in the share of its scanned slots that hold one and skips the rest (`empty`,
+    the conditional in `slot_program.EMPTY_SLOT_SCOPE`), so a stage of a quarter of the slots prices its
+    branch at a quarter of the layer's launches plus three quarters of the empty slot's. A conditional of
+    the layer itself (`inner`, scoped inside the skip's branch) keeps its longest branch."""
+    launches = lambda ks: sum(k.runs for k in ks)  # noqa: E731
+
+    def runs(**kw) -> dict[str, float]:  # a kernel's runs summed over the branches that walk it
+        out = collections.Counter()
+        for k in hlo.kernels(SKIPPING_HLO, price=launches, **kw):
+            out[k.name] += k.runs
+        return out
+
+    rows = np.array([[0, 1], [0, 1], [1, 1], [0, 0]])  # the branch each of 2 stages takes (of 3), a row a tick
+    full, quarter = np.ones(rows.shape), np.tile([1.0, 0.25], (4, 1))
+    # without shares (or with every stage's slots full) each of its ticks runs the layer
+    assert runs(lockstep={3: rows}) == runs(lockstep={3: rows}, slot_shares={3: full})
+    whole = runs(lockstep={3: rows}, slot_shares={3: full})
+    assert whole["r1"] == whole["n2"] == whole["n3"] == 0.75 and whole["n1"] == whole["e1"] == 0.0
+    # stage 1 at a quarter of the slots: its branch 0.25 x 5 + 0.75 x 1 = 2 launches beats idle's 1 in
+    # the first two rows; in the third stage 0's full slots are slowest; the fourth is idle
+    shared = runs(lockstep={3: rows}, slot_shares={3: quarter})
+    assert shared["r1"] == shared["n3"] == 2 / 4 * 0.25 + 1 / 4 * 1.0
+    assert shared["e1"] == 2 / 4 * 0.75
+    assert shared["i1"] == 1 / 4 and shared["n1"] == 0.0
+    # a stage that runs none of its slots: only the empty one, which ties with idle
+    none = runs(lockstep={3: rows[:2]}, slot_shares={3: np.tile([1.0, 0.0], (2, 1))})
+    assert none["r1"] == 0.0 and none["e1"] + none["i1"] == 1.0
 
 
 def test_kernel_reader_prices_a_scatter_into_its_operand_in_place():

@@ -104,6 +104,17 @@ class Layout:
             return slot_program.segment_rows(pipe.plan)
         return None
 
+    def slot_shares(self) -> dict[int, np.ndarray] | None:
+        """{switch size: rows [n, p] of the share of its scanned slots stage s runs at that tick} (uneven
+        stages: the chunk's units over the largest chunk's, the rest empty slots skipped by a `lax.cond`,
+        `pipeline.skipping`), beside `lockstep_rows`; None where every stage runs all its slots."""
+        pipe = self.pipeline
+        if pipe is None or pipe.plan is None or pipe.counts is None:
+            return None
+        counts = np.asarray(pipe.counts, np.float64) / max(pipe.units)  # [p, v]
+        return {n: counts[np.arange(chunks.shape[1]), np.clip(chunks, 0, counts.shape[1] - 1)]
+                for n, chunks in slot_program.segment_rows(pipe.plan, "chunk").items()}
+
     def branch_share(self) -> dict[int, tuple[float, ...]] | None:
         """{switch size: the share of its loops' calls that take each branch} of the pipeline's `lax.switch`
         (how often each branch's collectives run: `plan.hlo.collectives`), or None without a slot loop."""

@@ -415,8 +415,9 @@ def skipping(layer, counts: tuple[tuple[int, ...], ...], cfg, chunk=0):
 
         def empty(x, variables):
             return vary(x, manual), jax.tree.map(lambda aval: like(jnp.zeros(aval.shape, aval.dtype), aval), out[1])
-        return jax.checkpoint(lambda real, x, variables: lax.cond(real, run, empty, x, variables), policy=policy,
-                              prevent_cse=False)(real, x, variables)
+        with jax.named_scope(slot_program.EMPTY_SLOT_SCOPE):  # how the kernel model tells this cond from others
+            return jax.checkpoint(lambda real, x, variables: lax.cond(real, run, empty, x, variables),
+                                  policy=policy, prevent_cse=False)(real, x, variables)
     return body
 
 

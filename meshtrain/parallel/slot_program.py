@@ -17,6 +17,10 @@ import numpy as np
 
 from meshtrain.parallel import schedules
 
+# the name scope of an uneven stage's `lax.cond` that skips its empty slots (`pipeline.skipping`): its
+# conditionals in the compiled step (forward, recomputed, transposed) carry it in their op_name, and the
+# kernel model prices them by the share of the stage's slots that run (`plan.hlo.kernels`, `slot_shares`)
+EMPTY_SLOT_SCOPE = "empty_slot"
 # branch indices of the tick's `lax.switch`
 IDLE, FORWARD, FORWARD_FIRST, FORWARD_LAST, BACKWARD, BACKWARD_FIRST, WEIGHTS = range(7)
 BRANCHES = 7
@@ -341,13 +345,14 @@ def _alternating_sends(table, p: int, v: int):
     return pairs, forward
 
 
-def segment_rows(plan: SlotPlan) -> dict[int, np.ndarray]:
-    """{switch size: rows [n, p] of the branch each stage takes}: the ticks of the loops whose switch has
-    that many branches (`SlotPlan.segments`), in order."""
+def segment_rows(plan: SlotPlan, field: str = "branch") -> dict[int, np.ndarray]:
+    """{switch size: rows [n, p] of the branch each stage takes (or another of the FIELDS)}: the ticks of
+    the loops whose switch has that many branches (`SlotPlan.segments`), in order."""
+    column = FIELDS.index(field)
     rows: dict[int, list[np.ndarray]] = {}
     for start, stop, sizes in plan.segments:
         for j, branches in enumerate(sizes):
-            rows.setdefault(branches, []).append(plan.program[start + j:stop:len(sizes), :, 0])
+            rows.setdefault(branches, []).append(plan.program[start + j:stop:len(sizes), :, column])
     return {n: np.concatenate(r) for n, r in rows.items()}
 
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from meshtrain.parallel import slot_program
 from meshtrain.plan.comm import attribute
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
@@ -760,7 +761,7 @@ def _grouped_bytes(name: re.Match, operands: list[str], out_bytes: int) -> float
 
 
 def kernels(hlo: str, branch_weights=None, price=None,
-            attention_branch: str = "longest", lockstep=None) -> list[Kernel]:
+            attention_branch: str = "longest", lockstep=None, slot_shares=None) -> list[Kernel]:
     """The kernels a GPU-compiled module launches (its optimized HLO, `compiled.as_text()`): each
     fusion, custom call and unfused instruction of the computations that run, with the bytes it reads
     and writes and its GEMM FLOPs, and how many times it runs per call: loop bodies times their trip
@@ -782,17 +783,24 @@ def kernels(hlo: str, branch_weights=None, price=None,
     tick, stage s taking branch rows[i, s]), each row lasting as long as its slowest stage's branch
     (`price`): each such conditional counts each branch for the share of rows it is the slowest in.
     Without it the longest branch counts for every row, a backward in every tick of a table whose ticks
-    alternate forwards and backwards."""
+    alternate forwards and backwards. `slot_shares` ({branches: rows} of the same shapes, `Layout.slot_shares`):
+    the share of its scanned slots stage s runs at that row (uneven stages), by which its branch prices the
+    conditionals that skip its empty slots (named `slot_program.EMPTY_SLOT_SCOPE`): the costlier branch for
+    that share of the calls, the other for the rest; a row lasts as long as its slowest (branch, share).
+    Without it such a conditional counts its costlier branch every call (the fullest stage's)."""
     comps, entry = _computations(hlo)
     parsed = {name: [m for line in lines if (m := _INSTRUCTION.match(line))] for name, lines in comps.items()}
-    branch_weights, lockstep = _by_size(branch_weights), _by_size(lockstep)
+    branch_weights, lockstep, slot_shares = _by_size(branch_weights), _by_size(lockstep), _by_size(slot_shares)
+    cost = (lambda ks: price(ks)) if price else (lambda ks: sum(k.runs for k in ks))
 
     @functools.cache
     def own(name: str) -> tuple[Kernel, ...]:  # the computation's own launches, once each
         shapes = {m.group(1): m.group(2) for m in parsed[name]}
         return tuple(kernel for m in parsed[name] if (kernel := _kernel(m, shapes, parsed)) is not None)
 
-    def walk(name: str, factor: float) -> list[Kernel]:
+    def walk(name: str, factor: float, share: float | None = None) -> list[Kernel]:
+        """The launches of computation `name` run `factor` times; `share`: of a pipeline stage's slots, the
+        share that run (its empty-slot conditionals' weight), None outside a lock-step branch."""
         out = [dataclasses.replace(k, runs=factor) for k in own(name)]
         for m in parsed[name]:
             opcode, rest = m.group(3), m.group(4)
@@ -801,37 +809,59 @@ def kernels(hlo: str, branch_weights=None, price=None,
                     _inferred_trips(comps, comps[name], m.string) or 1
                 for key in ("body", "condition"):
                     if (c := re.search(rf"\b{key}=%?([\w.\-]+)", rest)) and c.group(1) in parsed:
-                        out += walk(c.group(1), factor * trips)
+                        out += walk(c.group(1), factor * trips, share)
             elif opcode == "conditional":
                 found = _BRANCHES.search(rest)
                 names = [n.strip().lstrip("%") for n in found.group(1).split(",")] if found else \
                     re.findall(r"\b(?:true|false)_computation=%?([\w.\-]+)", rest)
                 names = [n for n in names if n in parsed]
-                if len(names) in branch_weights:
+                if share is not None and len(names) == 2 and _skips_slots(rest):
+                    costs = [cost(walk(b, 1.0)) for b in names]
+                    run = int(np.argmax(costs))
+                    for index, branch in enumerate(names):
+                        out += walk(branch, factor * (share if index == run else 1.0 - share))
+                elif len(names) in branch_weights:
                     for branch, weight in zip(names, branch_weights[len(names)], strict=True):
-                        out += walk(branch, factor * weight)
+                        out += walk(branch, factor * weight, share)
                 elif len(names) in lockstep:
-                    cost = (lambda ks: price(ks)) if price else (lambda ks: sum(k.runs for k in ks))
                     rows = lockstep[len(names)]
-                    for index, weight in _slowest_shares(rows, [cost(walk(b, 1.0)) for b in names]).items():
-                        out += walk(names[index], factor * weight)
+                    shares = slot_shares.get(len(names), np.ones(rows.shape))
+                    pairs = sorted({(int(b), float(q)) for b, q in zip(rows.ravel(), shares.ravel(), strict=True)})
+                    costs = {(b, q): cost(walk(names[b], 1.0, q)) for b, q in pairs}
+                    for (index, q), weight in _slowest_shares(rows, costs, shares).items():
+                        out += walk(names[index], factor * weight, q)
                 elif names:
-                    walked = [walk(branch, factor) for branch in names]
-                    cost = (lambda ks: price(ks)) if price else (lambda ks: sum(k.runs for k in ks))
+                    walked = [walk(branch, factor, share) for branch in names]
                     attention_choice = len(names) > 1 and all(  # every branch itself an attention call
                         any(k.attention for k in own(branch)) for branch in names)
                     out += (min if attention_branch == "shortest" and attention_choice else max)(walked, key=cost)
             elif opcode == "call" and (t := re.search(r"\bto_apply=%?([\w.\-]+)", rest)) and t.group(1) in parsed:
-                out += walk(t.group(1), factor)
+                out += walk(t.group(1), factor, share)
         return out
 
     return walk(entry, 1.0)
 
 
-def _slowest_shares(rows, costs: list[float]) -> dict[int, float]:
-    """{branch: share of the rows in which it is the slowest stage's} (rows [n, p] of branch indices)."""
-    slowest = collections.Counter(max(row, key=lambda b: costs[b]) for row in rows.tolist())
-    return {int(b): n / len(rows) for b, n in slowest.items()}
+def _slowest_shares(rows, costs: dict[tuple[int, float], float], shares) -> dict[tuple[int, float], float]:
+    """{(branch, slot share): share of the rows in which it is the slowest stage's} (rows [n, p] of branch
+    indices, shares [n, p] of the share of its slots each stage runs)."""
+    slowest = collections.Counter(max(zip(row, share, strict=True), key=lambda bq: costs[bq])
+                                  for row, share in zip(rows.tolist(), shares.tolist(), strict=True))
+    return {(int(b), float(q)): n / len(rows) for (b, q), n in slowest.items()}
+
+
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def _skips_slots(rest: str) -> bool:
+    """Whether a conditional is an uneven stage's skip of its empty slots: its op_name in the scope
+    `slot_program.EMPTY_SLOT_SCOPE` and not inside a branch there (a conditional of the slot's layer)."""
+    op = _OP_NAME.search(rest)
+    scopes = op.group(1).split("/") if op else []
+    if slot_program.EMPTY_SLOT_SCOPE not in scopes:
+        return False
+    inner = scopes[len(scopes) - scopes[::-1].index(slot_program.EMPTY_SLOT_SCOPE):]
+    return not any(scope.startswith("branch_") for scope in inner)
 
 
 def _kernel(m, shapes: dict[str, str], parsed) -> Kernel | None:
