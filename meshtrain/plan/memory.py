@@ -399,9 +399,9 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
       the backward); with ZeRO-3 and fsdp two layers of gathered weights (the prefetch) and the
       head's full float32 gradient (kept until its reduce-scatter at the end of the backward);
     * pipelines: the stage's weights gathered once per step (ZeRO-3, compute dtype), float32
-      gradient accumulators of the whole stage and one micro-batch's stage gradient (slot tables in several
-      chunks a stage: the sums kept out of the tick's switch, a chunk's gradient twice, the head's sums
-      twice);
+      gradient accumulators of the whole stage and one micro-batch's stage gradient (slot tables: of the
+      weights outside the layers only what one branch differentiates, `_branch_outer`; in several chunks a
+      stage the sums kept out of the tick's switch, a chunk's gradient twice, the head's sums twice);
     * gradient accumulation: float32 accumulators and the micro-batch's gradients, and the
       embedding's float32 scatter-add target;
     * MoE: EXPERT_GRAD_COPIES of the experts' float32 gradients;
@@ -457,7 +457,13 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
                    and not (leaf.path.endswith("embedding") and not m.tie_embeddings))
         temporaries += (4 * whole + 2 * 4 * per_layer * layers // run.pipeline.repeats + 4 * head
                         + (a * whole if zero3 else 0))
-    elif pipelined:
+    elif pipelined and run.pipeline_schedule in schedules.TABLE_SCHEDULES:
+        # the slot-table loop's float32 sums of every weight the stage computes with, and one micro-batch's
+        # gradient of what one branch differentiates: the chunk's layers and, of the outer weights, the most
+        # one branch reads (`pipeline_tables._TableWork._add_outer`: the last stage's head, or stage 0's stem)
+        outer = _branch_outer(run, table, compute)
+        temporaries += 4 * whole + 4 * (per_layer * layers + outer) + (a * whole if zero3 else 0)
+    elif pipelined:  # autodiff's loop: the whole stage's gradient a micro-batch beside the sums
         temporaries += 2 * 4 * whole + (dtype_bytes(m.dtype) * whole if zero3 else 0)
     else:
         if run.zero_stage < 3:
@@ -485,6 +491,30 @@ def activation_memory(run: Step, remat: str) -> dict[str, int]:
     if m.num_experts and m.moe_dropless and not pipelined:
         temporaries = _moe_moments(run, t, temporaries, loss)
     return {"activations": activations, "temporaries": int(temporaries)}
+
+
+def _branch_outer(run: Step, table, compute) -> int:
+    """Elements of the outer weights (outside the layer stack) whose float32 gradient a slot-table tick holds
+    beside the sums: the larger of what the last stage's forward differentiates (final norm, head,
+    multi-token prediction; the embedding where the head is tied to it or the prediction block reads it)
+    and stage 0's backward (the dense first layers, and that embedding), plus the embedding where it is
+    summed outside the switch (its scatter's float32 target): `pipeline_tables._TableWork._head_params`."""
+    m = run.model
+    in_switch = m.tie_embeddings or m.mtp_depth > 0
+    head = first = outside = 0
+    for leaf in table:
+        if leaf.in_layers:
+            continue
+        size = local_size(leaf, compute)
+        if leaf.path.startswith("dense_layers"):
+            first += size
+        elif leaf.path.endswith("embedding") and in_switch:
+            head, first = head + size, first + size
+        elif leaf.path.endswith("embedding"):
+            outside += size
+        else:
+            head += size
+    return max(head, first) + outside
 
 
 def _moe_moments(run: Step, t: int, temporaries: float, loss: int) -> float:
