@@ -22,13 +22,13 @@ Where each number comes from ("DeepSeek-V3 Technical Report", 2024, and the rele
   expert x fsdp = 128, micro-batches of one sequence, 15,360 / 128 = 120 of them a step.
 - stages: the 58 MoE layers as 0 + 14 x 4 + 2 (`pipeline.layers_per_stage`): stage 0 runs the embedding and
   the 3 dense layers (as wide as 4 MoE layers' expert GEMMs: 9 x 2,048 = 18,432), the last stage 2 MoE layers,
-  the multi-token prediction block and two heads; in lock-step ticks this split models 5% faster than
+  the multi-token prediction block and two heads; in lock-step ticks this split modeled 5% faster than
   1 + 14 x 4 + 1 (docs/moe.md).
 - schedule: DeepSeek-V3 trained with DualPipe, which meshtrain does not run (docs/pipeline.md); of those it
   runs, zero bubble (ZB-H1) with the weight GEMMs split off and each transfer beside the next tick's compute.
 The Pallas kernels in the MoE stages (the grouped matmul, the flash kernel for head dims 192 / 128; `auto`
 keeps both out of pipeline stages), full recomputation; the report's FP8 matmuls are not this config (bf16).
-The H100 compile for 2,048 devices (kernel model, jax 0.10.2): peak 73.84 GiB a device, 17.1% modeled MFU
+The H100 compile for 2,048 devices (kernel model, jax 0.10.2): peak 73.51 GiB a device, 18.0% modeled MFU
 (docs/moe.md, "At real size": short of the 35% acceptance point).
 """
 

@@ -98,7 +98,7 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
 
 
 def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """Flash attention per (batch shard, head shard): q [B,T,H,Dh], k/v [B,T,K,Dh] -> [B,T,H,Dh]."""
+    """Flash attention per (batch shard, head shard): q [B,T,H,Dh], k [B,T,K,Dh], v [B,T,K,Dv] -> [B,T,H,Dv]."""
     batch = auto_axes(BATCH_AXES)
     heads = auto_axes(("tensor",))
     x = P(batch or None, None, heads or None, None)
@@ -107,6 +107,13 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     def local(q, k, v, segment_ids):
         return flash_attention(q, k, v, causal=True, segment_ids=segment_ids)
     return per_shard(local, (x, x, x, seg), x, batch + heads)(q, k, v, segment_ids)
+
+
+def takes_narrow_values(fn: AttentionFn) -> bool:
+    """Whether attention function `fn` takes values narrower than its queries and keys as they are (multi-head
+    latent attention's 128 beside 192): the Pallas flash kernel, whose value tiles are their own width. The
+    others take one head width, so the values come padded to it."""
+    return fn is pallas_attention
 
 
 def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:

@@ -35,7 +35,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain import collective_matmul as cm, fp8 as fp8_lib, moe as moe_lib
-from meshtrain.attention import AttentionFn, cached_attention, xla_attention
+from meshtrain.attention import AttentionFn, cached_attention, takes_narrow_values, xla_attention
 from meshtrain.config import BATCH_AXES, ModelConfig
 from meshtrain.fused import fused_loss_sum, fused_rms_norm
 from meshtrain.mesh import MESH_ORDER, compiler_options, single_device_mesh
@@ -355,9 +355,10 @@ class Attention(nn.Module):
         part k_pe [B,T,P] (`qk_rope_head_dim`) is one for all heads; queries likewise through their own latent
         (`q_lora_rank`; 0: projected directly). A query / key head is [nope | rope] (`head_dim` = nope + P),
         a value head `v_head_dim` wide. Heads split over `tensor` as in `__call__`; the latents are whole
-        on every `tensor` device (each computes them, as Megatron-LM does). The attention functions take
-        one head width: values narrower than head_dim are padded with zeros and the padding cut off the
-        output. With `decode` the cache holds c_kv and k_pe alone (`_latent_cached`)."""
+        on every `tensor` device (each computes them, as Megatron-LM does). The Pallas flash kernel takes the
+        values at their own width (`attention.takes_narrow_values`); the other attention functions take one
+        head width: values narrower than head_dim are padded with zeros and the padding cut off the output.
+        With `decode` the cache holds c_kv and k_pe alone (`_latent_cached`)."""
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         d, h, dh, r, p = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         nope, dv = dh - p, cfg.v_head_dim or cfg.head_dim
@@ -386,11 +387,11 @@ class Attention(nn.Module):
         kv = constrain(kv, ("batch", "length", "act_heads", None), self.rules)
         k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_pe, (*k_pe.shape[:2], h, p))], axis=-1)
         v = kv[..., nope:]
-        if dv < dh:
+        if dv < dh and not takes_narrow_values(self.attention_fn):
             v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, dh - dv)))
         q, k, v = (constrain(a, ("batch", "length", "act_heads", None), self.rules) for a in (q, k, v))
         q, k, v = (checkpoint_name(a, f"attention_{n}") for a, n in ((q, "q"), (k, "k"), (v, "v")))
-        out = self.attention_fn(q, k, v, segment_ids)  # [B,T,H,Dh]
+        out = self.attention_fn(q, k, v, segment_ids)  # [B,T,H,Dh] or [B,T,H,Dv]
         return self._out(out[..., :dv], wo)
 
     def _latent_cached(self, q: jax.Array, c_kv: jax.Array, k_pe: jax.Array, wkv_b: jax.Array,

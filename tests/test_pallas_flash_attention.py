@@ -79,6 +79,21 @@ def test_matches_reference_float32(b, length, h, kh, d, causal, segments):
     _assert_close(got, want, F32_TOL)
 
 
+@pytest.mark.parametrize("d,dv,segments", [(24, 16, True), (64, 32, False), (192, 128, True)],
+                         ids=["padded-keys", "narrow", "latent-attention"])
+def test_values_narrower_than_keys_match_reference_float32(d, dv, segments):
+    """Values of their own head dim (multi-head latent attention: queries and keys 192 wide, padded to 256,
+    values 128 and not padded): out [.., dv] and all three gradients equal the reference's."""
+    b, length, h, kh = 2, 128, 4, 2
+    q, k, _, _, d_lse = _inputs(b, length, length, h, kh, d, jnp.float32)
+    _, _, v, d_out, _ = _inputs(b, length, length, h, kh, dv, jnp.float32, seed=1)
+    kw = {"causal": True, "segment_ids": _segments(b, length, 2) if segments else None}
+    got = _value_and_grads(flash_attention_with_lse, q, k, v, d_out, d_lse, interpret=INTERPRET, **kw)
+    want = _value_and_grads(flash_attention_with_lse_reference, q, k, v, d_out, d_lse, **kw)
+    assert got[0].shape == (b, length, h, dv) and got[4].shape == v.shape
+    _assert_close(got, want, F32_TOL)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_matches_reference_bfloat16(causal):
     q, k, v, d_out, d_lse = _inputs(1, 256, 256, 8, 2, 64, jnp.bfloat16, seed=3)
@@ -221,13 +236,17 @@ LOWERING = [
     (1, 8192, 8192, 32, 8, 128, jnp.bfloat16, "segments"),
     (1, 4096, 8192, 32, 8, 128, jnp.bfloat16, "ring"),
     *[(b, n, n, h, kh, d, jnp.float32, "segments" if s else "plain") for b, n, h, kh, d, _, s in GRID],
+    # DeepSeek-V3's latent attention: queries and keys 192 wide (padded to 256), values 128
+    (1, 4096, 4096, 16, 16, (192, 128), jnp.bfloat16, "segments"),
 ]
 
 
 @pytest.mark.parametrize("b,lq,lk,h,kh,d,dtype,mode", LOWERING)
 def test_lowers_to_triton_forward_and_backward(b, lq, lk, h, kh, d, dtype, mode):
+    d, dv = d if isinstance(d, tuple) else (d, d)  # (queries and keys, values)
     q = jax.ShapeDtypeStruct((b, lq, h, d), dtype)
     kv = jax.ShapeDtypeStruct((b, lk, kh, d), dtype)
+    values = jax.ShapeDtypeStruct((b, lk, kh, dv), dtype)
     ids_q, ids_kv = (
         jax.ShapeDtypeStruct((b, lq), jnp.int32),
         jax.ShapeDtypeStruct((b, lk), jnp.int32),
@@ -246,5 +265,5 @@ def test_lowers_to_triton_forward_and_backward(b, lq, lk, h, kh, d, dtype, mode)
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
     for f in (fwd, jax.grad(loss, argnums=(0, 1, 2))):
-        text = lower_for_h100(f, q, kv, kv, ids_q, ids_kv).as_text()
+        text = lower_for_h100(f, q, kv, values, ids_q, ids_kv).as_text()
         assert "xla.gpu.triton" in text

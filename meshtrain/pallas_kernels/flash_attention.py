@@ -178,7 +178,7 @@ def _forward_kernel(*refs, cfg: _Config, len_kv: int):
         return acc, m_new, denom
 
     init = (
-        jnp.zeros(q.shape, jnp.float32),
+        jnp.zeros((bq, v_ref.shape[-1]), jnp.float32),  # as wide as the values
         jnp.full((bq,), _INIT_MAX, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
@@ -230,7 +230,7 @@ def _dkdv_kernel(*refs, cfg: _Config, len_q: int, group: int):
     do_ref, lse_ref, delta_ref, dk_ref, dv_ref = rest
     bq, bk = cfg.blocks.block_q_bwd, cfg.blocks.block_kv_bwd
     j = pl.program_id(2)
-    k, v = k_ref[...], v_ref[...]  # [bk, D]
+    k, v = k_ref[...], v_ref[...]  # [bk, D], [bk, Dv]
     kv_pos = _positions(cfg, pos and pos[1], slice(None), j * bk, bk)
     kv_seg = segs[1][...] if segs else None
     num_q = len_q // bq
@@ -257,8 +257,7 @@ def _dkdv_kernel(*refs, cfg: _Config, len_q: int, group: int):
         carry = lax.fori_loop(first_q, first_below, functools.partial(q_tile, g=g, causal=True), carry)
         return lax.fori_loop(first_below, num_q, functools.partial(q_tile, g=g, causal=False), carry)
 
-    zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+    dk, dv = lax.fori_loop(0, group, head, (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)))
     dk_ref[...] = (dk * cfg.sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -293,18 +292,21 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
         pl.BlockSpec((None, bq), lambda b_, h_, i: (b_, i)),
         pl.BlockSpec((None, len_kv), lambda b_, h_, i: (b_, 0)),
     )
+    value_dim = v.shape[-1]
     kv_spec = pl.BlockSpec((None, len_kv, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0))
+    v_spec = pl.BlockSpec((None, len_kv, None, value_dim), lambda b_, h_, i: (b_, 0, h_ // group, 0))
     q_spec = pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0))
+    out_spec = pl.BlockSpec((None, bq, None, value_dim), lambda b_, h_, i: (b_, i, h_, 0))
     return pl.pallas_call(
         functools.partial(_forward_kernel, cfg=cfg, len_kv=len_kv),
         grid=(b, h, len_q // bq),
-        in_specs=[q_spec, kv_spec, kv_spec, *side_specs],
+        in_specs=[q_spec, kv_spec, v_spec, *side_specs],
         out_specs=[
-            q_spec,
+            out_spec,
             pl.BlockSpec((None, None, bq), lambda b_, h_, i: (b_, h_, i)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((b, len_q, h, value_dim), q.dtype),
             jax.ShapeDtypeStruct((b, h, len_q), jnp.float32),
         ],
         compiler_params=_params(cfg, d, backward=False),
@@ -333,13 +335,16 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do,
         pl.BlockSpec((None, bq), lambda b_, h_, i: (b_, i)),
         pl.BlockSpec((None, len_kv), lambda b_, h_, i: (b_, 0)),
     )
+    value_dim = v.shape[-1]
     q_spec = pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0))
+    do_spec = pl.BlockSpec((None, bq, None, value_dim), lambda b_, h_, i: (b_, i, h_, 0))
     kv_spec = pl.BlockSpec((None, len_kv, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0))
+    v_spec = pl.BlockSpec((None, len_kv, None, value_dim), lambda b_, h_, i: (b_, 0, h_ // group, 0))
     row_spec = pl.BlockSpec((None, None, bq), lambda b_, h_, i: (b_, h_, i))
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg, len_kv=len_kv),
         grid=(b, h, len_q // bq),
-        in_specs=[q_spec, kv_spec, kv_spec, *side_specs, q_spec, row_spec, row_spec],
+        in_specs=[q_spec, kv_spec, v_spec, *side_specs, do_spec, row_spec, row_spec],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_params(cfg, d, backward=True),
@@ -357,7 +362,9 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do,
         pl.BlockSpec((None, bk), lambda b_, g_, j: (b_, j)),
     )
     q_group_spec = pl.BlockSpec((None, len_q, group, d), lambda b_, g_, j: (b_, 0, g_, 0))
+    do_group_spec = pl.BlockSpec((None, len_q, group, value_dim), lambda b_, g_, j: (b_, 0, g_, 0))
     kv_tile_spec = pl.BlockSpec((None, bk, None, d), lambda b_, g_, j: (b_, j, g_, 0))
+    v_tile_spec = pl.BlockSpec((None, bk, None, value_dim), lambda b_, g_, j: (b_, j, g_, 0))
     rows_spec = pl.BlockSpec((None, group, len_q), lambda b_, g_, j: (b_, g_, 0))
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, cfg=cfg, len_q=len_q, group=group),
@@ -365,13 +372,13 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do,
         in_specs=[
             q_group_spec,
             kv_tile_spec,
-            kv_tile_spec,
+            v_tile_spec,
             *side_specs,
-            q_group_spec,
+            do_group_spec,
             rows_spec,
             rows_spec,
         ],
-        out_specs=[kv_tile_spec, kv_tile_spec],
+        out_specs=[kv_tile_spec, v_tile_spec],
         out_shape=[
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
@@ -417,11 +424,10 @@ def _check_ids(name: str, ids, batch: int, length: int):
 
 
 def _validate(q, k, v, segment_ids, q_segment_ids, kv_segment_ids, q_positions, kv_positions):
-    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
         raise ValueError(
-            "q must be [batch, length, heads, head_dim] and k, v the same "
-            f"[batch, length, kv_heads, head_dim]; got q{list(q.shape)}, k{list(k.shape)}, "
-            f"v{list(v.shape)}"
+            "q must be [batch, length, heads, head_dim], k [batch, length, kv_heads, head_dim] and v "
+            f"[batch, length, kv_heads, value_dim]; got q{list(q.shape)}, k{list(k.shape)}, v{list(v.shape)}"
         )
     b, _, h, d = q.shape
     if k.shape[0] != b or k.shape[3] != d:
@@ -467,7 +473,8 @@ def flash_attention_with_lse(
     Args:
         q: [B, Lq, H, D] queries.
         k: [B, Lk, K, D] keys, H % K == 0 (each K/V head serves H // K query heads).
-        v: [B, Lk, K, D] values.
+        v: [B, Lk, K, Dv] values, Dv the value head dim (D, or another width: multi-head latent
+            attention's values are narrower than its queries and keys).
         causal: keep keys with kv_position <= q_position.
         segment_ids: [B, L] ids for both sides (self-attention, Lq == Lk).
         q_segment_ids: [B, Lq] query ids, with `kv_segment_ids` [B, Lk] (ring steps).
@@ -481,10 +488,10 @@ def flash_attention_with_lse(
         interpret: Pallas interpret mode; None = on CPU only.
 
     Returns:
-        out [B, Lq, H, D] in q.dtype and lse [B, H, Lq] float32, the natural-log
+        out [B, Lq, H, Dv] in q.dtype and lse [B, H, Lq] float32, the natural-log
         log-sum-exp of the scaled, masked scores. Rows without any visible key
-        give out = 0 and lse = -inf. A head_dim that is not a power of two >= 16
-        is zero-padded to one for the kernels (a copy of q, k, v).
+        give out = 0 and lse = -inf. A head dim (D, Dv) that is not a power of two
+        >= 16 is zero-padded to one for the kernels (a copy of q and k, or of v).
 
     Raises:
         ValueError: for shapes, dtypes or block sizes the kernels do not support.
@@ -492,8 +499,8 @@ def flash_attention_with_lse(
     ids = _validate(q, k, v, segment_ids, q_segment_ids, kv_segment_ids, q_positions, kv_positions)
     q_seg, kv_seg, q_pos, kv_pos = ids
     user_given = block_sizes is not None
-    head_dim = q.shape[-1]
-    padded = max(16, head_dim if is_power_of_two(head_dim) else 2 * floor_power_of_two(head_dim))
+    head_dim, value_dim = q.shape[-1], v.shape[-1]
+    padded, padded_v = (max(16, n if is_power_of_two(n) else 2 * floor_power_of_two(n)) for n in (head_dim, value_dim))
     blocks = block_sizes or FlashBlockSizes.default(padded, q.dtype)
     blocks = blocks.fit(q.shape[1], k.shape[1], user_given=user_given)
     has_positions = causal and q_pos is not None
@@ -507,13 +514,14 @@ def flash_attention_with_lse(
     )
     if not has_positions:
         q_pos = kv_pos = None
-    if padded == head_dim:
-        return _flash(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos)
     # Triton tiles are powers of two and tl.dot needs 16: zero columns leave the
     # scores unchanged and give zero output columns, which are sliced off.
-    q, k, v = (jnp.pad(x, ((0, 0),) * 3 + ((0, padded - head_dim),)) for x in (q, k, v))
+    if padded != head_dim:
+        q, k = (jnp.pad(x, ((0, 0),) * 3 + ((0, padded - head_dim),)) for x in (q, k))
+    if padded_v != value_dim:
+        v = jnp.pad(v, ((0, 0),) * 3 + ((0, padded_v - value_dim),))
     out, lse = _flash(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos)
-    return out[..., :head_dim], lse
+    return (out if padded_v == value_dim else out[..., :value_dim]), lse
 
 
 def flash_attention(
@@ -527,7 +535,7 @@ def flash_attention(
     block_sizes: FlashBlockSizes | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """Self-attention output [B, L, H, D]; see `flash_attention_with_lse`."""
+    """Self-attention output [B, L, H, Dv]; see `flash_attention_with_lse`."""
     out, _ = flash_attention_with_lse(
         q,
         k,
@@ -581,7 +589,7 @@ def flash_attention_with_lse_reference(
     denom_safe = jnp.where(empty, 1.0, denom)
     out = jnp.einsum("bkgqs,bskd->bqkgd", p / denom_safe, v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
     lse = jnp.where(empty, -jnp.inf, m + jnp.log(denom_safe))[..., 0]
-    return out.reshape(b, len_q, h, d).astype(q.dtype), lse.reshape(b, h, len_q)
+    return out.reshape(b, len_q, h, v.shape[-1]).astype(q.dtype), lse.reshape(b, h, len_q)
 
 
 def flash_attention_reference(

@@ -719,9 +719,11 @@ def _measured_kernel(target: str, rest: str, operand_shapes: list[str]) -> tuple
     name = _KERNEL_NAME.search(rest)
     if target == _TRITON_TARGET and name and name.group(1) in _PALLAS_FLASH and len(operand_shapes) >= 2:
         q, k = _dims(operand_shapes[0]), _dims(operand_shapes[1])
-        if len(q) != 4 or len(k) != 4:
+        v = _dims(operand_shapes[2]) if len(operand_shapes) > 2 else k
+        if len(q) != 4 or len(k) != 4 or len(v) != 4:
             return 0.0, 0.0
-        flops = _attention_flops(q[0], q[2], q[1], k[1], q[3], q[1] == k[1])
+        # the scores over the query / key width, the output over the values' (narrower under latent attention)
+        flops = _attention_flops(q[0], q[2], q[1], k[1], (q[3] + v[3]) / 2, q[1] == k[1])
         return flops * _PALLAS_FLASH[name.group(1)], MEASURED_EFFICIENCY[name.group(1)][q[3] > 64]
     if target == _TRITON_TARGET and name and name.group(1) in _PALLAS_LOSS and len(operand_shapes) >= 2:
         h, w = _dims(operand_shapes[0]), _dims(operand_shapes[1])
