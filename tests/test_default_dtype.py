@@ -188,14 +188,16 @@ CASES = [
         "model.moe_groups": 4, "model.moe_topk_groups": 2, "model.moe_routed_scale": 2.5, "model.shared_expert": True,
         "model.first_dense_layers": 1, "model.moe_every": 1, "model.mtp_depth": 1}),
     # ... and in zero bubble's stages (the dense layer on stage 0, the prediction block on the last). Its
-    # gradient norm at step 2 misses BF16_RTOL by a hair, and one device misses nearly as far: the bf16 inputs
-    # move the router's top-k (a discrete choice), not one rounding. The compile and the finite steps are
-    # still checked (any other exception fails the test).
+    # gradient norm at step 2 sits on BF16_RTOL's edge, and one device sits nearly there: the bf16 inputs move
+    # the router's top-k (a discrete choice), not one rounding. Which side of the edge depends on the host
+    # (it passed on the CI host of 6523d90 and fails on an AVX512-BF16 host), so the expected failure is not
+    # strict: the run shows XFAIL or XPASS. The compile and the finite steps are checked either way (any other
+    # exception fails the test).
     _case("moe", {"stage": 2, "fsdp": 2, "expert": 2}, marks=pytest.mark.xfail(
-        strict=True, raises=AssertionError,
-        reason="bf16 gradient norm at step 2 is 0.393% from float32 (1.04269 against 1.03861; BF16_RTOL 0.391%); "
-               "one device in bf16 is 0.370% from it, data2 x expert2 x fsdp2 0.391%: top-k flips under bf16 "
-               "inputs (jax 0.10.2, numpy 2.4.6)"), **LATENT, **{
+        strict=False, raises=AssertionError,
+        reason="bf16 gradient norm at step 2 is 0.393% from float32 on an AVX512-BF16 host (1.04269 against 1.03861; "
+               "BF16_RTOL 0.391%); one device in bf16 is 0.370% from it, data2 x expert2 x fsdp2 0.391%: top-k "
+               "flips under bf16 inputs (jax 0.10.2, numpy 2.4.6)"), **LATENT, **{
         "model.moe_dropless": True, "model.moe_router": "sigmoid", "model.moe_router_bias": True,
         "model.moe_groups": 4, "model.moe_topk_groups": 2, "model.moe_routed_scale": 2.5, "model.shared_expert": True,
         "model.first_dense_layers": 1, "model.moe_every": 1, "model.mtp_depth": 1, "model.n_layers": 5,
