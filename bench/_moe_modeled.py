@@ -69,14 +69,13 @@ OPEN: dict[str, str] = {
                              "76.0 (priced at 0.65 / 0.56 of the peak, a Pallas-Triton grouped matmul's public "
                              "figure at this very shape), the optimizer 8.4, the rest of the MoE layers 8.3, "
                              "attention 7.0, the other GEMMs 6.9",
-    "qwen3-30b-a3b 48 layers fsdp 8": "modeled MFU 24.8% / 25.0% (jax 0.10.2 / 0.12), target 35%: of the 466.6 ms "
-                                      "step the grouped kernels take 110.4, the MoE layers' other work 122.9 (the "
-                                      "float32 expert weights converted a layer and pass 29, the exchange's "
-                                      "zero-filled receive buffers 12, the gathers into and out of the layout and "
-                                      "the combine's), attention 83.8, the other GEMMs 49.0, the optimizer 41.8",
-    "qwen3-30b-a3b 48 layers fsdp 64": "modeled MFU 34.98% / 35.19% (jax 0.10.2 / 0.12: met there), target 35%: of "
-                                       "the 330.5 ms step the grouped kernels take 100.2, attention 83.8, the MoE "
-                                       "layers' other work 78.1, the other GEMMs 38.3",
+    "qwen3-30b-a3b 48 layers fsdp 8": "modeled MFU 25.1% / 25.4% (jax 0.10.2 / 0.12), target 35%: a 460.8 ms step; "
+                                      "of the 466.6 ms before the dispatch's gradient stopped copying a zero "
+                                      "buffer a layer, the grouped kernels took 110.4, the MoE layers' other work "
+                                      "122.9 (the float32 expert weights converted a layer and pass 29, the "
+                                      "exchange's zero-filled receive buffers 12, the gathers into and out of the "
+                                      "layout and the combine's), attention 83.8, the other GEMMs 49.0, the "
+                                      "optimizer 41.8",
 }
 
 

@@ -219,6 +219,29 @@ def _ragged(x: jax.Array, rows: int, tables: tuple[jax.Array, ...], axis: tuple[
     return jax.lax.ragged_all_to_all(x, blank, *tables, axis_name=axis)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 4))
+def _ragged_dispatch(sent: jax.Array, rows: int, tables: tuple[jax.Array, ...], back: tuple[jax.Array, ...],
+                     axis: tuple[str, ...]) -> jax.Array:
+    """The dispatch's exchange (`_ragged` of the sorted rows into the `rows`-row layout by `tables`), whose
+    gradient is the exchange home (`back`: the reverse tables) into a buffer made from the cotangent's own
+    first row: JAX's own transpose fills a constant zero buffer of the sorted rows, which XLA hoists out of
+    the layer loop and then copies into every layer's exchange (a read and a write of the rows where a fill
+    is a write). The sorted rows no slice writes (choices past the receiver's capacity) get zeros."""
+    return _ragged(sent, rows, tables, axis)
+
+
+def _ragged_dispatch_fwd(sent, rows, tables, back, axis):
+    return _ragged_dispatch(sent, rows, tables, back, axis), (sent.shape[0], back)
+
+
+def _ragged_dispatch_bwd(rows, axis, residuals, ct):
+    routed, back = residuals
+    return _ragged(ct, routed, back, axis), None, None
+
+
+_ragged_dispatch.defvjp(_ragged_dispatch_fwd, _ragged_dispatch_bwd)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _ragged_home(out: jax.Array, into: jax.Array, tables: tuple[jax.Array, ...], back: tuple[jax.Array, ...],
                  axis: tuple[str, ...]) -> jax.Array:
@@ -381,7 +404,7 @@ def _chunk(x, weights, experts, w_gate, w_up, w_down, *, num_experts, axis, ep, 
     layout = plan.layout()
     chunk = n * min(k, e_l)  # the most rows one device sends another
     if exchange == "ragged":
-        grouped = _ragged(sent, plan.rows, plan.dispatch(), axis)
+        grouped = _ragged_dispatch(sent, plan.rows, plan.dispatch(), plan.back(), axis)
     else:
         grouped = _send_dense(sent, plan, chunk, axis)
     dot = dataclasses.replace(dot, expected=expected_rows(routed, e_l, plan.tile, plan.rows))

@@ -290,6 +290,8 @@ def test_ragged_exchange_tables_deliver_the_accepted_rows(capacity):
         assert not np.any(grouped[j][start:])  # nothing past the groups
     home = _simulate_ragged_all_to_all(grouped, [np.zeros(len(r), np.float32) for r in sent],
                                        [[np.asarray(a) for a in p.back()] for p in plans])
+    # ... which is also the dispatch's gradient (`moe_dropless._ragged_dispatch`): each grouped row's
+    # cotangent home into a zero buffer, the rows not delivered 0
     for s in range(ep):
         delivered = np.isin(sent[s], np.concatenate(grouped))
         np.testing.assert_array_equal(home[s], np.where(delivered, sent[s], 0))
