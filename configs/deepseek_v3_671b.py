@@ -28,7 +28,7 @@ Where each number comes from ("DeepSeek-V3 Technical Report", 2024, and the rele
   runs, zero bubble (ZB-H1) with the weight GEMMs split off and each transfer beside the next tick's compute.
 The Pallas kernels in the MoE stages (the grouped matmul, the flash kernel for head dims 192 / 128; `auto`
 keeps both out of pipeline stages), full recomputation; the report's FP8 matmuls are not this config (bf16).
-The H100 compile for 2,048 devices (kernel model, jax 0.10.2): peak 73.51 GiB a device, 18.0% modeled MFU
+The H100 compile for 2,048 devices (kernel model, jax 0.10.2): peak 73.43 GiB a device, 18.0% modeled MFU
 (docs/moe.md, "At real size": short of the 35% acceptance point).
 """
 
