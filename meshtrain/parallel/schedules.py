@@ -160,11 +160,11 @@ def _interleaved(p: int, m: int, v: int, forward: bool) -> list[Op]:
 
 def _one_f_one_b(forwards: list[Op], backwards: list[Op], warmup: int) -> list[Op]:
     """warmup forwards, then one forward and one backward alternately, then the remaining backwards."""
+    steady = len(forwards) - warmup
     order = forwards[:warmup]
-    rest_f, rest_b = forwards[warmup:], list(backwards)
-    while rest_f:
-        order += [rest_f.pop(0), rest_b.pop(0)]
-    return order + rest_b
+    for f, b in zip(forwards[warmup:], backwards[:steady], strict=True):
+        order += (f, b)
+    return order + backwards[steady:]
 
 
 def _zero_bubble_order(p: int, m: int, s: int, latency: int = 0, defer_w: bool = True) -> list[Op]:
