@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from meshtrain import config as config_lib, generate, hf, model as model_lib
 from meshtrain.hf import __main__ as hf_cli, convert as hf_convert, formats as hf_formats, io as hf_io
 from meshtrain.run import Run
+from meshtrain.sharding_rules import Rules
 from meshtrain.validate import validate
 from tests.utils import mesh_of, tiny_config
 
@@ -507,3 +508,138 @@ def test_fp8_without_its_scales_is_refused(families, tmp_path):
         quantization_config={"quant_method": "bitsandbytes"}))
     with pytest.raises(hf.HFFormatError, match="quantization_config=.*only FP8"):
         hf.load(other)
+
+
+def _with_prediction_block(cfg, params, seed: int = 0):
+    """The model with `model.mtp_depth` 1 and a random multi-token prediction block (transformers' DeepSeek-V3
+    keeps none): DeepSeek-V3's released checkpoint as this tiny one would hold it."""
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, mtp_depth=1)
+    rng = np.random.default_rng(seed)
+    boxes = model_lib.abstract_params(cfg)["mtp"]
+    block = jax.tree.map(lambda box: (0.3 * rng.standard_normal(box.value.shape)).astype(np.float32), boxes,
+                         is_leaf=lambda x: hasattr(x, "names"))
+    return cfg, {**params, "mtp": block}
+
+
+def test_deepseek_v3_prediction_block_round_trips_as_its_extra_layer(families, tmp_path):
+    """`hf.save(..., mtp=True)` writes the block as DeepSeek-V3's checkpoints hold it: layer n_layers is a decoder
+    layer of the same tensors as the last one, with enorm, hnorm, eh_proj, shared_head.norm and copies of the
+    embedding and the head; transformers loads the folder (leaving that layer out) with the original logits,
+    and `hf.load(..., mtp=True)` reads every tensor back bit for bit."""
+    cfg, params = _with_prediction_block(*hf.load(families["deepseek-v3"]))
+    out = str(tmp_path / "with-mtp")
+    hf.save(cfg, params, out, mtp=True)
+    original, exported, n = _tensors(families["deepseek-v3"]), _tensors(out), cfg.n_layers
+    last = {k.replace(f"model.layers.{n - 1}.", f"model.layers.{n}.") for k in original
+            if k.startswith(f"model.layers.{n - 1}.")}
+    own = {f"model.layers.{n}.{name}" for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight",
+                                                    "shared_head.norm.weight", "shared_head.head.weight",
+                                                    "embed_tokens.weight")}
+    assert set(exported) == set(original) | last | own
+    for key, tensor in original.items():
+        assert torch.equal(exported[key], tensor), key
+    assert torch.equal(exported[f"model.layers.{n}.embed_tokens.weight"], original["model.embed_tokens.weight"])
+    assert torch.equal(exported[f"model.layers.{n}.shared_head.head.weight"], original["lm_head.weight"])
+    assert json.load(open(os.path.join(out, "config.json")))["num_nextn_predict_layers"] == 1
+    tokens = _tokens(3)
+    np.testing.assert_array_equal(_reference_logits(out, tokens), _reference_logits(families["deepseek-v3"], tokens))
+    cfg_back, back = hf.load(out, mtp=True)
+    assert cfg_back == cfg
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(back), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=jax.tree_util.keystr(path))
+    with pytest.raises(hf_formats.HFFormatError, match="no multi-token prediction layer"):
+        hf.load(families["deepseek-v3"], mtp=True)
+
+
+def test_deepseek_v3_prediction_layer_computes_the_reports_equations_in_transformers_layers(families, tmp_path):
+    """The block read from a DeepSeek-V3 checkpoint predicts token t + 2 as the report's equations 21-23 do with
+    the checkpoint's own tensors in transformers' layers: h_t the main model's final hidden state, the next
+    token's embedding, each RMS-normalised (enorm, hnorm), concatenated (embedding first) through eh_proj, then
+    layer n_layers (a DeepSeek-V3 decoder layer: latent attention and its MoE) and shared_head.norm, and the
+    shared head. meshtrain's prediction loss on those logits equals the one transformers' layers give, to 1e-5."""
+    cfg, params = _with_prediction_block(*hf.load(families["deepseek-v3"]))
+    out = str(tmp_path / "with-mtp")
+    hf.save(cfg, params, out, mtp=True)
+    cfg, params = hf.load(out, mtp=True)
+    tokens = _tokens(4)
+    n, t = cfg.n_layers, tokens.shape[1]
+    # transformers: the same architecture one layer deeper holds layer n (the prediction block's decoder layer)
+    import shutil
+
+    deeper_dir = tmp_path / "one-layer-deeper"
+    shutil.copytree(out, deeper_dir)
+    hf_config = json.load(open(deeper_dir / "config.json"))
+    json.dump({**hf_config, "num_hidden_layers": n + 1}, open(deeper_dir / "config.json", "w"))
+    deeper = transformers.AutoModelForCausalLM.from_pretrained(deeper_dir, dtype=torch.float32,
+                                                               attn_implementation="eager").eval()
+    main = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tensors = _tensors(out)
+    head = tensors[f"model.layers.{n}.shared_head.head.weight"]
+
+    def rms(x, name):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * tensors[name]
+
+    with torch.no_grad():
+        ids = torch.tensor(tokens)
+        h = main.model(ids).last_hidden_state  # after the final norm: what the head reads
+        nxt = main.model.embed_tokens(torch.roll(ids, -1, 1))
+        joined = torch.cat([rms(nxt, f"model.layers.{n}.enorm.weight"), rms(h, f"model.layers.{n}.hnorm.weight")], -1)
+        x = joined @ tensors[f"model.layers.{n}.eh_proj.weight"].T
+        positions = torch.arange(t)[None].expand(len(tokens), t)
+        causal = torch.full((t, t), float("-inf")).triu(1)[None, None].expand(len(tokens), 1, t, t)
+        x = deeper.model.layers[n](x, attention_mask=causal, position_ids=positions,
+                                    position_embeddings=deeper.model.rotary_emb(x, positions))
+        x = x[0] if isinstance(x, tuple) else x
+        logits = rms(x, f"model.layers.{n}.shared_head.norm.weight") @ head.T
+    want = torch.nn.functional.cross_entropy(logits[:, :t - 2].reshape(-1, cfg.vocab_size),
+                                             ids[:, 2:].reshape(-1), reduction="sum").item()
+    batch = {"inputs": tokens[:, :t - 1], "targets": tokens[:, 1:], "positions": np.tile(np.arange(t - 1), (4, 1)),
+             "segment_ids": np.ones((4, t - 1), np.int32), "loss_mask": np.ones((4, t - 1), np.float32)}
+    mesh = model_lib.params_mesh(params)
+    module = model_lib.Transformer(cfg, Rules.for_mesh(mesh, model=cfg))
+    with jax.set_mesh(mesh):
+        _, aux = module.apply({"params": params}, jax.tree.map(jax.numpy.asarray, batch),
+                              method=model_lib.Transformer.loss)
+    np.testing.assert_allclose(float(aux[model_lib.MTP_SUM]) / cfg.mtp_loss_weight, want, rtol=1e-5)
+
+
+def test_deepseek_v3_prediction_block_travels_through_a_run_when_asked(families, tmp_path):
+    """`hf import --mtp --workdir W` keeps the checkpoint's prediction layer in the run and `hf export --mtp
+    --workdir W` writes it back bit for bit; a run started from the checkpoint with `model.mtp_depth=1` starts
+    from that block (from a checkpoint without one, from a fresh block); without `--mtp` the export leaves it
+    out, and asking for it from a model without one is one line, exit 2."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from meshtrain import train_step
+    from tests import utils
+
+    cfg, params = _with_prediction_block(*hf.load(families["deepseek-v3"]))
+    src = str(tmp_path / "with-mtp")
+    hf.save(cfg, params, src, mtp=True)
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "def"])},
+                                           unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(os.path.join(src, "tokenizer.json"))
+    run_dir, out, plain = str(tmp_path / "run"), str(tmp_path / "export"), str(tmp_path / "plain")
+    assert hf_cli.main(["import", src, "--workdir", run_dir, "--mtp"]) == 0
+    assert hf_cli.main(["export", "--workdir", run_dir, out, "--mtp"]) == 0
+    original, exported = _tensors(src), _tensors(out)
+    assert sorted(original) == sorted(exported)
+    for key, tensor in original.items():
+        assert torch.equal(exported[key].view(torch.uint8), tensor.view(torch.uint8)), key
+    assert hf_cli.main(["export", "--workdir", run_dir, plain]) == 0
+    assert sorted(_tensors(plain)) == sorted(_tensors(families["deepseek-v3"]))
+    assert hf_cli.main(["export", families["deepseek-v3"], str(tmp_path / "none"), "--mtp"]) == 2
+
+    config = utils.config_for(tmp_path / "train", mesh={"data": 8}, **{"init.from_hf": src, "model.mtp_depth": 1,
+                                                                      "data.tokenizer": src})
+    hf.apply_model_config(config)
+    factory = train_step.build(utils.resolve(config))[0]
+    state = hf_io.initial_state(factory, src)
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(state.params["mtp"]),
+                                 jax.tree.leaves(params["mtp"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=jax.tree_util.keystr(path))
+    fresh = hf_io.initial_state(factory, families["deepseek-v3"]).params["mtp"]
+    assert not np.array_equal(np.asarray(fresh["proj"]), params["mtp"]["proj"])

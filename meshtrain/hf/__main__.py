@@ -5,6 +5,10 @@
     python -m meshtrain.hf export HF_DIR OUT_DIR          # HF -> meshtrain -> HF (re-sharded / cast)
     python -m meshtrain.hf export --workdir W OUT_DIR     # a run's newest parameters -> HF
 
+DeepSeek-V3's multi-token prediction layer (`model.mtp_depth` 1) travels only when asked: `import --mtp`
+reads it into the run (its training continues with it), `export --mtp` writes it back as the checkpoint's
+one layer after the last. Without the flag an import leaves it unread and an export leaves it out.
+
 An imported run is a workdir like any other: its checkpoint describes the model and the tokenizer
 (the folder's tokenizer files are copied into `W/tokenizer/`), so `python -m meshtrain.sample
 --config.workdir=W` samples from it, `python -m meshtrain.train --config.workdir=W` continues it
@@ -36,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     imp = sub.add_parser("import", help="load a checkpoint: print it, or write it as a run (--workdir)")
     imp.add_argument("hf_dir")
     imp.add_argument("--workdir", default="", help="write a run there: step 0, the parameters only")
+    imp.add_argument("--mtp", action="store_true",
+                     help="also read DeepSeek-V3's multi-token prediction layer (the run gets model.mtp_depth=1)")
     exp = sub.add_parser("export", help="write a checkpoint (an HF folder's, or a run's newest) as HF safetensors")
     exp.add_argument("source", nargs="?", default="", help="a Hugging Face folder (or give --workdir)")
     exp.add_argument("out_dir")
@@ -43,14 +49,16 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--dtype", choices=sorted(DTYPE_NAMES))
     exp.add_argument("--max-shard-bytes", type=int, default=2 << 30)
     exp.add_argument("--overwrite", action="store_true")
+    exp.add_argument("--mtp", action="store_true",
+                     help="also write the multi-token prediction block (model.mtp_depth=1), DeepSeek-V3's layout")
     args = parser.parse_args(argv)
     try:
         if args.command == "import" and args.workdir:
-            step = import_run(args.hf_dir, args.workdir)
+            step = import_run(args.hf_dir, args.workdir, mtp=args.mtp)
             print(f"wrote {args.workdir} (step {step}, parameters only)")
             return 0
         if args.command == "import":
-            cfg, params = load(args.hf_dir)
+            cfg, params = load(args.hf_dir, mtp=args.mtp)
             print(cfg)
             for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
                 print(f"{jax.tree_util.keystr(path):40s} {tuple(leaf.shape)} {leaf.dtype}")
@@ -58,9 +66,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if bool(args.source) == bool(args.workdir):
             raise ValueError("export: give a Hugging Face folder or --workdir (one of them)")
-        cfg, params = run_params(args.workdir) if args.workdir else load(args.source)
+        cfg, params = run_params(args.workdir) if args.workdir else load(args.source, mtp=args.mtp)
         save(cfg, params, args.out_dir, dtype=args.dtype, max_shard_bytes=args.max_shard_bytes,
-             overwrite=args.overwrite)
+             overwrite=args.overwrite, mtp=args.mtp)
         print(f"wrote {args.out_dir}")
     except ValueError as e:  # HFFormatError and ConfigError are ValueErrors
         print(f"error: {e}")
@@ -81,10 +89,11 @@ def _config(workdir: str):
     return config
 
 
-def import_run(hf_dir: str, workdir: str) -> int:
+def import_run(hf_dir: str, workdir: str, mtp: bool = False) -> int:
     """Writes a run in `workdir` from a Hugging Face folder: a checkpoint at step 0 holding the parameters
     only, described by its model (the folder's config.json) and tokenizer (its files, copied to
-    `workdir/tokenizer/`). Refuses a workdir that holds checkpoints already. Returns the step."""
+    `workdir/tokenizer/`). Refuses a workdir that holds checkpoints already. Returns the step. `mtp`: with
+    DeepSeek-V3's multi-token prediction layer (`model.mtp_depth` 1)."""
     from meshtrain import train_step
     from meshtrain.hf import apply_model_config
     from meshtrain.run import Run
@@ -96,6 +105,7 @@ def import_run(hf_dir: str, workdir: str) -> int:
     config = _config(workdir)
     config.init.from_hf = hf_dir
     apply_model_config(config)
+    config.model.mtp_depth = int(mtp)
     config.model.param_dtype = load_dtype(hf_dir)
     config.model.dtype = "float32"  # what reading the run computes in by default: float32 reproduces transformers
     tokenizer_dir = os.path.join(workdir, "tokenizer")
@@ -109,7 +119,7 @@ def import_run(hf_dir: str, workdir: str) -> int:
     validate(config, jax.device_count(), inputs=False)
     run = Run.resolve(config)
     factory, _ = train_step.build(run)
-    _, params = load(hf_dir, run.mesh)
+    _, params = load(hf_dir, run.mesh, mtp=mtp)
     params = jax.tree.map(lambda a, target: jax.device_put(a, target.sharding), params, factory.canonical.params)
     ckpt = checkpoint.Checkpointer(root, async_save=False)
     try:

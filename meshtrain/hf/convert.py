@@ -215,8 +215,9 @@ def export_type(cfg: ModelConfig) -> str:
     return cfg.family
 
 
-def hf_config_from_model(cfg: ModelConfig, dtype: str) -> dict:
-    """ModelConfig -> a `config.json` dict that `transformers` loads."""
+def hf_config_from_model(cfg: ModelConfig, dtype: str, mtp: bool = False) -> dict:
+    """ModelConfig -> a `config.json` dict that `transformers` loads (`mtp`: the checkpoint holds the
+    multi-token prediction layer, `num_nextn_predict_layers` 1)."""
     model_type = export_type(cfg)
     moe = model_type == "mixtral"
     hf = {
@@ -246,7 +247,7 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str) -> dict:
     if model_type == "llama":
         hf["mlp_bias"] = False
     if model_type == "deepseek_v3":
-        hf.update(_hf_deepseek(cfg))
+        hf.update(_hf_deepseek(cfg), num_nextn_predict_layers=int(mtp))
     return hf
 
 
@@ -359,11 +360,12 @@ def product(ranges):
             yield (i, *rest)
 
 
-def layouts(cfg: ModelConfig) -> dict[tuple[str, ...], Layout]:
+def layouts(cfg: ModelConfig, mtp: bool = False) -> dict[tuple[str, ...], Layout]:
     """meshtrain parameter path -> its Hugging Face source (Llama / Mistral, or Mixtral when MoE).
 
     Walks the model's own parameter tree: a layer parameter is found by its module and name
-    (`attn/wq`, `moe/w_gate`, ...) whatever the scanned unit around it.
+    (`attn/wq`, `moe/w_gate`, ...) whatever the scanned unit around it. `mtp`: the multi-token prediction
+    block too, as DeepSeek-V3's checkpoints hold it (`mtp_layouts`); otherwise it is left out (`MTP_DROPPED`).
     """
     deepseek = bool(cfg.num_experts) and export_type(cfg) == "deepseek_v3"
     if cfg.num_experts and (cfg.moe_every != 1 or (cfg.shared_expert and not deepseek)):
@@ -373,7 +375,7 @@ def layouts(cfg: ModelConfig) -> dict[tuple[str, ...], Layout]:
     out = {}
     for path, _ in model.param_leaves(cfg):
         key = tuple(path.split("/"))
-        if key[0] == "mtp":  # multi-token prediction: a training-time block, not exported (`MTP_DROPPED`)
+        if key[0] == "mtp":  # multi-token prediction: a training-time block, exported when asked (`mtp_layouts`)
             continue
         leaf = key[-2:] if key[0] in ("layers", "dense_layers") else key
         if leaf not in table:
@@ -384,13 +386,58 @@ def layouts(cfg: ModelConfig) -> dict[tuple[str, ...], Layout]:
         elif key[0] == "layers" and cfg.first_dense_layers:
             layout = dataclasses.replace(layout, layer_offset=cfg.first_dense_layers)
         out[key] = layout
+    if mtp:
+        out.update(mtp_layouts(cfg, table))
     return out
+
+
+# DeepSeek-V3's checkpoint keeps its multi-token prediction module as one more layer after the last,
+# `model.layers.{n_layers}`: a decoder layer (an MoE one) with `enorm` (the next token's embedding), `hnorm`
+# (the main model's hidden state), `eh_proj` (their concatenation, embedding first, to d_model) and
+# `shared_head.norm`, beside copies of the embedding and the head it shares (`MTP_SHARED`).
+MTP_SHARED = {"embed_tokens.weight": ("embedding",), "shared_head.head.weight": ("head",)}
+
+
+def mtp_layouts(cfg: ModelConfig, table: dict[tuple[str, ...], Layout] | None = None
+                ) -> dict[tuple[str, ...], Layout]:
+    """The multi-token prediction block's parameters (`model.MultiTokenPrediction`, `model.mtp_depth` 1) ->
+    their tensors in DeepSeek-V3's layer `n_layers`. Only DeepSeek-V3 checkpoints hold one."""
+    if not cfg.mtp_depth:
+        raise HFFormatError("model.mtp_depth=0: the model has no multi-token prediction block to read or write")
+    if not cfg.num_experts or export_type(cfg) != "deepseek_v3":
+        raise HFFormatError("model.mtp_depth=1: the multi-token prediction block reads and writes as DeepSeek-V3's "
+                            "(model.kv_lora_rank > 0 with its router); other checkpoints have none")
+    table = table if table is not None else _leaf_layouts(cfg)
+    d, prefix = cfg.d_model, f"model.layers.{cfg.n_layers}"
+    out = {
+        ("mtp", "embed_norm", "scale"): Layout(f"{prefix}.enorm.weight", (), ((d,),), (0,)),
+        ("mtp", "hidden_norm", "scale"): Layout(f"{prefix}.hnorm.weight", (), ((d,),), (0,)),
+        ("mtp", "proj"): Layout(f"{prefix}.eh_proj.weight", (), ((d,), (2 * d,)), (1, 0)),
+        ("mtp", "norm", "scale"): Layout(f"{prefix}.shared_head.norm.weight", (), ((d,),), (0,)),
+    }
+    for path, _ in model.param_leaves(cfg):
+        key = tuple(path.split("/"))
+        if key[:2] != ("mtp", "block"):
+            continue
+        if key[-2:] not in table:
+            raise HFFormatError(f"meshtrain parameter {path} has no Hugging Face source")
+        layer = table[key[-2:]]  # the MoE layer's, at the one layer after the last
+        out[key] = dataclasses.replace(layer, name=layer.name.replace("{layer}", str(cfg.n_layers)),
+                                       stack=tuple(s for s in layer.stack if s != "layer"), layer_offset=0)
+    return out
+
+
+def has_mtp(store: SafetensorsStore, cfg: ModelConfig) -> bool:
+    """Whether a DeepSeek-V3 checkpoint holds its multi-token prediction layer."""
+    return f"model.layers.{cfg.n_layers}.eh_proj.weight" in store.entries
 
 
 # Said where a model with multi-token prediction is exported or started from a checkpoint: its block is the
 # run's own (initialised fresh by `io.initial_state`), neither read from nor written to Hugging Face.
-MTP_DROPPED = ("model.mtp_depth=1: the multi-token prediction block (mtp/*) is training-time only; it is not "
-               "part of the Hugging Face checkpoint")
+MTP_DROPPED = ("model.mtp_depth=1: the multi-token prediction block (mtp/*) is training-time only; it is left out "
+               "of the Hugging Face checkpoint (`hf export --mtp` writes it, DeepSeek-V3's layout)")
+MTP_FRESH = ("model.mtp_depth=1: the checkpoint has no multi-token prediction layer; the block (mtp/*) starts "
+             "freshly initialised")
 
 
 def stack_counts(cfg: ModelConfig) -> dict[str, int]:

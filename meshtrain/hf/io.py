@@ -10,6 +10,7 @@ only when complete.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -28,7 +29,10 @@ from meshtrain.config import ModelConfig
 from meshtrain.hf.convert import (
     ARCHITECTURE_FIELDS,
     MTP_DROPPED,
+    MTP_FRESH,
+    MTP_SHARED,
     check_tensors,
+    has_mtp,
     hf_config_from_model,
     layouts,
     meshtrain_shape,
@@ -66,7 +70,7 @@ def param_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh):
 
 
 def load(hf_dir: str, mesh: jax.sharding.Mesh | None = None, *, shardings=None,
-         param_dtype: str | None = None) -> tuple[ModelConfig, dict]:
+         param_dtype: str | None = None, mtp: bool = False) -> tuple[ModelConfig, dict]:
     """Imports a Hugging Face checkpoint folder.
 
     Args:
@@ -75,6 +79,8 @@ def load(hf_dir: str, mesh: jax.sharding.Mesh | None = None, *, shardings=None,
       shardings: an explicit tree of NamedShardings for the parameters (e.g. a StateFactory's),
         instead of `mesh`.
       param_dtype: storage dtype; default: the checkpoint's `dtype`.
+      mtp: also read DeepSeek-V3's multi-token prediction layer (`convert.mtp_layouts`) into `params["mtp"]`,
+        the config with `mtp_depth` 1; the checkpoint must hold it. Without it the layer is not read.
 
     Returns:
       (model config, parameter tree) matching `meshtrain.model.Transformer`.
@@ -87,7 +93,13 @@ def load(hf_dir: str, mesh: jax.sharding.Mesh | None = None, *, shardings=None,
         store = DequantisingStore(store, block)
         log.info("%s: %d FP8 (e4m3) weights dequantised with their %dx%d block scales (weight x scale_inv), "
                  "stored as %s", hf_dir, len(store.scaled), *block, cfg.param_dtype)
-    table = layouts(cfg)
+    if mtp:
+        cfg = dataclasses.replace(cfg, mtp_depth=1)
+        if not has_mtp(store, cfg):
+            raise HFFormatError(f"{hf_dir}: no multi-token prediction layer (model.layers.{cfg.n_layers}.eh_proj."
+                                "weight): the checkpoint has none to read")
+        log.info("%s: multi-token prediction block read from model.layers.%d", hf_dir, cfg.n_layers)
+    table = layouts(cfg, mtp=mtp)
     check_tensors(store, table, cfg)
     if shardings is None:
         shardings = param_shardings(cfg, mesh or single_device_mesh())
@@ -95,7 +107,7 @@ def load(hf_dir: str, mesh: jax.sharding.Mesh | None = None, *, shardings=None,
 
     def build(path, sharding):
         key = tuple(k.key for k in path)
-        if key[0] == "mtp":  # not in the checkpoint: `initial_state` puts a fresh block here
+        if key[0] == "mtp" and not mtp:  # not read: `initial_state` puts a fresh block here
             return None
         if key not in table:
             raise HFFormatError(f"meshtrain parameter {'/'.join(key)} has no Hugging Face source")
@@ -112,13 +124,14 @@ def initial_state(factory, hf_dir: str, seed: int = 0):
     """A TrainState at step 0 with the checkpoint's weights, in the factory's shardings
     (`StateFactory.from_params`: the optimizer state is initialised from those weights)."""
     want = factory.model.cfg
-    cfg, params = load(hf_dir, shardings=factory.canonical_shardings.params, param_dtype=want.param_dtype)
+    read = bool(want.mtp_depth) and has_mtp(SafetensorsStore(hf_dir), want)  # DeepSeek-V3's, when it has one
+    cfg, params = load(hf_dir, shardings=factory.canonical_shardings.params, param_dtype=want.param_dtype, mtp=read)
     for field in ARCHITECTURE_FIELDS:
         if getattr(cfg, field) != getattr(want, field):
             raise HFFormatError(f"{hf_dir}: {field}={getattr(cfg, field)!r} but the run's model has "
                                 f"{getattr(want, field)!r} (call apply_model_config first)")
-    if want.mtp_depth:  # the multi-token prediction block is the run's own, freshly initialised
-        log.info(MTP_DROPPED)
+    if want.mtp_depth and not read:  # the multi-token prediction block is the run's own, freshly initialised
+        log.info(MTP_FRESH)
         params = {**params, "mtp": factory.create(seed).params["mtp"]}
     return factory.from_params(params, seed)
 
@@ -131,7 +144,7 @@ def _host(x: jax.Array) -> np.ndarray:
 
 
 def save(cfg: ModelConfig, params: dict, out_dir: str, *, dtype: str | None = None,
-         max_shard_bytes: int = 2 << 30, overwrite: bool = False) -> None:
+         max_shard_bytes: int = 2 << 30, overwrite: bool = False, mtp: bool = False) -> None:
     """Exports parameters as a Hugging Face checkpoint folder (`transformers` loads it).
 
     Tensors stream out one layer at a time. The folder is assembled under a temporary name
@@ -145,21 +158,28 @@ def save(cfg: ModelConfig, params: dict, out_dir: str, *, dtype: str | None = No
       dtype: "float32", "bfloat16" or "float16"; default: `cfg.param_dtype`.
       max_shard_bytes: split into `model-0000i-of-0000N.safetensors` files of about this size.
       overwrite: replace an existing `out_dir`.
+      mtp: also write the multi-token prediction block (`model.mtp_depth` 1) as DeepSeek-V3's checkpoints
+        hold it, one layer after the last with copies of the embedding and the head (`convert.mtp_layouts`);
+        transformers' DeepSeek-V3 loads the folder and leaves that layer out. Otherwise the block is dropped.
     """
     dtype = dtype or cfg.param_dtype
-    if cfg.mtp_depth:
+    if cfg.mtp_depth and not mtp:
         log.info(MTP_DROPPED)
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype={dtype!r}: must be one of {sorted(DTYPE_NAMES)}")
     if os.path.exists(out_dir) and not overwrite:
         raise ValueError(f"out_dir={out_dir!r} exists; pass overwrite=True to replace it")
     code = DTYPE_NAMES[dtype]
-    table = layouts(cfg)
+    table = layouts(cfg, mtp=mtp)
     counts = stack_counts(cfg)
     tensors = []  # (hf name, hf shape, params path, stacked ids)
     for key, layout in table.items():
         for ids in product([range(counts[s]) for s in layout.stack]):
             tensors.append((layout.tensor_name(ids), layout.hf_shape, key, ids))
+    if mtp:  # the prediction layer's copies of what it shares with the main model
+        for name, key in MTP_SHARED.items():
+            key = key if key in table else ("embedding",)  # a tied head is the embedding
+            tensors.append((f"model.layers.{cfg.n_layers}.{name}", table[key].hf_shape, key, ()))
     tensors.sort(key=lambda t: _hf_order(t[0]))
     flat = {tuple(k.key for k in path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
     missing = sorted("/".join(k) for k in table if k not in flat)
@@ -195,7 +215,7 @@ def save(cfg: ModelConfig, params: dict, out_dir: str, *, dtype: str | None = No
             with open(os.path.join(tmp, INDEX_FILE), "w") as fh:
                 json.dump(index, fh, indent=2)
         with open(os.path.join(tmp, "config.json"), "w") as fh:  # last: marks the folder complete
-            json.dump(hf_config_from_model(cfg, dtype), fh, indent=2)
+            json.dump(hf_config_from_model(cfg, dtype, mtp=mtp), fh, indent=2)
         if os.path.exists(out_dir):  # set aside, not deleted, until the new folder has its name
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
             os.rename(out_dir, os.path.join(old, "model"))
