@@ -284,6 +284,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.moe_fsdp = "auto"
     c.model.moe_mlp_dim = 0  # 0: same as mlp_dim
     c.model.shared_expert = False  # one expert every token also runs (DeepSeek-style)
+    # the shared expert's hidden width; 0: moe_mlp_dim (DeepSeek-V3's n_shared_experts x moe_intermediate_size)
+    c.model.shared_expert_dim = 0
     c.model.aux_loss_weight = 0.01  # weight of the load-balancing loss
     c.model.moe_balance_scope = "batch"  # "batch" (Switch, over all tokens) or "sequence" (per row, DeepSeek-V3)
     c.model.router_z_loss_weight = 0.001  # weight of the router z-loss (keeps router logits small)
@@ -483,7 +485,8 @@ def _validate_positive(config) -> None:
             value = value[part]
         require(isinstance(value, int) and value >= 1, key, value, "must be a positive integer")
     for key in ("eval_every", "eval_tasks_limit", "sample_every", "checkpoint.every", "cpu_devices",
-                "model.num_experts", "model.moe_mlp_dim", "model.sliding_window", "model.moe_chunks"):
+                "model.num_experts", "model.moe_mlp_dim", "model.sliding_window", "model.moe_chunks",
+                "model.shared_expert_dim"):
         value = config
         for part in key.split("."):
             value = value[part]
@@ -493,6 +496,8 @@ def _validate_positive(config) -> None:
         section, name = key.split(".")
         require(config[section][name] > 0, key, config[section][name], "must be > 0")
     m = config.model
+    require(not m.shared_expert_dim or m.shared_expert, "model.shared_expert_dim", m.shared_expert_dim,
+            "sets the shared expert's width: needs model.shared_expert=True")
     require(m.rope_scaling != "yarn" or m.rope_beta_fast > m.rope_beta_slow > 0, "model.rope_beta_fast",
             m.rope_beta_fast, f"must exceed model.rope_beta_slow={m.rope_beta_slow} > 0 (yarn RoPE scaling)")
     require(m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor > 0,
@@ -679,6 +684,7 @@ class ModelConfig:
     zero_stage: int = 0  # train.zero_stage: from 3 on a layer's weights arrive split and are gathered where used
     moe_mlp_dim: int = 0
     shared_expert: bool = False
+    shared_expert_dim: int = 0
     aux_loss_weight: float = 0.01
     moe_balance_scope: str = "batch"
     router_z_loss_weight: float = 0.001

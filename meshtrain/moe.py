@@ -130,6 +130,12 @@ def expert_mlp_dim(cfg: ModelConfig) -> int:
     return cfg.moe_mlp_dim or cfg.mlp_dim
 
 
+def shared_mlp_dim(cfg: ModelConfig) -> int:
+    """The shared expert's hidden width (`shared_expert_dim`, or F when 0; DeepSeek's n_shared experts are one
+    SwiGLU n times as wide); 0 without one."""
+    return (cfg.shared_expert_dim or expert_mlp_dim(cfg)) if cfg.shared_expert else 0
+
+
 def capacity(cfg: ModelConfig, seq_len: int) -> int:
     """C: slots per expert per batch row, min(T, ceil(capacity_factor * T * k / E))."""
     c = math.ceil(cfg.capacity_factor * seq_len * cfg.experts_per_token / cfg.num_experts)
@@ -506,9 +512,10 @@ class MoeMlp(nn.Module):
         y, stats = expert_parallel(cfg, self.rules, model_major)(x, router, bias, w_gate, w_up, w_down, valid,
                                                                  histories)
         if cfg.shared_expert:  # a dense SwiGLU every token goes through (DeepSeek-MoE)
-            s_gate = self._param("shared_gate", (d, f), ("embed", "mlp")).astype(dtype)
-            s_up = self._param("shared_up", (d, f), ("embed", "mlp")).astype(dtype)
-            s_down = self._param("shared_down", (f, d), ("mlp", "embed")).astype(dtype)
+            fs = shared_mlp_dim(cfg)
+            s_gate = self._param("shared_gate", (d, fs), ("embed", "mlp")).astype(dtype)
+            s_up = self._param("shared_up", (d, fs), ("embed", "mlp")).astype(dtype)
+            s_down = self._param("shared_down", (fs, d), ("mlp", "embed")).astype(dtype)
             gate = fp8_lib.matmul(self, "shared_gate")("btd,df->btf", x, s_gate)
             hidden = nn.silu(gate) * fp8_lib.matmul(self, "shared_up")("btd,df->btf", x, s_up)
             hidden = constrain(hidden, ("batch", "length", "act_mlp"), self.rules)

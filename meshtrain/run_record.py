@@ -30,9 +30,9 @@ MODEL_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "hea
               "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
               "rope_original_max_positions", "family", "attention_bias", "qk_norm", "sliding_window", "norm_eps",
               "tie_embeddings", "param_dtype", "num_experts", "experts_per_token", "moe_every", "capacity_factor",
-              "moe_dropless", "moe_mlp_dim", "shared_expert", "moe_norm_topk", "moe_router", "moe_routed_scale",
-              "moe_router_bias", "moe_groups", "moe_topk_groups", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
-              "v_head_dim", "first_dense_layers", "rope_beta_fast", "rope_beta_slow", "rope_mscale",
+              "moe_dropless", "moe_mlp_dim", "shared_expert", "shared_expert_dim", "moe_norm_topk", "moe_router",
+              "moe_routed_scale", "moe_router_bias", "moe_groups", "moe_topk_groups", "kv_lora_rank", "q_lora_rank",
+              "qk_rope_head_dim", "v_head_dim", "first_dense_layers", "rope_beta_fast", "rope_beta_slow", "rope_mscale",
               "rope_mscale_all_dim", "mtp_depth")
 TOKENIZER_KEY = "data.tokenizer"
 

@@ -60,6 +60,8 @@ BAD = [
     ({}, {"model.rope_scaling": "llama3", "model.rope_high_freq_factor": 0.5}, "model.rope_high_freq_factor"),
     ({}, {"model.rope_factor": 0.0}, "model.rope_factor"),
     ({}, {"model.family": "gpt2"}, "model.family"),
+    ({}, {"model.shared_expert_dim": 64}, "model.shared_expert_dim"),  # no shared expert to widen
+    ({}, {"model.shared_expert_dim": -1}, "model.shared_expert_dim"),
     # FP8 in a pipeline stage under remat none: its loss NaN (pipeline.validate_config)
     ({"stage": 2}, {"model.matmul_precision": "fp8", "remat.policy": "none", "pipeline.schedule": "1f1b"},
      "remat.policy"),

@@ -304,6 +304,9 @@ FAMILIES = {
     # DeepSeek-V3: latent attention (both latents; the second without the query latent, with YaRN), the sigmoid
     # router with its balancing bias, 4 groups of 2 experts (top-2 groups), a shared expert, a dense first layer
     "deepseek-v3": (transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config, DEEPSEEK),
+    # Moonlight's layout: two shared experts, one SwiGLU of twice the routed experts' width
+    "deepseek-v3-two-shared": (transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config,
+                               {**DEEPSEEK, "n_shared_experts": 2}),
     "deepseek-v3-yarn": (transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config, {
         **DEEPSEEK, "q_lora_rank": None, "max_position_embeddings": 64,
         "rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "beta_fast": 32.0,
@@ -343,12 +346,17 @@ def test_family_logits_equal_transformers(families, name, mesh):
         "qwen2": ("none", True, False, 0), "qwen3": ("none", False, True, 0),
         "mistral-window": ("none", False, False, 5), "qwen3-moe": ("none", False, True, 0),
         "qwen3-moe-unnormalised": ("none", False, True, 0), "deepseek-v3": ("none", False, False, 0),
-        "deepseek-v3-yarn": ("yarn", False, False, 0)}[name]
+        "deepseek-v3-two-shared": ("none", False, False, 0), "deepseek-v3-yarn": ("yarn", False, False, 0)}[name]
     if name.startswith("deepseek"):
+        extra = FAMILIES[name][2]
         assert (cfg.num_experts, cfg.moe_router, cfg.moe_router_bias, cfg.moe_groups, cfg.moe_topk_groups,
                 cfg.moe_routed_scale, cfg.shared_expert, cfg.first_dense_layers, cfg.kv_lora_rank, cfg.q_lora_rank,
                 cfg.head_dim, cfg.v_head_dim) == (8, "sigmoid", True, 4, 2, 2.5, True, 1, 16,
-                                                  24 if name == "deepseek-v3" else 0, 24, 12)
+                                                  extra["q_lora_rank"] or 0, 24, 12)
+        wide = extra["n_shared_experts"] * extra["moe_intermediate_size"]  # the shared experts as one SwiGLU
+        assert cfg.shared_expert_dim == (wide if extra["n_shared_experts"] > 1 else 0)
+        assert {leaf.shape[-1] for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+                if "shared_gate" in jax.tree_util.keystr(path)} == {wide}
     if name.startswith("qwen3-moe"):
         assert (cfg.num_experts, cfg.experts_per_token, cfg.moe_mlp_dim, cfg.moe_norm_topk) == (
             4, 2, 16, name == "qwen3-moe")

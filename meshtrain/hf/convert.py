@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from meshtrain import model
+from meshtrain import model, moe
 from meshtrain.config import ConfigError, ModelConfig
 from meshtrain.hf.formats import DTYPE_NAMES, IGNORED_SUFFIXES, HFFormatError, SafetensorsStore, read_config
 
@@ -30,10 +30,10 @@ ARCHITECTURE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_hea
                        "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                        "rope_original_max_positions", "family", "attention_bias", "qk_norm", "sliding_window",
                        "norm_eps", "tie_embeddings", "num_experts", "experts_per_token", "moe_every", "moe_mlp_dim",
-                       "shared_expert", "moe_norm_topk", "first_dense_layers", "moe_router", "moe_router_bias",
-                       "moe_groups", "moe_topk_groups", "moe_routed_scale", "kv_lora_rank", "q_lora_rank",
-                       "qk_rope_head_dim", "v_head_dim", "rope_beta_fast", "rope_beta_slow", "rope_mscale",
-                       "rope_mscale_all_dim")
+                       "shared_expert", "shared_expert_dim", "moe_norm_topk", "first_dense_layers", "moe_router",
+                       "moe_router_bias", "moe_groups", "moe_topk_groups", "moe_routed_scale", "kv_lora_rank",
+                       "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "rope_beta_fast", "rope_beta_slow",
+                       "rope_mscale", "rope_mscale_all_dim")
 
 
 def _rope(hf: dict, model_type: str = "") -> dict:
@@ -119,11 +119,10 @@ def _moe_fields(hf: dict, model_type: str) -> dict:
 
 
 def _deepseek_moe_fields(hf: dict) -> dict:
-    """DeepSeek-V3 (and Kimi K2): sigmoid router with the balancing bias, group-limited, routed scaling, one
-    shared expert, the first `first_k_dense_replace` layers dense."""
+    """DeepSeek-V3 (and Kimi K2, Moonlight): sigmoid router with the balancing bias, group-limited, routed
+    scaling, the shared experts (n of them are one SwiGLU n times as wide: `model.shared_expert_dim`), the first
+    `first_k_dense_replace` layers dense."""
     shared = int(hf.get("n_shared_experts") or 0)
-    if shared > 1:
-        raise HFFormatError(f"config.json n_shared_experts={shared}: one shared expert (or none) is supported")
     if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
         raise HFFormatError(f"config.json scoring_func={hf.get('scoring_func')!r}, topk_method="
                             f"{hf.get('topk_method')!r}: DeepSeek-V3's sigmoid router with noaux_tc is supported")
@@ -134,7 +133,8 @@ def _deepseek_moe_fields(hf: dict) -> dict:
                 moe_dropless=True, moe_mlp_dim=int(hf["moe_intermediate_size"]),
                 moe_norm_topk=bool(hf.get("norm_topk_prob", True)), moe_router="sigmoid", moe_router_bias=True,
                 moe_groups=int(hf.get("n_group") or 1), moe_topk_groups=int(hf.get("topk_group") or 0),
-                moe_routed_scale=float(hf.get("routed_scaling_factor", 1.0)), shared_expert=shared == 1,
+                moe_routed_scale=float(hf.get("routed_scaling_factor", 1.0)), shared_expert=shared >= 1,
+                shared_expert_dim=int(hf["moe_intermediate_size"]) * shared if shared > 1 else 0,
                 first_dense_layers=int(hf.get("first_k_dense_replace", 0)))
 
 
@@ -254,7 +254,7 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str, mtp: bool = False) -> dic
 def _hf_deepseek(cfg: ModelConfig) -> dict:
     """DeepSeek-V3's config.json fields beside the common ones (RoPE written interleaved: `ROPE_PERMUTED`)."""
     return dict(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
-                moe_intermediate_size=cfg.moe_mlp_dim or cfg.mlp_dim, n_shared_experts=int(cfg.shared_expert),
+                moe_intermediate_size=cfg.moe_mlp_dim or cfg.mlp_dim, n_shared_experts=_shared_experts(cfg),
                 norm_topk_prob=cfg.moe_norm_topk, routed_scaling_factor=cfg.moe_routed_scale,
                 n_group=cfg.moe_groups, topk_group=cfg.moe_topk_groups or cfg.moe_groups,
                 first_k_dense_replace=cfg.first_dense_layers, kv_lora_rank=cfg.kv_lora_rank,
@@ -262,6 +262,15 @@ def _hf_deepseek(cfg: ModelConfig) -> dict:
                 qk_nope_head_dim=cfg.head_dim - cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim or cfg.head_dim,
                 head_dim=cfg.qk_rope_head_dim, rope_interleave=True, num_nextn_predict_layers=0,
                 intermediate_size=cfg.mlp_dim)
+
+
+def _shared_experts(cfg: ModelConfig) -> int:
+    """DeepSeek-V3's `n_shared_experts`: the shared expert's width in experts' widths."""
+    fe, fs = cfg.moe_mlp_dim or cfg.mlp_dim, moe.shared_mlp_dim(cfg)
+    if fs % fe:
+        raise HFFormatError(f"model.shared_expert_dim={cfg.shared_expert_dim}: DeepSeek-V3 holds shared experts of "
+                            f"the routed experts' width, so it must be a multiple of {fe}")
+    return fs // fe
 
 
 # ---------------------------------------------------------------------------------------------
@@ -488,7 +497,7 @@ def _deepseek_layouts(cfg: ModelConfig) -> dict[tuple[str, ...], Layout]:
     """DeepSeek-V3's multi-head latent attention, router bias and shared expert; q_proj when there is no
     query latent. The query heads' and the shared key's RoPE parts are stored interleaved (`Layout.rope`)."""
     d, h, dh, p, r, rq = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.q_lora_rank
-    dv, fe, one = cfg.v_head_dim or dh, cfg.moe_mlp_dim or cfg.mlp_dim, ("layer",)
+    dv, fe, one = cfg.v_head_dim or dh, moe.shared_mlp_dim(cfg), ("layer",)
     attn, mlp = "model.layers.{layer}.self_attn", "model.layers.{layer}.mlp"
     return {
         ("attn", "wq"): Layout(f"{attn}.q_proj.weight", one, ((h, dh), (d,)), (2, 0, 1), rope=p),

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import ml_collections
 
-from meshtrain import cli, config as config_lib, metrics
+from meshtrain import cli, config as config_lib, metrics, moe
 from meshtrain.mesh import MESH_ORDER
 from meshtrain.parallel import cost, schedules
 from meshtrain.plan import comm, memory
@@ -52,7 +52,7 @@ def recompute_passes(model: config_lib.ModelConfig, seq_len: int, remat: str) ->
         return RECOMPUTE[remat]
     d, f = model.d_model, model.moe_mlp_dim or model.mlp_dim
     moe_layers = model.moe_layers
-    per_moe = f * (model.experts_per_token + (1 if model.shared_expert else 0))
+    per_moe = f * model.experts_per_token + moe.shared_mlp_dim(model)
     gate_up = 4 * d * ((model.n_layers - moe_layers) * model.mlp_dim + moe_layers * per_moe)
     heads = model.n_heads * model.head_dim
     projections = 2 * d * (heads + 2 * model.n_kv_heads * model.head_dim) + 2 * heads * d

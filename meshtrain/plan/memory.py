@@ -30,7 +30,7 @@ import math
 import ml_collections
 import numpy as np
 
-from meshtrain import mesh as mesh_lib, model
+from meshtrain import mesh as mesh_lib, model, moe
 from meshtrain.config import DEFAULT_SCHEDULE, ModelConfig
 from meshtrain.mesh import MESH_ORDER
 from meshtrain.parallel import schedules
@@ -324,7 +324,7 @@ def _split_per_layer(run: Step, t: int) -> tuple[int, int]:
     # sequence parallelism (405B, TP 8, zero bubble on 16,384 H100s: 67 GiB of W buffers, not 197)
     d, heads = _residual_width(run), m.n_heads * m.head_dim // tp
     qkv = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim // tp
-    fm = (m.moe_mlp_dim or m.mlp_dim) // tp
+    fm = moe.shared_mlp_dim(m) // tp
     moe_share = 1 / m.moe_every if m.num_experts else 0.0
     dense, shared = 1 - moe_share, moe_share if m.shared_expert else 0.0
     # the inputs of q,k,v and the output projection, of gate,up and down; then their output gradients
