@@ -718,7 +718,8 @@ class MultiTokenPrediction(nn.Module):
     """DeepSeek-V3's multi-token prediction at depth 1 (the report's section 2.2, eq. 21-23): the main model's
     final hidden state h_t (after its final norm, what the head reads) and the embedding of token t + 1, each
     RMS-normalised, joined by one projection [2D -> D], through one more block (an MoE block in an MoE model)
-    and its own final norm; the shared head then predicts token t + 2. Dropped for sampling and export."""
+    and its own final norm; the shared head then predicts token t + 2. Dropped for sampling, and for export
+    unless asked (`hf.save(..., mtp=True)`: DeepSeek-V3's layer after the last)."""
 
     cfg: ModelConfig
     rules: Rules
