@@ -31,6 +31,9 @@ def parse_flags(argv: list[str]) -> list[str]:
     if config_file is not None and not pathlib.Path(config_file).is_file():  # ml_collections defers it
         print(f"error: --config {config_file}: no such config file ({_config_hint(config_file)})", file=sys.stderr)
         sys.exit(2)
+    if config_file is not None and (broken := _config_file_error(config_file, _config_arg(argv))):
+        print(f"error: --config {config_file}: {broken}", file=sys.stderr)  # ml_collections would raise it
+        sys.exit(2)
     try:
         rest = flags.FLAGS(argv)
     except (AttributeError, KeyError, TypeError, ValueError, flags.Error) as e:
@@ -62,6 +65,36 @@ def _config_path(argv: list[str]) -> str | None:
         elif arg.startswith("--config="):
             path = arg.split("=", 1)[1]
     return None if path is None else path.split(":")[0]
+
+
+def _config_arg(argv: list[str]) -> str | None:
+    """The argument after `:` of `--config PATH:ARG` (ml_collections passes it to `get_config`), or None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--config="):
+            value = arg.split("=", 1)[1]
+    return value.split(":", 1)[1] if value and ":" in value else None
+
+
+def _config_file_error(path: str, arg: str | None) -> str | None:
+    """What stops the config file at `path` giving a config, in one line (it fails to import, has no
+    `get_config`, or its `get_config` raises), or None. Run before ml_collections runs the file."""
+    spec = importlib.util.spec_from_file_location("meshtrain_config_check", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - any error of the user's file is reported as one line
+        where = f" (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""
+        return f"the file fails to import{where}: {type(e).__name__}: {getattr(e, 'msg', None) or e}"
+    if not callable(getattr(module, "get_config", None)):
+        return "the file defines no get_config() (a config file returns its ConfigDict from get_config)"
+    try:
+        module.get_config(*(() if arg is None else (arg,)))
+    except Exception as e:  # noqa: BLE001
+        return f"get_config({'' if arg is None else repr(arg)}) raised {type(e).__name__}: {e}"
+    return None
 
 
 def _config_hint(path: str) -> str:

@@ -105,6 +105,27 @@ def test_cli_rejects_bad_value_and_unknown_key(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("source, expected", [
+    ("def get_config(:\n", "the file fails to import (line 1): SyntaxError: invalid syntax"),
+    ("import no_such_module_here\n", "the file fails to import: ModuleNotFoundError: No module named "
+                                      "'no_such_module_here'"),
+    ("def get_config():\n    raise RuntimeError('no such size')\n", "get_config() raised RuntimeError: no such size"),
+    ("x = 1\n", "the file defines no get_config()"),
+], ids=["syntax-error", "import-error", "get-config-raises", "no-get-config"])
+def test_a_config_file_that_gives_no_config_is_one_line_and_exit_code_2(source, expected, tmp_path):
+    """A config file that fails to import or whose get_config raises: one line naming the file, exit 2,
+    before anything runs (the workdir it would have written stays empty)."""
+    path = tmp_path / "broken.py"
+    path.write_text(source)
+    result = subprocess.run([sys.executable, "-m", "meshtrain.train", "--config", str(path),
+                             f"--config.workdir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"error: --config {path}: "), result.stderr
+    assert expected in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("flag, expected", [
     ("--config.model.n_layer=3", "--config.model.n_layer: config.model has no key 'n_layer'; closest: n_layers"),
     ("--config.modl.n_layers=3", "config has no key 'modl'; closest: model"),
