@@ -118,6 +118,21 @@ def test_tokenizer_errors_name_the_key(tmp_path, monkeypatch):
         tokenizers.load_tokenizer(str(tmp_path / "sp.model"))
 
 
+@pytest.mark.parametrize("name, content, what", [("tokenizer.json", b'{"model": ', "tokenizer.json"),
+                                                   ("tokenizer.json", b'{"x": 1}', "tokenizer.json"),
+                                                   ("sp.model", b"not a model", "sentencepiece model")])
+def test_a_damaged_tokenizer_file_is_one_config_error_naming_it(tmp_path, name, content, what):
+    """Before anything is written: `validate` reads the tokenizer and names the key and the file."""
+    path = tmp_path / name
+    path.write_bytes(content)
+    config = text_config(tmp_path)
+    config.data.tokenizer = str(path)
+    with pytest.raises(config_lib.ConfigError, match=f"config.data.tokenizer='{path}': the file is not a readable "
+                                                     f"{what}") as error:
+        validate(config, 8)
+    assert "\n" not in str(error.value)
+
+
 def test_tfds_name_not_prepared_names_the_directory(tmp_path):
     config = text_config(tmp_path)
     for name in ("mnist", "no_such_dataset_here"):

@@ -57,7 +57,11 @@ class HuggingFaceTokenizer:
         except ImportError as error:
             raise ConfigError("data.tokenizer", path, "reading a tokenizer.json needs the 'tokenizers' "
                              "package (pip install tokenizers)") from error
-        self._tok = tokenizers.Tokenizer.from_file(path)
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(path)
+        except Exception as error:  # noqa: BLE001 - the tokenizers package raises a bare Exception
+            raise ConfigError("data.tokenizer", path, f"the file is not a readable tokenizer.json (damaged or "
+                             f"of another format): {' '.join(str(error).split())}") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         settings = _folder_settings(os.path.dirname(path))
         self.bos_id = self._named(settings, "bos_token", self._BOS)
@@ -142,7 +146,11 @@ class SentencePieceTokenizer:
         except ImportError as error:
             raise ConfigError("data.tokenizer", path, "reading a sentencepiece model needs the "
                              "'sentencepiece' package (pip install sentencepiece)") from error
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        except Exception as error:  # noqa: BLE001 - sentencepiece raises RuntimeError or OSError
+            raise ConfigError("data.tokenizer", path, f"the file is not a readable sentencepiece model (damaged "
+                             f"or of another format): {' '.join(str(error).split())}") from None
         self.vocab_size = int(self._sp.get_piece_size())
         self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
         self.eos_id = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
