@@ -186,6 +186,21 @@ def test_data_refusals_name_the_key(tmp_path, change, key, match):
         train.run(config)
 
 
+def test_files_that_hold_no_text_are_one_config_error(tmp_path):
+    """Files of supported formats with no document in them (an empty .txt, a .jsonl of empty lines): one error
+    naming data.files, before the run writes a checkpoint or a metrics line."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("")
+    (tmp_path / "corpus" / "b.jsonl").write_text("\n\n")
+    config = utils.config_for(tmp_path / "run", {"data": 8}, **{
+        **SHORT, "data.source": "text_files", "data.files": str(tmp_path / "corpus"),
+        "data.data_dir": str(tmp_path / "prepared")})
+    with pytest.raises(config_lib.ConfigError, match=r"config\.data\.files=.*the files hold no document"):
+        train.run(config)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not [p for p in (tmp_path / "run" / "checkpoints").rglob("*") if p.is_file()]
+
+
 # ---- values a run cannot use -------------------------------------------------------------------
 
 

@@ -19,7 +19,7 @@ from typing import ClassVar
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core import utils as tfds_utils
 
-from meshtrain import checksums, durable
+from meshtrain import checksums, config as config_lib, durable
 from meshtrain.data import corpus
 
 VALIDATION_PERCENT = 5
@@ -90,8 +90,11 @@ class TextFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         hashes = {key: _hash(text) for key, text in corpus.read_documents(self._files, self._text_field,
                                                                            self.read_stats, self._strict)}
         if not hashes:
-            raise ValueError(f"config.data.files: the {len(self._files)} files hold no document "
-                             f"({self.read_stats.unreadable_files} unreadable, e.g. {self.read_stats.examples})")
+            unreadable = self.read_stats.unreadable_files
+            shown = self._files[0] if len(self._files) == 1 else f"{self._files[0]} and {len(self._files) - 1} more"
+            why = f"; {unreadable} unreadable, e.g. {self.read_stats.examples}" if unreadable else ""
+            raise config_lib.ConfigError("data.files", shown, f"the files hold no document: empty, or no line with "
+                                         f"text{why}")
         validation = {key for key, h in hashes.items() if h % 100 < VALIDATION_PERCENT}
         if not validation and len(hashes) > 1:
             validation = {min(hashes, key=hashes.get)}
