@@ -103,6 +103,25 @@ def unwritable(folder: str) -> str | None:
     return f"cannot be written by this user (uid {os.getuid()}){where}"
 
 
+# What a run keeps in its workdir, by kind (`train.run` checks them before anything reads or writes).
+WORKDIR_FILES = ("metrics.jsonl", "metrics.rolled_back.jsonl")
+WORKDIR_FOLDERS = ("checkpoints", "tb", "datasets", "profile", "tokenizer")
+
+
+def wrong_kind(workdir: str) -> str | None:
+    """The first entry of a run's workdir of the wrong kind (a folder where the run keeps a file, or a file
+    where it keeps a folder), in words, or None."""
+    root = os.path.abspath(os.path.expanduser(workdir))
+    for name in WORKDIR_FILES:
+        if os.path.isdir(os.path.join(root, name)):
+            return f"{os.path.join(root, name)} is a folder where the run keeps a file"
+    for name in WORKDIR_FOLDERS:
+        path = os.path.join(root, name)
+        if os.path.exists(path) and not os.path.isdir(path):
+            return f"{path} is a file where the run keeps a folder"
+    return None
+
+
 def _fsync(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

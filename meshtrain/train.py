@@ -57,6 +57,9 @@ def run(config: ml_collections.ConfigDict, given: dict | None = None) -> dict:
     if problem := durable.unwritable(config.workdir):  # before anything reads, compiles or writes
         raise config_lib.ConfigError("workdir", config.workdir, f"{problem}: a run writes its checkpoints and "
                                      "metrics there; choose a folder this user can write")
+    if problem := durable.wrong_kind(config.workdir):
+        raise config_lib.ConfigError("workdir", config.workdir, f"{problem}: move it away (or choose another "
+                                     "workdir); nothing was read or written")
     metrics_file = os.path.join(os.path.expanduser(config.workdir), "metrics.jsonl")
     if os.path.isfile(metrics_file):  # damaged before its last line: one line now, before any thread starts
         durable.read_jsonl(metrics_file, warn=False)

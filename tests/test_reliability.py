@@ -201,6 +201,25 @@ def test_files_that_hold_no_text_are_one_config_error(tmp_path):
     assert not [p for p in (tmp_path / "run" / "checkpoints").rglob("*") if p.is_file()]
 
 
+@pytest.mark.parametrize("entry, folder", [("metrics.jsonl", True), ("checkpoints", False), ("tb", False)])
+def test_a_workdir_entry_of_the_wrong_kind_is_one_config_error(tmp_path, entry, folder):
+    """A folder where the run keeps a file, or a file where it keeps a folder: one error naming it, before
+    anything is read or written, and the entry left as it was."""
+    run = tmp_path / "run"
+    run.mkdir()
+    if folder:
+        (run / entry).mkdir()
+        (run / entry / "kept").write_text("user data")
+    else:
+        (run / entry).write_text("user data")
+    config = utils.config_for(run, {"data": 8}, **SHORT)
+    kind = "folder where the run keeps a file" if folder else "file where the run keeps a folder"
+    with pytest.raises(config_lib.ConfigError, match=rf"config\.workdir=.*{entry} is a {kind}"):
+        train.run(config)
+    assert (run / entry / "kept" if folder else run / entry).read_text() == "user data"
+    assert sorted(p.name for p in run.iterdir()) == [entry]
+
+
 # ---- values a run cannot use -------------------------------------------------------------------
 
 
