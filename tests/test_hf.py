@@ -207,6 +207,26 @@ def test_bad_checkpoints_name_the_key_or_tensor(checkpoints, tmp_path, case, mat
         hf.load(bad)
 
 
+@pytest.mark.parametrize("damage, match", [
+    ("truncated", r"model.safetensors: damaged \(truncated\?\): tensor '.*' ends at byte \d+ of a \d+-byte file"),
+    ("header-length", r"model.safetensors: damaged or not a safetensors file \(its header length"),
+    ("header-json", r"model.safetensors: damaged or not a safetensors file \(its header is not JSON"),
+    ("empty", r"model.safetensors: damaged or not a safetensors file \(its header length, -1"),
+])
+def test_a_damaged_safetensors_file_is_named(checkpoints, tmp_path, damage, match):
+    """A checkpoint file cut short, overwritten at its start, or empty: one error naming the file (and the first
+    tensor past its end), from `hf import` as one line with exit code 2."""
+    bad = _copy(checkpoints["llama"], tmp_path / damage)
+    path = os.path.join(bad, hf_formats.SINGLE_FILE)
+    data = open(path, "rb").read()
+    data = {"truncated": data[:len(data) // 2], "header-length": b"\xff" * 8 + data[8:],
+            "header-json": data[:8] + b"\x00" * 16 + data[24:], "empty": b""}[damage]
+    open(path, "wb").write(data)
+    with pytest.raises(hf.HFFormatError, match=match):
+        hf.load(bad)
+    assert hf_cli.main(["import", bad]) == 2
+
+
 def test_no_safetensors_and_no_config(tmp_path):
     with pytest.raises(hf.HFFormatError, match="no config.json"):
         hf.load(str(tmp_path))

@@ -49,8 +49,15 @@ class SafetensorsStore:
             raise HFFormatError(f"{hf_dir}: neither {INDEX_FILE} nor {SINGLE_FILE} exists")
         self.entries: dict[str, tuple[str, dict]] = {}
         for file in files:
-            for name, entry in read_header(os.path.join(hf_dir, file))[0].items():
-                self.entries[name] = (os.path.join(hf_dir, file), entry)
+            path = os.path.join(hf_dir, file)
+            header, base = read_header(path)
+            size = os.path.getsize(path)
+            for name, entry in header.items():
+                start, end = _offsets(path, name, entry)
+                if base + end > size:
+                    raise HFFormatError(f"{path}: damaged (truncated?): tensor {name!r} ends at byte {base + end} of "
+                                        f"a {size}-byte file")
+                self.entries[name] = (path, entry)
         self._maps: dict[str, tuple[np.memmap, int]] = {}
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -82,11 +89,38 @@ class SafetensorsStore:
 
 
 def read_header(path: str) -> tuple[dict, int]:
+    """A safetensors file's header ({tensor: {dtype, shape, data_offsets}}) and where its data starts;
+    HFFormatError naming the file when it is not one (truncated, overwritten, another format)."""
+    total = os.path.getsize(path)
     with open(path, "rb") as fh:
-        (size,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(size))
+        first = fh.read(8)
+        size = struct.unpack("<Q", first)[0] if len(first) == 8 else -1
+        if not 2 <= size <= total - 8:
+            raise HFFormatError(f"{path}: damaged or not a safetensors file (its header length, {size}, does not "
+                                f"fit its {total} bytes)")
+        try:
+            header = json.loads(fh.read(size))
+        except ValueError as error:  # JSON or UTF-8
+            raise HFFormatError(f"{path}: damaged or not a safetensors file (its header is not JSON: "
+                                f"{error})") from None
+    if not isinstance(header, dict):
+        raise HFFormatError(f"{path}: damaged or not a safetensors file (its header is not a JSON object)")
     header.pop("__metadata__", None)
     return header, 8 + size
+
+
+def _offsets(path: str, name: str, entry) -> tuple[int, int]:
+    """A header entry's data offsets, checked against its shape and dtype."""
+    try:
+        start, end = (int(x) for x in entry["data_offsets"])
+        count = math.prod(int(n) for n in entry["shape"])
+        itemsize = ST_DTYPES[entry["dtype"]].itemsize if entry["dtype"] in ST_DTYPES else None
+    except (KeyError, TypeError, ValueError):
+        raise HFFormatError(f"{path}: damaged header entry for tensor {name!r}: {entry!r}") from None
+    if not 0 <= start <= end or (itemsize is not None and end - start != count * itemsize):
+        raise HFFormatError(f"{path}: damaged header entry for tensor {name!r}: offsets {start}..{end} do not "
+                            f"hold its shape {entry['shape']} of {entry['dtype']}")
+    return start, end
 
 
 def write_safetensors(path: str, tensors: list[tuple[str, tuple[int, ...], str]],
