@@ -69,10 +69,45 @@ def run(config: ml_collections.ConfigDict, given: dict | None = None) -> dict:
         return _train(config)
 
 
+def host_available_bytes() -> int | None:
+    """The host memory available to new allocations (Linux's MemAvailable; else free pages), or None."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_host_memory(run: Run) -> None:
+    """On CPU devices, which share the host's memory: refuses a model whose training state alone (parameters,
+    gradients and Adam moments as the mesh places them, `plan.memory.state_memory`, summed over this
+    process's devices) exceeds the memory available, before anything is allocated or compiled. A lower bound
+    (activations come on top), so a run it lets through may still not fit; one it refuses cannot."""
+    if jax.default_backend() != "cpu" or (available := host_available_bytes()) is None:
+        return
+    from meshtrain.plan import memory
+
+    per_device = sum(memory.state_memory(memory.Step.from_config(run.config, run.sizes)).values())
+    need = per_device * jax.local_device_count()
+    if need > available:
+        raise config_lib.ConfigError(
+            "model", f"{model.num_params(run.model) / 1e9:.2f}B parameters",
+            f"its training state alone needs {need / 2**30:.1f} GiB of host memory over this process's "
+            f"{jax.local_device_count()} CPU devices ({per_device / 2**30:.1f} GiB each), {available / 2**30:.1f} "
+            "GiB are available: a smaller model, ZeRO-3 over fsdp (train.zero_stage=3), or a GPU")
+
+
 def _train(config: ml_collections.ConfigDict) -> dict:
     resolved = Run.resolve(config)
     for line in resolved.describe():
         log.info("%s", line)
+    check_host_memory(resolved)
     factory, step_fn = train_step.build(resolved)
     if config.explain:
         print(sharding_rules.explain(factory.boxed, factory.specs, resolved.mesh))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -218,6 +219,23 @@ def test_a_workdir_entry_of_the_wrong_kind_is_one_config_error(tmp_path, entry, 
         train.run(config)
     assert (run / entry / "kept" if folder else run / entry).read_text() == "user data"
     assert sorted(p.name for p in run.iterdir()) == [entry]
+
+
+def test_a_model_whose_state_cannot_fit_the_host_is_refused_before_allocating(tmp_path):
+    """On CPU devices (the host's memory): an 11B-parameter model replicated over 8 devices needs about 1.3 TiB
+    for its parameters, gradients and Adam moments alone; one line naming the model, the need and what is
+    available, before anything is allocated, compiled or written."""
+    from meshtrain import train as train_module
+
+    config = utils.config_for(tmp_path / "run", {"data": 8}, **{
+        **SHORT, "model.d_model": 4096, "model.n_layers": 64, "model.mlp_dim": 14336, "model.n_heads": 32,
+        "model.n_kv_heads": 8})
+    with pytest.raises(config_lib.ConfigError, match=r"config\.model='11\.\d+B parameters': its training state "
+                                                     r"alone needs 1[0-9]{3}\.\d GiB of host memory") as error:
+        train.run(config)
+    said = float(re.search(r"([\d.]+) GiB are available", str(error.value)).group(1))
+    assert said == pytest.approx(train_module.host_available_bytes() / 2**30, rel=0.2)  # what the host has free
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 # ---- values a run cannot use -------------------------------------------------------------------
