@@ -60,6 +60,11 @@ def run(config: ml_collections.ConfigDict, given: dict | None = None) -> dict:
     if problem := durable.wrong_kind(config.workdir):
         raise config_lib.ConfigError("workdir", config.workdir, f"{problem}: move it away (or choose another "
                                      "workdir); nothing was read or written")
+    if config.init.from_hf and os.path.isdir(config.init.from_hf):  # its files' headers, before any compile
+        try:
+            hf.SafetensorsStore(config.init.from_hf)
+        except hf.HFFormatError as error:
+            raise config_lib.ConfigError("init.from_hf", config.init.from_hf, str(error)) from None
     metrics_file = os.path.join(os.path.expanduser(config.workdir), "metrics.jsonl")
     if os.path.isfile(metrics_file):  # damaged before its last line: one line now, before any thread starts
         durable.read_jsonl(metrics_file, warn=False)

@@ -225,6 +225,13 @@ def test_a_damaged_safetensors_file_is_named(checkpoints, tmp_path, damage, matc
     with pytest.raises(hf.HFFormatError, match=match):
         hf.load(bad)
     assert hf_cli.main(["import", bad]) == 2
+    if damage == "truncated":  # a run started from it: the same line under its key, before anything compiles
+        from meshtrain import train
+
+        config = tiny_config({"data": 8}, **{"init.from_hf": bad, "workdir": str(tmp_path / "run")})
+        with pytest.raises(config_lib.ConfigError, match=r"config\.init\.from_hf=.*" + match):
+            train.run(config)
+        assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_no_safetensors_and_no_config(tmp_path):

@@ -35,8 +35,9 @@ from meshtrain.hf.convert import (
     layouts,
     model_config_from_hf,
 )
-from meshtrain.hf.formats import DTYPE_NAMES, HFFormatError, read_config
+from meshtrain.hf.formats import DTYPE_NAMES, HFFormatError, SafetensorsStore, read_config
 from meshtrain.hf.io import initial_state, load, param_shardings, save
 
-__all__ = ["ARCHITECTURE_FIELDS", "DTYPE_NAMES", "HFFormatError", "apply_model_config", "hf_config_from_model",
-           "initial_state", "layouts", "load", "model_config_from_hf", "param_shardings", "read_config", "save"]
+__all__ = ["ARCHITECTURE_FIELDS", "DTYPE_NAMES", "HFFormatError", "SafetensorsStore", "apply_model_config",
+           "hf_config_from_model", "initial_state", "layouts", "load", "model_config_from_hf", "param_shardings",
+           "read_config", "save"]
