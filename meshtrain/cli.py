@@ -56,25 +56,26 @@ def describe(argv: list[str], error: Exception) -> str:
     return " ".join(part.strip() for part in text.replace("\\n", "\n").splitlines())
 
 
-def _config_path(argv: list[str]) -> str | None:
-    """The config file the command line names (`--config PATH` or `--config=PATH`, without a `:arg`), or None."""
-    path = None
-    for i, arg in enumerate(argv):
-        if arg == "--config" and i + 1 < len(argv):
-            path = argv[i + 1]
-        elif arg.startswith("--config="):
-            path = arg.split("=", 1)[1]
-    return None if path is None else path.split(":")[0]
-
-
-def _config_arg(argv: list[str]) -> str | None:
-    """The argument after `:` of `--config PATH:ARG` (ml_collections passes it to `get_config`), or None."""
+def _config_value(argv: list[str]) -> str | None:
+    """What the command line gives `--config` (`--config VALUE` or `--config=VALUE`; the last wins), or None."""
     value = None
     for i, arg in enumerate(argv):
         if arg == "--config" and i + 1 < len(argv):
             value = argv[i + 1]
         elif arg.startswith("--config="):
             value = arg.split("=", 1)[1]
+    return value
+
+
+def _config_path(argv: list[str]) -> str | None:
+    """The config file the command line names (without a `:arg`), or None."""
+    value = _config_value(argv)
+    return None if value is None else value.split(":")[0]
+
+
+def _config_arg(argv: list[str]) -> str | None:
+    """The argument after `:` of `--config PATH:ARG` (ml_collections passes it to `get_config`), or None."""
+    value = _config_value(argv)
     return value.split(":", 1)[1] if value and ":" in value else None
 
 
