@@ -131,10 +131,7 @@ def continue_text(model_config: ModelConfig, params: dict, tokenizer, prompt: st
 def continue_texts(model_config: ModelConfig, params: dict, tokenizer, prompts: list[str], max_new_tokens: int,
                    sampling: Sampling = Sampling(), stop: tuple[str, ...] = ()) -> list[str]:
     """`continue_text` of every prompt, decoded together in one batch on the parameters' mesh."""
-    rows = []
-    for prompt in prompts:
-        ids = [int(i) for i in tokenizer.encode(prompt)]
-        rows.append([tokenizer.bos_id, *ids] if tokenizer.bos_id is not None else ids or [tokenizer.pad_id])
+    rows = prompt_rows(tokenizer, prompts)
     out = []
     for new in generate(model_config, params, rows, max_new_tokens, sampling, eos_id=tokenizer.eos_id,
                         vocab_limit=tokenizer.vocab_size):
@@ -142,6 +139,27 @@ def continue_texts(model_config: ModelConfig, params: dict, tokenizer, prompts: 
             new = new[:-1]
         out.append(cut(tokenizer.decode(new), stop))
     return out
+
+
+def prompt_rows(tokenizer, prompts: list[str]) -> list[list[int]]:
+    """The token ids `continue_texts` decodes from: BOS first when the tokenizer has one (an empty prompt
+    without BOS: the pad id alone)."""
+    rows = []
+    for prompt in prompts:
+        ids = [int(i) for i in tokenizer.encode(prompt)]
+        rows.append([tokenizer.bos_id, *ids] if tokenizer.bos_id is not None else ids or [tokenizer.pad_id])
+    return rows
+
+
+def check_context(rows: list[list[int]], max_new_tokens: int, context: int, source: str) -> None:
+    """Refuses (ValueError, one line) a request whose longest prompt and `max_new_tokens` together pass
+    the model's `context` (the sequence length it trained on, or a Hugging Face folder's
+    `max_position_embeddings`; `source` says which); 0: not known, nothing checked."""
+    longest = max(len(row) for row in rows)
+    if context and longest + max_new_tokens > context:
+        raise ValueError(f"--max_new_tokens={max_new_tokens}: the longest prompt ({longest} tokens) and "
+                         f"{max_new_tokens} new ones make {longest + max_new_tokens}, past the model's context of "
+                         f"{context} tokens ({source}); ask for at most {max(context - longest, 0)}")
 
 
 def cut(text: str, stop: tuple[str, ...]) -> str:

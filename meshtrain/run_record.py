@@ -38,10 +38,12 @@ TOKENIZER_KEY = "data.tokenizer"
 
 
 def record(config: ml_collections.ConfigDict) -> dict:
-    """{"model": {key: value}, "tokenizer": spec, "dtype": the compute dtype} of a resolved config (stored
-    in each checkpoint; the dtype is what reading the run computes in by default, never adopted)."""
+    """{"model": {key: value}, "tokenizer": spec, "dtype": the compute dtype, "context": the sequence length
+    it trained on} of a resolved config (stored in each checkpoint; the dtype is what reading the run
+    computes in by default, never adopted; the context bounds what sampling asks of it)."""
     return {"model": {key: config.model[key] for key in MODEL_KEYS},
-            "tokenizer": _relative(config.data.tokenizer, config.workdir), "dtype": config.model.dtype}
+            "tokenizer": _relative(config.data.tokenizer, config.workdir), "dtype": config.model.dtype,
+            "context": int(config.train.seq_len)}
 
 
 def _relative(spec: str, workdir: str) -> str:
@@ -70,7 +72,8 @@ def newest_meta(root: str) -> tuple[int, dict] | None:
 
 def read(workdir: str) -> dict | None:
     """The newest checkpoint's record of the run in `workdir` ({"model", "tokenizer", "step", "dtype",
-    "parameters_only", "attention": the attention implementation its steps ran, "" before they said}),
+    "parameters_only", "attention": the attention implementation its steps ran, "" before they said,
+    "context": the sequence length it trained on, 0 before checkpoints said}),
     or None (no checkpoint, or one written before checkpoints described their run)."""
     found = newest_meta(os.path.join(os.path.expanduser(workdir), "checkpoints")) if workdir else None
     if found is None or "model" not in found[1]:
@@ -78,7 +81,7 @@ def read(workdir: str) -> dict | None:
     step, meta = found
     return {"model": meta["model"], "tokenizer": meta.get("tokenizer", "bytes"), "step": step,
             "dtype": meta.get("dtype", ""), "parameters_only": bool(meta.get("parameters_only", False)),
-            "attention": meta.get("attention", "")}
+            "attention": meta.get("attention", ""), "context": int(meta.get("context", 0))}
 
 
 def adopt(config: ml_collections.ConfigDict, given: dict) -> dict[str, tuple]:

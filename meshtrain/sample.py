@@ -116,8 +116,22 @@ def sample(config, prompts: list[str], max_new_tokens: int, sampling: generate.S
     """Each prompt's continuation as text, decoded together."""
     resolved = prepare(config, hf_dir, dtype, given)
     tokenizer = tokenizers.load_tokenizer(config.data.tokenizer)
+    generate.check_context(generate.prompt_rows(tokenizer, prompts), max_new_tokens, *context(config, hf_dir))
     params = load_params(resolved, hf_dir)
     return generate.continue_texts(resolved.model, params, tokenizer, prompts, max_new_tokens, sampling, stop)
+
+
+def context(config, hf_dir: str = "") -> tuple[int, str]:
+    """(tokens, where the figure comes from) of the model's context: a Hugging Face folder's
+    `max_position_embeddings`, else the sequence length the run trained on (its checkpoints' record);
+    (0, "") where neither says."""
+    if hf_dir:
+        return int(hf.read_config(hf_dir).get("max_position_embeddings") or 0), f"{hf_dir}/config.json " \
+            "max_position_embeddings"
+    described = run_record.read(config.workdir)
+    if not described or not described["context"]:
+        return 0, ""
+    return described["context"], f"the context the run in {config.workdir} records"
 
 
 def read_prompts(path: str) -> list[str]:

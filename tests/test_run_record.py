@@ -15,6 +15,7 @@ import transformers
 
 from meshtrain import config as config_lib, default_run, evaluate, generate, run_record, sample, train
 from meshtrain.cli import load_config_file
+from meshtrain.data import tokenizers
 from meshtrain.hf import __main__ as hf_cli
 from tests import utils
 
@@ -47,6 +48,27 @@ def test_checkpoints_hold_the_model_and_tokenizer(trained):
     assert found["step"] == 2 and found["tokenizer"] == "bytes" and found["dtype"] == config.model.dtype
     assert found["model"] == {key: config.model[key] for key in run_record.MODEL_KEYS}
     assert found["attention"] == config_lib.attention_impl(config, "cpu")  # attention.impl as the step ran it
+    assert found["context"] == config.train.seq_len
+
+
+def test_sampling_past_the_models_context_is_refused_in_one_line(trained, hf_folder):
+    """Prompt + --max_new_tokens past the context the run trained on (or a Hugging Face folder's
+    max_position_embeddings): one line naming the flag, the sum and where the context comes from,
+    raised before the parameters are read or anything compiles; exactly the context is allowed."""
+    workdir, config = trained
+    context = config.train.seq_len
+    prompt_tokens = len(generate.prompt_rows(tokenizers.load_tokenizer("bytes"), ["def "])[0])
+    with pytest.raises(ValueError, match=rf"^--max_new_tokens={100 * context}: the longest prompt \({prompt_tokens} "
+                       rf"tokens\) and {100 * context} new ones make {prompt_tokens + 100 * context}, past the "
+                       rf"model's context of {context} tokens \(the context the run in .* records\); ask for at "
+                       rf"most {context - prompt_tokens}$"):
+        sample.sample(_default(workdir), ["def "], 100 * context, generate.Sampling())
+    assert len(sample.sample(_default(workdir), ["def "], context - prompt_tokens, generate.Sampling())) == 1
+    with open(f"{hf_folder}/config.json") as f:
+        positions = json.load(f)["max_position_embeddings"]
+    with pytest.raises(ValueError, match=rf"past the model's context of {positions} tokens \(.*config\.json "
+                       r"max_position_embeddings\)"):
+        sample.sample(_default(hf_folder + "_unused"), ["def"], positions, generate.Sampling(), hf_dir=hf_folder)
 
 
 def test_the_workdir_alone_samples_what_the_full_config_does(trained):
@@ -121,6 +143,8 @@ def test_an_imported_run_samples_as_its_hugging_face_folder(hf_folder, imported)
                                 hf_dir=hf_folder)
     assert from_run == from_folder and any(from_run)
     assert hf_cli.main(["import", hf_folder, "--workdir", str(imported)]) == 2  # holds checkpoints already
+    with open(f"{hf_folder}/config.json") as f:
+        assert found["context"] == json.load(f)["max_position_embeddings"]
 
 
 def test_an_imported_run_trains_on_and_evaluates(hf_folder, imported, tmp_path):

@@ -25,7 +25,7 @@ import sys
 import jax
 
 from meshtrain import checkpoint, config as config_lib, durable, model, run_record
-from meshtrain.hf.formats import DTYPE_NAMES
+from meshtrain.hf.formats import DTYPE_NAMES, read_config
 from meshtrain.hf.io import load, save
 
 # what a Hugging Face folder says about its tokenizer, copied beside an imported run's parameters
@@ -124,7 +124,8 @@ def import_run(hf_dir: str, workdir: str, mtp: bool = False) -> int:
     ckpt = checkpoint.Checkpointer(root, async_save=False)
     try:
         meta = {"step": 0, "seed": int(config.seed), "parameters_only": True, "imported_from": os.path.abspath(hf_dir),
-                **run_record.record(config), "config": checkpoint.config_record(config)}
+                **run_record.record(config), "config": checkpoint.config_record(config),
+                "context": int(read_config(hf_dir).get("max_position_embeddings") or 0)}
         ckpt.save(0, {"params": params}, {}, meta)
     finally:
         ckpt.close()
@@ -134,7 +135,6 @@ def import_run(hf_dir: str, workdir: str, mtp: bool = False) -> int:
 def load_dtype(hf_dir: str) -> str:
     """The storage dtype of a Hugging Face folder's parameters (its config.json's)."""
     from meshtrain.hf.convert import model_config_from_hf
-    from meshtrain.hf.formats import read_config
 
     return model_config_from_hf(read_config(hf_dir)).param_dtype
 
