@@ -22,7 +22,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from meshtrain import aot, cli, compile_cache, config as config_lib, durable
-from meshtrain.plan import comm, estimate as estimate_lib, hardware, memory, verify
+from meshtrain.plan import comm, estimate as estimate_lib, goodput as goodput_lib, hardware, memory, verify
 from meshtrain.validate import validate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).", lock_config=True)
@@ -36,6 +36,14 @@ flags.DEFINE_bool("compile_cache", True, "With --target: read back an earlier co
                   "per-user compile cache (meshtrain.compile_cache) and keep new ones there.")
 flags.DEFINE_string("plot", "", "Write a PNG of the memory breakdown and the ranked candidates.")
 flags.DEFINE_integer("top", 10, "Candidates to print when searching.")
+flags.DEFINE_bool("goodput", False, "Model the run's goodput at its size (the configured layout, -1 filled from "
+                  "--devices): checkpoint intervals that maximise it with two tiers and with the persistent one.")
+flags.DEFINE_float("restart_seconds", goodput_lib.RESTART_SECONDS, "With --goodput: seconds a restart takes "
+                   "(detection, rescheduling, start-up, compile or cache read).")
+flags.DEFINE_float("failures_per_gpu_hour", goodput_lib.LLAMA3_FAILURE_RATE, "With --goodput: unplanned "
+                   "interruptions per GPU-hour (default: Llama 3's 405B run).")
+flags.DEFINE_float("persistent_bandwidth", goodput_lib.TECTONIC_BANDWIDTH, "With --goodput: bytes/s the job "
+                   "writes and reads its persistent checkpoints at (default: Llama 3's file system).")
 FLAGS = flags.FLAGS
 
 
@@ -125,7 +133,7 @@ def main(argv: list[str]) -> None:
     except ValueError as err:
         _fail(str(err))
     per_node = FLAGS["devices-per-node"].value
-    searching = FLAGS.devices > 0 and not _mesh_overridden(sys.argv)
+    searching = FLAGS.devices > 0 and not _mesh_overridden(sys.argv) and not FLAGS.goodput
     out: dict = {}
     try:
         if searching:
@@ -155,6 +163,8 @@ def main(argv: list[str]) -> None:
         print(report(chosen))
         if "message" in out:
             print(out["message"])
+    if FLAGS.goodput:
+        out["goodput"] = _goodput(chosen, gpu, per_node, print_table=not FLAGS.json)
     if FLAGS.target and not FLAGS.verify:
         _fail("--target chooses the compiler of --verify: pass --verify too")
     if FLAGS.verify:
@@ -167,6 +177,25 @@ def main(argv: list[str]) -> None:
         plot(FLAGS.plot, chosen, shown or [chosen])
     if FLAGS.json:
         print(json.dumps(out, indent=1, default=float))
+
+
+def _goodput(chosen: estimate_lib.Estimate, gpu: hardware.Gpu, per_node: int, print_table: bool) -> dict:
+    """`goodput.best` with two tiers and with the persistent one alone, at the chosen run's step time."""
+    for name in ("restart_seconds", "failures_per_gpu_hour", "persistent_bandwidth"):
+        if not FLAGS[name].value > 0:
+            _fail(f"--{name}={FLAGS[name].value}: must be > 0")
+    cluster = goodput_lib.Cluster(math.prod(chosen.run.sizes.values()), gpu.host_bandwidth, gpu.network_bandwidth,
+                                  per_node, FLAGS.failures_per_gpu_hour,
+                                  goodput_lib.LLAMA3_PLANNED_RATE, FLAGS.restart_seconds, FLAGS.persistent_bandwidth)
+    total = goodput_lib.checkpoint_bytes(chosen.run.model)
+    plans = {"two tiers": goodput_lib.best(cluster, chosen.step_seconds, total, two_tiers=True),
+             "persistent alone": goodput_lib.best(cluster, chosen.step_seconds, total, two_tiers=False)}
+    floor = goodput_lib.persistent_floor(cluster, chosen.step_seconds, total)
+    if print_table:
+        print("\n" + goodput_lib.report(plans, cluster, total, f"a {chosen.step_seconds:.3f} s step", floor))
+    return {"checkpoint_bytes": total, "mtbf_seconds": cluster.mtbf, "restart_seconds": cluster.restart_seconds,
+            "persistent_bandwidth": cluster.persistent_bandwidth, "persistent_alone_floor_bandwidth": floor,
+            **{name: plan.as_json() for name, plan in plans.items()}, "sources": list(goodput_lib.SOURCES)}
 
 
 def _configured_sizes(config) -> dict[str, int]:

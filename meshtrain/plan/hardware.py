@@ -22,6 +22,7 @@ class Gpu:
     network_bandwidth: float  # bytes/s per GPU, one direction, between nodes
     reserve_bytes: int = 2 * GIB  # runtime, kernels, fragmentation (playbook: "1-2 GB")
     peak_fp8_flops: float = 0.0  # dense FP8 FLOP/s; 0: no FP8 matmul units (FP8 runs at the bf16 rate)
+    host_bandwidth: float = 64e9  # bytes/s a GPU to or from host memory, one direction (PCIe Gen5 x16)
 
     @property
     def usable_bytes(self) -> int:
@@ -29,7 +30,7 @@ class Gpu:
 
 
 GPUS: dict[str, Gpu] = {
-    "a100": Gpu("A100 SXM 80GB", 312e12, 80 * GIB, 2.039e12, 300e9, 25e9),
+    "a100": Gpu("A100 SXM 80GB", 312e12, 80 * GIB, 2.039e12, 300e9, 25e9, host_bandwidth=32e9),  # PCIe Gen4
     "h100": Gpu("H100 SXM", 989e12, 80 * GIB, 3.35e12, 450e9, 50e9, peak_fp8_flops=1979e12),
     "h200": Gpu("H200 SXM", 989e12, 141 * 10**9, 4.8e12, 450e9, 50e9, peak_fp8_flops=1979e12),
     "b200": Gpu("B200", 2250e12, 180 * 10**9, 8.0e12, 900e9, 50e9, peak_fp8_flops=4500e12),
