@@ -258,6 +258,19 @@ def use_jax_cache(directory: pathlib.Path | None = None) -> pathlib.Path:
     return directory
 
 
+def use_for_run(setting: str) -> str:
+    """The persistent cache a training run uses (`train.compile_cache_dir`): "off" none (JAX's cache
+    turned off for this process); "" the one this process has already (JAX_COMPILATION_CACHE_DIR, a
+    test's), else the per-user folder; else that folder. Returns the folder, or "" when off."""
+    if setting == "off":
+        jax.config.update("jax_enable_compilation_cache", False)
+        return ""
+    if not setting and jax.config.jax_compilation_cache_dir:
+        guard_jax_cache()
+        return str(jax.config.jax_compilation_cache_dir)
+    return str(use_jax_cache(pathlib.Path(os.path.expanduser(setting)) if setting else None))
+
+
 def jax_cache_env(directory: pathlib.Path) -> dict[str, str]:
     """Environment variables that give a child process the same persistent cache."""
     return {"JAX_COMPILATION_CACHE_DIR": str(directory), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",

@@ -334,6 +334,10 @@ def default_config() -> ml_collections.ConfigDict:
     # multi-process: a step or save with no progress this long ends the job (exit 5); below jax.distributed's
     # 100-s heartbeat timeout, whose abort of a job with a stopped peer says far less; 0: off
     c.train.hang_timeout_s = 90.0
+    # JAX's persistent compile cache, which a restart reads its compiled step back from (a folder every host
+    # can share: entries are written whole, by rename): "" the per-user folder (compile_cache.cache_dir()/jax,
+    # or JAX_COMPILATION_CACHE_DIR where set); "off" compiles every time
+    c.train.compile_cache_dir = ""
     # XLA:GPU's latency-hiding scheduler budgets (80% of HBM - inputs - non-aliased outputs) x this / 100 for the
     # step's temporaries; above the budget it schedules to save memory and starts no collective early
     # (mesh.py). XLA's default 95; the compiled peak is what must fit (`meshtrain.aot` checks it).
@@ -526,6 +530,8 @@ def _validate_positive(config) -> None:
     require(isinstance(slop, int) and 1 <= slop <= 1000, "train.xla_gpu_memory_limit_slop_factor", slop,
             "must be an integer percentage in [1, 1000] (XLA's default: 95)")
     require(t.hang_timeout_s >= 0, "train.hang_timeout_s", t.hang_timeout_s, "must be >= 0 (0: off)")
+    require(isinstance(t.compile_cache_dir, str), "train.compile_cache_dir", t.compile_cache_dir,
+            "must be a folder, '' (the per-user cache) or 'off'")
 
 
 def _validate_latent_attention(config) -> None:

@@ -2,8 +2,10 @@
 
 Prints the steps reached, best and last training loss, last and best evaluation loss, the
 median throughput and MFU (the playbook's "Benchmarking thousands of configurations" reads
-runs by the same figures) and the peak memory; writes PNG plots of loss, evaluation loss,
-tokens/s and learning rate against step into `<workdir>/report/`.
+runs by the same figures), the peak memory, and the goodput over every process lifetime of the
+workdir with each badput part (`meshtrain.badput`: start-up, compile, restore, checkpoint waits,
+data waits, evaluation, rollbacks, hangs and the steps restarts computed again); writes PNG plots
+of loss, evaluation loss, tokens/s and learning rate against step into `<workdir>/report/`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import statistics
 import sys
 
-from meshtrain import durable
+from meshtrain import badput, durable
 
 PLOTS = {  # file stem -> (metrics key, y label)
     "loss": ("loss", "training loss"),
@@ -113,9 +115,11 @@ def plot(records: list[dict], out_dir: str) -> list[str]:
 
 
 def report(workdir: str, out_dir: str | None = None) -> tuple[dict, list[str]]:
-    """Summary figures and the plot paths of the run in `workdir`."""
+    """Summary figures (with "goodput": `badput.summarize`, None before runs recorded it) and the plot
+    paths of the run in `workdir`."""
     records = read_metrics(workdir)
-    return summarize(records), plot(records, out_dir or os.path.join(workdir, "report"))
+    summary = {**summarize(records), "goodput": badput.summarize(workdir)}
+    return summary, plot(records, out_dir or os.path.join(workdir, "report"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(format_summary(summary))
+    if summary["goodput"]:
+        print(badput.format_summary(summary["goodput"]))
     for path in paths:
         print(f"wrote {path}")
     return 0

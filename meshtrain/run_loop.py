@@ -31,6 +31,7 @@ import ml_collections
 import numpy as np
 
 from meshtrain import (
+    badput,
     checkpoint,
     data,
     faults,
@@ -173,6 +174,7 @@ class Watchdog:
         self._what = ""
         self._stop = threading.Event()
         self._thread = None
+        self.on_expire: Callable[[], None] = lambda: None  # called before the process exits (the goodput ledger)
         if self.enabled:
             self._thread = threading.Thread(target=self._watch, name="meshtrain-watchdog", daemon=True)
             self._thread.start()
@@ -201,6 +203,7 @@ class Watchdog:
                       f"(train.hang_timeout_s): a peer process is hung or dead; relaunch the job to resume from "
                       f"the newest intact checkpoint ({newest_checkpoint(self.root)})", file=sys.stderr, flush=True)
                 sys.stdout.flush()
+                self.on_expire()
                 os._exit(HANG_EXIT_CODE)
 
 
@@ -331,6 +334,7 @@ class RunCheckpoints:
         if injection.point == "save":  # once this process's part of the step is written, before the commit
             self.ckpt.on_written = lambda step: injection.at("save", step)
         self.failed = False  # set by the loop when it ends with an error
+        self.ledger: badput.Ledger | None = None  # the wall clock's split: saves count as checkpoint time
         self.resumed: int | None = None  # the step restored at start (suspect if the next steps are non-finite)
         self.finite_since_resume = False
 
@@ -373,7 +377,13 @@ class RunCheckpoints:
                             self.spikes.streak[0][0])
             else:
                 self.watchdog.arm(f"the checkpoint save at step {step}")
+                if self.ledger:  # the step's own time, then the save's
+                    jax.block_until_ready(state)
+                    self.ledger.mark("productive")
                 self.ckpt.save(step, self.factory.to_canonical(state), data_state(), self.meta(step))
+                if self.ledger:
+                    self.ledger.mark("checkpoint")
+                    self.ledger.saved(step)
         if preempted:
             how = "interrupted (Ctrl-C)" if self.preemption.interrupted else "preempted"
             log.warning("%s: checkpoint saved at step %d; exiting", how, step)
@@ -541,6 +551,8 @@ class Loop:
                                  enabled=jax.process_count() > 1)
         self.injection = faults.from_environment()  # MESHTRAIN_INJECT, read once
         self.ckpts = RunCheckpoints(config, factory, self.watchdog, self.injection, run.layout.attention_impl)
+        self.ledger = self.ckpts.ledger = badput.Ledger(config.workdir, enabled=self.is_main)
+        self.watchdog.on_expire = lambda: self.ledger.close("hang")
         self._create: Callable[[], object] | None = None
         self.eval_step = make_eval_step(factory, mesh_lib.compiler_options(run.mesh)) if config.eval_every else None
         self.flops_per_token = metrics_lib.flops_per_token(run.model, config.train.seq_len)
@@ -551,7 +563,9 @@ class Loop:
     def start(self, create: Callable[[], object]) -> tuple[object, int, dict | None]:
         """(state, steps already done, data state): resumed from the newest checkpoint, else `create()`."""
         self._create = create  # a loss-spike rollback with no older checkpoint starts over
+        self.ledger.mark("startup")
         state, start, data_state = self.ckpts.start(create)
+        self.ledger.mark("restore" if start else "startup")
         if start >= self.config.steps:
             log.info("already at step %d of config.steps=%d: nothing left to train (raise config.steps to go on)",
                      start, self.config.steps)
@@ -579,6 +593,9 @@ class Loop:
         rows_at: dict[int, int] = {}  # step -> the global row its batch starts at
         skip_to: dict[int, int] = {}  # step -> the row its batch starts at instead (rows of a spike skipped)
         step, first = start, start + 1
+        ledger = self.ledger
+        ledger.data_seconds = lambda: window.it.input_seconds()
+        ledger.mark("startup")
         try:
             writer.truncate_after(start)  # a resume from an older checkpoint: its later records were rolled back
             tb = tensorboard_lib.TensorBoardWriter(config.workdir, enabled=self.is_main)
@@ -601,6 +618,7 @@ class Loop:
                               or due_sample)
                     if logged:
                         metrics = jax.device_get(metrics)  # waits for the step: timing covers the window
+                        ledger.mark("productive")
                         last = self.record(step, metrics, *window.per_step())
                         if due_eval:
                             if not evaluated:  # the first evaluation compiles
@@ -616,6 +634,11 @@ class Loop:
                                 dog.disarm()
                             last["sample"] = self.sample(state.params)
                             sampled = True
+                        if due_eval or due_sample:
+                            ledger.mark("evaluation")
+                        if step == first:
+                            self._log_first_step(step)
+                        last.update(ledger.fields())
                         if first_record:
                             last, first_record = {**last, **first_record}, None
                         writer.write(last)
@@ -631,6 +654,7 @@ class Loop:
                             break  # preempted: saved at this step
                     except RollBack as spike:
                         dog.disarm()
+                        ledger.mark("productive")
                         state, step, data_state = self.ckpts.roll_back(spike, self._create)
                         skip_to[spike.streak[0][0]] = rows_at[spike.streak[-1][0]] + config.train.batch_size
                         self._log_rollback(spike, step, rows_at, skip_to)
@@ -638,6 +662,8 @@ class Loop:
                         it = window.it = _reposition(self.run, it, None if data_state is None else
                                                      int(data_state["next_row"]))
                         writer.truncate_after(step)
+                        ledger.mark("rollback")
+                        ledger.rolled_back(step)
                         progress.clear()
                         window.reset()
                     dog.disarm()
@@ -660,11 +686,21 @@ class Loop:
             try:
                 self.ckpts.close()  # the pending save first: nothing below may keep it from finishing
             finally:
+                ledger.close("checkpoint")
                 dog.close()
                 tb.close()
                 profiler.stop()
         return {**last, "skipped_steps": self.ckpts.guard.skipped,
                 "spike_rollbacks": self.ckpts.spikes.rollbacks} if last else last
+
+    def _log_first_step(self, step: int) -> None:
+        """One line at the first step: its time from the process's start, the compile seconds in it and
+        what the persistent compile cache gave (`compile_cache`, `train.compile_cache_dir`)."""
+        hits, misses = self.ledger.cache_reads()
+        cache = (f"{hits} program(s) read back from the compile cache, {misses} compiled"
+                 if hits + misses else "no persistent compile cache")
+        log.info("first step (%d) done %.1f s after the process started: compile %.1f s (%s)", step,
+                 self.ledger.fields()["wall_s"], self.ledger.parts["compile"], cache)
 
     def _log_rollback(self, spike: RollBack, restored: int, rows_at: dict[int, int], skip_to: dict[int, int]) -> None:
         first, end = spike.streak[0][0], spike.streak[-1][0]

@@ -8,10 +8,12 @@ fed by the data iterator -> metrics and checkpoints.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
 import sys
+import threading
 import traceback
 
 import jax
@@ -22,6 +24,7 @@ from ml_collections import config_flags
 from meshtrain import (
     checkpoint,
     cli,
+    compile_cache,
     config as config_lib,
     crash_points,
     data,
@@ -70,6 +73,12 @@ def run(config: ml_collections.ConfigDict, given: dict | None = None) -> dict:
         durable.read_jsonl(metrics_file, warn=False)
     cli.setup_runtime(config, given)
     validate(config, jax.device_count())  # a bad config stops here, before anything compiles
+    try:
+        folder = compile_cache.use_for_run(config.train.compile_cache_dir)
+    except OSError as error:
+        raise config_lib.ConfigError("train.compile_cache_dir", config.train.compile_cache_dir,
+                                     f"cannot be used as the compile cache ({error.strerror or error})") from None
+    log.info("compile cache: %s", folder or "off (train.compile_cache_dir)")
     with workdir_lock.WorkdirLock(config.workdir, jax.process_index()):  # one run per workdir
         return _train(config)
 
@@ -181,6 +190,21 @@ def main(argv) -> None:
             raise
         traceback.print_exc()
         _exit(1)
+    _finish()
+
+
+def _finish() -> None:
+    """Ends a finished run without the interpreter's teardown: the threads it started joined and every
+    exit handler run (JAX's, the goodput ledger's last), then the process exits at once rather than free
+    what it holds object by object (0.3 s of a CPU run's wall clock here; a restart waits on it)."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _exit(code: int) -> None:

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from meshtrain import report, tensorboard
+from meshtrain import badput, report, tensorboard
 from tests.utils import ROOT
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -122,6 +122,16 @@ def test_report_cli_on_the_run(hf_run):
     records = report.read_metrics(str(workdir))
     losses = [r["loss"] for r in records]
     assert f"{min(losses):.4f}" in out.stdout and out.stdout.startswith("steps                    6")
+    # every record splits the wall clock so far, all of it; the one process lifetime is reported
+    for r in records:
+        parts = r["productive_s"] + sum(r[f"badput_{part}_s"] for part in badput.PARTS)
+        assert parts == pytest.approx(r["wall_s"], rel=1e-9), r["step"]
+    last = records[-1]
+    assert last["badput_compile_s"] > 0 and last["badput_startup_s"] > 0 and last["badput_evaluation_s"] > 0
+    assert last["badput_restore_s"] == 0 and last["productive_s"] > 0
+    summary = badput.summarize(str(workdir))
+    assert summary["segments"] == 1 and summary["killed"] == 0
+    assert f"goodput {summary['goodput']:.1%}" in out.stdout and "badput evaluation" in out.stdout
     for stem in PLOTS:
         png = workdir / "report" / f"{stem}.png"
         assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 5000, stem
