@@ -338,6 +338,10 @@ def default_config() -> ml_collections.ConfigDict:
     # can share: entries are written whole, by rename): "" the per-user folder (compile_cache.cache_dir()/jax,
     # or JAX_COMPILATION_CACHE_DIR where set); "off" compiles every time
     c.train.compile_cache_dir = ""
+    # multi-process: every straggler_every steps the processes share the time they take to get a step's batch;
+    # one above straggler_factor x the others' median is named in the log (process, host); 0: off
+    c.train.straggler_every = 100
+    c.train.straggler_factor = 1.5
     # XLA:GPU's latency-hiding scheduler budgets (80% of HBM - inputs - non-aliased outputs) x this / 100 for the
     # step's temporaries; above the budget it schedules to save memory and starts no collective early
     # (mesh.py). XLA's default 95; the compiled peak is what must fit (`meshtrain.aot` checks it).
@@ -530,6 +534,9 @@ def _validate_positive(config) -> None:
     require(isinstance(slop, int) and 1 <= slop <= 1000, "train.xla_gpu_memory_limit_slop_factor", slop,
             "must be an integer percentage in [1, 1000] (XLA's default: 95)")
     require(t.hang_timeout_s >= 0, "train.hang_timeout_s", t.hang_timeout_s, "must be >= 0 (0: off)")
+    require(isinstance(t.straggler_every, int) and t.straggler_every >= 0, "train.straggler_every",
+            t.straggler_every, "must be an integer >= 0 (0: off)")
+    require(t.straggler_factor > 1, "train.straggler_factor", t.straggler_factor, "must be > 1")
     require(isinstance(t.compile_cache_dir, str), "train.compile_cache_dir", t.compile_cache_dir,
             "must be a folder, '' (the per-user cache) or 'off'")
 

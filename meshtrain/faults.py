@@ -2,15 +2,18 @@
 
     MESHTRAIN_INJECT=stop:step:6:1   # process 1 stops itself (SIGSTOP) once step 6 is dispatched
     MESHTRAIN_INJECT=stop:save:8:1   # ... once its part of checkpoint 8 is written, before the commit
+    MESHTRAIN_INJECT=slow:batch:3:1  # process 1 waits SLOW_S before fetching each batch from step 3 on
 
-The training loop reads the variable once (`from_environment`) and calls the injection's
-`at("step", step)` after dispatching a step; the checkpointer calls `at("save", step)` from the
-save's background thread once this process's files of the step are written (and checksummed),
-before the barrier that precedes the commit: its peers find it hung in the middle of a save (the
-step's files are complete; whether the step is committed once the launcher kills the stopped
-process is up to orbax's barrier, and the run names whichever checkpoint is newest and intact).
-A stopped process holds its sockets and sends no heartbeats: to its peers it is a hung host, the
-fault `run_loop.Watchdog` and the collectives' own timeouts must turn into one clear error.
+The training loop reads the variable once (`from_environment`), calls the injection's
+`at("batch", step)` before fetching each step's batch and `at("step", step)` after dispatching the
+step; the checkpointer calls `at("save", step)` from the save's background thread once this
+process's files of the step are written (and checksummed), before the barrier that precedes the
+commit: its peers find it hung in the middle of a save (the step's files are complete; whether the
+step is committed once the launcher kills the stopped process is up to orbax's barrier, and the run
+names whichever checkpoint is newest and intact). A stopped process holds its sockets and sends no
+heartbeats: to its peers it is a hung host, the fault `run_loop.Watchdog` and the collectives' own
+timeouts must turn into one clear error. A slow one (`slow`, from its step on, every step) is a
+host that falls behind its peers: what `train.straggler_every` names.
 Unset (the default), nothing happens (`NONE`).
 """
 
@@ -19,12 +22,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import time
 
 import jax
 
 ENV = "MESHTRAIN_INJECT"
-ACTIONS = ("stop",)
-POINTS = ("step", "save")
+ACTIONS = ("stop", "slow")
+POINTS = ("step", "save", "batch")
+SLOW_S = 0.25  # `slow`: seconds a step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,12 +41,14 @@ class Injection:
 
     def at(self, point: str, step: int) -> None:
         """Carries out the injection if it is meant for (`point`, `step`) on this process."""
-        if (self.point, self.step) != (point, step):
+        if self.point != point or (step < self.step if self.action == "slow" else step != self.step):
             return
         if self.process is not None and self.process != jax.process_index():
             return
         if self.action == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif self.action == "slow":
+            time.sleep(SLOW_S)
 
 
 NONE = Injection("", "", -1, None)  # nothing injected

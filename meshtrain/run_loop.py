@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -207,6 +208,62 @@ class Watchdog:
                 os._exit(HANG_EXIT_CODE)
 
 
+class StragglerWatch:
+    """Names a process that falls behind its peers (`train.straggler_every`, `train.straggler_factor`).
+
+    Each process adds up the time it takes to get each step's batch, what a slow host, disk or data
+    pipeline stretches (its peers then wait in the step's collectives, so step times alone are all
+    alike; handing the step to the devices may wait on them too, so it is left out). Every `every`
+    steps the processes share their means (`multihost_utils.process_allgather`, at the same step on
+    every process); process 0 logs one line naming the slowest process when its mean is above `factor`
+    x the median of the others and at least 5% of the step. A device slower than its peers shows in
+    none of this: `profile.steps` traces it.
+    """
+
+    SIGNIFICANT = 0.05  # of the step: what is less is noise, whatever the ratio
+
+    def __init__(self, every: int, factor: float):
+        self.every, self.factor = every, factor
+        self.enabled = every > 0 and jax.process_count() > 1
+        self._names: list[str] | None = None
+        self.reset(0)
+
+    def reset(self, step: int) -> None:
+        self.host, self.steps, self.since, self.start = 0.0, 0, step, time.perf_counter()
+
+    def add(self, host_seconds: float) -> None:
+        self.host += host_seconds
+        self.steps += 1
+
+    def check(self, step: int) -> str | None:
+        """At a multiple of `every` (every process): the line naming a straggler (logged on process 0),
+        else None."""
+        if not self.enabled or step % self.every or not self.steps:
+            return None
+        from jax.experimental import multihost_utils
+
+        wall = (time.perf_counter() - self.start) / self.steps
+        shared = np.asarray(multihost_utils.process_allgather(np.array([self.host / self.steps, wall])))
+        if self._names is None:
+            name = socket.gethostname().encode()[:64].ljust(64, b"\0")
+            hosts = np.asarray(multihost_utils.process_allgather(np.frombuffer(name, np.uint8)))
+            self._names = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in hosts]
+        first = self.since + 1
+        self.reset(step)
+        host, step_time = shared[:, 0], float(np.median(shared[:, 1]))
+        worst = int(np.argmax(host))
+        median = float(np.median(np.delete(host, worst)))
+        if host[worst] <= self.factor * median or host[worst] - median < self.SIGNIFICANT * step_time:
+            return None
+        line = (f"straggler: process {worst} (host {self._names[worst]}) took {host[worst] * 1e3:.1f} ms a step to "
+                f"get its batch over steps {first}..{step}, {host[worst] / max(median, 1e-9):.1f}x the median "
+                f"{median * 1e3:.1f} ms of the other {len(host) - 1} process(es) (train.straggler_factor "
+                f"{self.factor:g}); a step took {step_time * 1e3:.0f} ms")
+        if jax.process_index() == 0:
+            log.warning("%s", line)
+        return line
+
+
 class FiniteGuard:
     """Reads each step's metrics one step late, so the host never waits on the device.
 
@@ -301,6 +358,16 @@ class RollBack(Exception):
         super().__init__(f"loss spike at steps {streak[0][0]}..{streak[-1][0]}")
 
 
+def layout_record(config: ml_collections.ConfigDict, data_parallel: int) -> dict:
+    """How the run's global batch met its devices, kept in each checkpoint's meta: a restart on another
+    number of devices keeps the global batch and the sequences a data-parallel rank takes at once
+    (`train.resume_layout`)."""
+    accum = int(config.train.grad_accum_steps)
+    return {"devices": jax.device_count(), "processes": jax.process_count(), "data_parallel": int(data_parallel),
+            "batch_size": int(config.train.batch_size), "grad_accum_steps": accum,
+            "micro_batch": int(config.train.batch_size) // (accum * int(data_parallel))}
+
+
 class RunCheckpoints:
     """Checkpoints, preemption, non-finite steps and loss spikes of one run, as the loop sees them.
 
@@ -335,6 +402,7 @@ class RunCheckpoints:
             self.ckpt.on_written = lambda step: injection.at("save", step)
         self.failed = False  # set by the loop when it ends with an error
         self.ledger: badput.Ledger | None = None  # the wall clock's split: saves count as checkpoint time
+        self.layout: dict = {}  # what a restart on another number of devices keeps (`layout_record`)
         self.resumed: int | None = None  # the step restored at start (suspect if the next steps are non-finite)
         self.finite_since_resume = False
 
@@ -391,7 +459,8 @@ class RunCheckpoints:
 
     def meta(self, step: int) -> dict:
         return {"step": step, "seed": int(self.config.seed), "skipped_steps": self.guard.skipped,
-                "spike_rollbacks": self.spikes.rollbacks, **self._described, "config": self._record}
+                "spike_rollbacks": self.spikes.rollbacks, **self._described, "config": self._record,
+                **({"layout": self.layout} if self.layout else {})}
 
     def _handle(self, entry: tuple[int, dict, bool] | None) -> None:
         if entry is None:
@@ -552,6 +621,7 @@ class Loop:
         self.injection = faults.from_environment()  # MESHTRAIN_INJECT, read once
         self.ckpts = RunCheckpoints(config, factory, self.watchdog, self.injection, run.layout.attention_impl)
         self.ledger = self.ckpts.ledger = badput.Ledger(config.workdir, enabled=self.is_main)
+        self.ckpts.layout = layout_record(config, run.data_parallel_size)
         self.watchdog.on_expire = lambda: self.ledger.close("hang")
         self._create: Callable[[], object] | None = None
         self.eval_step = make_eval_step(factory, mesh_lib.compiler_options(run.mesh)) if config.eval_every else None
@@ -559,6 +629,7 @@ class Loop:
         self.peak = metrics_lib.device_peak_flops(
             fp8_share=metrics_lib.fp8_flops_per_token(run.model) / self.flops_per_token)
         self.tokens_per_step = config.train.batch_size * config.train.seq_len
+        self.stragglers = StragglerWatch(int(config.train.straggler_every), float(config.train.straggler_factor))
 
     def start(self, create: Callable[[], object]) -> tuple[object, int, dict | None]:
         """(state, steps already done, data state): resumed from the newest checkpoint, else `create()`."""
@@ -608,7 +679,13 @@ class Loop:
                         it = window.it = _reposition(self.run, it, skip_to.pop(step))
                     rows_at[step] = int(it.state()["next_row"])
                     profiler.before(step)
-                    state, metrics = step_fn(state, next(it))
+                    fetching = time.perf_counter()
+                    self.injection.at("batch", step)
+                    batch = next(it)
+                    self.stragglers.add(time.perf_counter() - fetching)
+                    state, metrics = step_fn(state, batch)
+                    if step == first:  # it compiled, on each process in its own time: not a straggler's sign
+                        self.stragglers.reset(step)
                     self.injection.at("step", step)
                     profiler.after(step, metrics)
                     window.steps += 1
@@ -649,6 +726,7 @@ class Loop:
                             log.info("sample at step %d: %r", step, config.sample_prompt + last["sample"])
                         window.reset()
                     progress.update(step, last.get("loss", float("nan")))
+                    self.stragglers.check(step)
                     try:
                         if self.ckpts.after_step(step, state, metrics, it.state, config.steps, sync=logged):
                             break  # preempted: saved at this step
@@ -662,6 +740,7 @@ class Loop:
                         it = window.it = _reposition(self.run, it, None if data_state is None else
                                                      int(data_state["next_row"]))
                         writer.truncate_after(step)
+                        self.stragglers.reset(step)
                         ledger.mark("rollback")
                         ledger.rolled_back(step)
                         progress.clear()

@@ -34,6 +34,7 @@ from meshtrain import (
     hf,
     model,
     run_loop,
+    run_record,
     sample,
     sharding_rules,
     train_step,
@@ -72,6 +73,7 @@ def run(config: ml_collections.ConfigDict, given: dict | None = None) -> dict:
     if os.path.isfile(metrics_file):  # damaged before its last line: one line now, before any thread starts
         durable.read_jsonl(metrics_file, warn=False)
     cli.setup_runtime(config, given)
+    resume_layout(config, given or {})
     validate(config, jax.device_count())  # a bad config stops here, before anything compiles
     try:
         folder = compile_cache.use_for_run(config.train.compile_cache_dir)
@@ -81,6 +83,40 @@ def run(config: ml_collections.ConfigDict, given: dict | None = None) -> dict:
     log.info("compile cache: %s", folder or "off (train.compile_cache_dir)")
     with workdir_lock.WorkdirLock(config.workdir, jax.process_index()):  # one run per workdir
         return _train(config)
+
+
+def resume_layout(config: ml_collections.ConfigDict, given: dict) -> None:
+    """A resume on another number of devices or processes than the newest checkpoint of the workdir was
+    written on: the global batch stays (the same rows in the same order: the data's position is a global
+    row) and `train.grad_accum_steps` is set so a data-parallel rank takes the sequences at once it took
+    before (or as close below as the batch divides), unless the command line sets it or the batch
+    changed; one line says what changed. Nothing happens on the same devices or without a checkpoint."""
+    if config.checkpoint.restore_from:
+        return
+    found = run_record.newest_meta(checkpoint.checkpoint_root(os.path.expanduser(config.workdir)))
+    before = found[1].get("layout") if found else None
+    devices, processes = jax.device_count(), jax.process_count()
+    if not before or (before["devices"], before["processes"]) == (devices, processes):
+        return
+    try:
+        data_parallel = config_lib.data_parallel_size(config_lib.mesh_shape(config, devices))
+    except config_lib.ConfigError:
+        return  # a mesh these devices cannot hold: validate says so
+    t, step = config.train, found[0]
+    what = (f"resuming step {step} on {devices} devices in {processes} process(es), the checkpoint's on "
+            f"{before['devices']} in {before['processes']}")
+    if t.batch_size != before["batch_size"] or "train.grad_accum_steps" in given:
+        log.warning("%s: train.batch_size %d and train.grad_accum_steps %d as configured", what, t.batch_size,
+                    t.grad_accum_steps)
+        return
+    if t.batch_size % data_parallel:
+        return  # these devices cannot split the batch: validate says so
+    per_rank = t.batch_size // data_parallel
+    accum = next(a for a in range(1, per_rank + 1) if per_rank % a == 0 and per_rank // a <= before["micro_batch"])
+    t.grad_accum_steps = accum
+    log.warning("%s: global batch %d kept, %d sequence(s) a data-parallel rank at once (%d before); "
+                "train.grad_accum_steps %d -> %d", what, t.batch_size, per_rank // accum, before["micro_batch"],
+                before["grad_accum_steps"], accum)
 
 
 def host_available_bytes() -> int | None:

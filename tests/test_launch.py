@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,7 +35,8 @@ def one_of_eight(tmp_path_factory, compilation_cache):
 
 def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, compilation_cache, one_of_eight):
     """The job is preempted (SIGTERM to the launcher, forwarded to both processes) after step 3 or later,
-    relaunched, and finishes: its losses equal a 1 x 8 run's."""
+    relaunched, and finishes: its losses equal a 1 x 8 run's. In the relaunch process 1 is a slow host
+    (it waits `faults.SLOW_S` before each batch): the straggler check every 2 steps names it."""
     workdir = tmp_path / "two"
     cmd = [sys.executable, "-m", "meshtrain.launch", "--processes", "2", "--",
            *cli_args({"steps": STEPS, "workdir": workdir, "cpu_devices": 4})]
@@ -54,9 +56,14 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, compilation_
     ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_root(workdir), read_only=True)
     assert ckpt.all_steps() == [preempted_at]  # both processes agreed on the step, saved it, exited 0
     ckpt.close()
-    second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=WAIT_S)
+    second = subprocess.run([*cmd, "--config.train.straggler_every=2"], cwd=ROOT, text=True, timeout=WAIT_S,
+                            env={**env, faults.ENV: "slow:batch:1:1"}, capture_output=True)
     output = second.stdout + second.stderr
     assert second.returncode == 0, output[-3000:]
+    named = re.findall(r"straggler: process (\d+) \(host (\S+)\) took ([\d.]+) ms a step to get its batch",
+                       output)
+    assert named and {(p, h) for p, h, _ in named} == {("1", socket.gethostname())}, output[-3000:]
+    assert all(float(ms) >= faults.SLOW_S * 1e3 for _, _, ms in named)
     assert "(8 devices, 2 process(es))" in output and f"(step {preempted_at})" in output
     # process 0 prints the run's lines, process 1 none of them (its own warnings and errors only)
     assert output.count(f"step {STEPS} |") == 1 and output.count("(8 devices, 2 process(es))") == 1, output[-3000:]
@@ -78,6 +85,43 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, compilation_
                     strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     assert restored_two.data_state == restored_one.data_state
+
+
+def test_a_job_resumes_on_fewer_processes_and_again_on_more(tmp_path, compilation_cache, one_of_eight):
+    """2 processes x 4 devices, preempted; resumed as 1 process of 4 devices (the global batch kept:
+    gradient accumulation 1 -> 2), preempted; resumed as 2 x 4 again (2 -> 1), to the end: one line
+    each time says what changed, and the losses are the uninterrupted 1 x 8 run's."""
+    workdir = tmp_path / "run"
+    flags = cli_args({"steps": STEPS, "workdir": workdir, "cpu_devices": 4, "mesh.fsdp": -1})
+    two = [sys.executable, "-m", "meshtrain.launch", "--processes", "2", "--", *flags]
+    one = [sys.executable, "-m", "meshtrain.train", *flags]
+    env = subprocess_env(compilation_cache)
+    outputs, stops = [], []
+    for i, (cmd, preempt) in enumerate(((two, True), (one, True), (two, False))):
+        log_path = tmp_path / f"segment_{i}.log"
+        slowed = {**env, faults.ENV: "slow:batch:1"} if preempt else env  # a step the SIGTERM lands inside
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=slowed, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            if preempt:
+                wait_for_logged_steps(proc, workdir, log_path, steps=(stops[-1] if stops else 0) + 3)
+                proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=WAIT_S) == 0, log_path.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        outputs.append(log_path.read_text())
+        stops.append(max(losses_of(workdir)))
+    assert stops[0] < stops[1] < STEPS == stops[2]
+    assert (f"resuming step {stops[0]} on 4 devices in 1 process(es), the checkpoint's on 8 in 2: global batch 8 "
+            "kept, 1 sequence(s) a data-parallel rank at once (1 before); train.grad_accum_steps 1 -> 2") in outputs[1]
+    assert (f"resuming step {stops[1]} on 8 devices in 2 process(es), the checkpoint's on 4 in 1: global batch 8 "
+            "kept, 1 sequence(s) a data-parallel rank at once (1 before); train.grad_accum_steps 2 -> 1") in outputs[2]
+    resumed, uninterrupted = losses_of(workdir), losses_of(one_of_eight)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([resumed[s] for s in sorted(resumed)], [uninterrupted[s] for s in sorted(resumed)],
+                               rtol=1e-5, atol=0)
 
 
 def wait_for_logged_steps(proc: subprocess.Popen, workdir, log, steps: int = 3) -> None:
