@@ -364,6 +364,12 @@ def default_config() -> ml_collections.ConfigDict:
     c.checkpoint.every = 0  # 0: only at the end
     c.checkpoint.keep = 2  # newest checkpoints kept
     c.checkpoint.async_save = True  # save in the background while training goes on
+    # the local tier (meshtrain/local_tier.py): every local_every steps (0: off) each process's shards, and a
+    # copy of its peer process's, in host-local storage; a restart takes the newest step complete there when
+    # it is not older than the persistent tier's. local_dir "": host memory (/dev/shm/meshtrain-local-<uid>/<hash
+    # of the workdir>), else the temporary folder; one folder per host, not shared
+    c.checkpoint.local_every = 0
+    c.checkpoint.local_dir = ""
     c.checkpoint.restore_from = ""  # a checkpoint folder to start from (else the workdir's newest)
     # a workdir whose checkpoints were all found damaged (and set aside) refuses to start over unless this is True
     c.checkpoint.restart_from_scratch = False
@@ -492,8 +498,8 @@ def _validate_positive(config) -> None:
         for part in key.split("."):
             value = value[part]
         require(isinstance(value, int) and value >= 1, key, value, "must be a positive integer")
-    for key in ("eval_every", "eval_tasks_limit", "sample_every", "checkpoint.every", "cpu_devices",
-                "model.num_experts", "model.moe_mlp_dim", "model.sliding_window", "model.moe_chunks",
+    for key in ("eval_every", "eval_tasks_limit", "sample_every", "checkpoint.every", "checkpoint.local_every",
+                "cpu_devices", "model.num_experts", "model.moe_mlp_dim", "model.sliding_window", "model.moe_chunks",
                 "model.shared_expert_dim"):
         value = config
         for part in key.split("."):

@@ -2,7 +2,7 @@
 
 A training process reads three variables at its start (`install`, called by `python -m meshtrain.train`):
 
-    MESHTRAIN_CRASH_ROOTS={"W": workdir, "D": data dir}   the folders whose operations count
+    MESHTRAIN_CRASH_ROOTS={"W": workdir, "D": data dir, "L": local tier}   the folders whose operations count
     MESHTRAIN_CRASH_TRACE=<file>   appends one JSON line per operation (`Point`) to <file>.<process>
     MESHTRAIN_CRASH_AT=<Point as JSON>   SIGKILLs the process right before that operation
     MESHTRAIN_CRASH_REACHED=<file>   created right before that kill (the exit code of a several-process
@@ -87,6 +87,8 @@ def file_kind(path: str) -> str:
         if rest.startswith("tb") or "tfevents" in rest:
             return "tensorboard"
         return "workdir other"
+    if root == "L":
+        return "local tier"
     if "token_cache" in rest or ".tokens." in rest or ".starts." in rest:
         return "token cache"
     return "dataset"
@@ -314,7 +316,8 @@ def _corpus(path: str, documents: int = 400) -> None:
 def command(trial: str, corpus: str, steps: int, processes: int, config: str) -> list[str]:
     flags = {"mesh.data": 1, "mesh.fsdp": -1, "model.dtype": "float32", "model.n_layers": 2, "train.seq_len": 32,
              "train.batch_size": 8, "train.warmup_steps": 1, "log_every": 1, "steps": steps,
-             "checkpoint.every": 1, "checkpoint.keep": 2, "data.source": "text_files", "data.files": corpus,
+             "checkpoint.every": 1, "checkpoint.keep": 2, "checkpoint.local_every": 1,
+             "checkpoint.local_dir": os.path.join(trial, "local"), "data.source": "text_files", "data.files": corpus,
              "data.data_dir": os.path.join(trial, "data"), "workdir": os.path.join(trial, "work"),
              "cpu_devices": 8 // processes}
     args = ["--config", config] + [f"--config.{k}={v}" for k, v in flags.items()]
@@ -366,7 +369,8 @@ def sweep(root: str, *, limit: int | None, processes: int = 1, steps: int = 4, e
     reference = os.path.join(root, "reference")
     trace = os.path.join(root, "trace", "ops")
     os.makedirs(os.path.dirname(trace), exist_ok=True)
-    roots = lambda trial: json.dumps({"W": os.path.join(trial, "work"), "D": os.path.join(trial, "data")})  # noqa: E731
+    roots = lambda trial: json.dumps({"W": os.path.join(trial, "work"), "D": os.path.join(trial, "data"),  # noqa: E731
+                                      "L": os.path.join(trial, "local")})
     start = time.monotonic()
     code, output = _run(command(reference, corpus, steps, processes, config),
                         {**env, ENV_ROOTS: roots(reference), ENV_TRACE: trace}, os.path.join(root, "reference.log"),

@@ -3,10 +3,12 @@
     MESHTRAIN_INJECT=stop:step:6:1   # process 1 stops itself (SIGSTOP) once step 6 is dispatched
     MESHTRAIN_INJECT=stop:save:8:1   # ... once its part of checkpoint 8 is written, before the commit
     MESHTRAIN_INJECT=slow:batch:3:1  # process 1 waits SLOW_S before fetching each batch from step 3 on
+    MESHTRAIN_INJECT=stop:local:8    # every process stops in its local-tier save of step 8, data written
 
 The training loop reads the variable once (`from_environment`), calls the injection's
 `at("batch", step)` before fetching each step's batch and `at("step", step)` after dispatching the
-step; the checkpointer calls `at("save", step)` from the save's background thread once this
+step, and the local tier `at("local", step)` once a step's data file is written, before its record;
+the checkpointer calls `at("save", step)` from the save's background thread once this
 process's files of the step are written (and checksummed), before the barrier that precedes the
 commit: its peers find it hung in the middle of a save (the step's files are complete; whether the
 step is committed once the launcher kills the stopped process is up to orbax's barrier, and the run
@@ -28,7 +30,7 @@ import jax
 
 ENV = "MESHTRAIN_INJECT"
 ACTIONS = ("stop", "slow")
-POINTS = ("step", "save", "batch")
+POINTS = ("step", "save", "batch", "local")
 SLOW_S = 0.25  # `slow`: seconds a step
 
 

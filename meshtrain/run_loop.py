@@ -37,6 +37,7 @@ from meshtrain import (
     data,
     faults,
     fp8 as fp8_lib,
+    local_tier,
     mesh as mesh_lib,
     metrics as metrics_lib,
     run_record,
@@ -392,6 +393,9 @@ class RunCheckpoints:
                                             keep=int(config.checkpoint.keep),
                                             async_save=bool(config.checkpoint.async_save))
         self.watchdog = watchdog or Watchdog(0, self.ckpt.root, enabled=False)
+        self.local = local_tier.LocalTier(
+            config.checkpoint.local_dir or local_tier.default_root(config.workdir), int(config.checkpoint.local_every),
+            injection) if config.checkpoint.local_every else None
         self.guard = FiniteGuard(bool(config.train.skip_nonfinite))
         self.spikes = SpikeGuard(config)
         self.preemption = Preemption()
@@ -407,7 +411,12 @@ class RunCheckpoints:
         self.finite_since_resume = False
 
     def start(self, create: Callable[[], object]) -> tuple[object, int, dict | None]:
-        """(state, steps already done, data iterator state) from the newest checkpoint, else fresh."""
+        """(state, steps already done, data iterator state) from the newest checkpoint (the local tier's
+        when it is not older than the persistent tier's), else fresh."""
+        local = self.local.agreed_step() if self.local else None
+        persistent = self.ckpt.all_steps()
+        if local is not None and local >= max(persistent, default=-1):
+            return self._start_local(local)
         restored = checkpoint.resume(self.config, self.ckpt, self.abstract_state)
         if restored is None:
             return create(), 0, None
@@ -421,6 +430,21 @@ class RunCheckpoints:
         self.spikes.rollbacks = int(restored.meta.get("spike_rollbacks", 0))
         log.info("resumed from %s (step %d)", restored.path, restored.step)
         return self.factory.from_canonical(restored.state), restored.step, restored.data_state
+
+    def _start_local(self, step: int) -> tuple[object, int, dict | None]:
+        state, data_state, meta, from_peer = self.local.restore(step, self.abstract_state)
+        if self.every and step % self.every == 0 and step not in self.ckpt.all_steps():
+            # a persistent save of this step died with the process: made whole, as the run would have it
+            self.ckpt.save(step, state, data_state, meta)
+        self.resumed = step
+        self.guard.skipped = int(meta.get("skipped_steps", 0))
+        self.spikes.rollbacks = int(meta.get("spike_rollbacks", 0))
+        self.ckpt.last_saved = max(self.ckpt.all_steps(), default=None)
+        log.info("resumed from the local tier (step %d)", step)
+        if from_peer:
+            log.warning("process %d: its local copy of step %d is gone; restored from its peer's copy",
+                        jax.process_index(), step, extra={"local": True})  # printed by this process
+        return self.factory.from_canonical(state), step, data_state
 
     def after_step(self, step: int, state, metrics: dict, data_state: Callable[[], dict], last_step: int,
                    sync: bool = False) -> bool:
@@ -452,6 +476,16 @@ class RunCheckpoints:
                 if self.ledger:
                     self.ledger.mark("checkpoint")
                     self.ledger.saved(step)
+        if self.local and self.local.due(step) and not preempted and step != last_step:
+            self._handle(self.guard.check())
+            if not self.spikes.active:
+                self.watchdog.arm(f"the local-tier save at step {step}")
+                if self.ledger:
+                    jax.block_until_ready(state)
+                    self.ledger.mark("productive")
+                self.local.save(step, self.factory.to_canonical(state), data_state(), self.meta(step))
+                if self.ledger:
+                    self.ledger.mark("checkpoint")
         if preempted:
             how = "interrupted (Ctrl-C)" if self.preemption.interrupted else "preempted"
             log.warning("%s: checkpoint saved at step %d; exiting", how, step)
@@ -515,6 +549,8 @@ class RunCheckpoints:
         if self.failed and jax.process_count() > 1:
             return
         self.watchdog.disarm()  # the final save may take long: a peer lost there fails its barrier
+        if self.local:
+            self.local.wait()
         self.ckpt.close()
 
 

@@ -271,9 +271,10 @@ def _pick(wanted):
 
 
 SAMPLE = [(0, "write", "W/metrics.jsonl", 2), (0, "rename", "W/checkpoints/2", 1), (0, "rename", "D/text_files/", 1),
-          (0, "rename", "meshtrain_shards.json", 1), (0, "write", "tfevents", 40)]
+          (0, "rename", "meshtrain_shards.json", 1), (0, "write", "tfevents", 40),
+          (0, "write", "L/process_0/own/.1.tmp-<pid>/data.bin", 1)]
 SAMPLE_TWO_PROCESSES = [(1, "rename", "2.orbax-checkpoint-tmp/checksums/process_1.json", 1),
-                        (0, "write", "W/metrics.jsonl", 3)]
+                        (0, "write", "W/metrics.jsonl", 3), (1, "rename", "L/process_1/peer/1", 1)]
 
 
 @pytest.mark.slow

@@ -50,14 +50,15 @@ def test_the_restart_budget_is_where_goodput_reaches_the_target():
     assert goodput.simulate(at, again, interruptions=40_000) == pytest.approx(goodput.TARGET, abs=0.002)
 
 
-def test_the_405b_config_saves_at_the_models_best_interval():
-    """What meshtrain runs today is the persistent tier alone: `checkpoint.every` is its best interval at
-    the configured layout's planner step on 16,384 H100s."""
+def test_the_405b_config_saves_at_the_models_best_intervals():
+    """`checkpoint.local_every` and `checkpoint.every` are the two-tier plan's intervals at the configured
+    layout's planner step on 16,384 H100s."""
     config = load_config_file("configs/llama3_405b.py")
     sizes = validate(config, 16_384, inputs=False)  # as the command resolves the layout
     step = estimate.estimate(config, sizes, H100).step_seconds
     total = goodput.checkpoint_bytes(config_lib.ModelConfig.from_config(config))
-    assert config.checkpoint.every == goodput.best(LLAMA3, step, total, two_tiers=False).every[0]
+    plan = goodput.best(LLAMA3, step, total, two_tiers=True)
+    assert (config.checkpoint.local_every, config.checkpoint.every) == plan.every
 
 
 def test_plan_goodput_on_the_405b_config():

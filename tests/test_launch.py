@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import checkpoint as checkpoint_lib, data, faults, launch, run_loop, train
+from meshtrain import checkpoint as checkpoint_lib, data, faults, launch, local_tier, run_loop, train
 from tests.utils import ROOT, abstract_state, cli_args, config_for, load, losses_of, subprocess_env
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("compilation_cache")]
@@ -122,6 +123,79 @@ def test_a_job_resumes_on_fewer_processes_and_again_on_more(tmp_path, compilatio
     assert sorted(resumed) == list(range(1, STEPS + 1))
     np.testing.assert_allclose([resumed[s] for s in sorted(resumed)], [uninterrupted[s] for s in sorted(resumed)],
                                rtol=1e-5, atol=0)
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
+def _run_until_stopped(cmd, env, log_path, stopping: int) -> str:
+    """Launches `cmd` (the launcher); once `stopping` of its processes have stopped themselves (an
+    injected `stop`), kills the launcher and every process. Returns the output."""
+    with open(log_path, "w") as log:
+        launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + WAIT_S
+    try:
+        while True:
+            assert launcher.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no process stopped itself"
+            procs = children(launcher.pid)
+            if procs and sum(_stopped(p) for p in procs) >= stopping:
+                break
+            time.sleep(0.05)
+        for pid in procs:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    return log_path.read_text()
+
+
+def test_the_local_tier_restores_from_a_peer_then_the_previous_step_then_the_persistent_tier(tmp_path,
+                                                                                            compilation_cache):
+    """2 processes x 4 devices, 16 steps, a local-tier save every 2 steps and a persistent one every 6,
+    against an uninterrupted run of the same job, bit for bit. Stopped after step 11 (the local save of
+    step 8 or 10 complete) and process 1's local folder deleted (a replaced host): the relaunch takes
+    its shards from process 0's copy of them. Stopped in the middle of the local save of step 14 (both
+    processes): the next relaunch takes step 12, the previous complete one. Stopped after step 15 with
+    every local copy damaged: the persistent tier's newest. Every step's loss is the uninterrupted run's."""
+    steps = 16
+
+    def command(name):
+        return [sys.executable, "-m", "meshtrain.launch", "--processes", "2", "--",
+                *cli_args({"steps": steps, "workdir": tmp_path / name, "cpu_devices": 4, "checkpoint.every": 6,
+                           "checkpoint.local_every": 2, "checkpoint.local_dir": tmp_path / f"{name}_local"})]
+
+    env = subprocess_env(compilation_cache)
+    reference = subprocess.run(command("reference"), cwd=ROOT, env=env, capture_output=True, text=True,
+                               timeout=WAIT_S)
+    assert reference.returncode == 0, (reference.stdout + reference.stderr)[-3000:]
+    local, cmd = tmp_path / "run_local", command("run")
+    _run_until_stopped(cmd, {**env, faults.ENV: "stop:step:11"}, tmp_path / "first.log", stopping=2)
+    shutil.rmtree(local / "process_1")  # its own copies and the copy it kept of process 0's
+    second = _run_until_stopped(cmd, {**env, faults.ENV: "stop:local:14"}, tmp_path / "second.log", stopping=2)
+    found = re.search(r"resumed from the local tier \(step (8|10)\)", second)
+    assert found, second[-3000:]
+    assert (f"process 1: its local copy of step {found.group(1)} is gone; restored from its peer's copy"
+            in second), second[-3000:]
+    third = _run_until_stopped(cmd, {**env, faults.ENV: "stop:step:15"}, tmp_path / "third.log", stopping=2)
+    assert "resumed from the local tier (step 12)" in third, third[-3000:]  # step 14 was never complete
+    for path in local.rglob(local_tier.DATA):  # every local copy damaged: one byte flipped
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    last = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=WAIT_S)
+    output = last.stdout + last.stderr
+    assert last.returncode == 0, output[-3000:]
+    assert "is damaged (its checksum does not match); not used" in output, output[-3000:]
+    assert re.search(r"resumed from \S+/checkpoints/(6|12) \(step (6|12)\)", output), output[-3000:]
+    resumed, uninterrupted = losses_of(tmp_path / "run"), losses_of(tmp_path / "reference")
+    assert sorted(resumed) == list(range(1, steps + 1))
+    assert [resumed[s] for s in sorted(resumed)] == [uninterrupted[s] for s in sorted(uninterrupted)]
 
 
 def wait_for_logged_steps(proc: subprocess.Popen, workdir, log, steps: int = 3) -> None:
