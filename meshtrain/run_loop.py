@@ -789,6 +789,7 @@ class Loop:
         except jax.errors.JaxRuntimeError as error:
             self.ckpts.failed = True
             if jax.process_count() > 1:  # a collective failed: a peer is gone
+                ledger.mark("hang")  # the wait for it
                 raise PeerLost(step, error, self.ckpts.ckpt.root) from error
             raise
         except BaseException:

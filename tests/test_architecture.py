@@ -184,6 +184,7 @@ WRITES_IN_PLACE = {
     "meshtrain/data/sources.py": "the token cache's temporary files, renamed when complete",
     "meshtrain/data/hf_source.py": "files of a temporary folder, renamed when complete",
     "meshtrain/hf/io.py": "files of a temporary folder, renamed when complete",
+    "meshtrain/local_tier.py": "files of a temporary folder, fsynced, renamed when complete",
     "meshtrain/hf/formats.py": "write_safetensors, called on a temporary folder's files",
 }
 

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import checkpoint as checkpoint_lib, data, faults, launch, local_tier, run_loop, train
+from meshtrain import badput, checkpoint as checkpoint_lib, data, faults, launch, local_tier, run_loop, train
 from tests.utils import ROOT, abstract_state, cli_args, config_for, load, losses_of, subprocess_env
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("compilation_cache")]
@@ -299,6 +299,9 @@ def test_a_hung_process_ends_the_job_and_the_relaunch_resumes(tmp_path, compilat
     np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rtol=1e-5, atol=0)
     rolled_back = [json.loads(line)["step"] for line in open(workdir / "metrics.rolled_back.jsonl")]
     assert rolled_back and min(rolled_back) in (5, 9)
+    # the goodput of the job: three lifetimes of process 0, the watchdog's wait in the hung ones as hang
+    goodput = badput.summarize(str(workdir))
+    assert goodput["segments"] == 3 and goodput["badput_s"]["hang"] >= timeout_s, goodput
 
 
 def test_a_spike_in_a_two_process_run_is_rolled_back_like_in_one(tmp_path, compilation_cache):
