@@ -56,10 +56,15 @@ def _local_devices() -> list:
 
 @functools.cache
 def _ring(shift: int):
-    """Jitted: rows [processes x local devices, ...] -> the rows of the process `shift` before in the ring."""
-    processes = jax.process_count()
-    devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))).reshape(processes, -1)
-    mesh = Mesh(devices, ("p", "l"))
+    return ring(tuple(jax.devices()), shift)
+
+
+def ring(devices: tuple, shift: int):
+    """(jitted function, its sharding): rows [processes x devices a process, ...] -> the rows of the
+    process `shift` before in the ring, on the same devices (a `ppermute` over the processes)."""
+    processes = len({d.process_index for d in devices})
+    ordered = np.array(sorted(devices, key=lambda d: (d.process_index, d.id))).reshape(processes, -1)
+    mesh = Mesh(ordered, ("p", "l"))
     spec = PartitionSpec(("p", "l"))
     pairs = [(i, (i + shift) % processes) for i in range(processes)]
     body = jax.shard_map(lambda x: jax.lax.ppermute(x, "p", pairs), mesh=mesh, in_specs=spec, out_specs=spec)

@@ -30,10 +30,11 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshtrain import aot, attention, compile_cache, config as config_lib, mesh as mesh_lib, train_step
+from meshtrain import aot, attention, compile_cache, config as config_lib, local_tier, mesh as mesh_lib, train_step
 from meshtrain.parallel import layout
 from meshtrain.plan import hlo, verify
 from tests import test_readme_commands as readme
@@ -539,3 +540,16 @@ def test_schedules_priced_from_the_h100_compile_beat_1f1b():
            "simulate_table": round(mixed, 3)})
     assert interleaved <= 0.95
     assert aligned <= 0.90 and aligned < mixed
+
+
+def test_the_local_tiers_ring_compiles_for_h100():
+    """The local tier's exchange (`local_tier.ring`) for 4 nodes of 8 H100s: one collective-permute that
+    sends each node's rows to the next node's devices, nothing else moving bytes."""
+    devices = aot.target_devices("h100", 32)
+    fn, sharding = local_tier.ring(tuple(devices), 1)
+    rows = jax.ShapeDtypeStruct((32, 1024, 256), jnp.bfloat16, sharding=sharding)
+    text = compile_cache.compile(fn.lower(rows), list(devices)).as_text()
+    assert "collective-permute" in text and not re.search(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all)", text)
+    pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)+)\}", text).group(1)
+    sent = {(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs)}
+    assert sent == {(i, (i + 8) % 32) for i in range(32)}
