@@ -23,8 +23,9 @@ Where each number comes from ("The Llama 3 Herd of Models", 2024):
 - checkpoints: the intervals that maximise modeled goodput with both tiers (`python -m meshtrain.plan
   --config configs/llama3_405b.py --devices 16384 --goodput`: the paper's failure rate, one interruption
   every 3.09 h, and its file system's 2 TB/s): a local-tier save every 2 steps (14 s; each blocks the step
-  for its 4.6 ms device-to-host copy) and a persistent one every 392 (46 min): 96.95% at a 300 s restart
-  (96.91% with the persistent tier alone, every 2 steps).
+  10.6 ms: its device-to-host copy and the exchange with the peer) and a persistent one every 392 (46 min):
+  96.91% at a 300 s restart. The persistent tier alone, every 2 steps, models the same at Llama 3's 2 TB/s;
+  below 55.6 GB/s of persistent bandwidth only the two tiers keep 95%.
 The data-parallel axis is `fsdp` (-1: 128 on 16,384 devices) with ZeRO-1 (optimizer state sharded),
 each layer's q, k, v, attention output and mid-layer residual kept for the backward, which reruns only
 the MLP's gate + up matmul (`remat.policy=attention`; `full` fits with 12.5 GiB more to spare, 0.7 points

@@ -104,7 +104,7 @@ def unwritable(folder: str) -> str | None:
 
 
 # What a run keeps in its workdir, by kind (`train.run` checks them before anything reads or writes).
-WORKDIR_FILES = ("metrics.jsonl", "metrics.rolled_back.jsonl", "goodput.jsonl")
+WORKDIR_FILES = ("metrics.jsonl", "metrics.rolled_back.jsonl", "goodput.jsonl", ".meshtrain.run_id")
 WORKDIR_FOLDERS = ("checkpoints", "tb", "datasets", "profile", "tokenizer")
 
 

@@ -39,6 +39,7 @@ from meshtrain import faults
 log = logging.getLogger("meshtrain")
 
 DATA, META = "data.bin", "meta.json"
+RUN_ID_FILE = ".meshtrain.run_id"
 KEEP = 2
 MAX_STEPS = 8  # steps a process reports to its peers (the newest)
 
@@ -94,8 +95,13 @@ def _shards(leaf: jax.Array) -> list[jax.Array]:
 class LocalTier:
     """One process's side of the local tier (module docstring)."""
 
-    def __init__(self, root: str, every: int, injection: faults.Injection = faults.NONE):
+    def __init__(self, root: str, every: int, abstract_state, run_id: str, injection: faults.Injection = faults.NONE):
+        """`abstract_state`: what a step holds (its leaves' shapes, dtypes and shardings are part of the
+        layout a step must match to be used); `run_id`: the workdir's (`run_id`): a step of another run
+        that had the same folder is never used."""
         self.every, self.injection = int(every), injection
+        self._digest = _digest(abstract_state)
+        self.run_id = run_id
         self.process, self.processes = jax.process_index(), jax.process_count()
         self.root = os.path.join(root, f"process_{self.process}")
         self.own, self.peer = os.path.join(self.root, "own"), os.path.join(self.root, "peer")
@@ -106,7 +112,8 @@ class LocalTier:
         return self.every > 0 and step % self.every == 0
 
     def _layout(self) -> dict:
-        return {"devices": jax.device_count(), "processes": self.processes}
+        return {"devices": jax.device_count(), "processes": self.processes, "state": self._digest,
+                "run": self.run_id}
 
     # -- saving ---------------------------------------------------------------------------------------
 
@@ -145,22 +152,35 @@ class LocalTier:
 
     # -- restoring ------------------------------------------------------------------------------------
 
-    def agreed_step(self) -> int | None:
-        """The newest step every process can rebuild (collective: every process calls it), or None."""
+    def agreed_step(self, persistent: int | None) -> tuple[int | None, int | None]:
+        """(the newest step every process can rebuild from this tier or None, the persistent tier's newest
+        step every process sees or None), decided once for all (collective: every process calls it)
+        from each process's complete steps and its view of the persistent tier (`persistent`)."""
         own, peer = complete_steps(self.own, self._layout()), complete_steps(self.peer, self._layout())
         if self.processes == 1:
-            return own[-1] if own else None
+            return (own[-1] if own else None), persistent
         from jax.experimental import multihost_utils
 
-        mine = np.full((2, MAX_STEPS), -1, np.int64)
+        mine = np.full((3, MAX_STEPS), -1, np.int64)
         mine[0, :len(own[-MAX_STEPS:])] = own[-MAX_STEPS:]
         mine[1, :len(peer[-MAX_STEPS:])] = peer[-MAX_STEPS:]
-        every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, 2, MAX_STEPS]
+        mine[2, 0] = -1 if persistent is None else persistent
+        every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, 3, MAX_STEPS]
+        seen = int(every[:, 2, 0].min())  # a file system that lags on one process: the oldest view
         candidates = sorted({int(s) for s in every[:, 0].ravel() if s >= 0}, reverse=True)
         for step in candidates:
             if all(step in every[p, 0] or step in every[(p + 1) % self.processes, 1] for p in range(self.processes)):
-                return step
-        return None
+                return step, (seen if seen >= 0 else None)
+        return None, (seen if seen >= 0 else None)
+
+    def forget_after(self, step: int) -> None:
+        """Removes this process's steps after `step` (the run went back to it: a rollback, or a restart
+        from an older step), so the newest steps kept are this trajectory's."""
+        self.wait()
+        for folder in (self.own, self.peer):
+            for old in _step_names(folder):
+                if old > step:
+                    shutil.rmtree(os.path.join(folder, str(old)), ignore_errors=True)
 
     def restore(self, step: int, abstract_state) -> tuple[object, dict, dict, bool]:
         """(state in the run's shardings, data state, meta, whether this process took its shards from its
@@ -267,11 +287,40 @@ def _write_step(folder: str, step: int, data: bytes, record: dict, before_commit
         shutil.rmtree(final)
     os.rename(tmp, final)
     _fsync_dir(folder)
-    for old in complete_steps(folder, None)[:-KEEP]:
+    for old in _step_names(folder)[:-KEEP]:
         shutil.rmtree(os.path.join(folder, str(old)), ignore_errors=True)
     for name in os.listdir(folder):  # a killed save's temporary folder
         if name.startswith(".") and ".tmp-" in name and name != os.path.basename(tmp):
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+
+
+def _step_names(folder: str) -> list[int]:
+    """The step folders under `folder`, complete or not, ascending."""
+    return sorted(int(name) for name in os.listdir(folder) if name.isdigit()) if os.path.isdir(folder) else []
+
+
+def _digest(abstract_state) -> str:
+    """What must match for a step's bytes to mean the same state: each leaf's shape, dtype and sharding."""
+    parts = [(tuple(leaf.shape), str(leaf.dtype), str(getattr(leaf.sharding, "spec", leaf.sharding)),
+              str(dict(getattr(getattr(leaf.sharding, "mesh", None), "shape", {}))))
+             for leaf in jax.tree.leaves(abstract_state)]
+    return hashlib.sha1(repr(parts).encode()).hexdigest()
+
+
+def run_id(workdir: str) -> str:
+    """The workdir's run id (`<workdir>/.meshtrain.run_id`, written once, by rename, by process 0; the
+    others wait for it): a local-tier step of a run that had this folder before is never used."""
+    from meshtrain import durable
+
+    path = os.path.join(os.path.expanduser(workdir), RUN_ID_FILE)
+    if jax.process_index() == 0 and not os.path.exists(path):
+        durable.write_atomic(path, os.urandom(8).hex())
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("meshtrain local tier run id")
+    with open(path) as f:
+        return f.read().strip()
 
 
 def complete_steps(folder: str, layout: dict | None) -> list[int]:

@@ -395,7 +395,7 @@ class RunCheckpoints:
         self.watchdog = watchdog or Watchdog(0, self.ckpt.root, enabled=False)
         self.local = local_tier.LocalTier(
             config.checkpoint.local_dir or local_tier.default_root(config.workdir), int(config.checkpoint.local_every),
-            injection) if config.checkpoint.local_every else None
+            factory.canonical, local_tier.run_id(config.workdir), injection) if config.checkpoint.local_every else None
         self.guard = FiniteGuard(bool(config.train.skip_nonfinite))
         self.spikes = SpikeGuard(config)
         self.preemption = Preemption()
@@ -413,11 +413,14 @@ class RunCheckpoints:
     def start(self, create: Callable[[], object]) -> tuple[object, int, dict | None]:
         """(state, steps already done, data iterator state) from the newest checkpoint (the local tier's
         when it is not older than the persistent tier's), else fresh."""
-        local = self.local.agreed_step() if self.local else None
-        persistent = self.ckpt.all_steps()
-        if local is not None and local >= max(persistent, default=-1):
-            return self._start_local(local)
+        if self.local:
+            local, persistent = self.local.agreed_step(max(self.ckpt.all_steps(), default=None))
+            if local is not None and local >= (-1 if persistent is None else persistent):
+                self.local.forget_after(local)
+                return self._start_local(local)
         restored = checkpoint.resume(self.config, self.ckpt, self.abstract_state)
+        if self.local:  # whatever the local tier holds past the step resumed from is another trajectory's
+            self.local.forget_after(restored.step if restored is not None else 0)
         if restored is None:
             return create(), 0, None
         if restored.parameters_only:  # imported weights (`hf import --workdir`): the rest starts afresh
@@ -533,8 +536,12 @@ class RunCheckpoints:
         self.guard.discard()  # the step still pending belongs to the abandoned trajectory
         if not older:
             self.spikes.forget_after(0)
+            if self.local:
+                self.local.forget_after(0)
             return create(), 0, None
         restored = self.ckpt.restore(self.abstract_state, older[-1])
+        if self.local:
+            self.local.forget_after(restored.step)
         self.ckpt.last_saved = restored.step
         self.spikes.forget_after(restored.step)
         return self.factory.from_canonical(restored.state), restored.step, restored.data_state

@@ -113,13 +113,14 @@ def checkpoint_bytes(model) -> int:
 
 def tiers(total_bytes: float, cluster: Cluster) -> tuple[Tier, Tier]:
     """(local, persistent). Saving splits the state evenly over the GPUs (replicas write slices of what
-    they share): each copies total / N bytes to its host; the local tier then sends the host's bytes to
-    its peer, the persistent tier the whole state to the file system."""
+    they share): each copies total / N bytes to its host, blocking the step; the local tier's exchange
+    with the peer (device to device, `local_tier`) blocks it too; the persistent tier's write of the
+    whole state to the file system goes on behind the next steps."""
     per_gpu = total_bytes / cluster.gpus
     to_host = per_gpu / cluster.host_bandwidth
     to_peer = per_gpu / cluster.network_bandwidth  # a host's GPUs' NICs carry its bytes side by side
     to_files = total_bytes / cluster.persistent_bandwidth
-    return (Tier("local", to_host, to_host + to_peer, to_host + to_peer),
+    return (Tier("local", to_host + to_peer, to_host + to_peer, to_host + to_peer),  # the exchange blocks too
             Tier("persistent", to_host, to_host + to_files, to_files + to_host))
 
 
