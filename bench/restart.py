@@ -32,6 +32,8 @@ import sys
 import tempfile
 import time
 
+from meshtrain import faults
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = 0.5  # warm / cold time to the first step
 WALL_TOLERANCE = 0.02  # the report's wall clock against the processes'
@@ -62,7 +64,7 @@ def launch(argv: list[str], log_path: str, stop_at: int = 0, timeout: float = 60
     with open(log_path, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         while proc.poll() is None:
-            if stop_at and _stopped(proc.pid):
+            if stop_at and faults.stopped(proc.pid):
                 end = time.time()
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
@@ -79,14 +81,6 @@ def launch(argv: list[str], log_path: str, stop_at: int = 0, timeout: float = 60
     first = None if not found else {"step": int(found[1]), "seconds": float(found[2]), "compile_s": float(found[3]),
                                     "read_back": int(found[4] or 0), "compiled": int(found[5] or 0)}
     return {"wall_s": end - start, "returncode": proc.returncode, "log": text, "first_step": first}
-
-
-def _stopped(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "T"
-    except OSError:
-        return False
 
 
 def measure(folder: str) -> dict:

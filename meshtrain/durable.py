@@ -130,7 +130,7 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _fsync_dir(folder: str) -> None:
+def fsync_dir(folder: str) -> None:
     try:
         fd = os.open(folder or ".", os.O_RDONLY)
     except OSError:
@@ -160,7 +160,7 @@ def atomic_path(path: str) -> Iterator[str]:
             with contextlib.suppress(OSError):
                 os.remove(tmp)
             raise
-        _fsync_dir(folder)
+        fsync_dir(folder)
 
 
 def write_atomic(path: str, data: str | bytes) -> None:

@@ -56,6 +56,15 @@ class Injection:
 NONE = Injection("", "", -1, None)  # nothing injected
 
 
+def stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (an injected `stop` took effect), from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
 def from_environment() -> Injection:
     """The injection `MESHTRAIN_INJECT` configures, parsed once (`NONE` when unset); ValueError if malformed."""
     return parse(os.environ.get(ENV, "")) or NONE

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshtrain import faults
+from meshtrain import durable, faults
 
 log = logging.getLogger("meshtrain")
 
@@ -257,14 +257,6 @@ def _assemble(leaves, rows_per_leaf) -> list[jax.Array]:
 
 # -- files ----------------------------------------------------------------------------------------------
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_step(folder: str, step: int, data: bytes, record: dict, before_commit=lambda: None) -> None:
     """`folder/<step>/` written whole: a hidden temporary folder, each file fsynced, renamed; then the
     steps older than the KEEP newest removed."""
@@ -282,11 +274,11 @@ def _write_step(folder: str, step: int, data: bytes, record: dict, before_commit
         f.write(json.dumps(meta))  # one write
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    durable.fsync_dir(tmp)
     if os.path.exists(final):
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(folder)
+    durable.fsync_dir(folder)
     for old in _step_names(folder)[:-KEEP]:
         shutil.rmtree(os.path.join(folder, str(old)), ignore_errors=True)
     for name in os.listdir(folder):  # a killed save's temporary folder
@@ -310,8 +302,6 @@ def _digest(abstract_state) -> str:
 def run_id(workdir: str) -> str:
     """The workdir's run id (`<workdir>/.meshtrain.run_id`, written once, by rename, by process 0; the
     others wait for it): a local-tier step of a run that had this folder before is never used."""
-    from meshtrain import durable
-
     path = os.path.join(os.path.expanduser(workdir), RUN_ID_FILE)
     if jax.process_index() == 0 and not os.path.exists(path):
         durable.write_atomic(path, os.urandom(8).hex())

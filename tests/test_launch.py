@@ -125,14 +125,6 @@ def test_a_job_resumes_on_fewer_processes_and_again_on_more(tmp_path, compilatio
                                rtol=1e-5, atol=0)
 
 
-def _stopped(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "T"
-    except OSError:
-        return False
-
-
 def _run_until_stopped(cmd, env, log_path, stopping: int) -> str:
     """Launches `cmd` (the launcher); once `stopping` of its processes have stopped themselves (an
     injected `stop`), kills the launcher and every process. Returns the output."""
@@ -144,7 +136,7 @@ def _run_until_stopped(cmd, env, log_path, stopping: int) -> str:
             assert launcher.poll() is None, log_path.read_text()[-3000:]
             assert time.monotonic() < deadline, "no process stopped itself"
             procs = children(launcher.pid)
-            if procs and sum(_stopped(p) for p in procs) >= stopping:
+            if procs and sum(faults.stopped(p) for p in procs) >= stopping:
                 break
             time.sleep(0.05)
         for pid in procs:
