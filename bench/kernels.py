@@ -5,8 +5,10 @@ flash attention kernel against XLA attention and cuDNN (`jax.nn.dot_product_atte
 causal, bf16, forward and forward + backward: first at the GPU runbook's shape
 (`bench/gpu/mfu.py`: batch 4 x 4,096, 32 query heads, 8 K/V heads of 64), then at
 Llama-3-8B heads (32 query heads, 8 K/V heads, head_dim 128) for each of `--lengths`.
-`cudnn+docs` is meshtrain's `attention.impl=cudnn` on rows of 4 documents (cuDNN with
-the document mask as a bias; its causal-only call is `cudnn`). A call's time is the GPU's
+`cudnn+docs` is meshtrain's `attention.impl=cudnn` on rows of 4 documents (cuDNN's packed
+call on a Hopper; `cudnn+docs fallback` the document-masked fallback past `attention.max_documents`:
+the Pallas flash kernel from head dim 128, else cuDNN with the mask as a bias; the causal-only call
+is `cudnn`). A call's time is the GPU's
 throughput: `--iters` calls queued back to back, one host round trip for all, best of 3
 (a round trip per call adds ~0.3 ms, a third of a 1-ms kernel).
 
@@ -27,6 +29,7 @@ default forward; the best of each is printed with the default's.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import sys
@@ -57,18 +60,21 @@ def _attention_impls():
     def cudnn(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
-    def cudnn_docs(q, k, v):  # meshtrain's cudnn attention on rows of 4 documents: the masked call
+    def cudnn_docs(q, k, v, max_documents=32):
+        """meshtrain's cudnn attention on rows of 4 documents: the packed call on a Hopper (max_documents 0:
+        the document-masked fallback, the Pallas flash kernel from head dim 128, else a bias)."""
         from meshtrain.attention import cudnn_attention
 
         b, t = q.shape[:2]
         segments = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) * 4 // t + 1, (b, t))
-        return cudnn_attention(q, k, v, segments)
+        return cudnn_attention(q, k, v, segments, max_documents=max_documents)
 
     return {
         "pallas_flash": lambda q, k, v: flash_attention(q, k, v, causal=True),
         "xla": xla,
         "cudnn": cudnn,
         "cudnn+docs": cudnn_docs,
+        "cudnn+docs fallback": functools.partial(cudnn_docs, max_documents=0),
     }
 
 

@@ -26,6 +26,7 @@ import functools
 import importlib.resources
 import importlib.util
 import json
+import re
 import sys
 import time
 
@@ -135,7 +136,29 @@ def target_devices(target: str, count: int, devices_per_node: int = 8) -> tuple:
     jax.config.update("jax_enable_compilation_cache", False)
     topology = topologies.get_topology_desc(platform="cuda", topology=f"1x{count // per_node}x{per_node}",
                                             target_config=config)
+    answer_compute_capability(config)
     return tuple(topology.devices)
+
+
+_CAPABILITY = re.compile(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)\s*minor:\s*(\d+)")
+
+
+def answer_compute_capability(target_config_text: str) -> None:
+    """JAX's cuDNN attention asks the attached GPU its compute capability (its packed call needs a Hopper);
+    with none attached (JAX on the CPU, compiling for a target) it hears "none" and refuses. Here the answer
+    is the target's, as its `GpuTargetConfig` states it; a process with a GPU keeps JAX's own."""
+    found = _CAPABILITY.search(target_config_text)
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn
+    except ImportError:
+        return
+    if found is None or not hasattr(cudnn, "check_compute_capability") or jax.default_backend() == "gpu":
+        return
+    target = (int(found.group(1)), int(found.group(2)))
+
+    def check_compute_capability(capability: str) -> bool:
+        return target >= tuple(int(x) for x in capability.split("."))
+    cudnn.check_compute_capability = check_compute_capability
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,7 +288,7 @@ class Report:
             if self.modeled_mfu_one_document and abs(self.modeled_mfu_one_document - self.modeled_mfu) > 5e-4:
                 lines.append(f"  {self.modeled_mfu_one_document:.1%} on rows of one document each "
                              f"({self.step.modeled_seconds_one_document:.4f} s: cuDNN's causal call; the figure above "
-                             "prices the document-masked branch, which packed rows take)")
+                             "prices the branch rows of packed documents take: cuDNN's packed call on a Hopper)")
         if self.planner_seconds and self.step.modeled_seconds:
             lines.append(f"planner (`meshtrain.plan`): compute + pipeline bubble {self.planner_seconds:.4f} s, "
                          f"{self.planner_seconds / self.step.modeled_seconds:.3f} of the kernel model's step")

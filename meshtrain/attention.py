@@ -23,6 +23,7 @@ grouped-query (G = H / K query heads share a K/V head, never copied).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -116,15 +117,21 @@ def takes_narrow_values(fn: AttentionFn) -> bool:
     return fn is pallas_attention
 
 
-def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+                    max_documents: int = 32) -> jax.Array:
     """cuDNN's fused attention per (batch shard, head shard): q [B,T,H,Dh], k/v [B,T,K,Dh] -> [B,T,H,Dh].
 
     Grouped-query K/V go to cuDNN as they are (its GQA reads each K/V head for its G query heads).
-    Document masking: where every row of the shard is one document (or padding alone) the call is
-    cuDNN's causal mask alone, which skips the tiles above the diagonal; otherwise, from head dim
-    `PALLAS_DOCUMENTS_MIN_HEAD_DIM` on, the Pallas flash kernel with the segment ids, and below it the
-    same cuDNN call with the document mask as a [B,1,T,S] additive bias (cuDNN's only arbitrary mask).
-    `lax.cond` picks per step on the device, so both stay exact for any segment ids.
+    Document masking, one branch a step picked on the device (`document_branches`), so every branch stays
+    exact for any segment ids: where every row of the shard is one document (or padding alone), cuDNN's
+    causal call alone, which skips the tiles above the diagonal; where each row holds at most
+    `max_documents` runs of ids (`attention.max_documents`: its documents, the padding at its end one
+    more), each a document of its own (`document_runs`), on a Hopper or later GPU,
+    cuDNN's packed call (its THD layout: each document's offset and length, causal inside it, so a tile
+    that crosses no document of its query is never computed: work proportional to the documents' squares,
+    not the row's); otherwise (more documents, an id recurring, or an older GPU), from head dim
+    `PALLAS_DOCUMENTS_MIN_HEAD_DIM` on the Pallas flash kernel with the segment ids, below it cuDNN's call
+    with the document mask as a [B,1,T,S] additive bias (its only arbitrary mask).
     """
     batch = auto_axes(BATCH_AXES)
     heads = auto_axes(("tensor",))
@@ -136,7 +143,8 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
     # partitioning), which fails in a region manual over only some axes (the accumulation and pipeline
     # loops); in a fully manual region there is nothing left to partition
     rest = tuple(a for a in mesh.axis_names if a not in manual) if not mesh.empty else ()
-    return per_shard(_cudnn_local, (x, x, x, seg), x, rest)(q, k, v, segment_ids)
+    local = functools.partial(_cudnn_local, max_documents=max_documents if cudnn_packs_documents() else 0)
+    return per_shard(local, (x, x, x, seg), x, rest)(q, k, v, segment_ids)
 
 
 # From this head dim on, rows of several documents go to the Pallas flash kernel, which masks documents
@@ -147,19 +155,86 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
 # shape) the two are within 10% of each other in the step's profile, and cuDNN keeps it.
 PALLAS_DOCUMENTS_MIN_HEAD_DIM = 128
 
+# `cudnn_attention`'s branches, in `lax.switch` order: the kernel model (`plan.hlo.kernels`) prices a step of
+# one-document rows by the first and a step of packed rows by the second (the third takes rows past
+# `attention.max_documents`).
+DOCUMENT_BRANCHES = ("one_document", "packed", "past_limit")
 
-def _cudnn_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    def causal(q, k, v, segment_ids):
+
+def cudnn_packs_documents() -> bool:
+    """Whether cuDNN's packed (THD) call serves here: JAX's own test, a Hopper or later GPU (an
+    ahead-of-time compile answers it for its target: `meshtrain.aot.target_devices`)."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn
+        return bool(cudnn.check_compute_capability("9.0"))
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+
+
+def document_paths(head_dim: int, seq_len: int, max_documents: int) -> str:
+    """What `cudnn_attention` runs for rows of several documents here, for the start-of-run log."""
+    fallback = ("the Pallas flash kernel" if head_dim >= PALLAS_DOCUMENTS_MIN_HEAD_DIM and seq_len % MIN_BLOCK == 0
+                else "cuDNN with the document mask as a bias")
+    if max_documents and cudnn_packs_documents():
+        return (f"rows of documents: cuDNN's packed call up to attention.max_documents={max_documents} runs of ids, "
+                f"past that {fallback}")
+    return f"rows of documents: {fallback}" + (" (cuDNN's packed call needs a Hopper or later GPU)"
+                                               if max_documents else "")
+
+
+def document_runs(segment_ids: jax.Array, limit: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Rows of documents as cuDNN's packed call takes them: (fits, offsets [B, limit + 1], lengths [B, limit]).
+
+    Each run of equal ids is a segment: offsets its first token, lengths its tokens, -1 past the row's last
+    (JAX's `q_offsets` / `q_seqlen`). `fits` (a scalar): every row's runs are its documents, as the einsum
+    attention's mask (`xla_attention`: equal ids) sees them, and number at most `limit`: each run's id is
+    above every id before it in the row, or the row ends in one run of 0s (padding) with no 0 before it."""
+    b, t = segment_ids.shape
+    starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    before = jax.lax.cummax(segment_ids, axis=1)[:, :-1]  # the largest id before each token
+    zero = segment_ids == 0
+    zeros_to_end = jnp.flip(jax.lax.cummin(jnp.flip(zero, 1).astype(jnp.int32), axis=1), 1).astype(bool)
+    zero_before = jax.lax.cummax(zero.astype(jnp.int32), axis=1)[:, :-1].astype(bool)
+    new = segment_ids[:, 1:] > before
+    padding = zeros_to_end[:, 1:] & ~zero_before
+    documents = jnp.all(~starts[:, 1:] | new | padding)
+    fits = documents & jnp.all(starts.sum(axis=1) <= limit)
+    offsets = jax.vmap(lambda s: jnp.nonzero(s, size=limit + 1, fill_value=-1)[0])(starts).astype(jnp.int32)
+    ends = jnp.where(offsets[:, 1:] >= 0, offsets[:, 1:], t)
+    lengths = jnp.where(offsets[:, :-1] >= 0, ends - offsets[:, :-1], -1).astype(jnp.int32)
+    return fits, offsets, lengths
+
+
+def document_branch(segment_ids: jax.Array, limit: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(index into DOCUMENT_BRANCHES, offsets, lengths) for the rows of `segment_ids`: one document a row,
+    packed rows that `document_runs` fits in `limit` (0: no packed call), or the rest."""
+    one_document = jnp.all(segment_ids == segment_ids[:, :1])
+    fits, offsets, lengths = document_runs(segment_ids, max(limit, 1))
+    index = jnp.where(one_document, 0, jnp.where(fits & (limit > 0), 1, 2))
+    return index.astype(jnp.int32), offsets, lengths
+
+
+def _cudnn_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+                 max_documents: int) -> jax.Array:
+    def one_document(q, k, v, segment_ids, offsets, lengths):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
-    def documents(q, k, v, segment_ids):
+    def packed(q, k, v, segment_ids, offsets, lengths):
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn
+        return cudnn.dot_product_attention(q, k, v, None, None, lengths, lengths, offsets, offsets,
+                                           scale=1 / math.sqrt(q.shape[-1]), mask_type=cudnn.MaskType.CAUSAL,
+                                           qkv_layout="BTNH")
+
+    def past_limit(q, k, v, segment_ids, offsets, lengths):
         if q.shape[-1] >= PALLAS_DOCUMENTS_MIN_HEAD_DIM and q.shape[1] % MIN_BLOCK == 0:
             return flash_attention(q, k, v, causal=True, segment_ids=segment_ids)
         same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # [B,1,T,S]
         return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True, implementation="cudnn")
 
-    one_document = jnp.all(segment_ids == segment_ids[:, :1])
-    return jax.lax.cond(one_document, causal, documents, q, k, v, segment_ids)
+    index, offsets, lengths = document_branch(segment_ids, max_documents)
+    if not max_documents:  # no packed call: the two others, as a two-way choice
+        return jax.lax.cond(index == 0, one_document, past_limit, q, k, v, segment_ids, offsets, lengths)
+    return jax.lax.switch(index, [one_document, packed, past_limit], q, k, v, segment_ids, offsets, lengths)
 
 
 def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
@@ -175,6 +250,9 @@ def validate_config(config: ml_collections.ConfigDict, sizes: dict[str, int]) ->
             "across sequence shards")
     require(impl == "ulysses" or att.ulysses_degree == 0, "attention.ulysses_degree", att.ulysses_degree,
             "is read only with attention.impl='ulysses'")
+    require(isinstance(att.max_documents, int) and not isinstance(att.max_documents, bool)
+            and att.max_documents >= 0, "attention.max_documents", att.max_documents,
+            "runs of segment ids a row may hold for cuDNN's packed call: an integer >= 0 (0: never the packed call)")
     require(not config.model.sliding_window or impl in ("xla", "auto"), "model.sliding_window",
             config.model.sliding_window, "sliding-window attention runs in the einsum attention only: "
             f"attention.impl must be 'xla' or 'auto' (got {impl!r})")

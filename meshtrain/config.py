@@ -304,6 +304,10 @@ def default_config() -> ml_collections.ConfigDict:
     # attention.impl='ulysses': devices of mesh.sequence per all-to-all group; 0 = all of them. A divisor
     # U < mesh.sequence runs a ring across the mesh.sequence / U groups (ring x Ulysses)
     c.attention.ulysses_degree = 0
+    # cuDNN's attention on a Hopper or later GPU: rows of up to this many runs of segment ids (documents, the
+    # padding at a row's end one more) take its packed call, work proportional to the documents' squares; rows
+    # of more take the document-masked fallback (the Pallas flash kernel from head dim 128, else a bias)
+    c.attention.max_documents = 32
 
     c.remat = ml_collections.ConfigDict()
     # recomputation in the backward: none (a dense pipeline stage still remakes its dtype and layout copies,

@@ -22,7 +22,7 @@ import jax
 import ml_collections
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain import config as config_lib, mesh as mesh_lib
+from meshtrain import attention, config as config_lib, mesh as mesh_lib
 from meshtrain.config import BATCH_AXES, ModelConfig
 from meshtrain.parallel.layout import Layout
 from meshtrain.sharding_rules import Rules
@@ -73,8 +73,13 @@ class Run:
         lines = [mesh_lib.describe(self.mesh)]
         impl = self.config.attention.impl
         lines.append(f"attention: {self.layout.attention_impl}"
-                     + (f" (attention.impl='auto' on {self.layout.platform})" if impl == "auto" else ""))
+                     + (f" (attention.impl='auto' on {self.layout.platform})" if impl == "auto" else "")
+                     + (f"; {self._document_paths()}" if self.layout.attention_impl == "cudnn" else ""))
         if self.layout.pipeline is not None:
             lines.append(self.layout.pipeline.describe())
         return lines
+
+    def _document_paths(self) -> str:
+        c = self.config
+        return attention.document_paths(c.model.head_dim, c.train.seq_len, c.attention.max_documents)
 

@@ -12,6 +12,7 @@ from tests.utils import ROOT, tiny_config
 BAD = [
     # (mesh, overrides, key named in the message)
     ({}, {"train.spike_factor": 0.5}, "train.spike_factor"),
+    ({}, {"attention.max_documents": -1}, "attention.max_documents"),
     ({}, {"train.spike_steps": 0}, "train.spike_steps"),
     ({}, {"train.spike_window": 0}, "train.spike_window"),
     ({}, {"train.spike_max_rollbacks": -1}, "train.spike_max_rollbacks"),

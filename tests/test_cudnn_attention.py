@@ -98,7 +98,53 @@ def test_cudnn_refused_on_a_cpu_mesh():
     sizes = validate(c, 1, inputs=False)
     with pytest.raises(ConfigError, match="attention.impl.*NVIDIA GPUs.*'cpu'"):
         Layout.plan(c, sizes, "cpu")
-    assert Layout.plan(c, sizes, "gpu").attention is attention.cudnn_attention
+    assert Layout.plan(c, sizes, "gpu").attention.func is attention.cudnn_attention
+
+
+def _packed_row(rng, t, documents, padding):
+    """A row as the data path packs it (`data.packing`): documents with ids 1, 2, ..., then padding (0s)."""
+    cuts = np.sort(rng.choice(np.arange(1, t - padding), documents - 1, replace=False))
+    lengths = np.diff(np.concatenate([[0], cuts, [t - padding]]))
+    return np.concatenate([np.repeat(np.arange(1, documents + 1), lengths), np.zeros(padding, int)])
+
+
+def _run_mask(offsets, lengths, t):
+    """[T, T]: what cuDNN's packed call attends, read from its offsets and lengths: each segment causal."""
+    which = np.full(t, -1)
+    for start, n in zip(offsets[:-1], lengths, strict=True):  # the last offset is -1 (limit + 1 of them)
+        if start >= 0:
+            assert n > 0 and (which[start:start + n] == -1).all()
+            which[start:start + n] = start
+    assert (which >= 0).all()  # every token in one segment
+    return (which[:, None] == which[None, :]) & np.tri(t, dtype=bool)
+
+
+def test_document_runs_describe_the_einsum_attentions_mask():
+    """`attention.document_runs`: for the rows the data path packs (documents, then padding), at most
+    `limit` of them, it fits, and the segments its offsets and lengths describe attend exactly as the einsum
+    attention's mask (equal ids, causal); rows of more documents, an id that recurs, or padding before a
+    document do not fit (they take the fallback, which masks by ids). `document_branch` picks the causal
+    call for rows of one document each."""
+    rng, t, limit = np.random.default_rng(0), 64, 6
+    # the padding at a row's end is one more run: `limit` runs in all
+    rows = {"packed": [_packed_row(rng, t, n, pad) for pad in (0, 5) for n in range(1, limit + 1 - (pad > 0))],
+            "past the limit": [_packed_row(rng, t, limit + 1, 0), _packed_row(rng, t, limit, 3),
+                               _packed_row(rng, t, 20, 3)],
+            "an id recurring": [np.repeat([1, 2, 1, 3], 16), np.repeat([1, 0, 2, 0], 16)],
+            "padding first": [np.repeat([0, 1, 2, 0], 16)]}
+    for kind, group in rows.items():
+        for row in group:
+            fits, offsets, lengths = (np.asarray(x) for x in attention.document_runs(jnp.asarray(row[None]), limit))
+            assert bool(fits) == (kind == "packed"), (kind, row)
+            if fits:
+                reference = (row[:, None] == row[None, :]) & np.tri(t, dtype=bool)
+                np.testing.assert_array_equal(_run_mask(offsets[0], lengths[0], t), reference)
+                assert offsets[0, -1] == -1 and (offsets[0] >= 0).sum() == len(np.unique(row))
+    packed = jnp.asarray(np.stack(rows["packed"][:2]))
+    one_each = jnp.asarray(np.stack([np.full(t, 3), np.zeros(t, int)]))
+    assert [int(attention.document_branch(ids, lim)[0]) for ids, lim in
+            ((one_each, limit), (packed, limit), (packed, 0), (jnp.asarray(rows["past the limit"][0][None]), limit))
+            ] == [attention.DOCUMENT_BRANCHES.index(b) for b in ("one_document", "packed", "past_limit", "past_limit")]
 
 
 def _qkv(b=2, t=512, h=8, kv=2, d=64, seed=0):
@@ -120,7 +166,8 @@ def _segments(b, t, lengths):
 
 
 @gpu_only
-@pytest.mark.parametrize("lengths", [(512,), (128, 256, 96)], ids=["one_document", "documents_and_padding"])
+@pytest.mark.parametrize("lengths", [(512,), (128, 256, 96), (12,) * 40],
+                         ids=["one_document", "documents_and_padding", "past_max_documents"])
 def test_cudnn_matches_einsum_forward_and_gradients(lengths):
     q, k, v = _qkv()
     seg = _segments(2, 512, lengths)
@@ -151,3 +198,16 @@ def test_packed_row_equals_documents_one_by_one():
         alone = jax.jit(attention.cudnn_attention)(q[:, part], k[:, part], v[:, part], jnp.ones((1, n), jnp.int32))
         np.testing.assert_allclose(packed[:, part], np.asarray(alone, np.float32), **BF16_TOL)
         start += n
+
+
+def test_start_of_run_line_says_what_rows_of_documents_take(monkeypatch):
+    """`Run.describe`'s attention line under cuDNN: the packed call where JAX says the GPU is a Hopper or
+    later, up to attention.max_documents, and the fallback past it or without one."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    assert "cuDNN's packed call needs a Hopper" in attention.document_paths(128, 8192, 32)  # no GPU here
+    monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: True)
+    line = attention.document_paths(128, 8192, 32)
+    assert "packed call up to attention.max_documents=32" in line and line.endswith("the Pallas flash kernel")
+    assert attention.document_paths(64, 4096, 32).endswith("cuDNN with the document mask as a bias")
+    assert "packed" not in attention.document_paths(64, 4096, 0)

@@ -251,19 +251,22 @@ def test_sampling_program_compiles_for_h100(overrides):
     assert report.sampling.memory["argument"] > 0
 
 
-# attention.impl=auto on an NVIDIA GPU: cuDNN's causal call and its document-masked one (a bias), each
-# with its backward (`attention.cudnn_attention`); from head dim `PALLAS_DOCUMENTS_MIN_HEAD_DIM` on the
-# document-masked branch is the Pallas flash kernel instead
+# attention.impl=auto on an NVIDIA GPU (`attention.cudnn_attention`, `attention.DOCUMENT_BRANCHES`): cuDNN's
+# causal call, on a Hopper its packed call (rows of up to attention.max_documents documents), and past that the
+# document-masked fallback, a bias call, or from head dim `PALLAS_DOCUMENTS_MIN_HEAD_DIM` on the Pallas flash
+# kernel; each with its backward
 CAUSAL_CUDNN_CALLS = {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}
-CUDNN_CALLS = CAUSAL_CUDNN_CALLS | {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"}
+PACKED_CUDNN_CALLS = {call + hlo.PACKED for call in CAUSAL_CUDNN_CALLS}
+BIAS_CUDNN_CALLS = {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"}
+CUDNN_CALLS = CAUSAL_CUDNN_CALLS | PACKED_CUDNN_CALLS | BIAS_CUDNN_CALLS
 FLASH_KERNELS = {"flash_attention_forward", "flash_attention_dq", "flash_attention_dkdv"}
 
 
 def _assert_cudnn_document_branch(config, report):
-    """cuDNN's causal calls, and for the document-masked branch cuDNN's bias calls or, at head dim
-    PALLAS_DOCUMENTS_MIN_HEAD_DIM and up, the Pallas flash kernels as Triton calls."""
+    """cuDNN's causal and packed calls (every target here a Hopper), and past the packed call's limit cuDNN's
+    bias calls or, at head dim PALLAS_DOCUMENTS_MIN_HEAD_DIM and up, the Pallas flash kernels as Triton calls."""
     if config.model.head_dim >= attention.PALLAS_DOCUMENTS_MIN_HEAD_DIM:
-        assert set(report.step.cudnn_attention) == CAUSAL_CUDNN_CALLS, report.step.cudnn_attention
+        assert set(report.step.cudnn_attention) == CAUSAL_CUDNN_CALLS | PACKED_CUDNN_CALLS, report.step.cudnn_attention
         assert set(report.step.kernels) >= FLASH_KERNELS, report.step.kernels
     else:
         assert set(report.step.cudnn_attention) == CUDNN_CALLS, report.step.cudnn_attention
@@ -280,6 +283,25 @@ def test_runbook_step_runs_cudnn_attention_on_h200():
     report = aot.compile_report(config, "h200", 1, sample=None)
     assert set(report.step.cudnn_attention) == CUDNN_CALLS and not report.step.kernels
     assert report.fits and 0.121 < report.modeled_mfu < 1.0
+
+
+def test_packed_documents_priced_as_cudnns_causal_call():
+    """The runbook's step on packed rows (`modeled_mfu`, what `bench/aot.py` checks) takes cuDNN's packed
+    call, which the kernel model prices as the causal call over the whole row (an upper bound on the work
+    the documents leave): within 1% of the step on rows of one document each. On an A100 (no packed call
+    before Hopper) the document-masked rows take the bias call, and the same step models slower."""
+    sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+    import mfu
+
+    steps = {}
+    for target in ("h200", "a100"):
+        config = mfu.bench_config(False, "bf16", False, "auto")
+        apply_overrides(config, {"model.n_layers": 2})
+        report = aot.compile_report(config, target, 1, sample=None)
+        steps[target] = report.step.modeled_seconds / report.step.modeled_seconds_one_document
+        packed = {call for call in report.step.cudnn_attention if call.endswith(hlo.PACKED)}
+        assert packed == (PACKED_CUDNN_CALLS if target == "h200" else set()), report.step.cudnn_attention
+    assert steps["h200"] <= 1.01 < steps["a100"], steps
 
 
 def test_llama3_8b_kernels_are_triton_calls():

@@ -216,7 +216,7 @@ def attention_fn(config: ml_collections.ConfigDict, flash: bool = False,
     if impl == "pallas":
         return attention_lib.pallas_attention
     if impl == "cudnn":
-        return attention_lib.cudnn_attention
+        return functools.partial(attention_lib.cudnn_attention, max_documents=config.attention.max_documents)
     if config.attention.scores_dtype != "float32":
         return functools.partial(attention_lib.xla_attention, scores_dtype=config.attention.scores_dtype)
     return attention_lib.xla_attention

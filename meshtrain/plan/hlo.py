@@ -470,12 +470,17 @@ def triton_kernels(hlo: str) -> collections.Counter:
 
 def cudnn_attention_calls(hlo: str) -> collections.Counter:
     """cuDNN fused-attention custom call target (`__cudnn$fmhaSoftmax`, its backward, the bias
-    variants) -> how many the compiled module holds."""
+    variants; + PACKED for its packed call, rows of several documents) -> how many the compiled module
+    holds."""
     found: collections.Counter = collections.Counter()
     for line in hlo.splitlines():
         if (t := _CUSTOM_TARGET.search(line)) and t.group(1).startswith("__cudnn$fmha"):
-            found[t.group(1)] += 1
+            packed = (seg := _MAX_SEGMENTS.search(line)) and int(seg.group(1)) > 1
+            found[t.group(1) + (PACKED if packed else "")] += 1
     return found
+
+
+PACKED = " packed"  # `cudnn_attention_calls`' suffix for cuDNN's packed (THD) calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -597,6 +602,7 @@ class Kernel:
     efficiency: float = 0.0
     tf32: bool = False  # a GEMM of float32 operands: Hopper runs it as TF32 (`TF32_EFFICIENCY`)
     attention: bool = False  # a cuDNN fused-attention call or a Pallas flash attention kernel
+    packed: bool = False  # cuDNN's packed (THD) attention call: rows of several documents, each causal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -693,6 +699,7 @@ _GROUPED_FUSED = {"grouped_swiglu": (2, "grouped_matmul"), "grouped_swiglu_dx": 
                   "grouped_dual_dx": (2, "grouped_matmul_dx")}
 _FMHA_SHAPE = re.compile(r'"intermediate_tensor_shape"\s*:\s*\{[^}]*?"dimensions"\s*:\s*\[([^\]]*)\]')
 _MASK_TYPE = re.compile(r'"mask_type"\s*:\s*"(\w+)"')
+_MAX_SEGMENTS = re.compile(r'"max_seg_per_batch"\s*:\s*"?(\d+)')
 
 
 def _attention_flops(batch: int, heads: int, length_q: int, length_kv: int, head_dim: int, causal: bool) -> float:
@@ -771,9 +778,11 @@ def kernels(hlo: str, branch_weights=None, price=None,
     branch per call: with `branch_weights` (for conditionals of that many branches) each branch counts
     that share of the calls; otherwise only the branch that `price` (kernels -> seconds) makes longest,
     or without `price` the one of the most launches (a lock-step tick lasts as long as its slowest
-    stage's branch). `attention_branch="shortest"` prices a conditional each of whose branches is
-    itself an attention call (`attention.cudnn_attention`'s choice between cuDNN's causal call and the
-    document-masked one) by its cheapest branch: the step of a batch whose rows are one document each;
+    stage's branch). A conditional each of whose branches is itself an attention call
+    (`attention.cudnn_attention`'s choice, `attention.DOCUMENT_BRANCHES`: cuDNN's causal call, its packed
+    call, the document-masked fallback past `attention.max_documents`) counts its packed call where it has
+    one (rows of documents), else its longest branch; `attention_branch="shortest"` prices it by its
+    cheapest branch: the step of a batch whose rows are one document each;
     a pipeline tick's switch (its stages' attention nested in their layer loops) keeps its longest. A fusion
     reads of a parameter only what its (dynamic-)slices take (a layer of a
     scanned stack), and updates an operand in place when its root is a dynamic-update-slice (writing
@@ -836,7 +845,11 @@ def kernels(hlo: str, branch_weights=None, price=None,
                     walked = [walk(branch, factor, share) for branch in names]
                     attention_choice = len(names) > 1 and all(  # every branch itself an attention call
                         any(k.attention for k in own(branch)) for branch in names)
-                    out += (min if attention_branch == "shortest" and attention_choice else max)(walked, key=cost)
+                    packed = [w for b, w in zip(names, walked, strict=True) if any(k.packed for k in own(b))]
+                    if attention_choice and attention_branch != "shortest" and packed:
+                        out += packed[0]  # rows of documents: cuDNN's packed call, not the fallback past its limit
+                    else:
+                        out += (min if attention_branch == "shortest" and attention_choice else max)(walked, key=cost)
             elif opcode == "call" and (t := re.search(r"\bto_apply=%?([\w.\-]+)", rest)) and t.group(1) in parsed:
                 out += walk(t.group(1), factor, share)
         return out
@@ -908,7 +921,8 @@ def _kernel(m, shapes: dict[str, str], parsed) -> Kernel | None:
     name = _KERNEL_NAME.search(rest)
     attention = opcode.startswith("__cudnn$fmha") or (
         opcode == _TRITON_TARGET and name is not None and name.group(1) in _PALLAS_FLASH)
-    return Kernel(m.group(1), opcode, float(moved), float(flops), 1.0, efficiency, tf32, attention)
+    packed = attention and bool((seg := _MAX_SEGMENTS.search(rest)) and int(seg.group(1)) > 1)
+    return Kernel(m.group(1), opcode, float(moved), float(flops), 1.0, efficiency, tf32, attention, packed)
 
 
 def _operand_name(arg: str) -> str:
