@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain import config as config_lib
 from meshtrain.config import BATCH_AXES, CONTEXT_PARALLEL_IMPLS, require
-from meshtrain.pallas_kernels import flash_attention
+from meshtrain.pallas_kernels import flash_attention, runs_are_documents
 from meshtrain.pallas_kernels.flash_attention import MIN_BLOCK
 from meshtrain.sharding_rules import auto_axes, per_shard
 
@@ -187,18 +187,11 @@ def document_runs(segment_ids: jax.Array, limit: int) -> tuple[jax.Array, jax.Ar
 
     Each run of equal ids is a segment: offsets its first token, lengths its tokens, -1 past the row's last
     (JAX's `q_offsets` / `q_seqlen`). `fits` (a scalar): every row's runs are its documents, as the einsum
-    attention's mask (`xla_attention`: equal ids) sees them, and number at most `limit`: each run's id is
-    above every id before it in the row, or the row ends in one run of 0s (padding) with no 0 before it."""
+    attention's mask (`xla_attention`: equal ids) sees them (`pallas_kernels.runs_are_documents`), and
+    number at most `limit`."""
     b, t = segment_ids.shape
     starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    before = jax.lax.cummax(segment_ids, axis=1)[:, :-1]  # the largest id before each token
-    zero = segment_ids == 0
-    zeros_to_end = jnp.flip(jax.lax.cummin(jnp.flip(zero, 1).astype(jnp.int32), axis=1), 1).astype(bool)
-    zero_before = jax.lax.cummax(zero.astype(jnp.int32), axis=1)[:, :-1].astype(bool)
-    new = segment_ids[:, 1:] > before
-    padding = zeros_to_end[:, 1:] & ~zero_before
-    documents = jnp.all(~starts[:, 1:] | new | padding)
-    fits = documents & jnp.all(starts.sum(axis=1) <= limit)
+    fits = jnp.all(runs_are_documents(segment_ids)) & jnp.all(starts.sum(axis=1) <= limit)
     offsets = jax.vmap(lambda s: jnp.nonzero(s, size=limit + 1, fill_value=-1)[0])(starts).astype(jnp.int32)
     ends = jnp.where(offsets[:, 1:] >= 0, offsets[:, 1:], t)
     lengths = jnp.where(offsets[:, :-1] >= 0, ends - offsets[:, :-1], -1).astype(jnp.int32)

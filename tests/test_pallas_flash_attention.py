@@ -7,6 +7,7 @@ import pytest
 
 from meshtrain.pallas_kernels import (
     FlashBlockSizes,
+    document_tiles,
     flash_attention,
     flash_attention_reference,
     flash_attention_with_lse,
@@ -165,6 +166,63 @@ def test_tiles_below_and_across_the_diagonal(blocks, segments):
     _assert_close(got, want, F32_TOL)
 
 
+def _packed(lengths, length):
+    """One row as the data path packs it: documents of `lengths` with ids 1, 2, ..., then padding (0s)."""
+    ids = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)] + [np.zeros(length - sum(lengths))])
+    return jnp.asarray(ids[None], jnp.int32)
+
+
+DOCUMENT_ROWS = {
+    "documents and padding": _packed((40, 7, 100, 3, 60), 256),
+    "one document": _packed((256,), 256),
+    "an id recurring": jnp.asarray(np.repeat([1, 2, 1, 3], 64)[None], jnp.int32),  # no tile skipped
+    "padding first": jnp.asarray(np.repeat([0, 1, 0], [30, 200, 26])[None], jnp.int32),  # no tile skipped
+}
+
+
+@pytest.mark.parametrize("row", list(DOCUMENT_ROWS), ids=lambda name: name.replace(" ", "-"))
+def test_tiles_of_other_documents_skipped_exactly(row):
+    """Self-attention over packed documents (`segment_ids`) skips the tiles that hold other documents' keys
+    alone (`document_tiles`): forward and gradients equal the reference, with 16-row tiles (many per
+    document, documents across tile edges), and where ids recur no tile is skipped."""
+    q, k, v, d_out, d_lse = _inputs(1, 256, 256, 4, 2, 32, jnp.float32, seed=5)
+    blocks = FlashBlockSizes(block_q=16, block_kv=32, block_q_bwd=32, block_kv_bwd=16)
+    kw = {"causal": True, "segment_ids": DOCUMENT_ROWS[row]}
+    got = _value_and_grads(flash_attention_with_lse, q, k, v, d_out, d_lse, interpret=INTERPRET,
+                           block_sizes=blocks, **kw)
+    want = _value_and_grads(flash_attention_with_lse_reference, q, k, v, d_out, d_lse, **kw)
+    _assert_close(got, want, F32_TOL)
+
+
+def _visited(first_kv, end_q, bq, bk, length):
+    """The (query tile, key tile) pairs the forward and the dk/dv kernels visit: from `first_kv` (or up to
+    `end_q`) to the causal diagonal."""
+    forward = {(i, j) for i, first in enumerate(first_kv) for j in range(first, ((i + 1) * bq - 1) // bk + 1)}
+    dkdv = {(i, j) for j, end in enumerate(end_q) for i in range(j * bk // bq, end)}
+    return forward, dkdv
+
+
+@pytest.mark.parametrize("bq, bk", [(16, 32), (32, 16), (64, 64)])
+def test_document_tiles_are_the_tiles_documents_fill(bq, bk):
+    """For rows of documents the kernels visit exactly the tiles that hold a (query, key) pair of one
+    document, causal: work in the documents' squares, not the row's; for a row whose ids recur, every
+    tile up to the diagonal."""
+    length, rng = 512, np.random.default_rng(3)
+    for lengths in ((512,), (300, 12, 200), tuple(rng.multinomial(500, np.ones(9) / 9))):
+        ids = _packed(lengths, length)
+        first_kv, end_q = (np.asarray(x[0]) for x in document_tiles(ids, bq, bk))
+        row = np.asarray(ids[0])
+        allowed = (row[:, None] == row[None, :]) & np.tri(length, dtype=bool)
+        needed = {(i, j) for i in range(length // bq) for j in range(length // bk)
+                  if allowed[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].any()}
+        forward, dkdv = _visited(first_kv, end_q, bq, bk, length)
+        assert forward == needed == dkdv, lengths
+    causal = {(i, j) for i in range(length // bq) for j in range(((i + 1) * bq - 1) // bk + 1)}
+    recurring = jnp.asarray(np.repeat([1, 2, 1, 2], length // 4)[None], jnp.int32)
+    first_kv, end_q = (np.asarray(x[0]) for x in document_tiles(recurring, bq, bk))
+    assert _visited(first_kv, end_q, bq, bk, length) == (causal, causal)
+
+
 def test_launch_params_default_by_head_dim_and_are_checked():
     assert FlashBlockSizes().launch_params(64, backward=False) == (4, 2)
     assert FlashBlockSizes().launch_params(128, backward=True) == (8, 2)
@@ -234,6 +292,7 @@ LOWERING = [
     # llama3_8b: 32 heads, 8 KV heads, head_dim 128, L = 8192, batch 1, bf16.
     (1, 8192, 8192, 32, 8, 128, jnp.bfloat16, "plain"),
     (1, 8192, 8192, 32, 8, 128, jnp.bfloat16, "segments"),
+    (1, 8192, 8192, 32, 8, 128, jnp.bfloat16, "documents"),  # self-attention: other documents' tiles skipped
     (1, 4096, 8192, 32, 8, 128, jnp.bfloat16, "ring"),
     *[(b, n, n, h, kh, d, jnp.float32, "segments" if s else "plain") for b, n, h, kh, d, _, s in GRID],
     # DeepSeek-V3's latent attention: queries and keys 192 wide (padded to 256), values 128
@@ -254,7 +313,9 @@ def test_lowers_to_triton_forward_and_backward(b, lq, lk, h, kh, d, dtype, mode)
 
     def fwd(q, k, v, iq, ikv):
         kw = {}
-        if mode != "plain":
+        if mode == "documents":
+            kw = {"segment_ids": iq}
+        elif mode != "plain":
             kw = {"q_segment_ids": iq, "kv_segment_ids": ikv}
         if mode == "ring":
             kw.update(q_positions=iq, kv_positions=ikv)

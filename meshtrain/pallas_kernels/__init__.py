@@ -14,10 +14,12 @@ from meshtrain.pallas_kernels.cross_entropy import (
 )
 from meshtrain.pallas_kernels.flash_attention import (
     FlashBlockSizes,
+    document_tiles,
     flash_attention,
     flash_attention_reference,
     flash_attention_with_lse,
     flash_attention_with_lse_reference,
+    runs_are_documents,
 )
 from meshtrain.pallas_kernels.rms_norm import (
     RMSNormBlockSizes,
@@ -29,10 +31,12 @@ __all__ = [
     "CrossEntropyBlockSizes",
     "FlashBlockSizes",
     "RMSNormBlockSizes",
+    "document_tiles",
     "flash_attention",
     "flash_attention_reference",
     "flash_attention_with_lse",
     "flash_attention_with_lse_reference",
+    "runs_are_documents",
     "fused_cross_entropy",
     "fused_cross_entropy_reference",
     "rms_norm",

@@ -10,7 +10,9 @@ attention without copying K/V). Inputs may be bf16; all accumulation is fp32
 ("Mixed Precision Training").
 
 Masks: `causal` keeps keys with kv_position <= q_position (positions default to
-0..L-1 for both sides); segment ids keep keys of the same document. A query row
+0..L-1 for both sides); segment ids keep keys of the same document. Self-attention
+over packed documents (`segment_ids`) skips the tiles that hold other documents alone
+(`document_tiles`): work in the documents' squares, not the row's. A query row
 that sees no key at all gets out = 0 and lse = -inf; its gradients are 0 and
 finite. The lse output is differentiable, so ring attention (playbook, "Context
 Parallelism") can combine the partial results of its ring steps.
@@ -121,14 +123,51 @@ class _Config:
     interpret: bool
     has_segments: bool
     has_positions: bool  # explicit positions given (else 0..L-1, which allows tile skipping)
+    # self-attention over documents (`segment_ids`, default positions): tiles of other documents are skipped
+    # by each tile's bounds (`document_tiles`), which come after the other side inputs
+    skips_documents: bool = False
 
 
 def _split_refs(refs, cfg: _Config):
-    """Unpacks (q, k, v, [q_seg, kv_seg], [q_pos, kv_pos], *rest) kernel refs."""
+    """Unpacks (q, k, v, [q_seg, kv_seg], [q_pos, kv_pos], [bound], *rest) kernel refs; `bound`, where
+    documents are skipped, is the tile's own bound (`document_tiles`) as a scalar, else None."""
     q_ref, k_ref, v_ref, *rest = refs
     segs = (rest.pop(0), rest.pop(0)) if cfg.has_segments else None
     pos = (rest.pop(0), rest.pop(0)) if cfg.has_positions else None
-    return q_ref, k_ref, v_ref, segs, pos, rest
+    bound = rest.pop(0)[0] if cfg.skips_documents else None
+    return q_ref, k_ref, v_ref, segs, pos, bound, rest
+
+
+def runs_are_documents(segment_ids: jax.Array) -> jax.Array:
+    """[B] bool: each row's runs of equal ids are its documents, every token seeing its own run alone (as
+    a mask of equal ids sees them): each run's id is above every id before it in the row, or the row ends in
+    one run of 0s (padding) with no 0 before it. What the data path packs (`data.packing`)."""
+    starts = segment_ids[:, 1:] != segment_ids[:, :-1]
+    before = lax.cummax(segment_ids, axis=1)[:, :-1]  # the largest id before each token
+    zero = segment_ids == 0
+    zeros_to_end = jnp.flip(lax.cummin(jnp.flip(zero, 1).astype(jnp.int32), axis=1), 1).astype(bool)
+    zero_before = lax.cummax(zero.astype(jnp.int32), axis=1)[:, :-1].astype(bool)
+    padding = zeros_to_end[:, 1:] & ~zero_before
+    return jnp.all(~starts | (segment_ids[:, 1:] > before) | padding, axis=1)
+
+
+def document_tiles(segment_ids: jax.Array, block_q: int, block_kv: int) -> tuple[jax.Array, jax.Array]:
+    """The tiles a document mask leaves, for self-attention over rows of `segment_ids` [B, L]:
+    (first_kv [B, L / block_q]: the first key tile query tile i can see, the one holding the start of its
+    first token's document; end_q [B, L / block_kv]: one past the last query tile key tile j can be seen
+    from, the one holding the end of its last token's document). Rows whose runs are not their documents
+    (`runs_are_documents`) keep every tile: 0 and L / block_q."""
+    b, length = segment_ids.shape
+    index = jnp.arange(length, dtype=jnp.int32)
+    change = segment_ids[:, 1:] != segment_ids[:, :-1]
+    starts = jnp.concatenate([jnp.ones((b, 1), bool), change], axis=1)
+    ends = jnp.concatenate([change, jnp.ones((b, 1), bool)], axis=1)  # the last token of its run
+    first = lax.cummax(jnp.where(starts, index, 0), axis=1)
+    last = jnp.flip(lax.cummin(jnp.flip(jnp.where(ends, index, length - 1), 1), axis=1), 1)
+    documents = runs_are_documents(segment_ids)[:, None]
+    first_kv = jnp.where(documents, first[:, ::block_q] // block_kv, 0)
+    end_q = jnp.where(documents, last[:, block_kv - 1::block_kv] // block_q + 1, length // block_q)
+    return first_kv.astype(jnp.int32), end_q.astype(jnp.int32)
 
 
 def _mask(cfg: _Config, q_pos, kv_pos, q_seg, kv_seg, causal: bool):
@@ -156,7 +195,7 @@ def _positions(cfg, pos_ref, index, start, size):
 
 
 def _forward_kernel(*refs, cfg: _Config, len_kv: int):
-    q_ref, k_ref, v_ref, segs, pos, (o_ref, lse_ref) = _split_refs(refs, cfg)
+    q_ref, k_ref, v_ref, segs, pos, first_kv, (o_ref, lse_ref) = _split_refs(refs, cfg)
     bq, bk = cfg.blocks.block_q, cfg.blocks.block_kv
     i = pl.program_id(2)
     q = q_ref[...]  # [bq, D]
@@ -182,28 +221,30 @@ def _forward_kernel(*refs, cfg: _Config, len_kv: int):
         jnp.full((bq,), _INIT_MAX, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
-    acc, m, denom = _diagonal_loops(cfg, i, bq, bk, len_kv, body, init)
+    acc, m, denom = _diagonal_loops(cfg, i, bq, bk, len_kv, body, init, first_kv)
     empty = denom == 0.0
     denom_safe = jnp.where(empty, 1.0, denom)
     o_ref[...] = (acc / denom_safe[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(denom_safe))
 
 
-def _diagonal_loops(cfg: _Config, i, bq: int, bk: int, len_kv: int, body, init):
-    """Runs `body(j, carry, causal)` over the K/V tiles query tile `i` reads. Causal with default
-    positions: the tiles wholly below the diagonal first, with no causal mask to build (most of them),
-    then the ones the diagonal crosses; the tiles right of it, all masked, are skipped."""
+def _diagonal_loops(cfg: _Config, i, bq: int, bk: int, len_kv: int, body, init, first_kv=None):
+    """Runs `body(j, carry, causal)` over the K/V tiles query tile `i` reads, from `first_kv` (None: 0; the
+    tiles before it hold other documents' keys alone). Causal with default positions: the tiles wholly below
+    the diagonal first, with no causal mask to build (most of them), then the ones the diagonal crosses; the
+    tiles right of it, all masked, are skipped."""
     num_kv = len_kv // bk
+    first = 0 if first_kv is None else first_kv
     if not (cfg.causal and not cfg.has_positions):
-        return lax.fori_loop(0, num_kv, functools.partial(body, causal=True), init)
+        return lax.fori_loop(first, num_kv, functools.partial(body, causal=True), init)
     num_kv = jnp.minimum(lax.div((i + 1) * bq + bk - 1, bk), num_kv)
     num_below = jnp.minimum(lax.div(i * bq, bk), num_kv)  # tile j's last key (j+1)*bk-1 < i*bq
-    carry = lax.fori_loop(0, num_below, functools.partial(body, causal=False), init)
-    return lax.fori_loop(num_below, num_kv, functools.partial(body, causal=True), carry)
+    carry = lax.fori_loop(first, num_below, functools.partial(body, causal=False), init)
+    return lax.fori_loop(jnp.maximum(first, num_below), num_kv, functools.partial(body, causal=True), carry)
 
 
 def _dq_kernel(*refs, cfg: _Config, len_kv: int):
-    q_ref, k_ref, v_ref, segs, pos, rest = _split_refs(refs, cfg)
+    q_ref, k_ref, v_ref, segs, pos, first_kv, rest = _split_refs(refs, cfg)
     do_ref, lse_ref, delta_ref, dq_ref = rest
     bq, bk = cfg.blocks.block_q_bwd, cfg.blocks.block_kv_bwd
     i = pl.program_id(2)
@@ -221,19 +262,19 @@ def _dq_kernel(*refs, cfg: _Config, len_kv: int):
         ds = p * (dot(do, v, NT) - delta[:, None])
         return dq + dot(ds.astype(k.dtype), k, NN)
 
-    dq = _diagonal_loops(cfg, i, bq, bk, len_kv, body, jnp.zeros(q.shape, jnp.float32))
+    dq = _diagonal_loops(cfg, i, bq, bk, len_kv, body, jnp.zeros(q.shape, jnp.float32), first_kv)
     dq_ref[...] = (dq * cfg.sm_scale).astype(dq_ref.dtype)
 
 
 def _dkdv_kernel(*refs, cfg: _Config, len_q: int, group: int):
-    q_ref, k_ref, v_ref, segs, pos, rest = _split_refs(refs, cfg)
+    q_ref, k_ref, v_ref, segs, pos, end_q, rest = _split_refs(refs, cfg)
     do_ref, lse_ref, delta_ref, dk_ref, dv_ref = rest
     bq, bk = cfg.blocks.block_q_bwd, cfg.blocks.block_kv_bwd
     j = pl.program_id(2)
     k, v = k_ref[...], v_ref[...]  # [bk, D], [bk, Dv]
     kv_pos = _positions(cfg, pos and pos[1], slice(None), j * bk, bk)
     kv_seg = segs[1][...] if segs else None
-    num_q = len_q // bq
+    num_q = len_q // bq if end_q is None else end_q  # the q tiles from end_q on hold other documents alone
     default_causal = cfg.causal and not cfg.has_positions
     first_q = lax.div(j * bk, bq) if default_causal else 0  # the q tiles above the diagonal see no key here
     # q tiles from here on lie wholly below the diagonal (first query i*bq >= last key (j+1)*bk-1): no causal
@@ -262,8 +303,9 @@ def _dkdv_kernel(*refs, cfg: _Config, len_q: int, group: int):
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _side_inputs(cfg, q_seg, kv_seg, q_pos, kv_pos, q_spec, kv_spec):
-    """Segment / position operands and their BlockSpecs, in kernel order."""
+def _side_inputs(cfg, q_seg, kv_seg, q_pos, kv_pos, q_spec, kv_spec, bounds=None):
+    """Segment / position operands and their BlockSpecs, in kernel order; then, where documents are
+    skipped, `bounds` [B, tiles] (`document_tiles`), one a program (its grid's last index)."""
     args, specs = [], []
     if cfg.has_segments:
         args += [q_seg, kv_seg]
@@ -271,6 +313,9 @@ def _side_inputs(cfg, q_seg, kv_seg, q_pos, kv_pos, q_spec, kv_spec):
     if cfg.has_positions:
         args += [q_pos, kv_pos]
         specs += [q_spec, kv_spec]
+    if cfg.skips_documents:
+        args.append(bounds)
+        specs.append(pl.BlockSpec((None, 1), lambda b_, h_, i: (b_, i)))
     return args, specs
 
 
@@ -283,6 +328,7 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
     b, len_q, h, d = q.shape
     len_kv, kh = k.shape[1], k.shape[2]
     group, bq = h // kh, cfg.blocks.block_q
+    first_kv = document_tiles(q_seg, bq, cfg.blocks.block_kv)[0] if cfg.skips_documents else None
     side, side_specs = _side_inputs(
         cfg,
         q_seg,
@@ -291,6 +337,7 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
         kv_pos,
         pl.BlockSpec((None, bq), lambda b_, h_, i: (b_, i)),
         pl.BlockSpec((None, len_kv), lambda b_, h_, i: (b_, 0)),
+        first_kv,
     )
     value_dim = v.shape[-1]
     kv_spec = pl.BlockSpec((None, len_kv, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0))
@@ -325,6 +372,7 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do,
     delta = delta - dlse
     lse = jnp.where(jnp.isneginf(lse), 0.0, lse)  # rows without keys: all p are exp(-inf) = 0
     do = do.astype(q.dtype)
+    first_kv, end_q = document_tiles(q_seg, bq, bk) if cfg.skips_documents else (None, None)
 
     side, side_specs = _side_inputs(
         cfg,
@@ -334,6 +382,7 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do,
         kv_pos,
         pl.BlockSpec((None, bq), lambda b_, h_, i: (b_, i)),
         pl.BlockSpec((None, len_kv), lambda b_, h_, i: (b_, 0)),
+        first_kv,
     )
     value_dim = v.shape[-1]
     q_spec = pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0))
@@ -360,6 +409,7 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do,
         kv_pos,
         pl.BlockSpec((None, len_q), lambda b_, g_, j: (b_, 0)),
         pl.BlockSpec((None, bk), lambda b_, g_, j: (b_, j)),
+        end_q,
     )
     q_group_spec = pl.BlockSpec((None, len_q, group, d), lambda b_, g_, j: (b_, 0, g_, 0))
     do_group_spec = pl.BlockSpec((None, len_q, group, value_dim), lambda b_, g_, j: (b_, 0, g_, 0))
@@ -511,6 +561,7 @@ def flash_attention_with_lse(
         interpret=resolve_interpret(interpret),
         has_segments=q_seg is not None,
         has_positions=has_positions,
+        skips_documents=segment_ids is not None and not has_positions and q.shape[1] == k.shape[1],
     )
     if not has_positions:
         q_pos = kv_pos = None
