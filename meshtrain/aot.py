@@ -76,6 +76,7 @@ REFERENCE_MESHES: dict[str, tuple[str, int, dict]] = {
     "mixtral-expert8-tensor8": ("mixtral_8x7b", 64, {"mesh.fsdp": 1, "mesh.expert": 8, "mesh.tensor": 8,
                                                      "train.batch_size": 8}),
     "8b-fsdp8-kernels": ("llama3_8b", 8, {"mesh.fsdp": 8, "train.batch_size": 8, **KERNELS}),
+    "8b-fsdp8-fp8": ("llama3_8b", 8, {"mesh.fsdp": 8, "train.batch_size": 8, "model.matmul_precision": "fp8"}),
     "8b-fsdp4-sequence2-ring": ("llama3_8b", 8, {"mesh.fsdp": 4, "mesh.sequence": 2, "train.batch_size": 4,
                                                  "attention.impl": "ring"}),
 }

@@ -364,6 +364,9 @@ def test_fp8_matmuls_are_fp8_gemms_on_h100(name):
     (bf16_text, bf16_memory, _), (text, memory, run), executed, runs = _precision_pair(name)
     assert executed.of_types("f8e4m3fn", "f8e4m3fn") == pytest.approx(runs)  # forward
     assert executed.of_types("f8e4m3fn", "f8e5m2") == pytest.approx(2 * runs)  # input and weight gradients
+    # the kernel model prices those GEMMs on the FP8 tensor cores, as it runs them: no fewer launches
+    launches = sum(k.runs for k in hlo.kernels(text, branch_weights=run.layout.branch_share()) if k.fp8)
+    assert launches == pytest.approx(executed.fp8)
     assert hlo.f8_conversions(text) == 0  # no quantised tensor widened again: no bf16 copy of a weight
     # nor does FP8 keep one beside its e4m3 copies: its temporaries exceed bf16's by less than a bf16 copy
     # of the device's parameters (since the SwiGLU backward's custom gradient the two differ by 0.1 to 2%,

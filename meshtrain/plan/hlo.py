@@ -603,6 +603,7 @@ class Kernel:
     tf32: bool = False  # a GEMM of float32 operands: Hopper runs it as TF32 (`TF32_EFFICIENCY`)
     attention: bool = False  # a cuDNN fused-attention call or a Pallas flash attention kernel
     packed: bool = False  # cuDNN's packed (THD) attention call: rows of several documents, each causal
+    fp8: bool = False  # a GEMM of two FP8 operands: Hopper's FP8 tensor cores (`FP8_EFFICIENCY` of their peak)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -624,12 +625,19 @@ class KernelTimes:
 
     def seconds(self, kernels, gpu) -> float:
         """The kernels run one after another (one stream), each `runs` times."""
-        return sum(k.runs * (max(k.flops / (gpu.peak_flops * self.rate(k)),
+        return sum(k.runs * (max(k.flops / self.flop_rate(k, gpu),
                                  k.bytes / (gpu.hbm_bandwidth * self.hbm_efficiency)) + self.launch)
                    for k in kernels)
 
+    def flop_rate(self, kernel: Kernel, gpu) -> float:
+        """FLOP/s at which `kernel`'s FLOPs run on `gpu`: a GEMM of two FP8 operands at `FP8_EFFICIENCY` of
+        the FP8 peak (where the GPU has FP8 tensor cores), the others at `rate` of the bf16 peak."""
+        if kernel.fp8 and not kernel.efficiency and gpu.peak_fp8_flops:
+            return gpu.peak_fp8_flops * FP8_EFFICIENCY
+        return gpu.peak_flops * self.rate(kernel)
+
     def rate(self, kernel: Kernel) -> float:
-        """The share of the bf16 peak at which `kernel`'s FLOPs run."""
+        """The share of the bf16 peak at which `kernel`'s FLOPs run (FP8 GEMMs aside: `flop_rate`)."""
         if kernel.efficiency:
             return kernel.efficiency
         return min(self.flop_efficiency, TF32_EFFICIENCY) if kernel.tf32 else self.flop_efficiency
@@ -648,6 +656,15 @@ def module_seconds(gpu, times: KernelTimes = KERNEL_TIMES) -> Callable[[str], fl
 # logits' float32 gradient against bf16 operands, [16384, 2048] x [2048, 128256]) ran in the profiled
 # step of `bench/gpu/mfu.py` on one H200 (2026-11-27): 58 ms for 17.2 TFLOP.
 TF32_EFFICIENCY = 0.30
+
+# A GEMM of two FP8 operands (e4m3 / e5m2, float32 accumulation) on Hopper's FP8 tensor cores: the share of
+# the FP8 peak (`hardware.Gpu.peak_fp8_flops`, twice the bf16 one) it runs at. NOT measured here yet (no GPU
+# has run meshtrain's FP8 step): a published cuBLASLt micro-benchmark (TN layout, bf16 output, float32
+# accumulation, 8192 x 8192 x 8192, 500 iterations on 16 H100 SXM GPUs, 2026-05-24) measured 1,599 to 1,630
+# TFLOP/s, 1,611 on average: 0.81 of 1,979. The bf16 GEMMs' `KernelTimes.flop_efficiency` (0.85) was fitted
+# to measured steps; this one is a kernel alone at a large square shape. The GPU runbook's `mfu` part
+# measures the FP8 step beside the bf16 one, from which this figure is to be set.
+FP8_EFFICIENCY = 0.81
 
 # Attention kernels and the fused head + loss, priced by their FLOPs (the compiled module's text gives
 # their shapes, not what they compute): the share of the bf16 peak each reached, by head_dim (64: up to
@@ -886,7 +903,7 @@ def _kernel(m, shapes: dict[str, str], parsed) -> Kernel | None:
         return None
     args = [_operand_name(a) for a in _top_level_args(rest)]
     operand_bytes = [_nbytes(shapes.get(a, "")) for a in args]
-    out_bytes, flops, efficiency, tf32 = _nbytes(m.group(2)), 0.0, 0.0, False
+    out_bytes, flops, efficiency, tf32, fp8 = _nbytes(m.group(2)), 0.0, 0.0, False, False
     callee = re.search(r"\bcalls=%?([\w.\-]+)", rest) if opcode in ("fusion", "fusion-start") else None
     if callee and callee.group(1) in parsed:
         if opcode == "fusion-start":  # ((operands), result, context): the result is the fused root's
@@ -895,21 +912,25 @@ def _kernel(m, shapes: dict[str, str], parsed) -> Kernel | None:
         moved = _fusion_bytes(parsed[callee.group(1)], operand_bytes, out_bytes)
         flops = _dot_flops(parsed, callee.group(1))
         tf32 = flops > 0 and _float32_dots(parsed, callee.group(1))
+        fp8 = flops > 0 and _fp8_dots(parsed, callee.group(1))
     else:
         target = _CUSTOM_TARGET.search(rest) if opcode == "custom-call" else None
         if target and target.group(1).startswith("__cublas"):  # (result, workspace): the scratch is no traffic
             first = _ARRAY.search(m.group(2))
             out_bytes = _nbytes(first.group(0)) if first else 0
         moved = out_bytes + sum(operand_bytes)
+        types = [_element_type(shapes.get(a, "")) for a in args[:2]]
         if opcode == "dot":
             flops = _one_dot_flops(m, shapes)
-            tf32 = _element_type(shapes.get(args[0], "")) == "f32" if args else False
+            tf32 = bool(types) and types[0] == "f32"
+            fp8 = len(types) == 2 and all(t.startswith("f8") for t in types)
         elif target and target.group(1).startswith("__cublas") and (c := _CUBLAS_CONTRACTING.search(rest)):
             lhs = _dims(shapes.get(args[0], "")) if args else []
             dims = [int(d.strip().strip('"')) for d in c.group(1).split(",") if d.strip()]
             if lhs and all(d < len(lhs) for d in dims):
                 flops = 2.0 * math.prod(_dims(m.group(2))) * math.prod(lhs[d] for d in dims)
-                tf32 = _element_type(shapes.get(args[0], "")) == "f32"
+                tf32 = bool(types) and types[0] == "f32"
+                fp8 = "f8" in target.group(1) or (len(types) == 2 and all(t.startswith("f8") for t in types))
         elif target:
             operands = [shapes.get(a, "") for a in args]
             flops, efficiency = _measured_kernel(target.group(1), rest, operands)
@@ -922,7 +943,7 @@ def _kernel(m, shapes: dict[str, str], parsed) -> Kernel | None:
     attention = opcode.startswith("__cudnn$fmha") or (
         opcode == _TRITON_TARGET and name is not None and name.group(1) in _PALLAS_FLASH)
     packed = attention and bool((seg := _MAX_SEGMENTS.search(rest)) and int(seg.group(1)) > 1)
-    return Kernel(m.group(1), opcode, float(moved), float(flops), 1.0, efficiency, tf32, attention, packed)
+    return Kernel(m.group(1), opcode, float(moved), float(flops), 1.0, efficiency, tf32, attention, packed, fp8)
 
 
 def _operand_name(arg: str) -> str:
@@ -954,6 +975,20 @@ def _dot_flops(parsed, name: str) -> float:
                 and callee.group(1) in parsed:
             total += _dot_flops(parsed, callee.group(1))
     return total
+
+
+def _fp8_dots(parsed, name: str) -> bool:
+    """Whether a fused computation's dots (nested fusions included) multiply two FP8 operands."""
+    shapes = {m.group(1): m.group(2) for m in parsed[name]}
+    for m in parsed[name]:
+        if m.group(3) == "dot":
+            types = [_element_type(shapes.get(_operand_name(a), "")) for a in _top_level_args(m.group(4))[:2]]
+            if len(types) == 2 and all(t.startswith("f8") for t in types):
+                return True
+        elif m.group(3) == "fusion" and (callee := re.search(r"\bcalls=%?([\w.\-]+)", m.group(4))) \
+                and callee.group(1) in parsed and _fp8_dots(parsed, callee.group(1)):
+            return True
+    return False
 
 
 def _float32_dots(parsed, name: str) -> bool:
