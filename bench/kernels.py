@@ -15,7 +15,9 @@ throughput: `--iters` calls queued back to back, one host round trip for all, be
 On CPU: the kernels run in interpret mode, so only correctness against the
 references is reported, plus the compiled temp memory of a loss + gradient step
 with and without the fused cross-entropy (32k vocabulary). Prints a table and
-one JSON line, exits 0.
+one JSON line; exits 1 when a kernel differs from its reference by more than the
+kernel tests' float32 tolerance (`TOLERANCE`) or the fused loss's step holds as
+many temporary bytes as the float32 logits it never writes.
 
 `--sweep` (GPU only) times the flash kernel alone at the runbook's shape (or 1 x
 `--sweep-length` tokens at Llama-3-8B heads) for each tile size and Triton launch parameter
@@ -215,8 +217,16 @@ def sweep_flash(on_row=None, shape=RUNBOOK_SHAPE, forward=None, backward=None) -
     return result
 
 
+# the kernel tests' float32 tolerance (tests/test_pallas_*.py), the same in interpret mode and compiled
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+
+
 def _max_err(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+
+
+def _within(a, b) -> bool:
+    return bool(np.allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **TOLERANCE))
 
 
 def correctness() -> dict:
@@ -233,15 +243,16 @@ def correctness() -> dict:
     w_out = 0.1 * jax.random.normal(ks[0], (64, 1000))
     labels = jax.random.randint(ks[1], (256,), 0, 1000)
     mask = jnp.ones((256,))
-    return {
-        "flash_out_max_err": _max_err(flash_attention(q, k, v), flash_attention_reference(q, k, v)),
-        "flash_grad_max_err": max(_max_err(a, b) for a, b in zip(grads, ref_grads, strict=True)),
-        "rms_norm_max_err": _max_err(rms_norm(x, w, eps=1e-6), rms_norm_reference(x, w, eps=1e-6)),
-        "cross_entropy_per_token_err": _max_err(
-            fused_cross_entropy(h, w_out, labels, mask) / 256,
-            fused_cross_entropy_reference(h, w_out, labels, mask) / 256,
-        ),
+    pairs = {
+        "flash_out": [(flash_attention(q, k, v), flash_attention_reference(q, k, v))],
+        "flash_grad": list(zip(grads, ref_grads, strict=True)),
+        "rms_norm": [(rms_norm(x, w, eps=1e-6), rms_norm_reference(x, w, eps=1e-6))],
+        "cross_entropy_per_token": [(fused_cross_entropy(h, w_out, labels, mask) / 256,
+                                     fused_cross_entropy_reference(h, w_out, labels, mask) / 256)],
     }
+    out = {f"{name}_max_err": max(_max_err(a, b) for a, b in got) for name, got in pairs.items()}
+    out["failed"] = [name for name, got in pairs.items() if not all(_within(a, b) for a, b in got)]
+    return out
 
 
 def loss_memory(tokens: int = 2048, d_model: int = 256, vocab: int = 32768) -> dict:
@@ -308,12 +319,19 @@ def main(argv: list[str]) -> int:
         print("not a GPU: attention timings skipped (interpret mode measures nothing useful)")
     result["correctness"] = correctness()
     print("correctness:", result["correctness"], flush=True)
-    result["loss_memory"] = loss_memory()
-    print("loss step memory:", result["loss_memory"], flush=True)
+    result["loss_memory"] = memory = loss_memory()
+    print("loss step memory:", memory, flush=True)
+    failed = list(result["correctness"]["failed"])
+    if memory["fused_temp_mib"] is not None and memory["fused_temp_mib"] >= memory["logits_fp32_mib"]:
+        failed.append("fused_loss_memory")
+    result["failed"] = failed
     line = json.dumps(result)
     print(line)
     if args.out:
         pathlib.Path(args.out).write_text(line + "\n")
+    if failed:
+        print(f"outside the tolerance {TOLERANCE} or the memory bound: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 
