@@ -227,29 +227,51 @@ def test_weight_parts_balance_w_against_f_and_b():
     assert split.work == pytest.approx(cost.step_time("zero_bubble", 4, 16, 1, heavy).work)
 
 
-def test_the_planner_prices_the_pipeline_as_executed():
-    """`plan`'s step time uses the lock-step model with the analytic branch costs (W = F, B = F + the
-    recomputation, each backward adding the micro-batch's weight gradients into the float32 sums). On
-    FLOPs alone, at p=4, m=16 zero bubble is faster than 1F1B (the playbook's claim); this tiny model's
-    float32 accumulation, memory-bound and as long as a large share of its backward, is not part of it."""
-    gpu = hardware.get_gpu("h100")
-    steps = {}
+def _planner_steps(p: int = 4, m: int = 16) -> dict[str, tuple]:
+    """{schedule: (the planner's estimate, its analytic branch costs, the accumulation seconds)} of the tiny
+    model scaled to p stages and m micro-batches, for 1F1B and zero bubble."""
+    gpu, out = hardware.get_gpu("h100"), {}
     for schedule in ("1f1b", "zero_bubble"):
-        config = _scaled_tiny(4, 16)
+        config = _scaled_tiny(p, m)
         config.pipeline.schedule = schedule
-        est = estimate.estimate(config, _sizes(stage=4), gpu)
-        m, remat = 16, config.remat.policy
-        accumulate = est.accumulate_seconds
-        assert accumulate > 0
+        est = estimate.estimate(config, _sizes(stage=p), gpu)
+        remat, accumulate = config.remat.policy, est.accumulate_seconds
         forward = (est.compute_seconds - m * accumulate) / (m * (3 + estimate.RECOMPUTE[remat]))
         costs = cost.BranchCosts.analytic(forward, recompute_share=estimate.RECOMPUTE[remat],
                                           recompute=remat != "none", accumulate=accumulate)
-        assert est.bubble_seconds == pytest.approx(cost.step_time(schedule, 4, m, 1, costs).seconds
+        out[schedule] = (est, costs, accumulate)
+    return out
+
+
+def test_the_planner_prices_the_pipeline_as_executed():
+    """`plan`'s step time uses the lock-step model with the analytic branch costs (W = F, B = F + the
+    recomputation, each backward adding the micro-batch's weight gradients into the float32 sums)."""
+    for schedule, (est, costs, accumulate) in _planner_steps().items():
+        assert accumulate > 0
+        assert est.bubble_seconds == pytest.approx(cost.step_time(schedule, 4, 16, 1, costs).seconds
                                                    - est.compute_seconds)
+
+
+def test_lockstep_model_on_flops_alone_gives_zero_bubble_the_shorter_step():
+    """The lock-step model itself, on the planner's branch costs without the float32 accumulation (FLOPs
+    alone): at p=4, m=16 zero bubble's step is shorter than 1F1B's (the playbook's claim)."""
+    steps = {}
+    for schedule, (_, costs, accumulate) in _planner_steps().items():
         flops_only = dataclasses.replace(costs, backward=costs.backward - accumulate,
                                          weight_grad=costs.weight_grad - accumulate)
-        steps[schedule] = cost.step_time(schedule, 4, m, 1, flops_only).seconds
-    assert steps["zero_bubble"] < steps["1f1b"]
+        steps[schedule] = cost.step_time(schedule, 4, 16, 1, flops_only).seconds
+    assert steps["zero_bubble"] < steps["1f1b"], steps
+
+
+@pytest.mark.xfail(strict=True, reason="the planner prices this tiny model's zero bubble step at 1.103 ms against "
+                   "1F1B's 0.955 ms (p=4, m=16, H100): each W adds its micro-batch's weight gradients into the float32 "
+                   "sums, memory-bound and as long as a large share of this tiny model's backward, so W is far "
+                   "longer than F where ZB-H1's table assumes F, B and W equal")
+def test_the_planner_prices_zero_bubble_faster_than_1f1b():
+    """The playbook's claim as the planner prices it, float32 accumulation included: zero bubble's step is
+    shorter than 1F1B's at p=4, m=16."""
+    steps = {schedule: est.compute_seconds + est.bubble_seconds for schedule, (est, _, _) in _planner_steps().items()}
+    assert steps["zero_bubble"] < steps["1f1b"], steps
 
 
 def test_the_pullback_split_prices_w_as_the_pullback_again():
