@@ -104,8 +104,8 @@ def attention_impl(config: ml_collections.ConfigDict, platform: str) -> str:
 def _flash_serves_latent(config: ml_collections.ConfigDict) -> bool:
     """Whether `attention.impl=auto` takes the Pallas flash kernel for multi-head latent attention on a GPU,
     whose head widths cuDNN refuses (a query / key head of 192 against values of 128 in DeepSeek-V3): the
-    einsum attention writes [B, H, T, T] scores (the kernel model prices DeepSeek-V3's shapes, 2 layers on 8
-    H100s, at 0.2275 s a step with it and 0.1530 s with the flash kernel). Not where the kernel cannot go:
+    einsum attention writes [B, H, T, T] scores, so the kernel model prices DeepSeek-V3's step shorter with
+    the flash kernel (docs/moe.md). Not where the kernel cannot go:
     float32, a sliding window, an MoE pipeline stage (whose loop the automatic choices keep type-checked; the
     slot-table schedules take the kernels there when `attention.impl='pallas'` is set)."""
     m = config.model

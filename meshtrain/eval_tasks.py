@@ -33,8 +33,8 @@ def task_list(text: str) -> list[str]:
 @functools.cache
 def task_manager(include_path: str = ""):
     """lm-eval's `TaskManager` over its own tasks and the task YAMLs under `include_path`: built once
-    per folder and process (it indexes lm-eval's ~15,000 task files, 6 s on a 2-core CPU), so the
-    evaluation at every `eval_every` and the config check before it share one."""
+    per folder and process (it indexes every task file lm-eval ships, which takes seconds:
+    docs/evaluation.md), so the evaluation at every `eval_every` and the config check before it share one."""
     require_lm_eval()
     from lm_eval.tasks import TaskManager
 

@@ -73,10 +73,9 @@ def copies_not_kept(prim, *avals, **params) -> bool:
     concatenation), which the backward makes again from what it keeps.
 
     Kept, the copies include the layer's weights in the compute dtype and the gate and up weights joined
-    (`column_parallel_joined`): a copy of the stage's weights a micro-batch in flight. llama3_8b, stage 4 x
-    fsdp 2, batch 16, m 8 (one layer a stage), compiled for H100s with transfers overlapped: 2.07 -> 1.63
-    GB kept a micro-batch; 1F1B's temporaries 35.03 -> 31.84 GiB and the kernel model's step 0.766 ->
-    0.750 s, zero bubble's 34.71 -> 31.43 GiB and 0.770 -> 0.743 s. Without a pipeline the layer scan
+    (`column_parallel_joined`): a copy of the stage's weights a micro-batch in flight. Not keeping them
+    lowers both the temporaries and the kernel model's step of 1F1B and zero bubble (llama3_8b compiled
+    for H100s: docs/pipeline.md, "At real shapes"). Without a pipeline the layer scan
     keeps one copy a layer, which the backward would otherwise make again (and gather again under
     ZeRO-3): there `none` stays no remat at all."""
     if prim.name == "broadcast_in_dim":  # a norm's scale made [1, 1, D] (a mask's broadcast is kept)
@@ -268,8 +267,8 @@ def swiglu(y: jax.Array) -> jax.Array:
     Playbook, "Fused Kernels": the backward writes the gradient of the gate and the up projection
     side by side in one elementwise pass, the layout the joined gate + up matmul's backward reads
     (`column_parallel_joined`). Autodiff of the split computed the two halves in separate passes and
-    then copied them together: on the runbook's 1.5B model compiled for an H200, three [B, T, F]
-    passes a layer where one suffices (`meshtrain.aot`'s kernel model: 16.6 ms of a 311-ms step).
+    then copied them together: three [B, T, F] passes a layer where one suffices (the runbook's 1.5B
+    model by `meshtrain.aot`'s kernel model: docs/kernels.md).
     """
     gate, up = jnp.split(y, 2, axis=-1)
     return nn.silu(gate) * up
@@ -747,8 +746,9 @@ def head_logits(x: jax.Array, w: jax.Array) -> jax.Array:
     it). Its backward rounds the logits' float32 gradient to the compute dtype and runs its two GEMMs
     there, accumulating in float32, as every other matmul of a mixed-precision step does (playbook,
     "Mixed Precision Training"): autodiff alone would multiply the float32 gradient against upcast
-    operands, float32 GEMMs that run as TF32 on Hopper (measured on an H200: 58 ms of a 355 ms step,
-    `plan.hlo.TF32_EFFICIENCY`). In float32 runs the rounding is the identity.
+    operands, float32 GEMMs that run as TF32 on Hopper, a fraction of the bf16 rate
+    (`plan.hlo.TF32_EFFICIENCY`; measured: docs/benchmarks.md). In float32 runs the rounding is the
+    identity.
     """
     return jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32)
 

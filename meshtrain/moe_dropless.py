@@ -334,8 +334,8 @@ def kernel_tile(routed: int, groups: int) -> int:
     """The grouped matmul kernel's row tile (its block_m) for `routed` rows over `groups` experts: each
     expert's rows start at a multiple of it, so it pads on average half a tile an expert. 128 rows (128 x
     256 tiles, 8 warps: two Hopper warpgroups) unless that padding passes a quarter of the rows (128
-    experts of 32,768 routed rows, Qwen3-30B-A3B's shapes on one device: 25%), then 64 (64 x 128 tiles,
-    4 warps)."""
+    experts of 32,768 routed rows, Qwen3-30B-A3B's shapes on one device, pad exactly a quarter), then 64
+    (64 x 128 tiles, 4 warps)."""
     return 128 if groups * 64 <= routed // 4 else 64
 
 

@@ -217,7 +217,7 @@ class StragglerWatch:
     alike; handing the step to the devices may wait on them too, so it is left out). Every `every`
     steps the processes share their means (`multihost_utils.process_allgather`, at the same step on
     every process); process 0 logs one line naming the slowest process when its mean is above `factor`
-    x the median of the others and at least 5% of the step. A device slower than its peers shows in
+    x the median of the others and at least `SIGNIFICANT` of the step. A device slower than its peers shows in
     none of this: `profile.steps` traces it.
     """
 

@@ -66,8 +66,8 @@ def summary_writer_class():
     """tensorboardX's `SummaryWriter`, imported without torch.
 
     tensorboardX imports torch whenever torch is installed, only to accept torch tensors (which
-    meshtrain never passes): 1.3 s of every run's start on a 2-core CPU where torch is installed (the
-    test extra installs it). While tensorboardX is imported, `import torch` fails (a `None` entry in
+    meshtrain never passes): a noticeable part of every run's start where torch is installed (the test
+    extra installs it; docs/benchmarks.md). While tensorboardX is imported, `import torch` fails (a `None` entry in
     `sys.modules`), and tensorboardX falls back to numpy; torch imported later imports normally.
     """
     with _IMPORT_LOCK:

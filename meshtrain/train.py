@@ -233,7 +233,7 @@ def _finish() -> None:
     """Ends a finished run without the interpreter's teardown: what the interpreter does first at exit
     (`threading._shutdown`: thread pools told to stop, the threads it started joined; then every exit
     handler, JAX's and the goodput ledger's last), then the process exits at once rather than free what
-    it holds object by object (0.3 s of a CPU run's wall clock here; a restart waits on it)."""
+    it holds object by object (a restart waits on it; docs/benchmarks.md, "Restarts and goodput")."""
     shutdown = getattr(threading, "_shutdown", None)
     if shutdown is None:  # an interpreter without it: its own exit, teardown included
         return

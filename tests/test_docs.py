@@ -1,10 +1,12 @@
 """The docs hold together: README.md short, every page under docs/ reachable from it and under its
 length limit, every link between pages (and its #anchor) resolving, every script a page runs with
-`bash` run by a test, and the configuration reference equal to what `meshtrain/config.py` generates.
+`bash` run by a test, the configuration reference equal to what `meshtrain/config.py` generates, and no
+docstring in meshtrain/ carrying a measured figure (those belong in docs/, each with its command).
 (Every `python -m meshtrain...` command of the pages runs in tests/test_readme_commands.py.)"""
 
 from __future__ import annotations
 
+import ast
 import re
 
 import pytest
@@ -18,6 +20,19 @@ CONTRIBUTING = ROOT / "CONTRIBUTING.md"
 ALL = [README, CONTRIBUTING, *PAGES]
 README_LINES, PAGE_LINES = 200, 400
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+# A number (not inside an identifier such as H100s) and a unit of memory, time, speed or share; a bare `s`
+# only after a space or hyphen, so that "runs of 0s" or "CRC-32s" is no duration. Code in backticks is skipped.
+FIGURE = re.compile(r"(?<![\w.])\d[\d,.]*(?:e[+-]?\d+)?"
+                    r"(?:(?:\s+|-)?(?:GiB|MiB|GB|MB|ms|TFLOP/s)\b|(?:\s+|-)(?:s|seconds?)\b|\s?%)")
+CODE = re.compile(r"(`+).*?\1", re.S)
+# Docstrings whose figures are settings, not measurements: {(path, qualified name): why the figure stays}
+FIGURES_ALLOWED = {
+    ("meshtrain/checksums.py", "crc32"): "the read size it uses (1 << 22 bytes)",
+    ("meshtrain/launch.py", "<module>"): "jax.distributed's default heartbeat timeout, a JAX setting",
+    ("meshtrain/run_loop.py", "Watchdog"): "gloo's collective timeout on CPU, a gloo setting",
+    ("meshtrain/plan/goodput.py", "<module>"): "the default host link's bandwidth (PCIe Gen5 x16), an input",
+    ("meshtrain/plan/memory.py", "<module>"): "the playbook's own arithmetic, checked by tests/test_plan.py",
+}
 
 
 def _slug(heading: str) -> str:
@@ -88,3 +103,38 @@ def test_reference_rules_are_the_ones_validation_states():
     assert config_reference.rule("attention.impl", "auto").startswith("must be one of ('auto'")
     assert config_reference.rule("train.b1", 0.9) == "must be in [0, 1) (an Adam moment's decay)"
     assert config_reference.rule("model.qk_norm", False) == ""  # a bool has no rule beyond its type
+
+
+def _docstrings(path):
+    """(line, qualified name, docstring) of the module and of every class and function in it."""
+    def walk(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = prefix + child.name
+                if (doc := ast.get_docstring(child)) is not None:
+                    yield child.body[0].lineno, name, doc
+                yield from walk(child, name + ".")
+            else:
+                yield from walk(child, prefix)
+    tree = ast.parse(path.read_text())
+    if (doc := ast.get_docstring(tree)) is not None:
+        yield 1, "<module>", doc
+    yield from walk(tree, "")
+
+
+def test_no_docstring_states_a_measured_figure():
+    """A docstring says what the code does and why, and stays true when the numbers move: a timing, a
+    compile's memory or an MFU goes in docs/ with its command (STYLE.md). Settings are allowed by name."""
+    found, allowed_seen = [], set()
+    for path in sorted((ROOT / "meshtrain").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for line, name, doc in _docstrings(path):
+            if not (figures := [m.group(0) for m in FIGURE.finditer(CODE.sub("", doc))]):
+                continue
+            if (rel, name) in FIGURES_ALLOWED:
+                allowed_seen.add((rel, name))
+            else:
+                found.append(f"{rel}:{line}:{name}: {figures}")
+    assert not found, "measured figures in docstrings (move them to docs/):\n" + "\n".join(found)
+    stale = set(FIGURES_ALLOWED) - allowed_seen
+    assert not stale, f"allowed docstrings that state no figure any more: {sorted(stale)}"

@@ -107,8 +107,8 @@ def _stream(kind: str, files: list[str], text_field: str, source: str) -> Iterat
 
     Parquet and arrow files are read with pyarrow, a record batch at a time, without pre-buffering
     or reader threads: `datasets`' streaming reader of this version keeps memory in proportion to
-    the data it has read (measured: +22 MiB of resident memory for 16 MiB of parquet text, +120 MiB
-    for 256 MiB), this way stays flat (+21 and +25 MiB). JSON and CSV stream through `datasets`.
+    the data it has read, this way stays flat (docs/data.md).
+    JSON and CSV stream through `datasets`.
     """
     if kind in ("parquet", "arrow"):
         batches = _parquet_batches(files, text_field) if kind == "parquet" else _arrow_batches(files)

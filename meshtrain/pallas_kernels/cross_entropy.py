@@ -6,14 +6,14 @@ bytes for Llama 3). Here they only ever exist one [block_n, block_v] tile at a
 time, in fast memory. The forward kernel computes, per (token tile, vocab tile),
 the tile's logits (contracting d_model in chunks), its log-sum-exp and the label
 logit; the [vocab / block_v, tokens] partials are combined by a logsumexp. The
-backward recomputes the logits one chunk of tokens at a time (at most 512 MiB of
-fp32 logits, at least 8 chunks), forms dlogits = (softmax - onehot) in the compute dtype and runs
-dlogits @ W^T and hidden^T @ dlogits as XLA GEMMs (cuBLAS on a GPU), d_W summed
-over the chunks. A Pallas backward that added every tile's two products into
-d_hidden and d_W with atomic adds (the design of Cut Cross-Entropy, Wijmans et
-al. 2024) took 692 ms for Llama 3's head at 16,384 tokens on an H200, 3.8% of the
-bf16 peak (`bench/gpu/mfu.py --profile`): the atomics moved about 270 GB. All
-accumulation is fp32.
+backward recomputes the logits one chunk of tokens at a time (at most
+CHUNK_LOGITS_BYTES of fp32 logits, at least MIN_CHUNKS chunks), forms dlogits =
+(softmax - onehot) in the compute dtype and runs dlogits @ W^T and hidden^T @ dlogits
+as XLA GEMMs (cuBLAS on a GPU), d_W summed over the chunks. A Pallas backward that
+added every tile's two products into d_hidden and d_W with atomic adds (the design
+of Cut Cross-Entropy, Wijmans et al. 2024) ran at a small share of the bf16 peak on
+an H200, bound by the bytes its atomics moved (`bench/gpu/mfu.py --profile`; the
+figures in docs/kernels.md). All accumulation is fp32.
 """
 
 from __future__ import annotations

@@ -70,15 +70,13 @@ class FlashBlockSizes:
     @classmethod
     def default(cls, head_dim: int, dtype) -> FlashBlockSizes:
         """The tiles and launch parameters used when none are given, by (padded) head dim and dtype,
-        as `bench/kernels.py --sweep` measured them on an H200 (JAX 0.11.2, 2026-11-27; causal, bf16,
-        32 query heads on 8 K/V heads; a call's time from calls queued back to back):
+        as `bench/kernels.py --sweep` chose them on an H200 (causal, bf16, 32 query heads on 8 K/V
+        heads; the timings and how many configurations each choice beat: docs/kernels.md):
 
-        - head dim 64 (4 x 4,096 tokens): forward 64 x 64 tiles, 4 warps, 3 stages, 0.956 ms a call
-          (1.127 ms with the former 128 x 128, 2 stages; the best of 17); backward 64 x 64, 4 warps,
-          2 stages, within 0.4% of the best of 21.
-        - head dim 128 (1 x 8,192): forward 128 x 128, 8 warps, 3 stages, 1.391 ms (1.483 with 2
-          stages; the best of 17); backward 64 x 64 with 4 warps, 5.57 ms forward + backward against
-          10.91 ms with the former 8 warps (the best of 21).
+        - head dim 64 (4 x 4,096 tokens): forward 64 x 64 tiles, 4 warps, 3 stages (faster than the
+          former 128 x 128, 2 stages); backward 64 x 64, 4 warps, 2 stages, next to the fastest timed.
+        - head dim 128 (1 x 8,192): forward 128 x 128, 8 warps, 3 stages (faster than 2 stages);
+          backward 64 x 64 with 4 warps, about twice as fast as with the former 8 warps.
         - float32 at head dim >= 128, and any dtype above 128 (multi-head latent attention's 192, padded
           to 256): 64 x 64 forward tiles (128 x 128 float32 tiles at 128, or bf16 ones at 256, ask 262 and
           329 KB of shared memory; an H100 / H200 SM has 227 KB). Not timed on a GPU.

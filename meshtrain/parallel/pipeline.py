@@ -96,12 +96,10 @@ def inputs_at_b(split_backward: str, remat_policy: str, overlap: bool) -> bool:
     * with transfers behind compute, under every policy: there each W runs in its B's round
       (`schedules.defers_w`) and B's switch hands it the record in the same loop step
       (`slot_program.SlotPlan.handoff`), so a record is held only until the step's W (which covers the
-      step's `pipeline.weight_span` B's). Compiled for H100s, llama3_8b on stage 4 x fsdp 2, m 8, zero
-      bubble's temporaries against 1F1B's: none 32.70 / 31.84 GiB, selective 25.62 / 24.95, attention
-      22.01 / 22.46, full 20.13 / 20.20 (docs/pipeline.md).
+      step's `pipeline.weight_span` B's). Compiled for H100s, zero bubble's temporaries then stay within
+      a record of 1F1B's under every policy (docs/pipeline.md, "At real shapes").
     Without overlap under the other policies, F's residuals hold the inputs anyway and W's deferred past
-    later B's would each hold a record more (llama3_8b, remat none, plain, measured while a stage under
-    `none` still kept its weights' bf16 copies: 33.15 GiB from F, 36.38 from B)."""
+    later B's would each hold a record more (the compiled figures: docs/pipeline.md)."""
     return split_backward == "gemms" and (remat_policy == "full" or overlap)
 
 

@@ -53,7 +53,7 @@ m (gemms split: the residuals and output gradients in one record buffer, slotted
 reads and writes them outside its `lax.switch`: XLA copies a buffer that a branch updates whole, a
 slot read or written outside costs one slot. Likewise the float32 gradient sums: XLA gives a
 conditional's results their own buffers, so an operand a branch returns is copied in every branch, the
-idle ones too, every tick (405B on 16 H100 stages in 2 chunks: 20.6 ms of copies a tick). The input
+idle ones too, every tick (at 405B a large share of the step: docs/405b.md). The input
 embedding's sums are added after the switch (stage 0's micro-batch rows, a scatter); with several chunks
 a stage the layers' sums are too, from the chunk gradient the operation returns (`_TableWork.sums_outside`).
 """
@@ -275,15 +275,15 @@ class _TableWork:
         """The outer parameters the switch's branches add gradients to (all but the input embedding, unless
         the head is tied to it or multi-token prediction reads it on the last stage): the gradient sums the
         tick's switch carries. The embedding's gradient is otherwise summed outside it
-        (`add_embedding_grads`): in the switch it would be copied in every branch of every tick (405B: 8 GiB
-        of float32)."""
+        (`add_embedding_grads`): in the switch its float32 [V, D] sum would be copied in every branch of every
+        tick (docs/405b.md)."""
         cfg = self.model.cfg
         return {k: v for k, v in outer.items() if k != "embedding" or cfg.tie_embeddings or cfg.mtp_depth}
 
     def _add_outer(self, sums: dict, grads: dict) -> dict:
         """The outer sums plus `grads`, which covers some of their entries (what one branch differentiated):
         each branch reads and writes only the sums it adds to (DeepSeek-V3's outer parameters, 4.1e9 on every
-        stage: adding the whole tree in each branch moved 21 GB a micro-batch four times)."""
+        stage: adding the whole tree in each branch moved it all four times a micro-batch; docs/moe.md)."""
         return {**sums, **self._acc({k: sums[k] for k in grads}, grads)}
 
     @property
@@ -369,8 +369,8 @@ class _TableWork:
     @property
     def sums_outside(self) -> bool:
         """Whether the layers' gradient sums stay out of the tick's switch (`_chunk_grads`): with several
-        chunks a stage. With one the switch updates them in place of the whole, which XLA did not copy
-        (llama3_8b on 2 stages under zero bubble: 122.49 GiB compiled that way, 130.95 outside)."""
+        chunks a stage. With one the switch updates them in place of the whole, which XLA did not copy, and
+        the step compiles smaller than with the sums outside (llama3_8b under zero bubble: docs/pipeline.md)."""
         return self.v > 1
 
     def _add_grads(self, c, chunk, grads, start=0):
@@ -398,7 +398,7 @@ class _TableWork:
 
         The sums themselves stay out of the tick's `lax.switch` (`_table_loop` adds this after it): an
         operand a branch returns updated makes XLA copy it in every branch, the idle ones included, every
-        tick (405B on 16 H100 stages in 2 chunks: 20 ms a tick of 14 modeled seconds a step, 3 s)."""
+        tick (at 405B a large share of the modeled step: docs/405b.md)."""
         sums = {"params": jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), self.layers["params"]),
                 **({FP8: jax.tree.map(lambda a: a[0], self._layer_sums()[FP8])} if FP8 in self.layers else {})}
         if grads is None:
@@ -578,7 +578,7 @@ def _table_loop(stack, model, layers, outer, micro, total_tokens, *, plan, p, m,
     run as a loop per `SlotPlan.segments`: those where no stage runs a backward or W (the warm-up, and
     between the first and the last backward the ticks of the other parity, where a table alternates)
     switch over the forward branches only and add no gradients, which every tick of one loop would (the
-    gradient sums' window, the embedding's scatter: at 405B about 8 ms a tick)."""
+    gradient sums' window and the embedding's scatter, every tick: docs/405b.md)."""
     s = lax.axis_index(STAGE)
     rest = tuple(a for a in axes if a != STAGE)
     outer = vary(outer, axes)

@@ -287,13 +287,12 @@ def defers_w(latency: int, inputs_at_b: bool) -> bool:
     (`pipeline.inputs_at_b` false) that is the residuals a stage keeps anyway, from F, and the most held
     at once is stage 0's whichever the order (in one SPMD program every stage's buffers are the largest
     stage's). Where B hands W the matmuls' inputs and output gradients (`inputs_at_b`), each
-    deferred W holds a record of its own, 1.14 GB a micro-batch at llama3_8b. In the aligned table
-    (transfers behind compute) W has ticks of its own, so running each W in the first W tick after its B
-    costs only W ticks: compiled for H100s, llama3_8b on stage 4 x fsdp 2, m 8, temporaries 25.04 ->
-    22.92 GiB and the kernel model's step 0.844 -> 0.804 s (one record slot instead of four); 405B over
-    16 stages 130.71 -> 73.04 GiB, 13.40 -> 13.20 s. The plain table's ticks each last their longest
-    operation, so there it would cost whole ticks (llama3_8b: 24.56 -> 20.46 GiB but 0.764 -> 0.817 s):
-    deferred."""
+    deferred W holds a record of its own. In the aligned table (transfers behind compute) W has ticks of
+    its own, so running each W in the first W tick after its B costs only W ticks: one record slot
+    instead of four at p = 4, and, compiled for H100s, lower temporaries and a shorter kernel-modeled step
+    for llama3_8b and for 405B. The plain table's ticks each last their longest operation, so there it
+    would cost whole ticks (llama3_8b: less memory but a longer step): deferred. The compiled figures:
+    docs/pipeline.md ("At real shapes") and docs/405b.md."""
     return not (latency and inputs_at_b)
 
 

@@ -106,8 +106,7 @@ class SlotPlan:
         even tick and a step is always two ticks. The kernel model tells the switches apart by their size
         (`segment_rows`). One loop with one chunk a stage, whose switch adds the gradients in place (the
         executor's `sums_outside`): nothing is added outside it to skip (a warm-up loop there lowers
-        1F1B's temporaries, not zero bubble's: the tiny model overlapped, 86.4 -> 79.6 MiB against
-        86.6)."""
+        1F1B's temporaries, not zero bubble's: the tiny model overlapped, docs/pipeline.md)."""
         step = 1 if self.pairs is None else 2  # outside the range of gradients
         if self.handoff:  # forwards and backwards in turn, then W's parts: each position its kind's branches
             return ((0, self.ticks, (BACKWARD, WEIGHTS) * self.span + (BRANCHES,) * self.weight_parts),)

@@ -45,9 +45,9 @@ def recompute_passes(model: config_lib.ModelConfig, seq_len: int, remat: str) ->
     calibrated in: `full` is 1). `attention` rebuilds only the MLP's gate + up matmuls of what `full`
     rebuilds (the q, k, v and output projections, the attention's forward, gate + up; the down projection's
     output is read by nothing in the backward, so neither policy recomputes it): their share of those FLOPs.
-    Compiled for H100s, the kernel model's step is 6.2% shorter than under `full` for llama3_8b on fsdp 8 and
-    1.6% for the 405B config, whose kept values cost stash traffic (docs/405b.md); this prices 0.52 and 0.68
-    of `full`'s recomputation there (planner / kernel model 1.04 and 0.92)."""
+    Compiled for H100s, the kernel model's step under `attention` is shorter than under `full` for llama3_8b
+    on fsdp 8 and for the 405B config, less so at 405B, whose kept values cost stash traffic; how close this
+    price comes to the kernel model there: docs/mesh.md and docs/405b.md."""
     if remat != "attention":
         return RECOMPUTE[remat]
     d, f = model.d_model, model.moe_mlp_dim or model.mlp_dim

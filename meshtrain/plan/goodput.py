@@ -136,7 +136,8 @@ def _goodput(cluster: Cluster, restart: float, tiers_: tuple[Tier, ...], shares:
 
 
 def _candidates(lowest: int) -> np.ndarray:
-    """Whole-step intervals from `lowest` up: every one to 64, then 2% apart to a million steps."""
+    """Whole-step intervals from `lowest` up: every one to 64, then up to 800 spaced geometrically to a
+    million steps."""
     dense = np.arange(lowest, max(lowest, 64) + 1)
     spread = np.unique(np.round(np.geomspace(max(lowest, 64), 1e6, 800)).astype(np.int64))
     return np.unique(np.concatenate([dense, spread]))
