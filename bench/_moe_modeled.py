@@ -65,17 +65,17 @@ PLANNER_MEMORY, PLANNER_STEP = 0.10, 0.15  # the planner's largest errors on an 
 # Targets not met yet, with the figures measured (kernel model, H100, jax 0.10.2 / 0.12.0.1): reported as open
 # (`tests/test_moe_gpu.py` holds them as strict expected failures), not counted in the exit status.
 OPEN: dict[str, str] = {
-    "mixtral-8x7b expert 8": "modeled MFU 39.0% / 39.1%, target 45%: of the 117.3 ms step the grouped kernels take "
-                             "76.0 (priced at 0.65 / 0.56 of the peak, a Pallas-Triton grouped matmul's public "
-                             "figure at this very shape), the optimizer 8.4, the rest of the MoE layers 8.3, "
-                             "attention 7.0, the other GEMMs 6.9",
-    "qwen3-30b-a3b 48 layers fsdp 8": "modeled MFU 25.1% / 25.4% (jax 0.10.2 / 0.12), target 35%: a 460.8 ms step; "
-                                      "of the 466.6 ms before the dispatch's gradient stopped copying a zero "
-                                      "buffer a layer, the grouped kernels took 110.4, the MoE layers' other work "
-                                      "122.9 (the float32 expert weights converted a layer and pass 29, the "
+    "mixtral-8x7b expert 8": "modeled MFU 39.6% (jax 0.10.2), target 45%: a 115.6 ms step; of the 117.3 ms before "
+                             "cuDNN's packed call for rows of documents the grouped kernels took 76.0 (priced at 0.65 "
+                             "/ 0.56 of the peak, a Pallas-Triton grouped matmul's public figure at this very shape), "
+                             "the optimizer 8.4, the rest of the MoE layers 8.3, attention 7.0, the other GEMMs 6.9",
+    "qwen3-30b-a3b 48 layers fsdp 8": "modeled MFU 25.9% (jax 0.10.2), target 35%: a 445.8 ms step (460.8 before "
+                                      "cuDNN's packed call); of the 466.6 ms before the dispatch's gradient stopped "
+                                      "copying a zero buffer a layer, the grouped kernels took 110.4, the MoE layers' "
+                                      "other work 122.9 (the float32 expert weights converted a layer and pass 29, the "
                                       "exchange's zero-filled receive buffers 12, the gathers into and out of the "
-                                      "layout and the combine's), attention 83.8, the other GEMMs 49.0, the "
-                                      "optimizer 41.8",
+                                      "layout and the combine's), attention 83.8, the other GEMMs 49.0, the optimizer "
+                                      "41.8",
 }
 
 

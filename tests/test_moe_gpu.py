@@ -222,9 +222,10 @@ def test_exchange_sends_the_routed_rows_beside_the_expert_matmuls(name):
     assert report.planner_seconds == pytest.approx(report.step.modeled_seconds, rel=0.15)
 
 
-@pytest.mark.xfail(strict=True, reason="18 of 48 exchanges at expert 8 (18 of 41 on jax 0.12) have a grouped "
-                   "kernel between start and done, where 2 chunks a layer can hide 24: XLA's latency-hiding "
-                   "scheduler places the fused kernels' neighbours otherwise (kernel model, jax 0.10.2)")
+@pytest.mark.xfail(strict=True, reason="22 of 48 exchanges at expert 8 (jax 0.10.2; 18 of 41 on jax 0.12 before "
+                   "cuDNN's packed call for rows of documents) have a grouped kernel between start and done, where 2 "
+                   "chunks a layer can hide 24: XLA's latency-hiding scheduler places the fused kernels' neighbours "
+                   "otherwise")
 def test_exchange_runs_beside_the_other_chunks_grouped_matmuls():
     """In c chunks a layer's pass exchanges 2c times; all but the first chunk's dispatch and the last one's
     return can run beside another chunk's grouped matmuls: (c - 1) / c of them."""
