@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 import signal
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshtrain import config as config_lib, fp8, metrics, train, train_step, validate
+from meshtrain import config as config_lib, fp8, metrics, optimizer, train, train_step, validate
 from tests import utils
 from tests.test_checkpoint import hook_data
 
@@ -197,6 +198,38 @@ def test_sharded_step_equals_one_device(name, mesh):
     default LLVM level, expert x data at the suite's level 0), where the gradients differ by flips alone."""
     _assert_one_step_equal(name, mesh, {}, {})
     assert all((h[..., :STEPS + 1] > 0).all() for h in jax.tree.leaves(_continued(name, ())[2]))  # every step
+
+
+def _adam_drift_bound(config) -> float:
+    """The most one parameter entry of two AdamW runs can drift apart over STEPS steps after `_first_step`,
+    whatever their gradients: each update moves an entry by lr_t |m_t / sqrt(v_t)| (plus the decay, which
+    moves both runs alike to first order), and by Cauchy-Schwarz |m_t / sqrt(v_t)| (bias-corrected) is at
+    most (1 - b1) / sqrt(1 - b2) * sqrt(1 - b2^t) / (1 - b1^t) * sqrt(sum_{i<t} (b1^2 / b2)^i), so two
+    runs part by at most twice the sum of lr_t times that over the steps."""
+    b1, b2 = config.train.b1, config.train.b2
+    schedule = optimizer.learning_rate_schedule(config)
+
+    def most(t: int) -> float:
+        return ((1 - b1) / math.sqrt(1 - b2) * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+                * math.sqrt(sum((b1 * b1 / b2) ** i for i in range(t))))
+    return 2 * sum(float(schedule(step)) * most(step + 1) for step in range(1, STEPS + 1))
+
+
+@pytest.mark.parametrize("name, mesh", [("tiny", {"fsdp": 2, "tensor": 2, "data": 2}),
+                                        ("tiny_moe", {"expert": 2, "data": 2})],
+                         ids=["fsdp-tensor-data", "expert-data"])
+def test_sharded_steps_follow_one_device(name, mesh):
+    """STEPS optimizer steps on the sharded mesh against one device, from the shared state: every step's loss
+    within float32 (1e-5), every parameter within the drift AdamW allows two runs whose gradients differ
+    (`_adam_drift_bound`: near-zero gradient entries summed in another order turn into updates of either
+    sign). A wrong scale, layer or micro-batch moves the losses. (The amaxes the later steps record follow the
+    parameters' drift: 1 of 96 expert-data entries 6.3e-5 apart after three steps; the one-step comparison
+    above holds them to 1e-5.)"""
+    losses, params, _ = _continued(name, _key(mesh))
+    want_losses, want_params, _ = _continued(name, ())
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    bound = _adam_drift_bound(_config(name, {}))
+    jax.tree.map(functools.partial(np.testing.assert_allclose, atol=bound, rtol=0), params, want_params)
 
 
 def test_accumulation_equals_one_pass():
