@@ -200,11 +200,13 @@ def document_runs(segment_ids: jax.Array, limit: int) -> tuple[jax.Array, jax.Ar
 
 def document_branch(segment_ids: jax.Array, limit: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(index into DOCUMENT_BRANCHES, offsets, lengths) for the rows of `segment_ids`: one document a row,
-    packed rows that `document_runs` fits in `limit` (0: no packed call), or the rest."""
+    packed rows that `document_runs` fits in `limit`, or the rest; with `limit` 0 (no packed call) no runs are
+    worked out: offsets and lengths are None."""
     one_document = jnp.all(segment_ids == segment_ids[:, :1])
-    fits, offsets, lengths = document_runs(segment_ids, max(limit, 1))
-    index = jnp.where(one_document, 0, jnp.where(fits & (limit > 0), 1, 2))
-    return index.astype(jnp.int32), offsets, lengths
+    if not limit:
+        return jnp.where(one_document, 0, 2).astype(jnp.int32), None, None
+    fits, offsets, lengths = document_runs(segment_ids, limit)
+    return jnp.where(one_document, 0, jnp.where(fits, 1, 2)).astype(jnp.int32), offsets, lengths
 
 
 def _cudnn_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
@@ -226,7 +228,7 @@ def _cudnn_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arra
 
     index, offsets, lengths = document_branch(segment_ids, max_documents)
     if not max_documents:  # no packed call: the two others, as a two-way choice
-        return jax.lax.cond(index == 0, one_document, past_limit, q, k, v, segment_ids, offsets, lengths)
+        return jax.lax.cond(index == 0, one_document, past_limit, q, k, v, segment_ids, None, None)
     return jax.lax.switch(index, [one_document, packed, past_limit], q, k, v, segment_ids, offsets, lengths)
 
 
