@@ -115,13 +115,21 @@ def target_config(target: str) -> str:
     return importlib.resources.files("meshtrain.targets").joinpath(TARGETS[target]).read_text()
 
 
-@functools.cache
 def target_devices(target: str, count: int, devices_per_node: int = 8) -> tuple:
-    """`count` devices of `target`, `devices_per_node` to a node (their process_index is the node).
+    """`count` devices of `target`, `devices_per_node` to a node (their process_index is the node); what
+    is traced after this call asks JAX's cuDNN attention about `target`'s GPU (`answer_compute_capability`,
+    on every call: one process compiles for several targets).
 
     Raises ValueError for a count that does not fill whole nodes and GpuCompilerMissing without the
     `gpu` extra.
     """
+    devices = _topology_devices(target, count, devices_per_node)
+    answer_compute_capability(target_config(target))
+    return devices
+
+
+@functools.cache
+def _topology_devices(target: str, count: int, devices_per_node: int) -> tuple:
     config = target_config(target)
     per_node = min(count, devices_per_node)
     if count < 1 or count % per_node:
@@ -137,7 +145,6 @@ def target_devices(target: str, count: int, devices_per_node: int = 8) -> tuple:
     jax.config.update("jax_enable_compilation_cache", False)
     topology = topologies.get_topology_desc(platform="cuda", topology=f"1x{count // per_node}x{per_node}",
                                             target_config=config)
-    answer_compute_capability(config)
     return tuple(topology.devices)
 
 

@@ -90,7 +90,7 @@ def test_scheduler_budget_reaches_gpu_compiles_only():
 
 def test_missing_gpu_extra_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(aot, "gpu_compiler_installed", lambda: False)
-    aot.target_devices.cache_clear()
+    aot._topology_devices.cache_clear()
     with pytest.raises(aot.GpuCompilerMissing, match=re.escape("pip install -e '.[gpu]'")):
         aot.target_devices("h100", 8)
 

@@ -301,6 +301,17 @@ def test_before_hopper_rows_of_documents_take_the_bias_call():
     assert report.step.modeled_seconds > 1.01 * report.step.modeled_seconds_one_document
 
 
+def test_each_target_answers_its_own_compute_capability():
+    """One process compiling for an A100 and then an H100 (the devices of each kept once made): what is traced
+    for the H100 again has cuDNN's packed call (a Hopper's), what is traced for the A100 has not."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    for target, count, hopper in (("h100", 8, True), ("a100", 1, False), ("h100", 8, True), ("a100", 1, False)):
+        aot.target_devices(target, count)
+        assert cudnn.check_compute_capability("9.0") is hopper, target
+        assert attention.cudnn_packs_documents() is hopper, target
+
+
 def test_llama3_8b_kernels_are_triton_calls():
     """Two layers of llama3_8b (batch 8 x 8192) on fsdp=8 with every kernel: each of the six kernels
     (flash forward, dq, dk/dv; RMSNorm forward, backward; the fused cross-entropy forward, whose
