@@ -313,12 +313,12 @@ def test_each_target_answers_its_own_compute_capability():
 
 
 def test_llama3_8b_kernels_are_triton_calls():
-    """Two layers of llama3_8b (batch 8 x 8192) on fsdp=8 with every kernel: each of the six kernels
+    """llama3_8b (batch 8 x 8192) on fsdp=8 with every kernel (`aot.REFERENCE_MESHES` 8b-fsdp8-kernels: the
+    program the planner's memory test and bench/aot.py compile, read back here): each of the six kernels
     (flash forward, dq, dk/dv; RMSNorm forward, backward; the fused cross-entropy forward, whose
     backward is XLA GEMMs) is a Triton custom call in the compiled module, and the step fits an H100."""
-    config = load_config_file("llama3_8b")
-    apply_overrides(config, {"model.n_layers": 2, "mesh.fsdp": 8, "train.batch_size": 8, **KERNELS})
-    report = _compile(config, sample=None)
+    config_name, devices, overrides = PLANNER["8b-fsdp8-kernels"]
+    report = _compile(apply_overrides(load_config_file(config_name), overrides), devices)
     assert set(report.step.kernels) == KERNEL_NAMES
     assert report.fits and report.step.collectives["all-gather"]["overlapped"] > 0
 
