@@ -233,7 +233,7 @@ def main() -> None:
                                                                    not args.no_recopy)}))
         return
     recopy = not args.no_recopy
-    rows = [throughput("tiny", 3, rounds=1, recopy=recopy) if args.quick else throughput("tiny", 30, recopy=recopy)]
+    rows = [throughput("tiny", 3 if args.quick else 30, rounds=1 if args.quick else 2, recopy=recopy)]
     if not args.quick:
         rows.append(throughput("50m", 5, recopy=recopy))
     for r in rows:
