@@ -20,7 +20,7 @@ Layout of `<workdir>/checkpoints/<step>/` (one orbax `CheckpointManager`, one ha
   so (`parameters_only`): its `state` holds the parameters alone, and a run resuming from it starts
   its optimizer state afresh.
 
-When to save, preemption and the non-finite guard are the loop's policy (`run_loop.py`).
+When to save is the loop's policy (`run_checkpoints.py`); preemption and the non-finite guard are `run_guards.py`.
 
 Saves are asynchronous by default: the step loop waits only for the device-to-host copy;
 orbax writes into a temporary directory and renames it when complete, so a process killed

@@ -13,7 +13,7 @@ process's files of the step are written (and checksummed), before the barrier th
 commit: its peers find it hung in the middle of a save (the step's files are complete; whether the
 step is committed once the launcher kills the stopped process is up to orbax's barrier, and the run
 names whichever checkpoint is newest and intact). A stopped process holds its sockets and sends no
-heartbeats: to its peers it is a hung host, the fault `run_loop.Watchdog` and the collectives' own
+heartbeats: to its peers it is a hung host, the fault `run_guards.Watchdog` and the collectives' own
 timeouts must turn into one clear error. A slow one (`slow`, from its step on, every step) is a
 host that falls behind its peers: what `train.straggler_every` names.
 Unset (the default), nothing happens (`NONE`).

@@ -33,6 +33,7 @@ from meshtrain import (
     evaluate,
     hf,
     model,
+    run_guards,
     run_loop,
     run_record,
     sample,
@@ -185,7 +186,7 @@ def _train(config: ml_collections.ConfigDict) -> dict:
     result = loop.train(step_fn, state, start, it, first_record=report)
     if loop.ckpts.preemption.interrupted:  # Ctrl-C: saved, stopped; the shell's exit code for SIGINT
         saved = loop.ckpts.ckpt.last_saved
-        raise run_loop.Interrupted(saved, loop.ckpts.ckpt.step_path(saved) if saved is not None else "nowhere")
+        raise run_guards.Interrupted(saved, loop.ckpts.ckpt.step_path(saved) if saved is not None else "nowhere")
     return result
 
 
@@ -206,15 +207,15 @@ def main(argv) -> None:
     except config_lib.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except run_loop.Interrupted as e:
+    except run_guards.Interrupted as e:
         print(f"error: {e}", file=sys.stderr)
-        _exit(run_loop.INTERRUPT_EXIT_CODE)
-    except (run_loop.NonFiniteError, run_loop.SpikeError) as e:
+        _exit(run_guards.INTERRUPT_EXIT_CODE)
+    except (run_guards.NonFiniteError, run_guards.SpikeError) as e:
         print(f"error: {e}", file=sys.stderr)
         _exit(3)
-    except run_loop.PeerLost as e:
+    except run_guards.PeerLost as e:
         print(f"error: {e}", file=sys.stderr)
-        _exit(run_loop.HANG_EXIT_CODE)
+        _exit(run_guards.HANG_EXIT_CODE)
     except (checkpoint.CheckpointSaveError, durable.WriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         _exit(4)

@@ -85,7 +85,8 @@ COMMANDS = ("meshtrain.train", "meshtrain.evaluate", "meshtrain.sample", "meshtr
             "meshtrain.report", "meshtrain.lm_eval", "meshtrain.plan", "meshtrain.hf.__main__",
             "meshtrain.data.prepare")
 # What the model, the data and the kernels must not reach, directly or through anything they import.
-ABOVE = ("meshtrain.parallel", "meshtrain.run", "meshtrain.validate", "meshtrain.run_loop", *COMMANDS)
+ABOVE = ("meshtrain.parallel", "meshtrain.run", "meshtrain.validate", "meshtrain.run_loop", "meshtrain.run_checkpoints",
+         "meshtrain.run_guards", *COMMANDS)
 BELOW = ("meshtrain.data", "meshtrain.model", "meshtrain.pallas_kernels")
 
 

@@ -20,7 +20,7 @@ from meshtrain import (
     checkpoint as checkpoint_lib,
     config as config_lib,
     data,
-    run_loop,
+    run_guards,
     train,
     train_step as train_step_lib,
 )
@@ -122,7 +122,7 @@ def nan_at(step_with_nan):
 def test_nonfinite_step_stops_the_run_before_the_update(tmp_path, monkeypatch):
     hook_data(monkeypatch, nan_at(4))
     config = config_for(tmp_path, **{"checkpoint.every": 2})
-    with pytest.raises(run_loop.NonFiniteError, match="at step 4") as error:
+    with pytest.raises(run_guards.NonFiniteError, match="at step 4") as error:
         train.run(config)
     assert error.value.step == 4 and np.isnan(error.value.loss)
     assert error.value.last_good == os.path.join(checkpoint_lib.checkpoint_root(tmp_path), "2")
@@ -375,6 +375,6 @@ def test_a_checkpoint_without_checksums_needs_trust_and_a_nan_after_it_names_it(
     with pytest.raises(config_lib.ConfigError, match=r"config\.checkpoint\.trust_unverified=False: checkpoint step 10"):
         train.run(config_for(tmp_path / "run"))
     hook_data(monkeypatch, nan_at(11))
-    with pytest.raises(run_loop.NonFiniteError, match=r"checkpoints/10, is suspect") as error:
+    with pytest.raises(run_guards.NonFiniteError, match=r"checkpoints/10, is suspect") as error:
         train.run(config_for(tmp_path / "run", **{"checkpoint.trust_unverified": True}))
     assert error.value.step == 11 and "last good" not in str(error.value)

@@ -29,7 +29,7 @@ CODE = re.compile(r"(`+).*?\1", re.S)
 FIGURES_ALLOWED = {
     ("meshtrain/checksums.py", "crc32"): "the read size it uses (1 << 22 bytes)",
     ("meshtrain/launch.py", "<module>"): "jax.distributed's default heartbeat timeout, a JAX setting",
-    ("meshtrain/run_loop.py", "Watchdog"): "gloo's collective timeout on CPU, a gloo setting",
+    ("meshtrain/run_guards.py", "Watchdog"): "gloo's collective timeout on CPU, a gloo setting",
     ("meshtrain/plan/goodput.py", "<module>"): "the default host link's bandwidth (PCIe Gen5 x16), an input",
     ("meshtrain/plan/memory.py", "<module>"): "the playbook's own arithmetic, checked by tests/test_plan.py",
 }

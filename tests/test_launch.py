@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import badput, checkpoint as checkpoint_lib, data, faults, launch, local_tier, run_loop, train
+from meshtrain import badput, checkpoint as checkpoint_lib, data, faults, launch, local_tier, run_guards, train
 from tests.utils import ROOT, abstract_state, cli_args, config_for, load, losses_of, subprocess_env
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("compilation_cache")]
@@ -265,7 +265,7 @@ def test_a_hung_process_ends_the_job_and_the_relaunch_resumes(tmp_path, compilat
         # on failure: the lines that say why (an abort's C++ message comes before its long stack dump)
         why = "\n".join(line for line in output.splitlines()
                         if re.search(r"error|launch:|Fatal|Check fail|rendezvous|timeout|step \d+ \|", line))
-        assert hung.returncode == run_loop.HANG_EXIT_CODE, why[-6000:] + "\n...\n" + output[-2000:]
+        assert hung.returncode == run_guards.HANG_EXIT_CODE, why[-6000:] + "\n...\n" + output[-2000:]
         assert named is None or f"(step {named})" in output, output[-3000:]  # the relaunch resumed there
         error = [line for line in output.splitlines() if line.startswith("error: ")]
         assert len(error) == 1, output[-3000:]

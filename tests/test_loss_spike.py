@@ -10,7 +10,7 @@ import logging
 import numpy as np
 import pytest
 
-from meshtrain import data, run_loop, train
+from meshtrain import data, run_guards, train
 from tests import planted_rows
 from tests.utils import config_for, losses_of
 
@@ -90,6 +90,6 @@ def test_a_spike_that_persists_stops_the_run(tmp_path, monkeypatch):
     """Every row from step 20 on is random: each rollback meets another spike; after
     train.spike_max_rollbacks the run stops with one error naming the steps and the limit."""
     _with_rows(monkeypatch, lambda rows, config: _Poisoned(rows, config.model.vocab_size, FIRST_ROW, 2**62))
-    with pytest.raises(run_loop.SpikeError, match=r"after 1 rollbacks \(train.spike_max_rollbacks\)"):
+    with pytest.raises(run_guards.SpikeError, match=r"after 1 rollbacks \(train.spike_max_rollbacks\)"):
         train.run(_config(tmp_path, **{"train.spike_factor": 1.5, "train.spike_steps": 2, "train.spike_window": 8,
                                        "train.spike_max_rollbacks": 1}))

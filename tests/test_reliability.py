@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from meshtrain import config as config_lib, run_loop, train, workdir_lock
+from meshtrain import config as config_lib, run_guards, train, workdir_lock
 from tests import utils
 
 SHORT = {"steps": 3, "log_every": 1, "train.warmup_steps": 1, "data.source": "synthetic"}
@@ -91,7 +91,7 @@ def test_ctrl_c_saves_exits_130_and_the_relaunch_resumes_where_a_second_ctrl_c_a
     proc = _run_until_a_step(tmp_path)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == run_loop.INTERRUPT_EXIT_CODE, err[-2000:]
+    assert proc.returncode == run_guards.INTERRUPT_EXIT_CODE, err[-2000:]
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: interrupted (Ctrl-C) at step "), err
     step = int(lines[0].split("at step ")[1].split(";")[0])

@@ -4,6 +4,8 @@ every micro-batch exactly once, and the executed tables' bubble equal to each sc
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 
 from meshtrain.parallel import schedules
@@ -194,3 +196,14 @@ def test_zero_bubble_without_deferral_holds_one_record_in_the_same_aligned_ticks
     per_stage = [[[row[s]] for row in deferred] for s in range(p)]
     assert max(records(rows) for rows in per_stage) == p
     assert slot_program.slot_plan("zero_bubble", p, m, 1, "gemms", parts, 1, True).weight_slots == 1
+
+
+def test_architecture_pages_worked_example_is_the_executed_table():
+    """docs/architecture.md walks through 1F1B at p=2, m=2 tick by tick: its table is the one
+    `schedules.executed` builds, and the in-flight counts it quotes are `in_flight`'s."""
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    block = page.split("<!-- table: 1f1b p=2 m=2", 1)[1].split("```", 2)[1]
+    rows = [line.split()[1:] for line in block.strip().splitlines()[1:]]
+    table = schedules.executed("1f1b", 2, 2)
+    assert rows == [["-" if op is None else f"{op.kind}{op.micro}" for op in row] for row in table]
+    assert f"`schedules.in_flight` gives `{list(schedules.in_flight(table))}`" in page
