@@ -12,6 +12,7 @@ import re
 import pytest
 
 from meshtrain import config as config_lib, config_reference
+from tests import package_layout
 from tests.utils import ROOT
 
 README = ROOT / "README.md"
@@ -138,3 +139,14 @@ def test_no_docstring_states_a_measured_figure():
     assert not found, "measured figures in docstrings (move them to docs/):\n" + "\n".join(found)
     stale = set(FIGURES_ALLOWED) - allowed_seen
     assert not stale, f"allowed docstrings that state no figure any more: {sorted(stale)}"
+
+
+def test_contributing_layout_is_generated_from_the_module_docstrings():
+    """CONTRIBUTING.md's layout lists every module of meshtrain/ with its docstring's first sentence."""
+    page = CONTRIBUTING.read_text()
+    block = page.split(package_layout.BEGIN, 1)[1].split(package_layout.END, 1)[0]
+    assert block.strip() == package_layout.layout().strip(), (
+        "CONTRIBUTING.md's layout is stale: python -m tests.package_layout --write CONTRIBUTING.md")
+    modules = {p.name for p in (ROOT / "meshtrain").rglob("*.py") if p.name != "__init__.py"}
+    listed = set(re.findall(r"(?m)^ +(\w+\.py) ", block))
+    assert listed == modules
