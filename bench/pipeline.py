@@ -57,7 +57,7 @@ import numpy as np  # noqa: E402
 
 from meshtrain import config as config_lib, train_step  # noqa: E402
 from meshtrain.parallel import cost, layout, pipeline, schedules  # noqa: E402
-from meshtrain.plan import hardware, hlo  # noqa: E402
+from meshtrain.plan import hardware, kernel_model  # noqa: E402
 from meshtrain.run import Run
 
 
@@ -177,7 +177,7 @@ def modeled_costs(args, m: int, p: int, gpu) -> cost.BranchCosts:
 
             device = aot.target_devices(args.gpu, 1)[0]
             _COSTS[key] = cost.BranchCosts.from_gpu_compile(config, sizes, gpu, device,
-                                                          module_seconds=hlo.module_seconds(gpu))
+                                                          module_seconds=kernel_model.module_seconds(gpu))
         else:
             _COSTS[key] = cost.BranchCosts.from_compiler(config, sizes, gpu)
     return _COSTS[key]

@@ -36,7 +36,7 @@ import ml_collections
 
 from meshtrain import compile_cache, config as config_lib
 from meshtrain.parallel import schedules
-from meshtrain.plan import estimate, hardware, hlo, verify
+from meshtrain.plan import estimate, hardware, hlo, kernel_model, verify
 
 # --target name -> the target description in meshtrain/targets/ (each file says where its numbers come from).
 # The names are the planner's GPUs (`plan.hardware.GPUS`), so a target's HBM and the planner's agree.
@@ -187,9 +187,9 @@ class ProgramReport:
     # step (`plan.hlo.overlap_runs`, a pipeline's switch branches by their share of its ticks)
     collectives: dict[str, dict[str, float]]
     cudnn_attention: dict[str, int] = dataclasses.field(default_factory=dict)  # cuDNN fused-attention target -> calls
-    # the program's kernels one after another on one device, priced kernel by kernel (`hlo.KernelTimes`):
+    # the program's kernels one after another on one device, priced kernel by kernel (`kernel_model.KernelTimes`):
     # no communication; cuDNN's and the Pallas flash attention by their FLOPs at their measured efficiency
-    # (`hlo.MEASURED_EFFICIENCY`), the other Pallas kernels by their bytes alone (their FLOPs are not in the
+    # (`kernel_model.MEASURED_EFFICIENCY`), the other Pallas kernels by their bytes alone (their FLOPs are not in the
     # module's text); of a conditional (a pipeline tick's `lax.switch`, cuDNN attention's choice between
     # its causal and its document-masked call) the longest branch, as a lock-step tick lasts
     modeled_seconds: float = 0.0
@@ -203,29 +203,30 @@ class ProgramReport:
     def of(cls, compiled, seconds: float, gpu: hardware.Gpu | None = None, top: int = 8,
            lockstep=None, branch_weights=None, slot_shares=None) -> ProgramReport:
         """`lockstep`: the pipeline loops' rows of switch branches (`Layout.lockstep_rows`), how the
-        kernel model prices its ticks (`plan.hlo.kernels`), with each stage's share of its slots that run
+        kernel model prices its ticks (`plan.kernel_model.kernels`), with each stage's share of its slots that run
         (`Layout.slot_shares`); `branch_weights`: their branches' shares (`Layout.branch_share`), how often
         each branch's collectives run."""
         text = compiled.as_text()
-        gemm = hlo.gemms(text)
+        gemm = kernel_model.gemms(text)
         by_kind: dict[str, dict[str, float]] = collections.defaultdict(lambda: {"pairs": 0, "overlapped": 0})
         for pair in hlo.async_overlap(text):
             by_kind[pair.kind]["pairs"] += 1
             by_kind[pair.kind]["overlapped"] += pair.overlapped
         for kind, (runs, overlapped) in hlo.overlap_runs(text, branch_weights).items():
             by_kind[kind].update(runs=round(runs, 3), overlapped_runs=round(overlapped, 3))
-        report = cls(seconds, verify.compiled_memory(compiled), dict(sorted(hlo.triton_kernels(text).items())),
+        report = cls(seconds, verify.compiled_memory(compiled), dict(sorted(kernel_model.triton_kernels(text).items())),
                      gemm.total, gemm.fp8, dict(sorted(by_kind.items())),
-                     dict(sorted(hlo.cudnn_attention_calls(text).items())),
+                     dict(sorted(kernel_model.cudnn_attention_calls(text).items())),
                      from_cache=getattr(compiled, "from_cache", False))
         if gpu is not None:
-            kernels = hlo.kernels(text, price=lambda ks: hlo.KERNEL_TIMES.seconds(ks, gpu), lockstep=lockstep,
-                                  slot_shares=slot_shares)
-            priced = sorted(((hlo.KERNEL_TIMES.seconds([k], gpu), k) for k in kernels), key=lambda sk: -sk[0])
+            times = kernel_model.KERNEL_TIMES
+            kernels = kernel_model.kernels(text, price=lambda ks: times.seconds(ks, gpu), lockstep=lockstep,
+                                           slot_shares=slot_shares)
+            priced = sorted(((times.seconds([k], gpu), k) for k in kernels), key=lambda sk: -sk[0])
             report.modeled_seconds = sum(s for s, _ in priced)
-            report.modeled_seconds_one_document = hlo.KERNEL_TIMES.seconds(
-                hlo.kernels(text, price=lambda ks: hlo.KERNEL_TIMES.seconds(ks, gpu), attention_branch="shortest",
-                            lockstep=lockstep, slot_shares=slot_shares),
+            report.modeled_seconds_one_document = times.seconds(
+                kernel_model.kernels(text, price=lambda ks: times.seconds(ks, gpu), attention_branch="shortest",
+                                     lockstep=lockstep, slot_shares=slot_shares),
                 gpu)
             report.top_kernels = [{"name": k.name, "kind": k.opcode, "runs": k.runs, "seconds": s,
                                    "bytes": k.bytes * k.runs, "flops": k.flops * k.runs} for s, k in priced[:top]]

@@ -155,7 +155,7 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
 # shape) the two are within 10% of each other in the step's profile, and cuDNN keeps it.
 PALLAS_DOCUMENTS_MIN_HEAD_DIM = 128
 
-# `cudnn_attention`'s branches, in `lax.switch` order: the kernel model (`plan.hlo.kernels`) prices a step of
+# `cudnn_attention`'s branches, in `lax.switch` order: the kernel model (`plan.kernel_model.kernels`) prices a step of
 # one-document rows by the first and a step of packed rows by the second (the third takes rows past
 # `attention.max_documents`).
 DOCUMENT_BRANCHES = ("one_document", "packed", "past_limit")

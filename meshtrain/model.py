@@ -747,7 +747,7 @@ def head_logits(x: jax.Array, w: jax.Array) -> jax.Array:
     there, accumulating in float32, as every other matmul of a mixed-precision step does (playbook,
     "Mixed Precision Training"): autodiff alone would multiply the float32 gradient against upcast
     operands, float32 GEMMs that run as TF32 on Hopper, a fraction of the bf16 rate
-    (`plan.hlo.TF32_EFFICIENCY`; measured: docs/benchmarks.md). In float32 runs the rounding is the
+    (`plan.kernel_model.TF32_EFFICIENCY`; measured: docs/benchmarks.md). In float32 runs the rounding is the
     identity.
     """
     return jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32)

@@ -14,7 +14,6 @@ starts nothing (distributed start, logging and fake devices are `cli.setup_runti
 from __future__ import annotations
 
 import dataclasses
-import math
 import types
 from collections.abc import Mapping
 
@@ -57,7 +56,7 @@ class Run:
 
     @property
     def data_parallel_size(self) -> int:
-        return math.prod(self.sizes[a] for a in BATCH_AXES)
+        return config_lib.data_parallel_size(self.sizes)
 
     @property
     def batch_spec(self) -> P:

@@ -24,7 +24,7 @@ from meshtrain import aot, config as config_lib, mesh as mesh_lib
 from meshtrain.pallas_kernels import target_platform
 from meshtrain.pallas_kernels._common import resolve_interpret
 from meshtrain.parallel import layout
-from meshtrain.plan import hardware, hlo
+from meshtrain.plan import hardware, kernel_model
 from tests.utils import ROOT, tiny_config
 
 
@@ -147,11 +147,11 @@ backend_config={name = "flash_attention_dq"}
 def test_compiled_module_reader_counts_fp8_gemms_and_triton_kernels():
     """A dot of two f8 operands and cuBLASLt's f8 call are FP8 GEMMs; a dot whose f8 operand is converted
     to bf16 first is a bf16 GEMM. Triton custom calls are counted by kernel name."""
-    found = hlo.gemms(COMPILED)
+    found = kernel_model.gemms(COMPILED)
     assert (found.total, found.fp8) == (3, 2)
     assert found.of_types("f8e4m3fn", "f8e4m3fn") == 2 and found.of_types("bf16", "bf16") == 1
-    assert hlo.f8_conversions(COMPILED) == 1  # the bf16 GEMM's operand, widened from e4m3
-    assert hlo.triton_kernels(COMPILED) == {"rms_norm_forward": 2, "flash_attention_dq": 1}
+    assert kernel_model.f8_conversions(COMPILED) == 1  # the bf16 GEMM's operand, widened from e4m3
+    assert kernel_model.triton_kernels(COMPILED) == {"rms_norm_forward": 2, "flash_attention_dq": 1}
 
 
 def _gpu_mesh(**sizes) -> AbstractMesh:

@@ -36,7 +36,7 @@ import pytest
 
 from meshtrain import aot, attention, compile_cache, config as config_lib, local_tier, mesh as mesh_lib, train_step
 from meshtrain.parallel import layout
-from meshtrain.plan import hlo, verify
+from meshtrain.plan import hlo, kernel_model, verify
 from tests import test_readme_commands as readme
 from tests.utils import ROOT, apply_overrides, composed_config, load_config_file
 
@@ -256,7 +256,7 @@ def test_sampling_program_compiles_for_h100(overrides):
 # document-masked fallback, a bias call, or from head dim `PALLAS_DOCUMENTS_MIN_HEAD_DIM` on the Pallas flash
 # kernel; each with its backward
 CAUSAL_CUDNN_CALLS = {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}
-PACKED_CUDNN_CALLS = {call + hlo.PACKED for call in CAUSAL_CUDNN_CALLS}
+PACKED_CUDNN_CALLS = {call + kernel_model.PACKED for call in CAUSAL_CUDNN_CALLS}
 BIAS_CUDNN_CALLS = {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"}
 CUDNN_CALLS = CAUSAL_CUDNN_CALLS | PACKED_CUDNN_CALLS | BIAS_CUDNN_CALLS
 FLASH_KERNELS = {"flash_attention_forward", "flash_attention_dq", "flash_attention_dkdv"}
@@ -360,7 +360,7 @@ def _precision_pair(name: str):
         reports[precision] = (compiled.as_text(), verify.compiled_memory(compiled), run)
     text, _, run = reports["fp8"]
     pipe = run.layout.pipeline
-    executed = hlo.gemms(text, executed=True, branch_weights=run.layout.branch_share())
+    executed = kernel_model.gemms(text, executed=True, branch_weights=run.layout.branch_share())
     factory, _ = train_step.build(run)
     runs = sum(math.prod(h.shape[:-2]) for h in jax.tree.leaves(factory.abstract.fp8))  # sites x scanned units
     runs = runs // pipe.stages * pipe.microbatches if pipe else runs * run.config.train.grad_accum_steps
@@ -373,9 +373,9 @@ def test_fp8_matmuls_are_fp8_gemms_on_h100(name):
     assert executed.of_types("f8e4m3fn", "f8e4m3fn") == pytest.approx(runs)  # forward
     assert executed.of_types("f8e4m3fn", "f8e5m2") == pytest.approx(2 * runs)  # input and weight gradients
     # the kernel model prices those GEMMs on the FP8 tensor cores, as it runs them: no fewer launches
-    launches = sum(k.runs for k in hlo.kernels(text, branch_weights=run.layout.branch_share()) if k.fp8)
+    launches = sum(k.runs for k in kernel_model.kernels(text, branch_weights=run.layout.branch_share()) if k.fp8)
     assert launches == pytest.approx(executed.fp8)
-    assert hlo.f8_conversions(text) == 0  # no quantised tensor widened again: no bf16 copy of a weight
+    assert kernel_model.f8_conversions(text) == 0  # no quantised tensor widened again: no bf16 copy of a weight
     # nor does FP8 keep one beside its e4m3 copies: its temporaries exceed bf16's by less than a bf16 copy
     # of the device's parameters (since the SwiGLU backward's custom gradient the two differ by 0.1 to 2%,
     # either way, where a kept copy would add the whole copy)
@@ -444,7 +444,7 @@ def test_verify_compares_with_the_gpu_compiler():
 
 
 def test_stage_kernels_compiled_for_h100_compute_the_layers_matmuls():
-    """`plan.hlo.kernels` on a pipeline stage's branches compiled for the H100 (`cost.stage_branches`):
+    """`plan.kernel_model.kernels` on a pipeline stage's branches compiled for the H100 (`cost.stage_branches`):
     the forward's GEMM FLOPs, each scanned layer counted by the loop's trip count, are every layer's
     projections (q, k, v, o, gate, up, down) and attention's two products over the whole sequence; the
     split W's are the projections' weight GEMMs alone (x^T dy: as many FLOPs as each projection);
@@ -470,14 +470,15 @@ def test_stage_kernels_compiled_for_h100_compute_the_layers_matmuls():
         fn, args = branches[name]
         lowered = jax.jit(fn, in_shardings=jax.tree.map(lambda _: placed, args)).lower(*args)
         text = compile_cache.compile(lowered, [device]).as_text()
-        return sum(k.runs * k.flops for k in hlo.kernels(text))
+        return sum(k.runs * k.flops for k in kernel_model.kernels(text))
 
     projections = 2 * tokens * d * (heads * head + 2 * kv * head + heads * head + 3 * f)
     attention = 2 * 2 * heads * tokens * tokens * head
     assert gemm_flops("forward") == (layers // p) * (projections + attention)
     assert gemm_flops("weight_grad") == (layers // p) * projections
     gpu = hardware.get_gpu("h100")
-    costs = cost.BranchCosts.from_gpu_compile(config, sizes, gpu, device, module_seconds=hlo.module_seconds(gpu))
+    costs = cost.BranchCosts.from_gpu_compile(config, sizes, gpu, device,
+                                              module_seconds=kernel_model.module_seconds(gpu))
     assert 0 < costs.forward < costs.backward and costs.weight_grad < costs.backward
 
 
@@ -553,7 +554,7 @@ def test_schedules_priced_from_the_h100_compile_beat_1f1b():
     gpu = hardware.get_gpu("h100")
     device = aot.target_devices("h100", 1)[0]
     costs = cost.BranchCosts.from_gpu_compile(_scaled_tiny(4, 16), _sizes(stage=4), gpu, device,
-                                              module_seconds=hlo.module_seconds(gpu))
+                                              module_seconds=kernel_model.module_seconds(gpu))
     parts = cost.weight_parts(costs, 2)
     base = cost.step_time("1f1b", 4, 16, 1, costs).seconds
     interleaved = cost.step_time("interleaved_1f1b", 4, 16, 2, costs).seconds / base

@@ -22,7 +22,7 @@ import pytest
 
 from meshtrain import aot, moe_dropless
 from meshtrain.pallas_kernels import grouped_matmul as gm
-from meshtrain.plan import hlo
+from meshtrain.plan import hlo, kernel_model
 from tests.utils import ROOT, apply_overrides, composed_config, load_config_file
 
 moe_bench = types.SimpleNamespace(**runpy.run_path(str(ROOT / "bench" / "_moe_modeled.py")))
@@ -45,7 +45,7 @@ def _release_compiled_programs():
 
 
 def _kernel_names(text: str) -> set[str]:
-    return {re.sub(r"_m\d+w\d+_rows\d+$", "", name) for name in hlo.triton_kernels(text)}
+    return {re.sub(r"_m\d+w\d+_rows\d+$", "", name) for name in kernel_model.triton_kernels(text)}
 
 
 @pytest.mark.parametrize("tile", [64, 128])
@@ -68,7 +68,7 @@ def test_grouped_kernels_are_triton_calls(tile, order):
         text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(*args).lower().compile().as_text()
     assert _kernel_names(text) == KERNELS
     warps = 8 if tile == 128 else 4
-    assert all(f"_m{tile}w{warps}_" in name for name in hlo.triton_kernels(text))
+    assert all(f"_m{tile}w{warps}_" in name for name in kernel_model.triton_kernels(text))
 
 
 @pytest.mark.parametrize("tile", [64, 128])
@@ -170,7 +170,7 @@ def _exchange_between(text: str) -> list[bool]:
             start = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*\sragged-all-to-all-start\(", line)
             if start:
                 open_[start.group(1)] = False
-            elif "grouped_matmul" in line and hlo._TRITON_CALL in line:
+            elif "grouped_matmul" in line and kernel_model._TRITON_CALL in line:
                 for name in open_:
                     open_[name] = True
     return out
@@ -211,10 +211,11 @@ def test_exchange_sends_the_routed_rows_beside_the_expert_matmuls(name):
     one = 2.0 * routed * m.d_model * m.moe_mlp_dim
     products = {}
     for line in text.splitlines():
-        if hlo._TRITON_CALL in line and (i := hlo._INSTRUCTION.match(line)) and (n := hlo._KERNEL_NAME.search(line)):
-            if found := hlo._GROUPED.match(n.group(1)):
-                products[i.group(1)] = hlo._GROUPED_FUSED.get(found.group(1), (1,))[0]
-    ratios = sorted({k.flops / products[k.name] / one for k in hlo.kernels(text) if k.name in products})
+        if (kernel_model._TRITON_CALL in line and (i := hlo._INSTRUCTION.match(line))
+                and (n := kernel_model._KERNEL_NAME.search(line))):
+            if found := kernel_model._GROUPED.match(n.group(1)):
+                products[i.group(1)] = kernel_model._GROUPED_FUSED.get(found.group(1), (1,))[0]
+    ratios = sorted({k.flops / products[k.name] / one for k in kernel_model.kernels(text) if k.name in products})
     assert ratios and all(1 <= r <= 1.25 for r in ratios), ratios
     # the planner: memory within 10% of the compiler's, compute within 15% of the kernel model's
     report = row["report"]

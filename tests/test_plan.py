@@ -15,7 +15,7 @@ from flax import linen as nn
 
 from meshtrain import mesh as mesh_lib, model as model_lib, train_step
 from meshtrain.config import ModelConfig
-from meshtrain.plan import comm, estimate, hardware, hlo, memory
+from meshtrain.plan import comm, estimate, hardware, hlo, kernel_model as km, memory
 from meshtrain.validate import validate
 from tests.utils import ROOT, load_config_file, tiny_config
 
@@ -184,7 +184,7 @@ def test_kernel_reader_prices_each_launch_by_what_it_moves():
     """A scanned layer's GEMM reads one layer of the stacked weights (its dynamic slice), the activation
     and writes its result; the scan's update of the stacked output writes one row in place; loop
     bodies run their trip count; views and tuples launch nothing."""
-    found = {k.name: k for k in hlo.kernels(KERNELS_HLO)}
+    found = {k.name: k for k in km.kernels(KERNELS_HLO)}
     assert set(found) == {"y", "acc2", "copy"}
     gemm, update, copy = found["y"], found["acc2"], found["copy"]
     assert (gemm.runs, update.runs, copy.runs) == (3, 3, 1)
@@ -192,7 +192,7 @@ def test_kernel_reader_prices_each_launch_by_what_it_moves():
     assert gemm.flops == 2 * 16 * 64 * 64
     assert update.bytes == 16 * 64 * 4 + 4 + 16 * 64 * 4  # the row read, the index, the row written
     assert update.flops == 0 and copy.bytes == 2 * 3 * 16 * 64 * 4
-    times = hlo.KernelTimes(flop_efficiency=0.5, hbm_efficiency=0.5, launch=1e-6)
+    times = km.KernelTimes(flop_efficiency=0.5, hbm_efficiency=0.5, launch=1e-6)
     gpu = hardware.get_gpu("h100")
     expected = sum(k.runs * (max(k.flops / (0.5 * gpu.peak_flops), k.bytes / (0.5 * gpu.hbm_bandwidth)) + 1e-6)
                    for k in found.values())
@@ -218,11 +218,11 @@ def test_kernel_reader_infers_a_loops_trips_from_its_condition():
 }
 
 %body (b:""")
-    found = {k.name: k.runs for k in hlo.kernels(inferred)}
+    found = {k.name: k.runs for k in km.kernels(inferred)}
     assert found["y"] == found["acc2"] == 3  # from 1 while below 4
     for opaque in (inferred.replace("direction=LT", "direction=NE"),
                    inferred.replace("%step = s32[] constant(1)", "%step = s32[] constant(2)")):
-        assert {k.name: k.runs for k in hlo.kernels(opaque)}["y"] == 1  # not a count from c below n by ones
+        assert {k.name: k.runs for k in km.kernels(opaque)}["y"] == 1  # not a count from c below n by ones
 
 
 def test_kernel_reader_takes_one_branch_of_a_conditional():
@@ -243,20 +243,20 @@ def test_kernel_reader_takes_one_branch_of_a_conditional():
   %c2 = f32[3,16,64]{2,1,0} copy(%t)
   ROOT %c3 = f32[3,16,64]{2,1,0} copy(%c2)""")
     names = lambda ks: sorted(k.name for k in ks if k.name.startswith("c"))  # noqa: E731
-    assert names(hlo.kernels(text)) == ["c2", "c3"]
-    assert names(hlo.kernels(text, price=lambda ks: sum(k.runs for k in ks if k.name == "c1"))) == ["c1"]
-    weighted = {k.name: k.runs for k in hlo.kernels(text, branch_weights=(0.25, 0.75)) if k.name.startswith("c")}
+    assert names(km.kernels(text)) == ["c2", "c3"]
+    assert names(km.kernels(text, price=lambda ks: sum(k.runs for k in ks if k.name == "c1"))) == ["c1"]
+    weighted = {k.name: k.runs for k in km.kernels(text, branch_weights=(0.25, 0.75)) if k.name.startswith("c")}
     assert weighted == {"c1": 0.25, "c2": 0.75, "c3": 0.75}
     # in lock-step (a pipeline loop's rows: the branch each of 3 stages takes): each row lasts as long as
     # its slowest stage's branch, here `two` (two copies) wherever a stage takes it
     rows = np.array([[0, 1, 0], [0, 0, 0], [1, 1, 0], [0, 0, 0]])
-    locked = {k.name: k.runs for k in hlo.kernels(text, price=lambda ks: sum(k.runs for k in ks), lockstep=(rows, 2))
+    locked = {k.name: k.runs for k in km.kernels(text, price=lambda ks: sum(k.runs for k in ks), lockstep=(rows, 2))
               if k.name.startswith("c")}
     assert locked == {"c1": 0.5, "c2": 0.5, "c3": 0.5}
     # rows per switch size (a pipeline run as a loop per segment, `slot_program.segment_rows`): the same
-    assert {k.name: k.runs for k in hlo.kernels(text, price=lambda ks: sum(k.runs for k in ks), lockstep={2: rows})
+    assert {k.name: k.runs for k in km.kernels(text, price=lambda ks: sum(k.runs for k in ks), lockstep={2: rows})
             if k.name.startswith("c")} == locked
-    assert {k.name for k in hlo.kernels(text, lockstep=(rows, 3))} >= {"c2", "c3"}  # other switches: the longest
+    assert {k.name for k in km.kernels(text, lockstep=(rows, 3))} >= {"c2", "c3"}  # other switches: the longest
 
 
 SKIPPING_HLO = """HloModule s
@@ -318,7 +318,7 @@ def test_kernel_reader_prices_an_uneven_stages_empty_slots_by_its_share():
 
     def runs(**kw) -> dict[str, float]:  # a kernel's runs summed over the branches that walk it
         out = collections.Counter()
-        for k in hlo.kernels(SKIPPING_HLO, price=launches, **kw):
+        for k in km.kernels(SKIPPING_HLO, price=launches, **kw):
             out[k.name] += k.runs
         return out
 
@@ -367,7 +367,7 @@ ENTRY %main (a: f32[1000,64], i: s32[16,1], g: bf16[16,64]) -> f32[1000,64] {
   ROOT %rows = f32[1000,64]{1,0} fusion(%a, %i, %g), kind=kInput, calls=%fused_scatter
 }
 """
-    (rows,) = hlo.kernels(text)
+    (rows,) = km.kernels(text)
     assert rows.bytes == 16 * 4 + 16 * 64 * 2 + 2 * 16 * 64 * 4  # indices, updates, the rows read and written
 
 
@@ -401,7 +401,7 @@ ENTRY %main (a: f32[4,2,64], g: bf16[2,64], c: s32[]) -> f32[4,2,64] {{
   ROOT %sums = f32[4,2,64]{{2,1,0}} fusion(%a, %g, %c), kind=kLoop, calls=%fused_window
 }}
 """
-    (added,) = hlo.kernels(text)
+    (added,) = km.kernels(text)
     assert added.bytes == 2 * 64 * 4 + 2 * 64 * 2 + 4 + 2 * 64 * 4  # window read, addend, index, window written
 
 
@@ -422,11 +422,11 @@ ENTRY %main (a: f32[4,16,64]) -> bf16[1,16,64] {
   ROOT %layer = bf16[1,16,64]{2,1,0} fusion(%a), kind=kLoop, calls=%fused_slice
 }
 """
-    (layer,) = hlo.kernels(text)
+    (layer,) = km.kernels(text)
     assert layer.bytes == 16 * 64 * 4 + 16 * 64 * 2  # the layer read in float32, written in bf16
 
 
-@pytest.mark.parametrize("layout, per_row", [("1,0", 64 * 2), ("0,1", 64 * hlo.SECTOR)], ids=["rows", "columns"])
+@pytest.mark.parametrize("layout, per_row", [("1,0", 64 * 2), ("0,1", 64 * km.SECTOR)], ids=["rows", "columns"])
 def test_kernel_reader_reads_a_gather_by_its_rows(layout, per_row):
     """A fusion that gathers rows of a table reads those rows, not the table: a row-major table's rows
     whole, a column-major one's (the embedding gathered by ZeRO along its model dimension) a 32-byte
@@ -446,7 +446,7 @@ ENTRY %main (t: bf16[1000,64], i: s32[16,1]) -> bf16[16,64] {{
   ROOT %rows = bf16[16,64]{{1,0}} fusion(%t, %i), kind=kLoop, calls=%fused_take
 }}
 """
-    (rows,) = hlo.kernels(text)
+    (rows,) = km.kernels(text)
     assert rows.bytes == 16 * per_row + 16 * 4 + 16 * 64 * 2  # the rows read, the indices, the rows written
 
 
@@ -468,7 +468,7 @@ ENTRY %main (t: bf16[16,64], i: s32[128,1]) -> bf16[128,64] {
   ROOT %rows = bf16[128,64]{1,0} fusion(%t, %i), kind=kLoop, calls=%fused_take
 }
 """
-    (rows,) = hlo.kernels(text)
+    (rows,) = km.kernels(text)
     assert rows.bytes == 16 * 64 * 2 + 128 * 4 + 128 * 64 * 2  # the table once, the indices, the rows written
 
 
@@ -494,7 +494,7 @@ kind=kLoop, calls=%fused_dus
   ROOT %done = bf16[4,8,64]{2,1,0} fusion-done(%start)
 }
 """
-    (saved,) = hlo.kernels(text)
+    (saved,) = km.kernels(text)
     assert (saved.name, saved.opcode) == ("start", "fusion")
     assert saved.bytes == 8 * 64 * 2 + 4 + 8 * 64 * 2  # the layer read, the index, the layer written
 

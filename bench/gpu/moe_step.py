@@ -4,8 +4,8 @@ model's price of the same compiled programs.
 `python bench/gpu/moe_step.py [--quick] [--out FILE] [--iters N]`
 
 Playbook, "Expert parallelism". Three measurements, each against what `meshtrain.aot`'s kernel model
-(`plan.hlo`) makes of the compiled program, so that a GPU run replaces the efficiencies the model
-assumes for the grouped kernels (`plan.hlo.GROUPED_EFFICIENCY`, from public measurements of a similar
+(`plan.kernel_model`) makes of the compiled program, so that a GPU run replaces the efficiencies the model
+assumes for the grouped kernels (`plan.kernel_model.GROUPED_EFFICIENCY`, from public measurements of a similar
 kernel, not of these) with measured ones:
 
 1. the grouped matmul kernels (`pallas_kernels.grouped_matmul`: forward, input gradient, weight
@@ -89,7 +89,7 @@ def step_row(quick: bool, on_gpu: bool, iters: int):
     import jax
 
     from meshtrain import cli, config as config_lib, train_step
-    from meshtrain.plan import hardware, hlo
+    from meshtrain.plan import hardware, kernel_model
     from meshtrain.run import Run
     from tests import utils
 
@@ -122,7 +122,7 @@ def step_row(quick: bool, on_gpu: bool, iters: int):
     modeled = None
     if on_gpu:
         gpu = hardware.get_gpu(_gpu_name(jax.devices()[0]))
-        modeled = hlo.module_seconds(gpu)(compiled.as_text())
+        modeled = kernel_model.module_seconds(gpu)(compiled.as_text())
     return {"step": "qwen3-30b-a3b shapes, 2 layers" if not quick else "tiny", "seconds": seconds,
             "modeled_seconds": modeled, "loss": float(metrics["loss"])}
 

@@ -11,7 +11,7 @@ lasts its slowest stage's branch, plus the transfer unless overlapped) then give
 from those times; the transfer is the link's bandwidth, which one GPU cannot measure. Beside it, the
 roofline prices (`BranchCosts.from_compiler`: XLA's FLOPs at the bf16 peak or the branch's bytes at
 HBM bandwidth) that `bench/pipeline.py --modeled` and the planner use, and the kernel-by-kernel prices
-of the branches' GPU compile (`BranchCosts.from_gpu_compile`, `hlo.KernelTimes`, fitted to this
+of the branches' GPU compile (`BranchCosts.from_gpu_compile`, `kernel_model.KernelTimes`, fitted to this
 bench's first H200 run): on a GPU with `--kernel_model`, without one where the `gpu` extra is
 installed (for the H100). The measured times of a later run check the fit against the same model run
 deviceless for that GPU (`bench/pipeline.py --modeled --compiled --gpu h200`).
@@ -108,15 +108,15 @@ def kernel_model(config, sizes, gpu, device, on_gpu: bool = False):
     extra is installed, else None."""
     from meshtrain import aot
     from meshtrain.parallel import cost
-    from meshtrain.plan import hlo
 
     if device.platform == "gpu":
         if not on_gpu:
             return None
-        return cost.BranchCosts.from_gpu_compile(config, sizes, gpu, device, module_seconds=hlo.module_seconds(gpu))
+        return cost.BranchCosts.from_gpu_compile(config, sizes, gpu, device,
+                                                 module_seconds=kernel_model.module_seconds(gpu))
     if aot.gpu_compiler_installed():
         return cost.BranchCosts.from_gpu_compile(config, sizes, gpu, aot.target_devices("h100", 1)[0],
-                                                 module_seconds=hlo.module_seconds(gpu))
+                                                 module_seconds=kernel_model.module_seconds(gpu))
     return None
 
 

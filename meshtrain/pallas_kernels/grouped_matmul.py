@@ -332,7 +332,7 @@ class _Config:
     order: str  # the weights' axes, a permutation of "gkn"
 
     def name(self, kernel: str) -> str:
-        """`kernel` with its tiles and the rows it is expected to compute (`plan.hlo.grouped_matmul_price`)."""
+        """`kernel` with its tiles and the rows it is expected to compute (`plan.kernel_model.grouped_matmul_price`)."""
         return f"{kernel}_m{self.blocks.block_m}w{self.blocks.num_warps}_rows{self.expected_rows}"
 
 
@@ -372,7 +372,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, layout: GroupLayout, *, order: st
         blocks: tiles and launch parameters (default: `GroupedBlockSizes.default(layout.tile)`).
         interpret: None: interpret mode when compiling for CPU (`resolve_interpret`).
         expected_rows: the rows the caller expects the groups to hold in all (default M), named in
-            the kernels so the kernel model prices them by the work they do (`plan.hlo`).
+            the kernels so the kernel model prices them by the work they do (`plan.kernel_model`).
 
     Returns:
         [M, N] in x's dtype; differentiable in x and w.

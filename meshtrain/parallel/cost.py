@@ -137,7 +137,7 @@ class BranchCosts:
     def from_gpu_compile(cls, config: ml_collections.ConfigDict, sizes, gpu, device: jax.Device, *,
                          module_seconds: Callable[[str], float], in_node: bool = True) -> BranchCosts:
         """Each branch of one stage (`stage_branches`) compiled by XLA's GPU compiler for `device` and
-        priced by `module_seconds`, the compiled module's text to its seconds (`plan.hlo.module_seconds`:
+        priced by `module_seconds`, the compiled module's text to its seconds (`plan.kernel_model.module_seconds`:
         kernel by kernel, what the GPU launches, fusion by fusion, loops by their trip counts, rather than
         the whole branch's FLOPs and arguments). `device`: a GPU of this machine, or a target's without one
         (`aot.target_devices(target, 1)[0]`, the `gpu` extra). Attention is the einsum one, as in

@@ -97,7 +97,7 @@ class Layout:
 
     def lockstep_rows(self) -> dict[int, np.ndarray] | None:
         """{switch size: rows [n, p] of the branch each stage takes, one row a table tick} of the pipeline's
-        loops (`slot_program.segment_rows`), how the kernel model prices them (`plan.hlo.kernels`), or None
+        loops (`slot_program.segment_rows`), how the kernel model prices them (`plan.kernel_model.kernels`), or None
         without a slot loop."""
         pipe = self.pipeline
         if pipe is not None and pipe.plan is not None:

@@ -19,7 +19,7 @@ from meshtrain.parallel import schedules
 
 # the name scope of an uneven stage's `lax.cond` that skips its empty slots (`pipeline.skipping`): its
 # conditionals in the compiled step (forward, recomputed, transposed) carry it in their op_name, and the
-# kernel model prices them by the share of the stage's slots that run (`plan.hlo.kernels`, `slot_shares`)
+# kernel model prices them by the share of the stage's slots that run (`plan.kernel_model.kernels`, `slot_shares`)
 EMPTY_SLOT_SCOPE = "empty_slot"
 # branch indices of the tick's `lax.switch`
 IDLE, FORWARD, FORWARD_FIRST, FORWARD_LAST, BACKWARD, BACKWARD_FIRST, WEIGHTS = range(7)

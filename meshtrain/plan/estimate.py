@@ -28,7 +28,7 @@ from meshtrain.sharding_rules import ShardingRuleError
 from meshtrain.validate import validate_layout
 
 # achieved / peak FLOP/s of the step's compute as a whole (the hardware FLOPs, recomputation included;
-# the gradient sums' HBM traffic is priced apart): what the H100 kernel model (`meshtrain.aot`, `plan.hlo`,
+# the gradient sums' HBM traffic is priced apart): what the H100 kernel model (`meshtrain.aot`, `plan.kernel_model`,
 # within 2% of a measured H200 step) makes of the compiled steps of the dense configs, 0.59 (the GPU
 # runbook's 1.5B on an H200) to 0.68 (llama3_8b on fsdp 8, batch 8): model FLOPs at 44.2% to 51.0% MFU
 # under full remat (docs/aot.md). The 405B config's step (pipeline ticks priced as the table runs them)
@@ -64,12 +64,12 @@ def moe_compute(run: memory.Step, gpu: Gpu, passes: float) -> tuple[float, float
     """(hardware FLOPs, seconds) per device and step of the MoE layers' expert matmuls, priced as they run
     (playbook, "Expert parallelism"): dropless through the grouped matmul kernel (`model.moe_matmul`
     pallas), each chunk's routed rows at the balanced load padded to whole tiles (`memory.moe_rows`), each
-    kernel at its share of the peak (`plan.hlo.GROUPED_EFFICIENCY`); capacity dispatch as XLA GEMMs over
+    kernel at its share of the peak (`plan.kernel_model.GROUPED_EFFICIENCY`); capacity dispatch as XLA GEMMs over
     every expert's capacity slots (`capacity_factor` x the routed rows). Three matmuls, forward (and its
     recomputation) and both gradients; beside them the rows' elementwise passes (`MOE_LAYOUT_PASSES`) and
     each pass's copy of the layer's expert weights, at the HBM bandwidth. (0, 0) for a dense model and for
     `jax.lax.ragged_dot`, which XLA:GPU runs as dense work over every expert: priced with the rest."""
-    from meshtrain.plan import hlo
+    from meshtrain.plan import kernel_model
 
     m = run.model
     grouped = m.moe_dropless and m.moe_matmul == "pallas"
@@ -85,12 +85,12 @@ def moe_compute(run: memory.Step, gpu: Gpu, passes: float) -> tuple[float, float
         rows = memory.moe_rows(run, tokens)
         computed, held = rows.expected * rows.chunks, rows.grouped * rows.chunks
         warps = 8 if rows.tile >= 128 else 4
-        share = {kind: hlo.GROUPED_EFFICIENCY[(kind, warps)]
+        share = {kind: kernel_model.GROUPED_EFFICIENCY[(kind, warps)]
                  for kind in ("grouped_matmul", "grouped_matmul_dx", "grouped_matmul_dw")}
     else:  # every expert's C slots a row, filled or not
         computed = held = math.ceil(tokens * m.experts_per_token * m.capacity_factor)
         share = dict.fromkeys(("grouped_matmul", "grouped_matmul_dx", "grouped_matmul_dw"),
-                              hlo.KERNEL_TIMES.flop_efficiency)
+                              kernel_model.KERNEL_TIMES.flop_efficiency)
     a = memory.dtype_bytes(m.dtype)
     one = 2.0 * computed * m.d_model * f  # one matmul over a micro-batch's rows on one device
     # a matmul reads its experts' weights whole, its rows and writes its output: with many experts of few rows
@@ -128,7 +128,7 @@ def moe_rest_seconds(run: memory.Step, gpu: Gpu, passes: float, peak: float) -> 
     attention's FLOPs at the attention kernels', the optimizer's pass over its state and the loss's over
     the logits at the HBM bandwidth. (A dense step keeps `EFFICIENCY`, calibrated on dense steps as a
     whole: their MLP GEMMs dominate; an MoE step's rest runs at a lower share of the peak.)"""
-    from meshtrain.plan import hlo
+    from meshtrain.plan import kernel_model
 
     m = run.model
     n = math.prod(run.sizes.values())
@@ -142,18 +142,18 @@ def moe_rest_seconds(run: memory.Step, gpu: Gpu, passes: float, peak: float) -> 
     # the norms, residuals and conversions of a device's tokens, whole on every `tensor` device
     layers = run.stored_model.n_layers // run.sizes["stage"]  # a pipeline stage's (the largest's) layers
     tokens_passes = TOKEN_PASSES * run.micro_tokens * run.grad_accum * m.d_model * layers * (2 + passes)
-    return (matmuls / (peak * hlo.KERNEL_TIMES.flop_efficiency) + attention * scale / (peak * ATTENTION_EFFICIENCY)
+    return (matmuls / (peak * kernel_model.KERNEL_TIMES.flop_efficiency)
+            + attention * scale / (peak * ATTENTION_EFFICIENCY)
             + (state + logits + tokens_passes * memory.dtype_bytes(m.dtype)) / (gpu.hbm_bandwidth * HBM_EFFICIENCY))
 
 
-# An MoE step's parts beside its experts (`moe_rest_seconds`), as the H100 kernel model prices them: attention
-# at the share of the peak of the attention kernels at head dims above 64 (`plan.hlo.MEASURED_EFFICIENCY`: cuDNN
-# 0.47 / 0.50, the Pallas flash kernel's 0.40 / 0.47), AdamW's pass over its float32 state (reads parameter,
-# gradient and two moments, writes three) and the unfused loss's passes over the float32 logits (the head's
-# GEMM writes them beside its FLOPs; the log-sum-exp reads them, the gradient's pass reads them and writes the
-# gradient in the compute dtype: 4 + 4 + 2 bytes a logit), at `HBM_EFFICIENCY` of the
-# bandwidth (`plan.hlo.KernelTimes`); a stored float32 weight converted to the compute dtype reads 4 bytes
-# and writes 2.
+# An MoE step's parts beside its experts (`moe_rest_seconds`), as the H100 kernel model prices them: attention at the
+# share of the peak of the attention kernels at head dims above 64 (`plan.kernel_model.MEASURED_EFFICIENCY`: cuDNN
+# 0.47 / 0.50, the Pallas flash kernel's 0.40 / 0.47), AdamW's pass over its float32 state (reads parameter, gradient
+# and two moments, writes three) and the unfused loss's passes over the float32 logits (the head's GEMM writes them
+# beside its FLOPs; the log-sum-exp reads them, the gradient's pass reads them and writes the gradient in the compute
+# dtype: 4 + 4 + 2 bytes a logit), at `HBM_EFFICIENCY` of the bandwidth (`plan.kernel_model.KernelTimes`); a stored
+# float32 weight converted to the compute dtype reads 4 bytes and writes 2.
 ATTENTION_EFFICIENCY = 0.45
 OPTIMIZER_BYTES = 28
 LOSS_BYTES = 10
@@ -404,7 +404,7 @@ def _candidates(config: ml_collections.ConfigDict, num_devices: int, devices_per
         if mesh["tensor"] > devices_per_node:
             continue
         zeros = (0, 1, 2, 3) if mesh["fsdp"] * mesh.get("expert", 1) > 1 else (0,)
-        dp = mesh["data"] * mesh["fsdp"] * mesh.get("expert", 1)
+        dp = config_lib.data_parallel_size({axis: mesh.get(axis, 1) for axis in config_lib.BATCH_AXES})
         if config.train.batch_size % dp:
             continue
         per_rank = config.train.batch_size // dp

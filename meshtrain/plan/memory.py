@@ -31,7 +31,7 @@ import ml_collections
 import numpy as np
 
 from meshtrain import mesh as mesh_lib, model, moe
-from meshtrain.config import DEFAULT_SCHEDULE, ModelConfig
+from meshtrain.config import DEFAULT_SCHEDULE, ModelConfig, data_parallel_size
 from meshtrain.mesh import MESH_ORDER
 from meshtrain.parallel import schedules
 from meshtrain.sharding_rules import ZERO_AXES, Rules
@@ -192,7 +192,7 @@ class Step:
 
     @property
     def dp(self) -> int:
-        return self.sizes["data"] * self.sizes["fsdp"] * self.sizes["expert"]
+        return data_parallel_size(self.sizes)
 
     @property
     def expert_axes(self) -> dict[str, int]:
