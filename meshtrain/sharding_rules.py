@@ -159,6 +159,25 @@ class Rules:
         return got
 
 
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """How each part of the train state rests between steps (the storage mapping), by ZeRO stage: the one
+    definition the step (`train_step.StateFactory`) and the planner (`plan.memory.Step.placement`) read."""
+
+    params: Rules
+    grads: Rules
+    opt_state: Rules
+
+    @classmethod
+    def for_zero_stage(cls, rules: Rules, zero_stage: int) -> Placement:
+        replicated = rules.without_fsdp()
+        # ZeRO-1 reduce-scatters the gradient to the optimizer's shards as ZeRO-2 does (playbook, "ZeRO-1"):
+        # in one compiled step the whole local gradient exists once either way, so the two compile alike.
+        return cls(params=rules if zero_stage >= 3 else replicated,
+                   grads=rules if zero_stage >= 1 else replicated,
+                   opt_state=rules if zero_stage >= 1 else replicated)
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _spec(rules: Rules, names: tuple[str | None, ...], shape: tuple[int, ...] | None) -> P | str:
     """`Rules.spec`, or why a dimension is not divisible: memoised (the planner's search asks for the

@@ -35,7 +35,7 @@ from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import fp8 as fp8_lib, mesh as mesh_lib, model as model_lib, moe as moe_lib, optimizer as optimizer_lib
-from meshtrain.sharding_rules import ZERO_AXES, Rules, named, vary
+from meshtrain.sharding_rules import ZERO_AXES, Placement, Rules, named, vary
 
 if TYPE_CHECKING:
     from meshtrain.run import Run
@@ -53,24 +53,6 @@ class TrainState:
 def initial_rng(seed_key: jax.Array) -> jax.Array:
     """The training stream's key data, derived from (and distinct from) the initialisation key."""
     return jax.random.key_data(jax.random.fold_in(seed_key, 1))
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """How each part of the state rests between steps (the storage mapping), by ZeRO stage."""
-
-    params: Rules
-    grads: Rules
-    opt_state: Rules
-
-    @classmethod
-    def for_zero_stage(cls, rules: Rules, zero_stage: int) -> Placement:
-        replicated = rules.without_fsdp()
-        # ZeRO-1 reduce-scatters the gradient to the optimizer's shards as ZeRO-2 does (playbook, "ZeRO-1"):
-        # in one compiled step the whole local gradient exists once either way, so the two compile alike.
-        return cls(params=rules if zero_stage >= 3 else replicated,
-                   grads=rules if zero_stage >= 1 else replicated,
-                   opt_state=rules if zero_stage >= 1 else replicated)
 
 
 def _is_box(x) -> bool:

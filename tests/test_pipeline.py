@@ -25,7 +25,7 @@ from meshtrain import (
 )
 from meshtrain.config import ModelConfig
 from meshtrain.parallel import layout as layout_lib, pipeline as pipeline_lib, schedules
-from meshtrain.sharding_rules import Rules
+from meshtrain.sharding_rules import Placement, Rules
 from meshtrain.validate import validate
 from tests.hlo_utils import collectives_by_computation
 from tests.utils import batch_sharding as utils_batch_sharding, resolve, synthetic_batches, tiny_config
@@ -93,7 +93,7 @@ def _pipelined(schedule: str, mesh_items: tuple, microbatches: int = M, batch: i
     model = model_lib.Transformer(ModelConfig.from_config(config), Rules.for_mesh(mesh), pipeline=pipe)
     fn = layout.grads_function(_autodiff)
     factory = train_step_lib.StateFactory(model, optax.sgd(0.1), mesh,
-                                          train_step_lib.Placement.for_zero_stage(model.rules, zero),
+                                          Placement.for_zero_stage(model.rules, zero),
                                           (batch, SEQ))
     batch_sharding = utils_batch_sharding(mesh)
     example = synthetic_batches(config, 1)[0]

@@ -34,7 +34,7 @@ from meshtrain import mesh as mesh_lib, model, moe
 from meshtrain.config import DEFAULT_SCHEDULE, ModelConfig, data_parallel_size
 from meshtrain.mesh import MESH_ORDER
 from meshtrain.parallel import schedules
-from meshtrain.sharding_rules import ZERO_AXES, Rules
+from meshtrain.sharding_rules import ZERO_AXES, Placement, Rules
 
 GB = 10**9
 
@@ -211,11 +211,9 @@ class Step:
         return self.batch_size // self.grad_accum // self.dp * self.seq_len // self.sizes["sequence"]
 
     def placement(self) -> dict[str, Rules]:
-        rules = self.rules
-        flat = rules.without_fsdp()
-        z = self.zero_stage
-        return {"params": rules if z >= 3 else flat, "grads": rules if z >= 1 else flat,
-                "optimizer": rules if z >= 1 else flat, "compute": flat}
+        stored = Placement.for_zero_stage(self.rules, self.zero_stage)
+        return {"params": stored.params, "grads": stored.grads, "optimizer": stored.opt_state,
+                "compute": self.rules.without_fsdp()}
 
 
 @dataclasses.dataclass(frozen=True)
