@@ -108,15 +108,16 @@ def kernel_model(config, sizes, gpu, device, on_gpu: bool = False):
     extra is installed, else None."""
     from meshtrain import aot
     from meshtrain.parallel import cost
+    from meshtrain.plan import kernel_model as kernels
 
     if device.platform == "gpu":
         if not on_gpu:
             return None
         return cost.BranchCosts.from_gpu_compile(config, sizes, gpu, device,
-                                                 module_seconds=kernel_model.module_seconds(gpu))
+                                                 module_seconds=kernels.module_seconds(gpu))
     if aot.gpu_compiler_installed():
         return cost.BranchCosts.from_gpu_compile(config, sizes, gpu, aot.target_devices("h100", 1)[0],
-                                                 module_seconds=kernel_model.module_seconds(gpu))
+                                                 module_seconds=kernels.module_seconds(gpu))
     return None
 
 
